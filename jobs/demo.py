@@ -1,0 +1,69 @@
+"""Jobs for the demo and the tests: sleep for a while, fail on demand.
+
+If ``WORKERPOOL_DEMO_LEDGER`` names a file, every run appends one JSON line to it (job id,
+message id, attempt, pid, start and end times), which is how the tests check from outside a
+worker process what ran, when, and how often. The path comes from the environment, never from
+a message, so a publisher cannot make a worker write files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from workerpool import JobContext, PermanentError, RetryableError, job
+
+_ledger_lock = threading.Lock()
+
+
+@dataclass
+class SleepRequest:
+    seconds: float = 0.1
+    # "retryable" or "permanent": raise that error (retryable: while attempt < fail_until).
+    fail: Literal["retryable", "permanent"] | None = None
+    fail_until: int = 0
+
+
+def _record(ctx: JobContext, started: float, outcome: str) -> None:
+    path = os.environ.get("WORKERPOOL_DEMO_LEDGER")
+    if not path:
+        return
+    line = json.dumps(
+        {
+            "job_id": ctx.job_id,
+            "message_id": ctx.message_id,
+            "attempt": ctx.delivery_attempt,
+            "pid": os.getpid(),
+            "start": started,
+            "end": time.time(),
+            "outcome": outcome,
+        }
+    )
+    with _ledger_lock, open(path, "a") as ledger:
+        ledger.write(line + "\n")
+
+
+@job("demo.sleep", timeout=600, payload=SleepRequest)
+def sleep(ctx: JobContext, request: SleepRequest) -> None:
+    started = time.time()
+    finished = ctx.sleep(request.seconds)
+    if request.fail == "permanent":
+        _record(ctx, started, "permanent")
+        raise PermanentError("asked to fail permanently")
+    if request.fail == "retryable" and (
+        request.fail_until == 0 or ctx.delivery_attempt < request.fail_until
+    ):
+        _record(ctx, started, "retryable")
+        raise RetryableError(f"asked to fail on attempt {ctx.delivery_attempt}")
+    _record(ctx, started, "done" if finished else "cancelled")
+    if not finished:
+        raise RetryableError("cancelled before the sleep ended")
+
+
+@job("demo.echo", timeout=60)
+def echo(ctx: JobContext, payload: dict[str, Any]) -> None:
+    ctx.logger.info("echo %s", sorted(payload))

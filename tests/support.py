@@ -1,0 +1,140 @@
+"""Test helpers around the emulator: fresh resources, publishing, reading dead letters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from google.cloud import pubsub_v1
+
+from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
+from workerpool.config import Settings
+from workerpool.launcher import Clients, Launcher
+from workerpool.registry import Registry
+
+
+@dataclass
+class Record:
+    data: bytes
+    attributes: dict[str, str]
+
+
+class PubSubEnv:
+    def __init__(self, project: str, host: str, test_name: str) -> None:
+        self.project = project
+        self.host = host
+        suffix = uuid.uuid4().hex[:8]
+        self.topic = f"t-{suffix}"
+        self.subscription = f"s-{suffix}"
+        self.dead_letter_topic = f"dlq-{suffix}"
+        self.publisher = pubsub_v1.PublisherClient()
+        self.subscriber = pubsub_v1.SubscriberClient()
+
+    @property
+    def topic_path(self) -> str:
+        return topic_path(self.project, self.topic)
+
+    @property
+    def subscription_path(self) -> str:
+        return subscription_path(self.project, self.subscription)
+
+    @property
+    def dead_letter_subscription_path(self) -> str:
+        return subscription_path(self.project, f"{self.dead_letter_topic}-sub")
+
+    def provision(self, **overrides: Any) -> None:
+        request = {
+            "project": self.project,
+            "topic": self.topic,
+            "subscription": self.subscription,
+            "dead_letter_topic": self.dead_letter_topic,
+            "ack_deadline": 10,
+            "max_delivery_attempts": 20,
+            "min_backoff": 1,
+            "max_backoff": 10,
+            **overrides,
+        }
+        provision(self.publisher, self.subscriber, ProvisionRequest(**request))
+
+    def publish(self, job: str, data: Any = None, *, job_id: str = "", **attributes: str) -> str:
+        body = json.dumps({} if data is None else data).encode()
+        return self.publish_raw(
+            body, {"job": job, **({"job_id": job_id} if job_id else {}), **attributes}
+        )
+
+    def publish_raw(self, data: bytes, attributes: dict[str, str]) -> str:
+        message_id: str = self.publisher.publish(self.topic_path, data, **attributes).result(30)
+        return message_id
+
+    def publish_many(self, job: str, payloads: list[tuple[str, Any]]) -> None:
+        futures = [
+            self.publisher.publish(
+                self.topic_path, json.dumps(data).encode(), job=job, job_id=job_id
+            )
+            for job_id, data in payloads
+        ]
+        for future in futures:
+            future.result(30)
+
+    def dead_letters(self, expected: int, timeout: float = 30.0) -> list[Record]:
+        """Pull and ack failure records until ``expected`` arrived or ``timeout`` passed."""
+        records: list[Record] = []
+        deadline = time.monotonic() + timeout
+        while len(records) < expected and time.monotonic() < deadline:
+            response = self.subscriber.pull(
+                request={"subscription": self.dead_letter_subscription_path, "max_messages": 100},
+                timeout=10,
+            )
+            if not response.received_messages:
+                time.sleep(0.2)
+                continue
+            self.subscriber.acknowledge(
+                request={
+                    "subscription": self.dead_letter_subscription_path,
+                    "ack_ids": [m.ack_id for m in response.received_messages],
+                }
+            )
+            records.extend(
+                Record(bytes(m.message.data), dict(m.message.attributes))
+                for m in response.received_messages
+            )
+        return records
+
+    def settings(self, **overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "project": self.project,
+            "subscription": self.subscription,
+            "max_outstanding": 4,
+            "min_backoff": 1.0,
+            "max_backoff": 10.0,
+            "drain_timeout": 10.0,
+            **overrides,
+        }
+        return Settings(**values).validate()
+
+    @contextlib.contextmanager
+    def worker(self, jobs: Registry, **overrides: Any) -> Iterator[Launcher]:
+        launcher = Launcher(self.settings(**overrides), jobs=jobs, clients=Clients()).start()
+        try:
+            yield launcher
+        finally:
+            launcher.stop(time.monotonic() + launcher.settings.drain_timeout)
+
+    def close(self) -> None:
+        self.subscriber.close()
+        self.publisher.stop()
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,313 @@
+"""One suite for every idempotency backend: memory, SQLite, and Firestore on its emulator."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workerpool.emulator import LocalEmulator, free_port, gcloud_available
+from workerpool.idempotency import (
+    Claimed,
+    Done,
+    HeldElsewhere,
+    IdempotencyStore,
+    MemoryStore,
+    SqliteStore,
+    StoreUnavailable,
+    open_store,
+)
+
+TTL = 60.0
+RETENTION = 3600.0
+PROJECT = "workerpool-idempotency"
+JOB = "reports/2024-01-01"  # a "/" must not break backends that use the id as a key
+StoreFactory = Callable[[], IdempotencyStore]
+
+
+class FakeClock:
+    """Wall-clock stand-in that tests advance instead of sleeping."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(scope="session")
+def firestore_emulator() -> Iterator[LocalEmulator]:
+    if not gcloud_available():
+        reason = "gcloud CLI not installed: Firestore emulator unavailable"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with LocalEmulator(kind="firestore", project=PROJECT) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", "sqlite", "firestore"])
+def make_store(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[StoreFactory]:
+    """Opens handles on one shared backing store (like several workers would)."""
+    if request.param == "memory":
+        shared = MemoryStore(retention=RETENTION, clock=clock)
+        factory: StoreFactory = lambda: shared  # noqa: E731
+    elif request.param == "sqlite":
+        factory = lambda: SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock)  # noqa: E731
+    else:
+        emulator: LocalEmulator = request.getfixturevalue("firestore_emulator")
+        monkeypatch.setenv(emulator.env_var, emulator.host)  # undone after the test
+        from workerpool.idempotency.firestore import FirestoreStore
+
+        collection = f"idem-{uuid.uuid4().hex[:12]}"
+        factory = lambda: FirestoreStore(PROJECT, collection, retention=RETENTION, clock=clock)  # noqa: E731
+    opened: list[IdempotencyStore] = []
+
+    def make() -> IdempotencyStore:
+        opened.append(factory())
+        return opened[-1]
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store: StoreFactory) -> IdempotencyStore:
+    return make_store()
+
+
+def test_claim_is_exclusive_even_for_the_same_owner_or_message(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    held = HeldElsewhere("w1", "m1", clock.now + TTL)
+    assert store.claim(JOB, "w1", "m1", TTL) == Claimed()
+    assert store.claim(JOB, "w2", "m2", TTL) == held  # publisher duplicate
+    assert store.claim(JOB, "w2", "m1", TTL) == held  # redelivery to another worker
+    assert store.claim(JOB, "w1", "m1", TTL) == held  # redelivery to the holder itself
+    assert store.claim(JOB, "w1", "m2", TTL) == held  # duplicate within the same process
+    assert store.claim("other", "w2", "m2", TTL) == Claimed()
+
+
+def test_only_the_holder_renews_and_renewal_extends(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    store.claim(JOB, "w1", "m1", TTL)
+    clock.advance(TTL / 2)
+    assert store.renew(JOB, "w1", "m1", TTL)
+    assert not store.renew(JOB, "w2", "m2", TTL)
+    assert not store.renew(JOB, "w1", "m2", TTL)
+    assert not store.renew("unknown", "w1", "m1", TTL)
+    clock.advance(TTL * 3 / 4)  # past the first deadline, within the renewed one
+    assert store.claim(JOB, "w2", "m2", TTL) == HeldElsewhere("w1", "m1", clock.now + TTL / 4)
+
+
+def test_renew_after_expiry_succeeds_while_nobody_took_over(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    store.claim(JOB, "w1", "m1", TTL)
+    clock.advance(TTL + 1)
+    assert store.renew(JOB, "w1", "m1", TTL)
+    assert isinstance(store.claim(JOB, "w2", "m2", TTL), HeldElsewhere)
+
+
+def test_completed_job_is_done_and_no_longer_claimed(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    store.claim(JOB, "w1", "m1", TTL)
+    completed_at = clock.now
+    store.complete(JOB, "w1", "m1")
+    clock.advance(1)
+    assert store.claim(JOB, "w2", "m2", TTL) == Done(completed_at)
+    assert not store.renew(JOB, "w1", "m1", TTL)
+    store.release(JOB, "w1", "m1")  # a completion is not a claim: release leaves it
+    assert store.claim(JOB, "w1", "m1", TTL) == Done(completed_at)
+
+
+def test_release_frees_the_job_at_once_but_only_for_the_holder(store: IdempotencyStore) -> None:
+    store.claim(JOB, "w1", "m1", TTL)
+    store.release(JOB, "w2", "m2")
+    store.release(JOB, "w1", "m2")
+    assert isinstance(store.claim(JOB, "w2", "m2", TTL), HeldElsewhere)
+    store.release(JOB, "w1", "m1")
+    assert store.claim(JOB, "w2", "m2", TTL) == Claimed()
+    store.release("unknown", "w1", "m1")
+
+
+def test_expired_claim_is_taken_over_and_late_completion_still_counts(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    store.claim(JOB, "w1", "m1", TTL)
+    clock.advance(TTL + 1)  # w1 looks dead
+    assert store.claim(JOB, "w2", "m1", TTL) == Claimed()
+    assert not store.renew(JOB, "w1", "m1", TTL)
+    store.release(JOB, "w1", "m1")
+    assert store.claim(JOB, "w3", "m3", TTL) == HeldElsewhere("w2", "m1", clock.now + TTL)
+    # w1 was only slow: its side effect happened, so the job is done and w2 loses its claim.
+    first_completion = clock.now
+    store.complete(JOB, "w1", "m1")
+    assert not store.renew(JOB, "w2", "m1", TTL)
+    clock.advance(1)
+    store.complete(JOB, "w2", "m1")
+    assert store.claim(JOB, "w3", "m3", TTL) == Done(first_completion)
+
+
+def test_completion_is_forgotten_after_retention(store: IdempotencyStore, clock: FakeClock) -> None:
+    store.claim(JOB, "w1", "m1", TTL)
+    store.complete(JOB, "w1", "m1")
+    clock.advance(RETENTION - 1)
+    assert isinstance(store.claim(JOB, "w2", "m2", TTL), Done)
+    clock.advance(2)
+    assert store.claim(JOB, "w2", "m2", TTL) == Claimed()
+
+
+def test_racing_threads_claim_each_job_once(make_store: StoreFactory) -> None:
+    threads, job_ids = 8, [f"job-{i}" for i in range(50)]
+    stores = [make_store() for _ in range(threads)]  # one handle (client) per worker
+    start = threading.Barrier(threads)
+    won: list[list[str]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        order = random.Random(index).sample(job_ids, len(job_ids))
+        try:
+            start.wait(timeout=30)
+            for job_id in order:
+                if stores[index].claim(job_id, f"w{index}", f"m{index}", TTL) == Claimed():
+                    won[index].append(job_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(timeout=60)
+    assert not errors
+    assert sorted(job_id for ids in won for job_id in ids) == sorted(job_ids)
+
+
+def _claim_all_in_process(path: str, owner: str, job_ids: list[str], start: Any, out: Any) -> None:
+    store = SqliteStore(path)  # opened concurrently on purpose: startup must be race-free too
+    start.wait(timeout=30)
+    won = []
+    for job_id in random.Random(owner).sample(job_ids, len(job_ids)):
+        if store.claim(job_id, owner, "m", TTL) == Claimed():
+            won.append(job_id)
+        # SQLite's busy handler sleeps between retries, so a process claiming in a tight loop
+        # keeps the lock and wins everything; real workers pause between jobs, so do we.
+        time.sleep(0.001)
+    out.put(won)
+    store.close()
+
+
+def test_sqlite_racing_processes_claim_each_job_once(tmp_path: Path) -> None:
+    processes, job_ids = 4, [f"job-{i}" for i in range(200)]
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(processes), ctx.Queue()
+    path = str(tmp_path / "shared" / "idem.db")
+    pool = [
+        ctx.Process(target=_claim_all_in_process, args=(path, f"p{i}", job_ids, start, out))
+        for i in range(processes)
+    ]
+    for process in pool:
+        process.start()
+    won = [out.get(timeout=60) for _ in pool]
+    for process in pool:
+        process.join(timeout=10)
+        assert process.exitcode == 0
+    assert sorted(job_id for ids in won for job_id in ids) == sorted(job_ids)
+    assert all(won), "every process should win some claims, or they did not race"
+
+
+def test_sqlite_locked_past_busy_timeout_is_unavailable(tmp_path: Path) -> None:
+    path = tmp_path / "idem.db"
+    with SqliteStore(path, busy_timeout=0.05) as store:
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as caught:
+            store.claim(JOB, "w1", "m1", TTL)
+        assert time.monotonic() - started < 2
+        assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        assert store.claim(JOB, "w1", "m1", TTL) == Claimed()  # recovers once the lock is gone
+
+
+def test_firestore_unreachable_is_unavailable_within_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workerpool.idempotency.firestore import FirestoreStore
+
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
+    with FirestoreStore(PROJECT, "idem", timeout=1.0) as store:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            store.claim(JOB, "w1", "m1", TTL)
+        assert time.monotonic() - started < 4
+
+
+def test_open_store_by_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", "127.0.0.1:1")  # no credentials lookup
+    assert open_store("none") is None
+    memory = open_store("memory://", retention=5)
+    assert isinstance(memory, MemoryStore) and memory.retention == 5
+    for url, created in [
+        ("sqlite:///rel/dir/idem.db", tmp_path / "rel" / "dir" / "idem.db"),
+        (f"sqlite:///{tmp_path}/abs/idem.db", tmp_path / "abs" / "idem.db"),
+    ]:
+        store = open_store(url)
+        assert isinstance(store, SqliteStore)
+        store.close()
+        assert created.is_file()
+    from workerpool.idempotency.firestore import FirestoreStore
+
+    firestore_store = open_store("firestore://my-project/jobs")
+    assert isinstance(firestore_store, FirestoreStore)
+    firestore_store.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "None",
+        "memory",
+        "sqlite://",
+        "sqlite:///",
+        "sqlite://relative.db",
+        "postgres://host/db",
+        "firestore://project",
+        "firestore://project/",
+        "firestore:///jobs",
+        "firestore://project/jobs/extra",
+    ],
+)
+def test_open_store_rejects_unknown_urls(url: str) -> None:
+    with pytest.raises(ValueError, match="unsupported idempotency store URL") as caught:
+        open_store(url)
+    assert repr(url) in str(caught.value) and "\n" not in str(caught.value)

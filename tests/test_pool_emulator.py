@@ -1,0 +1,67 @@
+"""Bounded concurrency on the real emulator."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.support import PubSubEnv, wait_for
+from workerpool import JobContext
+from workerpool.registry import Registry
+
+
+class Tracker:
+    """Records each run's start and end, and the highest number running at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
+        self.intervals: list[tuple[float, float]] = []
+        self.done: list[str] = []
+
+    def run(self, ctx: JobContext, seconds: float) -> None:
+        start = time.monotonic()
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(seconds)
+        with self.lock:
+            self.running -= 1
+            self.intervals.append((start, time.monotonic()))
+            self.done.append(ctx.job_id)
+
+
+def peak_from_intervals(intervals: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_running_handlers_never_exceed_and_reach_n(pubsub: PubSubEnv, n: int) -> None:
+    # Given a backlog of 10 x N short jobs
+    pubsub.provision()
+    jobs, tracker = Registry(), Tracker()
+
+    @jobs.job("t.short")
+    def short(ctx: JobContext, payload: dict[str, Any]) -> None:
+        tracker.run(ctx, 0.05)
+
+    total = 10 * n
+    pubsub.publish_many("t.short", [(f"job-{i}", {}) for i in range(total)])
+    # When a worker with max_outstanding=N drains it
+    with pubsub.worker(jobs, max_outstanding=n) as worker:
+        assert wait_for(lambda: len(tracker.done) >= total, timeout=60)
+        held_peak = worker.pool.limits.max_held
+    # Then the peak of simultaneous handlers is exactly N, by counter and by timestamps
+    assert tracker.peak == n
+    assert peak_from_intervals(tracker.intervals) == n
+    assert sorted(tracker.done) == sorted(f"job-{i}" for i in range(total))
+    assert held_peak == n + 2

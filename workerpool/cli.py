@@ -1,0 +1,197 @@
+"""The ``workerpool`` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import click
+
+from workerpool.admin import ProvisionRequest, topic_path
+from workerpool.admin import provision as provision_resources
+from workerpool.config import load_settings
+from workerpool.errors import ConfigError
+from workerpool.launcher import Clients, Launcher
+from workerpool.publishing import JobMessage, publish_many, read_jsonl
+from workerpool.registry import import_job_modules, load_entry_points, registry
+
+
+class _Group(click.Group):
+    """Turns configuration errors into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            click.echo(f"workerpool: error: {exc}", err=True)
+            sys.exit(2)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@click.group(cls=_Group)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """Run jobs from a Pub/Sub subscription as a bounded worker pool."""
+    _setup_logging(verbose)
+
+
+def _load_jobs(modules: tuple[str, ...]) -> None:
+    load_entry_points()
+    import_job_modules(modules)
+
+
+_RUN_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file."),
+    click.option("--project", help="Google Cloud project."),
+    click.option("--subscription", help="Subscription to pull jobs from."),
+    click.option(
+        "--dead-letter-topic",
+        help="Topic for failure records (default: the subscription's dead-letter topic).",
+    ),
+    click.option("--max-outstanding", type=int, help="Jobs running at once, at most."),
+    click.option("--prefetch", type=int, help="Messages held beyond max-outstanding."),
+    click.option("--max-bytes", type=int, help="Bytes held at most."),
+    click.option("--drain-timeout", type=float, help="Seconds running jobs get on SIGTERM."),
+    click.option("--lease-extension", type=float, help="Seconds each lease extension adds."),
+    click.option("--min-backoff", type=float, help="First retry delay, seconds."),
+    click.option("--max-backoff", type=float, help="Longest retry delay, seconds."),
+    click.option("--jobs", multiple=True, help="Module that registers jobs (repeatable)."),
+]
+
+
+def _run_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_RUN_OPTIONS):
+        func = option(func)
+    return func
+
+
+class _Signals:
+    """Signal handlers only record; the main thread acts. The second signal skips the wait."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.hurry = threading.Event()
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        (self.hurry if self.stop.is_set() else self.stop).set()
+
+
+@main.command()
+@_run_options
+def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
+    """Pull and run jobs until SIGTERM or SIGINT, then drain."""
+    settings = load_settings(config_file, {**flags, "jobs": jobs})
+    _load_jobs(settings.jobs)
+    signals = _Signals()
+    signals.install()
+    launcher = Launcher(settings).start()
+    while not signals.stop.wait(1.0):
+        pass
+    logging.getLogger("workerpool").info(
+        "signal received: draining (%.0fs)", settings.drain_timeout
+    )
+    launcher.stop(time.monotonic() + settings.drain_timeout, abort=signals.hurry)
+
+
+@main.command("jobs")
+@click.option("--jobs", "modules", multiple=True, help="Module that registers jobs.")
+def list_jobs(modules: tuple[str, ...]) -> None:
+    """List the registered jobs."""
+    _load_jobs(modules)
+    for spec in registry.specs():
+        payload = spec.payload.__name__ if spec.payload else "dict"
+        click.echo(
+            f"{spec.name:<28} timeout={spec.timeout:g}s max_attempts={spec.max_attempts} "
+            f"payload={payload}  ({spec.handler.__module__}.{spec.handler.__name__})"
+        )
+
+
+@main.command()
+@click.option("--project", required=True)
+@click.option("--topic", required=True)
+@click.option("--subscription", required=True)
+@click.option("--dead-letter-topic", required=True)
+@click.option("--dead-letter-subscription", default="", help="Default: DEAD_LETTER_TOPIC-sub.")
+@click.option("--ack-deadline", type=click.IntRange(10, 600), default=60, show_default=True)
+@click.option("--max-delivery-attempts", type=click.IntRange(5, 100), default=10, show_default=True)
+@click.option("--min-backoff", type=click.FloatRange(0, 600), default=10, show_default=True)
+@click.option("--max-backoff", type=click.FloatRange(0, 600), default=600, show_default=True)
+@click.option("--filter", "filter_", default="", help="Subscription filter expression.")
+def provision(**options: Any) -> None:
+    """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
+    options["filter"] = options.pop("filter_")
+    clients = Clients()
+    try:
+        for resource, created in provision_resources(
+            clients.publisher, clients.subscriber, ProvisionRequest(**options)
+        ):
+            click.echo(f"{'created' if created else 'exists '}  {resource}")
+    finally:
+        clients.close()
+
+
+@main.command()
+@click.option("--project", required=True)
+@click.option("--topic", required=True)
+@click.option("--job", "job_name", help="Job name (with --data).")
+@click.option("--job-id", default="", help="Idempotency key.")
+@click.option("--data", help="JSON object payload.")
+@click.option("--file", "jsonl", type=click.File(), help='JSON lines: {"job","job_id","data"}.')
+def publish(
+    project: str, topic: str, job_name: str | None, job_id: str, data: str | None, jsonl: Any
+) -> None:
+    """Publish one job (--job/--data) or many (--file)."""
+    if jsonl is not None:
+        messages = read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
+    elif job_name and data is not None:
+        try:
+            payload = json.loads(data)
+        except ValueError as exc:
+            raise ConfigError(f"--data is not JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise ConfigError("--data must be a JSON object")
+        messages = [JobMessage(job_name, payload, job_id)]
+    else:
+        raise ConfigError("give --job and --data, or --file")
+    clients = Clients()
+    try:
+        ids = publish_many(clients.publisher, topic_path(project, topic), messages)
+        with click.progressbar(ids, length=len(messages), label="publishing") as bar:
+            count = sum(1 for _ in bar)
+        click.echo(f"published {count} job(s) to {topic_path(project, topic)}")
+    finally:
+        clients.close()
+
+
+@main.command()
+@click.option(
+    "--jobs",
+    "count",
+    type=click.IntRange(1, 10_000),
+    default=24,
+    show_default=True,
+    help="How many sleep jobs to publish.",
+)
+@click.option("--max-outstanding", type=click.IntRange(1, 256), default=4, show_default=True)
+def demo(count: int, max_outstanding: int) -> None:
+    """Run the whole thing on the local emulator: provision, publish, run, drain, summarise."""
+    from workerpool.demo import run_demo
+
+    run_demo(count=count, max_outstanding=max_outstanding, echo=click.echo)

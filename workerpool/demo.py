@@ -1,0 +1,88 @@
+"""``workerpool demo``: the whole path on a local emulator, end to end, in one command."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+
+from workerpool.admin import ProvisionRequest, provision, topic_path
+from workerpool.config import Settings
+from workerpool.emulator import LocalEmulator
+from workerpool.launcher import Clients, Launcher
+from workerpool.publishing import JobMessage, publish_many
+from workerpool.registry import load_entry_points
+
+PROJECT = "workerpool-demo"
+TOPIC, SUBSCRIPTION, DEAD_LETTER_TOPIC = "demo-jobs", "demo-jobs-sub", "demo-dead-letter"
+_TERMINAL = ("done", "dead_lettered", "duplicate")
+
+
+@contextlib.contextmanager
+def _emulator(echo: Callable[[str], None]) -> Iterator[None]:
+    if os.environ.get("PUBSUB_EMULATOR_HOST"):
+        echo(f"using the emulator at {os.environ['PUBSUB_EMULATOR_HOST']}")
+        yield
+        return
+    echo("starting a local Pub/Sub emulator ...")
+    with LocalEmulator("pubsub", project=PROJECT) as emulator:
+        os.environ["PUBSUB_EMULATOR_HOST"] = emulator.host
+        try:
+            yield
+        finally:
+            del os.environ["PUBSUB_EMULATOR_HOST"]
+
+
+def _sample_jobs(count: int) -> list[JobMessage]:
+    rng = random.Random(7)
+    messages = [
+        JobMessage("demo.sleep", {"seconds": round(rng.uniform(0.2, 1.0), 2)}, f"sleep-{i}")
+        for i in range(count)
+    ]
+    messages += [
+        JobMessage("demo.sleep", {"fail": "retryable", "fail_until": 3}, "flaky-1"),
+        JobMessage("demo.sleep", {"fail": "retryable", "fail_until": 2}, "flaky-2"),
+        JobMessage("demo.sleep", {"fail": "permanent"}, "broken-1"),
+        JobMessage("demo.sleep", {"seconds": "soon"}, "bad-payload-1"),
+        JobMessage("no.such.job", {}, "unknown-1"),
+    ]
+    return messages
+
+
+def run_demo(*, count: int, max_outstanding: int, echo: Callable[[str], None]) -> None:
+    load_entry_points()
+    with _emulator(echo):
+        clients = Clients()
+        request = ProvisionRequest(
+            PROJECT, TOPIC, SUBSCRIPTION, DEAD_LETTER_TOPIC, ack_deadline=10, min_backoff=1,
+            max_backoff=10,
+        )
+        for resource, created in provision(clients.publisher, clients.subscriber, request):
+            echo(f"{'created' if created else 'exists '}  {resource}")
+        messages = _sample_jobs(count)
+        list(publish_many(clients.publisher, topic_path(PROJECT, TOPIC), messages))
+        clients.close()
+        echo(f"published {len(messages)} jobs (2 flaky, 3 that can never succeed)")
+        settings = Settings(
+            project=PROJECT,
+            subscription=SUBSCRIPTION,
+            max_outstanding=max_outstanding,
+            min_backoff=1.0,
+            max_backoff=4.0,
+            drain_timeout=10.0,
+        )
+        launcher = Launcher(settings).start()
+        stats = launcher.processor.stats
+        deadline = time.monotonic() + 120
+        while sum(stats[k] for k in _TERMINAL) < len(messages) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            echo(
+                f"running={launcher.pool.running}/{max_outstanding} held={launcher.pool.held} "
+                + " ".join(f"{k}={v}" for k, v in sorted(stats.items()))
+            )
+        report = launcher.stop(time.monotonic() + settings.drain_timeout)
+        echo(f"drained in {report.seconds:.1f}s")
+        echo("summary: " + json.dumps(dict(sorted(stats.items()))))

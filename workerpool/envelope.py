@@ -1,0 +1,94 @@
+"""Turn a received message into a Job, or into a Rejection that says why it can never run.
+
+Decoding never raises: every way a message can be malformed becomes a ``Rejection`` with an
+``error_type`` from ``constants``, which the processor records on the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from workerpool import constants as c
+from workerpool.delivery import Delivery
+from workerpool.payload import PayloadError, convert
+from workerpool.registry import JobSpec, Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: JobSpec
+    job_id: str
+    payload: Any
+    message_id: str
+    delivery_attempt: int
+    publish_time: datetime | None
+    attributes: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Rejection:
+    error_type: str
+    error_message: str
+    job_name: str
+    job_id: str
+
+
+def job_id_of(delivery: Delivery) -> str:
+    return delivery.attributes.get(c.ATTR_JOB_ID) or delivery.message_id
+
+
+def decode(
+    delivery: Delivery,
+    registry: Registry,
+    *,
+    attempt: int,
+    max_payload_bytes: int = c.MAX_MESSAGE_BYTES,
+) -> Job | Rejection:
+    name = delivery.attributes.get(c.ATTR_JOB, "")
+    job_id = job_id_of(delivery)
+
+    def reject(error_type: str, message: str) -> Rejection:
+        return Rejection(error_type, message, name, job_id)
+
+    if len(delivery.data) > max_payload_bytes:
+        return reject(
+            c.ERR_OVERSIZE, f"payload is {len(delivery.data)} bytes, limit is {max_payload_bytes}"
+        )
+    if not name:
+        return reject(c.ERR_MISSING_JOB, f"message has no {c.ATTR_JOB!r} attribute")
+    spec = registry.get(name)
+    if spec is None:
+        return reject(c.ERR_UNKNOWN_JOB, f"no job named {name!r} is registered")
+    try:
+        data = json.loads(delivery.data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return reject(c.ERR_NOT_JSON, f"payload is not UTF-8 JSON: {exc}")
+    if not isinstance(data, dict):
+        return reject(c.ERR_NOT_OBJECT, f"payload is JSON {type(data).__name__}, not an object")
+    payload: Any = data
+    if spec.payload is not None:
+        try:
+            payload = convert(spec.payload, data)
+        except PayloadError as exc:
+            return reject(c.ERR_INVALID_PAYLOAD, str(exc))
+    if c.ATTR_JOB_ID not in delivery.attributes:
+        log.warning("message %s has no job_id attribute; using the message id", job_id)
+    return Job(
+        spec=spec,
+        job_id=job_id,
+        payload=payload,
+        message_id=delivery.message_id,
+        delivery_attempt=attempt,
+        publish_time=delivery.publish_time,
+        attributes=delivery.attributes,
+    )

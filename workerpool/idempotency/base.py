@@ -1,0 +1,145 @@
+"""The idempotency store interface, its result types, and the rules every backend shares.
+
+A record per job id is either a *claim* (someone is running the job until ``until``) or a
+*completion* (``completed_at`` is set). Backends only provide an atomic read-modify-write of one
+record (``_mutate``); the decisions live here, once, so all backends behave identically.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Final, Literal, TypeGuard, TypeVar
+
+DEFAULT_RETENTION: Final = 7 * 24 * 3600.0  # Pub/Sub's longest message retention
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The caller now holds the claim and may run the job."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """The job id already completed: ack without running."""
+
+    completed_at: float
+
+
+@dataclass(frozen=True)
+class HeldElsewhere:
+    """A live claim exists (possibly by the same owner, for another or the same message)."""
+
+    owner: str
+    message_id: str
+    until: float
+
+
+ClaimResult = Claimed | Done | HeldElsewhere
+
+
+class StoreUnavailable(Exception):
+    """The backend could not be reached or timed out: the caller neither runs nor acks."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a backend stores per job id; ``completed_at`` is None while it is only a claim."""
+
+    owner: str
+    message_id: str
+    until: float
+    completed_at: float | None = None
+
+    def expire_at(self, retention: float) -> float:
+        """When the record stops mattering and may be purged."""
+        return (self.until if self.completed_at is None else self.completed_at) + retention
+
+
+DELETE: Final = "delete"
+# What a mutation does to the stored record: None keeps it, DELETE removes it, a Record replaces it.
+Change = Record | Literal["delete"] | None
+Mutation = Callable[[Record | None, float], tuple[T, Change]]
+
+
+class IdempotencyStore(ABC):
+    """Claims and completions keyed by job id; a claim is identified by (owner, message_id).
+
+    ``complete`` records Done even if the caller's claim expired and another worker took it
+    over: the side effect has happened, so further runs must stop. The first completion wins
+    (its ``completed_at`` is kept), and the other worker's ``renew`` returns False from then on.
+    ``renew`` succeeds on our own claim even after ``until`` passed, as long as nobody took it
+    over (no one else can have run the job). Every method may raise ``StoreUnavailable``.
+    """
+
+    def __init__(self, *, retention: float, clock: Callable[[], float]) -> None:
+        self.retention = retention
+        self._clock = clock
+
+    @abstractmethod
+    def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
+        """Atomically read the record, call ``mutation(record, now)``, apply its change."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; the store must not be used afterwards."""
+
+    def _is_live(self, record: Record, now: float) -> bool:
+        if record.completed_at is None:
+            return record.until > now
+        return record.completed_at + self.retention > now
+
+    def claim(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
+        def mutation(record: Record | None, now: float) -> tuple[ClaimResult, Change]:
+            if record is None or not self._is_live(record, now):
+                return Claimed(), Record(owner, message_id, until=now + ttl)
+            if record.completed_at is not None:
+                return Done(record.completed_at), None
+            return HeldElsewhere(record.owner, record.message_id, record.until), None
+
+        return self._mutate(job_id, mutation)
+
+    def renew(self, job_id: str, owner: str, message_id: str, ttl: float) -> bool:
+        def mutation(record: Record | None, now: float) -> tuple[bool, Change]:
+            if _owns(record, owner, message_id):
+                return True, replace(record, until=now + ttl)
+            return False, None
+
+        return self._mutate(job_id, mutation)
+
+    def complete(self, job_id: str, owner: str, message_id: str) -> None:
+        def mutation(record: Record | None, now: float) -> tuple[None, Change]:
+            if record and record.completed_at is not None and self._is_live(record, now):
+                return None, None  # keep the first completion
+            return None, Record(owner, message_id, until=now, completed_at=now)
+
+        self._mutate(job_id, mutation)
+
+    def release(self, job_id: str, owner: str, message_id: str) -> None:
+        def mutation(record: Record | None, now: float) -> tuple[None, Change]:
+            return None, DELETE if _owns(record, owner, message_id) else None
+
+        self._mutate(job_id, mutation)
+
+    def __enter__(self) -> IdempotencyStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _owns(record: Record | None, owner: str, message_id: str) -> TypeGuard[Record]:
+    return (
+        record is not None
+        and record.completed_at is None
+        and (record.owner, record.message_id) == (owner, message_id)
+    )

@@ -1,0 +1,178 @@
+"""The worker's lifecycle: start, quiet (stop pulling), stop(deadline).
+
+Draining follows DESIGN.md: stop pulling and give back what has not started; tell running
+jobs; wait until a deadline computed once from the monotonic clock; then cancel and give back
+what still runs; flush every ack and nack before the clients close.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.cloud.pubsub_v1 import PublisherClient, SubscriberClient
+
+from workerpool.acks import Acknowledger
+from workerpool.admin import SubscriptionInfo, describe_subscription, subscription_path, topic_path
+from workerpool.backoff import Backoff
+from workerpool.config import Settings
+from workerpool.deadletter import DeadLetterPublisher, worker_identity
+from workerpool.errors import ConfigError
+from workerpool.lease import Leaser
+from workerpool.middleware import Middleware, TimeLimit
+from workerpool.pool import DrainReport, Pool, PoolLimits
+from workerpool.processor import Processor, ProcessorSettings
+from workerpool.registry import Registry, registry
+from workerpool.subscriber import Puller
+
+log = logging.getLogger(__name__)
+
+_FLUSH_TIMEOUT = 10.0
+
+
+@dataclass
+class Clients:
+    subscriber: Any = field(default_factory=SubscriberClient)
+    publisher: Any = field(default_factory=PublisherClient)
+
+    def close(self) -> None:
+        self.subscriber.close()
+        self.publisher.stop()
+
+
+class Launcher:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        jobs: Registry = registry,
+        middleware: Sequence[Middleware] = (),
+        clients: Clients | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        if not settings.project or not settings.subscription:
+            raise ConfigError("project and subscription are required")
+        self.settings = settings
+        self.worker_id = worker_id or worker_identity()
+        self.subscription = subscription_path(settings.project, settings.subscription)
+        self._jobs = jobs
+        self._middleware = [TimeLimit(), *middleware]
+        self._clients = clients or Clients()
+        self._stopped = False
+        self.info: SubscriptionInfo | None = None
+        self._acks: Acknowledger | None = None
+        self._leaser: Leaser | None = None
+        self._pool: Pool | None = None
+        self._puller: Puller | None = None
+        self._processor: Processor | None = None
+
+    @property
+    def pool(self) -> Pool:
+        assert self._pool is not None, "start() first"
+        return self._pool
+
+    @property
+    def processor(self) -> Processor:
+        assert self._processor is not None, "start() first"
+        return self._processor
+
+    def start(self) -> Launcher:
+        s = self.settings
+        self.info = describe_subscription(self._clients.subscriber, self.subscription)
+        dead_letter_topic = (
+            topic_path(s.project, s.dead_letter_topic)
+            if s.dead_letter_topic
+            else self.info.dead_letter_topic
+        )
+        if not dead_letter_topic:
+            raise ConfigError(
+                f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
+            )
+        self._acks = Acknowledger(self._clients.subscriber, self.subscription)
+        self._leaser = Leaser(self._acks, extension=s.lease_extension)
+        dead_letters = DeadLetterPublisher(
+            self._clients.publisher,
+            dead_letter_topic,
+            subscription=self.subscription,
+            source_topic=self.info.topic,
+            worker=self.worker_id,
+        )
+        self._processor = Processor(
+            self._jobs,
+            self._acks,
+            self._leaser,
+            dead_letters,
+            self._middleware,
+            ProcessorSettings(Backoff(s.min_backoff, s.max_backoff), s.max_payload_bytes),
+        )
+        limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)
+        self._pool = Pool(self._processor, self._leaser, self._acks, limits)
+        self._puller = Puller(self._clients.subscriber, self.subscription, self._pool)
+        self._leaser.start()
+        self._pool.start()
+        self._puller.start()
+        log.info(
+            "worker %s pulling %s with max_outstanding=%d prefetch=%d",
+            self.worker_id,
+            self.subscription,
+            s.max_outstanding,
+            s.prefetch,
+        )
+        return self
+
+    def quiet(self) -> int:
+        """Stop pulling and give back every message not started; returns how many."""
+        assert self._puller is not None and self._pool is not None
+        self._puller.stop(timeout=0)
+        released = self._pool.quiet()
+        log.info("draining: stopped pulling, released %d waiting messages", released)
+        return released
+
+    def stop(self, deadline: float, abort: threading.Event | None = None) -> DrainReport:
+        """Wait for running jobs until the monotonic ``deadline`` (or ``abort``), then cancel
+        and give back what still runs, flush, and close. Idempotent; safe before start."""
+        started = time.monotonic()
+        if self._stopped or self._pool is None:
+            return DrainReport(0, 0, 0, 0.0)
+        self._stopped = True
+        released = self.quiet()
+        assert self._puller is not None and self._acks is not None and self._leaser is not None
+        self._puller.stop(timeout=max(0.0, deadline - time.monotonic()))
+        released += self._pool.quiet()  # anything a last in-flight pull brought
+        running = self._pool.running
+        log.info("draining: waiting for %d running jobs", running)
+        idle = self._wait_idle(deadline, abort)
+        interrupted = 0 if idle else self._pool.interrupt()
+        if interrupted:
+            log.warning("draining: deadline passed, gave back %d running jobs", interrupted)
+        flushed = self._acks.close(timeout=_FLUSH_TIMEOUT)
+        self._leaser.stop()
+        self._pool.join(timeout=0.1)
+        for mw in self._middleware:
+            mw.close()
+        self._clients.close()
+        report = DrainReport(
+            released, max(0, running - interrupted), interrupted, time.monotonic() - started
+        )
+        log.info(
+            "drained in %.1fs: %d released, %d finished, %d interrupted, acks flushed=%s",
+            report.seconds,
+            report.released_waiting,
+            report.finished,
+            report.interrupted,
+            flushed,
+        )
+        return report
+
+    def _wait_idle(self, deadline: float, abort: threading.Event | None) -> bool:
+        assert self._pool is not None
+        while time.monotonic() < deadline:
+            if abort is not None and abort.is_set():
+                return self._pool.wait_idle(time.monotonic())
+            if self._pool.wait_idle(min(deadline, time.monotonic() + 0.1)):
+                return True
+        return self._pool.wait_idle(time.monotonic())

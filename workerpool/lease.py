@@ -1,0 +1,78 @@
+"""Keep the messages this worker holds leased, for as long as their job may run.
+
+Every held message (running or waiting for a slot) has its ack deadline pushed to
+``extension`` seconds every ``extension / 3`` seconds, until its ``lease_until`` (set from the
+job's ``timeout``) passes; then it is left to expire, so a stuck job's message is redelivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from workerpool.acks import Acknowledger
+from workerpool.delivery import Delivery
+
+log = logging.getLogger(__name__)
+
+
+class Leaser:
+    def __init__(
+        self,
+        acks: Acknowledger,
+        *,
+        extension: float = 30.0,
+        on_extend: Callable[[int], None] | None = None,
+    ) -> None:
+        self._acks = acks
+        self.extension = extension
+        self._held: dict[str, Delivery] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._on_extend = on_extend
+        self._thread = threading.Thread(target=self._run, name="workerpool-leaser", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, deliveries: list[Delivery]) -> None:
+        with self._lock:
+            for delivery in deliveries:
+                self._held[delivery.ack_id] = delivery
+        # The subscription's own deadline may be as short as 10 s: extend at receipt.
+        self._acks.extend(deliveries, self.extension)
+
+    def remove(self, delivery: Delivery) -> None:
+        with self._lock:
+            self._held.pop(delivery.ack_id, None)
+
+    def held(self) -> list[Delivery]:
+        with self._lock:
+            return list(self._held.values())
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.extension / 3):
+            self.extend_once()
+
+    def extend_once(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [d for d in self._held.values() if d.lease_until <= now]
+            for delivery in expired:
+                del self._held[delivery.ack_id]
+            live = [d for d in self._held.values() if not d.settled]
+        for delivery in expired:
+            log.warning(
+                "message %s passed its lease limit; it will be redelivered", delivery.message_id
+            )
+        if live:
+            self._acks.extend(live, self.extension)
+            if self._on_extend:
+                self._on_extend(len(live))

@@ -1,0 +1,223 @@
+"""From a leased message to its ack: decode, run through the middleware, decide, settle.
+
+``process`` reads top to bottom as the data path; ``decide`` (in ``outcome``) is the one place
+that chooses ack, nack or dead-letter, and ``_settle`` the one place that carries it out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from workerpool import constants as c
+from workerpool.acks import Acknowledger
+from workerpool.backoff import Backoff
+from workerpool.context import JobContext
+from workerpool.deadletter import DeadLetterPublisher, Failure
+from workerpool.delivery import Delivery
+from workerpool.envelope import Job, Rejection, decode, job_id_of
+from workerpool.errors import PermanentError, RetryableError
+from workerpool.lease import Leaser
+from workerpool.middleware import Middleware, chain
+from workerpool.outcome import (
+    Ack,
+    Action,
+    DeadLetter,
+    Failed,
+    Interrupted,
+    Nack,
+    Outcome,
+    RecordFailed,
+    Rejected,
+    Succeeded,
+    decide,
+)
+from workerpool.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    backoff: Backoff = field(default_factory=Backoff)
+    max_payload_bytes: int = c.MAX_MESSAGE_BYTES
+
+
+class AttemptCounter:
+    """Counts deliveries per message when Pub/Sub does not (no dead-letter policy).
+
+    Only this process's deliveries are seen, so it is a fallback, not a replacement for the
+    subscription's ``delivery_attempt``.
+    """
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def attempt(self, delivery: Delivery) -> int:
+        if delivery.delivery_attempt:
+            return delivery.delivery_attempt
+        with self._lock:
+            count = self._seen.pop(delivery.message_id, 0) + 1
+            self._seen[delivery.message_id] = count
+            if len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+            return count
+
+
+@dataclass
+class _Running:
+    job: Job
+    ctx: JobContext
+    delivery: Delivery
+
+
+class Processor:
+    def __init__(
+        self,
+        registry: Registry,
+        acks: Acknowledger,
+        leaser: Leaser,
+        dead_letters: DeadLetterPublisher,
+        middleware: Sequence[Middleware] = (),
+        settings: ProcessorSettings = ProcessorSettings(),
+    ) -> None:
+        self._registry = registry
+        self._acks = acks
+        self._leaser = leaser
+        self._dead_letters = dead_letters
+        self._middleware = list(middleware)
+        self._run_chain = chain(self._middleware, _invoke)
+        self._settings = settings
+        self._attempts = AttemptCounter()
+        self._running: dict[str, _Running] = {}
+        self._lock = threading.Lock()
+        self.draining = threading.Event()
+        self.stats: Counter[str] = Counter()
+
+    def process(self, delivery: Delivery) -> None:
+        attempt = self._attempts.attempt(delivery)
+        decoded = decode(
+            delivery,
+            self._registry,
+            attempt=attempt,
+            max_payload_bytes=self._settings.max_payload_bytes,
+        )
+        if isinstance(decoded, Rejection):
+            outcome: Outcome = Rejected(decoded.error_type, decoded.error_message)
+            job_name, job_id, max_attempts = decoded.job_name, decoded.job_id, 1
+        else:
+            outcome = self._run(decoded, delivery)
+            job_name, job_id = decoded.name, decoded.job_id
+            max_attempts = decoded.spec.max_attempts
+        action = decide(
+            outcome, attempt=attempt, max_attempts=max_attempts, backoff=self._settings.backoff
+        )
+        self._settle(delivery, action, Failure("", "", job_name, job_id, attempt))
+
+    def _run(self, job: Job, delivery: Delivery) -> Outcome:
+        # The lease follows the job's own timeout, however long, and stops soon after it.
+        delivery.lease_until = time.monotonic() + job.spec.timeout + self._leaser.extension
+        ctx = JobContext(
+            job=job.name,
+            job_id=job.job_id,
+            message_id=job.message_id,
+            delivery_attempt=job.delivery_attempt,
+            publish_time=job.publish_time,
+            draining=self.draining,
+            logger=logging.LoggerAdapter(
+                logging.getLogger(f"workerpool.job.{job.name}"), {"job_id": job.job_id}
+            ),
+        )
+        with self._lock:
+            self._running[delivery.ack_id] = _Running(job, ctx, delivery)
+        try:
+            return self._run_chain(job, ctx)
+        finally:
+            with self._lock:
+                self._running.pop(delivery.ack_id, None)
+
+    def _settle(self, delivery: Delivery, action: Action, failure: Failure) -> None:
+        if isinstance(action, DeadLetter):
+            action = self._record_failure(delivery, action, failure)
+        if not delivery.settle():
+            return  # the drain deadline already gave this message back
+        self._leaser.remove(delivery)
+        match action:
+            case Ack(label):
+                self._acks.ack(delivery.ack_id)
+            case Nack(delay, label):
+                self._acks.modack([delivery.ack_id], delay)
+        self._count(label)
+
+    def _record_failure(self, delivery: Delivery, action: DeadLetter, failure: Failure) -> Action:
+        record = Failure(
+            action.error_type,
+            action.error_message,
+            failure.job_name,
+            failure.job_id,
+            failure.delivery_attempt,
+        )
+        try:
+            self._dead_letters.publish(delivery, record)
+        except Exception as exc:  # any failure to record means we must not ack
+            log.error("failure record for %s not published: %s", failure.job_id, exc)
+            return decide(
+                RecordFailed(str(exc)),
+                attempt=failure.delivery_attempt,
+                max_attempts=failure.delivery_attempt + 1,
+                backoff=self._settings.backoff,
+            )
+        log.warning(
+            "job %s (%s) dead-lettered: %s: %s",
+            failure.job_name,
+            failure.job_id,
+            action.error_type,
+            action.error_message,
+        )
+        return Ack("dead_lettered")
+
+    def _count(self, label: str) -> None:
+        with self._lock:
+            self.stats[label] += 1
+
+    def interrupt_running(self) -> int:
+        """At the drain deadline: cancel what still runs and give its messages back now."""
+        with self._lock:
+            running = list(self._running.values())
+        for entry in running:
+            entry.ctx.cancelled.set()
+            for mw in self._middleware:
+                mw.interrupted(entry.job, entry.ctx)
+            self._settle(entry.delivery, decide_interrupted(), _no_failure(entry))
+        return len(running)
+
+
+def decide_interrupted() -> Action:
+    return decide(Interrupted(), attempt=1, max_attempts=1, backoff=Backoff())
+
+
+def _no_failure(entry: _Running) -> Failure:
+    return Failure("", "", entry.job.name, entry.job.job_id, entry.job.delivery_attempt)
+
+
+def _invoke(job: Job, ctx: JobContext) -> Outcome:
+    """Call the handler and name what happened; nothing it raises escapes."""
+    try:
+        job.spec.handler(ctx, job.payload)
+    except PermanentError as exc:
+        return Rejected(exc.error_type, str(exc) or type(exc).__name__)
+    except RetryableError as exc:
+        return Failed(type(exc).__name__, str(exc))
+    except Exception as exc:
+        ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
+        return Failed(type(exc).__name__, str(exc))
+    return Succeeded()
+
+
+__all__ = ["AttemptCounter", "Processor", "ProcessorSettings", "job_id_of"]

@@ -1,0 +1,127 @@
+"""Job registration and discovery.
+
+``@job(name, ...)`` registers ``handler(ctx, payload)``. Options nobody understands are rejected
+at registration, so a typo is an import-time error instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+from workerpool.constants import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_SECONDS, ENTRY_POINT_GROUP
+from workerpool.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[..., Any]
+
+# Options that features beyond the core (rate limits, say) read from JobSpec.options.
+_EXTRA_OPTIONS: set[str] = {"rate_limit"}
+
+
+def register_option(name: str) -> None:
+    """Let an extension accept ``@job(..., name=...)``."""
+    _EXTRA_OPTIONS.add(name)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    handler: Handler
+    timeout: float = DEFAULT_TIMEOUT_SECONDS
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    payload: type[Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Registry:
+    """The jobs a worker can run, by name. Thread-safe; re-registering a name is an error."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, JobSpec] = {}
+        self._lock = threading.Lock()
+
+    def add(self, spec: JobSpec) -> None:
+        with self._lock:
+            existing = self._jobs.get(spec.name)
+            if existing is not None and existing.handler is not spec.handler:
+                raise ValueError(f"job {spec.name!r} is already registered by {existing.handler}")
+            self._jobs[spec.name] = spec
+
+    def get(self, name: str) -> JobSpec | None:
+        return self._jobs.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def specs(self) -> list[JobSpec]:
+        return [self._jobs[name] for name in self.names()]
+
+    def job(
+        self,
+        name: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        payload: type[Any] | None = None,
+        **options: Any,
+    ) -> Callable[[Handler], Handler]:
+        """Register ``handler(ctx, payload)`` as the job ``name``.
+
+        ``timeout`` (seconds) bounds one run and its lease; ``max_attempts`` counts deliveries
+        before the failure is recorded on the dead-letter topic; ``payload`` is an optional
+        dataclass the JSON object is converted to (a mismatch is a permanent error).
+        """
+        unknown = sorted(set(options) - _EXTRA_OPTIONS)
+        if unknown:
+            known = ", ".join(sorted({"timeout", "max_attempts", "payload", *_EXTRA_OPTIONS}))
+            raise TypeError(
+                f"job {name!r}: unknown option(s) {', '.join(unknown)} (known: {known})"
+            )
+        if not name:
+            raise ValueError("a job needs a non-empty name")
+        if timeout <= 0:
+            raise ValueError(f"job {name!r}: timeout must be positive, got {timeout}")
+        if max_attempts < 1:
+            raise ValueError(f"job {name!r}: max_attempts must be at least 1, got {max_attempts}")
+        if payload is not None and not dataclasses.is_dataclass(payload):
+            raise TypeError(f"job {name!r}: payload must be a dataclass, got {payload!r}")
+
+        def register(handler: Handler) -> Handler:
+            self.add(JobSpec(name, handler, float(timeout), max_attempts, payload, dict(options)))
+            return handler
+
+        return register
+
+
+# The process-wide registry that ``@workerpool.job`` and plugins register into.
+registry = Registry()
+job = registry.job
+
+
+def load_entry_points() -> list[str]:
+    """Import every module advertised under the ``workerpool.jobs`` entry-point group."""
+    loaded = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as exc:  # a broken third-party plugin must not hide the others
+            log.warning("job plugin %s (%s) failed to load: %s", ep.name, ep.value, exc)
+            continue
+        loaded.append(ep.value)
+    return loaded
+
+
+def import_job_modules(modules: Iterable[str]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"--jobs {module}: cannot import it ({exc})") from exc
