@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from google.cloud import pubsub_v1
@@ -138,3 +142,29 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def start_worker(env: PubSubEnv, ledger: Path, *args: str) -> subprocess.Popen[str]:
+    """A real ``workerpool run`` process on ``env``'s subscription, running jobs.demo."""
+    command = [
+        sys.executable, "-m", "workerpool", "run",
+        "--project", env.project,
+        "--subscription", env.subscription,
+        "--jobs", "jobs.demo",
+        "--min-backoff", "1",
+        *args,
+    ]  # fmt: skip
+    environment = {
+        **os.environ,
+        "PUBSUB_EMULATOR_HOST": env.host,
+        "WORKERPOOL_DEMO_LEDGER": str(ledger),
+    }
+    return subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -107,7 +107,11 @@ class Launcher:
             self._leaser,
             dead_letters,
             self._middleware,
-            ProcessorSettings(Backoff(s.min_backoff, s.max_backoff), s.max_payload_bytes),
+            ProcessorSettings(
+                Backoff(s.min_backoff, s.max_backoff),
+                s.max_payload_bytes,
+                server_backoff=self.info.has_retry_policy,
+            ),
         )
         limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)
         self._pool = Pool(self._processor, self._leaser, self._acks, limits)
@@ -115,6 +119,8 @@ class Launcher:
         self._leaser.start()
         self._pool.start()
         self._puller.start()
+        if self.info.has_retry_policy:
+            log.info("%s has a retry policy: Pub/Sub spaces redeliveries", self.subscription)
         log.info(
             "worker %s pulling %s with max_outstanding=%d prefetch=%d",
             self.worker_id,

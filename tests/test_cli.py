@@ -1,0 +1,118 @@
+"""The command line: provisioning, publishing, bad configuration, job listing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from tests.support import PubSubEnv
+from workerpool.cli import main
+from workerpool.config import load_settings
+from workerpool.errors import ConfigError
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "workerpool", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+def test_provision_twice_succeeds_and_says_what_existed(pubsub: PubSubEnv) -> None:
+    args = [
+        "provision", "--project", pubsub.project, "--topic", pubsub.topic,
+        "--subscription", pubsub.subscription, "--dead-letter-topic", pubsub.dead_letter_topic,
+        "--ack-deadline", "30", "--max-delivery-attempts", "7", "--min-backoff", "5",
+    ]  # fmt: skip
+    first = CliRunner().invoke(main, args)
+    second = CliRunner().invoke(main, args)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    assert first.output.count("created") == 4 and "exists" not in first.output
+    assert second.output.count("exists") == 4 and "created" not in second.output
+    sub = pubsub.subscriber.get_subscription(subscription=pubsub.subscription_path)
+    assert sub.ack_deadline_seconds == 30
+    assert sub.dead_letter_policy.max_delivery_attempts == 7
+    assert sub.retry_policy.minimum_backoff.total_seconds() == 5
+
+
+def test_run_with_missing_subscription_exits_2_with_one_line(pubsub: PubSubEnv) -> None:
+    result = _cli("run", "--project", pubsub.project, "--subscription", "no-such-sub")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"workerpool: error: subscription projects/{pubsub.project}/subscriptions/no-such-sub "
+        "does not exist"
+    ]
+
+
+def test_bad_config_exits_2_naming_the_setting(tmp_path: Path) -> None:
+    config = tmp_path / "workerpool.toml"
+    config.write_text('[worker]\nmax_outstanding = "lots"\n')
+    result = _cli("run", "--config", str(config), "--project", "p", "--subscription", "s")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"workerpool: error: max_outstanding (from {config}) must be int, got 'lots'"
+    ]
+
+
+def test_publish_then_cli_lists_jobs(pubsub: PubSubEnv, tmp_path: Path) -> None:
+    pubsub.provision()
+    jsonl = tmp_path / "jobs.jsonl"
+    jsonl.write_text(
+        '{"job": "demo.sleep", "job_id": "a", "data": {"seconds": 0}}\n'
+        '{"job": "demo.echo", "job_id": "b", "data": {}}\n'
+    )
+    runner = CliRunner()
+    many = runner.invoke(main, ["publish", "--project", pubsub.project, "--topic", pubsub.topic,
+                                "--file", str(jsonl)])  # fmt: skip
+    one = runner.invoke(main, ["publish", "--project", pubsub.project, "--topic", pubsub.topic,
+                               "--job", "demo.echo", "--job-id", "c", "--data", '{"k": 1}'])  # fmt: skip
+    assert many.exit_code == 0 and "published 2 job(s)" in many.output
+    assert one.exit_code == 0 and "published 1 job(s)" in one.output
+    received = pubsub.subscriber.pull(subscription=pubsub.subscription_path, max_messages=10)
+    got = {m.message.attributes["job_id"]: m.message for m in received.received_messages}
+    assert sorted(got) == ["a", "b", "c"]
+    assert got["c"].attributes["job"] == "demo.echo" and got["c"].data == b'{"k":1}'
+    listing = runner.invoke(main, ["jobs"])
+    assert "demo.sleep" in listing.output and "payload=SleepRequest" in listing.output
+
+
+def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
+    config = tmp_path / "w.toml"
+    config.write_text(
+        '[worker]\nproject = "from-file"\nmax_outstanding = 3\nprefetch = 1\n'
+        '[jobs."bigquery.reverse_etl"]\nproject = "bq"\n'
+    )
+    env = {"WORKERPOOL_MAX_OUTSTANDING": "5", "WORKERPOOL_PREFETCH": "4"}
+    settings = load_settings(str(config), {"prefetch": 0, "drain_timeout": None}, env)
+    assert settings.project == "from-file"  # file over default
+    assert settings.max_outstanding == 5  # env over file
+    assert settings.prefetch == 0  # flag over env
+    assert settings.drain_timeout == 25.0  # default
+    assert settings.job_config == {"bigquery.reverse_etl": {"project": "bq"}}
+    for bad in ("[worker]\nmax_outstandin = 3\n", "[worker]\nmax_outstanding = 0\n", "= x"):
+        config.write_text(bad)
+        try:
+            load_settings(str(config), {}, {})
+        except ConfigError:
+            continue
+        raise AssertionError(f"accepted {bad!r}")
+
+
+def test_dockerfile_runs_workerpool_as_non_root_and_drains_on_sigterm() -> None:
+    text = (Path(__file__).parent.parent / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]
+    assert lines[0].startswith("FROM python:3.") and lines[0].endswith("-slim")
+    user = [line for line in lines if line.startswith("USER ")]
+    assert user and user[-1] not in ("USER root", "USER 0")
+    assert 'ENTRYPOINT ["workerpool", "run"]' in lines  # exec form: signals reach the worker
+    assert "STOPSIGNAL SIGTERM" in lines
+    secret_words = ("GOOGLE_APPLICATION_CREDENTIALS", "key.json", "SECRET", "PASSWORD", "TOKEN")
+    assert not any(word in text for word in secret_words)

@@ -1,0 +1,192 @@
+"""The processor and its decision table, with in-process fakes (pure logic)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool import JobContext, PermanentError, RetryableError
+from workerpool import constants as c
+from workerpool.backoff import Backoff
+from workerpool.deadletter import failure_attributes
+from workerpool.outcome import (
+    Ack,
+    AlreadyDone,
+    DeadLetter,
+    DuplicateOfRunning,
+    Failed,
+    Interrupted,
+    Nack,
+    RecordFailed,
+    RedeliveredWhileRunning,
+    Rejected,
+    Succeeded,
+    Unavailable,
+    decide,
+)
+from workerpool.processor import Processor, ProcessorSettings
+from workerpool.registry import Registry
+
+BACKOFF = Backoff(minimum=1.0, maximum=60.0)
+
+
+@dataclass
+class Item:
+    name: str
+    count: int
+
+
+def build(jobs: Registry, **kwargs: Any) -> tuple[Processor, FakeAcks, FakeDeadLetters]:
+    acks, dead_letters = FakeAcks(), FakeDeadLetters(**kwargs)
+    processor = Processor(
+        jobs,
+        acks,
+        FakeLeaser(),
+        dead_letters,
+        (),
+        ProcessorSettings(BACKOFF, 4096),  # type: ignore[arg-type]
+    )
+    return processor, acks, dead_letters
+
+
+def test_decision_table() -> None:
+    table = {
+        Succeeded(): Ack("done"),
+        AlreadyDone(): Ack("duplicate"),
+        DuplicateOfRunning(): Ack("duplicate"),
+        Rejected("not_json", "x"): DeadLetter("not_json", "x"),
+        Interrupted(): Nack(0.0, "drained"),
+    }
+    for outcome, action in table.items():
+        assert decide(outcome, attempt=1, max_attempts=5, backoff=BACKOFF) == action
+    for outcome in (Failed("E", "x"), Unavailable("down"), RecordFailed("down")):
+        action = decide(outcome, attempt=3, max_attempts=5, backoff=BACKOFF)
+        assert isinstance(action, Nack) and 2.0 <= action.delay <= 4.0
+    deferred = decide(RedeliveredWhileRunning(), attempt=1, max_attempts=5, backoff=BACKOFF)
+    assert isinstance(deferred, Nack) and deferred.label == "deferred" and deferred.delay >= 1
+    last = decide(Failed("RetryableError", "flaky"), attempt=5, max_attempts=5, backoff=BACKOFF)
+    assert last == DeadLetter(c.ERR_ATTEMPTS_EXHAUSTED, "RetryableError after 5 attempts: flaky")
+
+
+def test_backoff_grows_with_jitter_within_bounds() -> None:
+    delays = [[BACKOFF.delay(attempt) for _ in range(200)] for attempt in range(1, 9)]
+    for attempt, samples in enumerate(delays, 1):
+        ceiling = min(60.0, 2.0 ** (attempt - 1))
+        assert all(max(1.0, ceiling / 2) <= d <= ceiling for d in samples)
+    assert len(set(delays[4])) > 100  # jittered, not lock-step
+
+
+def test_typed_payload_is_converted_and_mismatch_names_the_field() -> None:
+    jobs = Registry()
+    seen: list[Item] = []
+
+    @jobs.job("t.item", payload=Item)
+    def handle(ctx: JobContext, item: Item) -> None:
+        seen.append(item)
+
+    processor, acks, dead_letters = build(jobs)
+    processor.process(make_delivery(b'{"name": "a", "count": 2}', {"job": "t.item"}))
+    processor.process(
+        make_delivery(b'{"name": "a", "count": "2"}', {"job": "t.item"}, message_id="m-2")
+    )
+    assert seen == [Item("a", 2)]
+    assert acks.acked == ["ack-m-1", "ack-m-2"]
+    [(_, failure)] = dead_letters.records
+    assert failure.error_type == c.ERR_INVALID_PAYLOAD
+    assert failure.error_message == "count: expected int, got str"
+
+
+def test_handler_errors_map_to_outcomes() -> None:
+    jobs = Registry()
+
+    @jobs.job("t.raise", max_attempts=3)
+    def handle(ctx: JobContext, payload: dict[str, Any]) -> None:
+        kind = payload["kind"]
+        if kind == "retry":
+            raise RetryableError("later")
+        if kind == "permanent":
+            raise PermanentError("never", error_type="bad_customer")
+        raise KeyError("bug")
+
+    processor, acks, dead_letters = build(jobs)
+    for i, kind in enumerate(["retry", "permanent", "bug"]):
+        body = json.dumps({"kind": kind}).encode()
+        processor.process(make_delivery(body, {"job": "t.raise"}, message_id=f"m{i}"))
+    assert [a for a, _ in acks.modacked] == ["ack-m0", "ack-m2"]  # retried, not acked
+    assert acks.acked == ["ack-m1"]
+    assert [f.error_type for _, f in dead_letters.records] == ["bad_customer"]
+    assert processor.stats == {"retried": 2, "dead_lettered": 1}
+
+
+def test_unrecorded_failure_is_never_acked() -> None:
+    processor, acks, _ = build(Registry(), fail=True)
+    processor.process(make_delivery(b"{}", {"job": "nope"}))
+    assert acks.acked == []
+    assert [a for a, _ in acks.modacked] == ["ack-m-1"]
+
+
+def test_unknown_job_option_is_rejected_at_registration() -> None:
+    jobs = Registry()
+    try:
+        jobs.job("t.x", retries=3)
+    except TypeError as exc:
+        assert "unknown option(s) retries" in str(exc)
+    else:
+        raise AssertionError("an unknown option was accepted")
+
+
+_attributes = st.dictionaries(
+    st.sampled_from(["job", "job_id", "traceparent", "x"]) | st.text(min_size=1, max_size=20),
+    st.sampled_from(["t.ok", "t.item", "", "nope"]) | st.text(max_size=40),
+    max_size=8,
+)
+_bodies = st.one_of(
+    st.binary(max_size=200),
+    st.just(b""),
+    st.binary(min_size=4097, max_size=5000),
+    st.builds(
+        lambda v: json.dumps(v).encode(),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+            lambda inner: (
+                st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3)
+            ),
+            max_leaves=6,
+        ),
+    ),
+    st.builds(lambda n, k: json.dumps({"name": n, "count": k}).encode(), st.text(), st.integers()),
+)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_bodies, attributes=_attributes, attempt=st.one_of(st.none(), st.integers(1, 9)))
+def test_random_messages_end_as_a_run_or_one_failure_record(
+    body: bytes, attributes: dict[str, str], attempt: int | None
+) -> None:
+    jobs = Registry()
+    runs: list[object] = []
+    jobs.job("t.ok")(lambda ctx, payload: runs.append(payload))
+    jobs.job("t.item", payload=Item)(lambda ctx, payload: runs.append(payload))
+    processor, acks, dead_letters = build(jobs)
+    processor.process(make_delivery(body, attributes, attempt=attempt))
+    # Exactly one of: the handler ran, or one failure record was written; either way one ack.
+    assert len(runs) + len(dead_letters.records) == 1
+    assert acks.acked == ["ack-m-1"] and acks.modacked == []
+    for delivery, failure in dead_letters.records:
+        record = failure_attributes(delivery, failure, subscription="s", topic="t", worker="w")
+        assert len(record) <= c.MAX_ATTRIBUTES
+        assert all(len(v.encode()) <= c.MAX_ATTRIBUTE_VALUE_BYTES for v in record.values())
+        assert record[c.ATTR_ERROR_TYPE] == failure.error_type
+        assert failure.error_type in {
+            c.ERR_NOT_JSON,
+            c.ERR_NOT_OBJECT,
+            c.ERR_MISSING_JOB,
+            c.ERR_UNKNOWN_JOB,
+            c.ERR_INVALID_PAYLOAD,
+            c.ERR_OVERSIZE,
+        }

@@ -1,0 +1,35 @@
+"""Two real worker processes on one subscription share the backlog fairly."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from pathlib import Path
+
+from tests.support import PubSubEnv, read_ledger, start_worker, wait_for
+
+
+def test_two_workers_share_a_backlog_without_hoarding(pubsub: PubSubEnv, tmp_path: Path) -> None:
+    # Given 40 one-second jobs and two worker processes with max_outstanding=2 each
+    pubsub.provision()
+    ledger = tmp_path / "ledger.jsonl"
+    workers = [start_worker(pubsub, ledger, "--max-outstanding", "2") for _ in range(2)]
+    try:
+        pubsub.publish_many("demo.sleep", [(f"job-{i}", {"seconds": 1.0}) for i in range(40)])
+        # When they run until the backlog is done
+        assert wait_for(lambda: len(read_ledger(ledger)) >= 40, timeout=90)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        codes = [worker.wait(30) for worker in workers]
+    runs = read_ledger(ledger)
+    # Then every job ran once, each worker ran a fair share, and 4 slots were kept busy
+    assert sorted(r["job_id"] for r in runs) == sorted(f"job-{i}" for i in range(40))
+    per_worker = Counter(r["pid"] for r in runs)
+    assert len(per_worker) == 2 and min(per_worker.values()) >= 16, per_worker
+    makespan = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    busy = sum(r["end"] - r["start"] for r in runs)
+    utilisation = busy / (4 * makespan)
+    print(f"per worker {dict(per_worker)}, makespan {makespan:.2f}s, utilisation {utilisation:.2f}")
+    assert utilisation > 0.75
+    assert codes == [0, 0]

@@ -1,0 +1,3 @@
+from workerpool.cli import main
+
+main()
