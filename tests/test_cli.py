@@ -70,10 +70,9 @@ def test_publish_then_cli_lists_jobs(pubsub: PubSubEnv, tmp_path: Path) -> None:
         '{"job": "demo.echo", "job_id": "b", "data": {}}\n'
     )
     runner = CliRunner()
-    many = runner.invoke(main, ["publish", "--project", pubsub.project, "--topic", pubsub.topic,
-                                "--file", str(jsonl)])  # fmt: skip
-    one = runner.invoke(main, ["publish", "--project", pubsub.project, "--topic", pubsub.topic,
-                               "--job", "demo.echo", "--job-id", "c", "--data", '{"k": 1}'])  # fmt: skip
+    target = ["publish", "--project", pubsub.project, "--topic", pubsub.topic]
+    many = runner.invoke(main, [*target, "--file", str(jsonl)])
+    one = runner.invoke(main, [*target, "--job", "demo.echo", "--job-id", "c", "--data", '{"k":1}'])
     assert many.exit_code == 0 and "published 2 job(s)" in many.output
     assert one.exit_code == 0 and "published 1 job(s)" in one.output
     received = pubsub.subscriber.pull(subscription=pubsub.subscription_path, max_messages=10)

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from tests.support import PubSubEnv, wait_for
+from workerpool import JobContext, PermanentError, RetryableError
+from workerpool import constants as c
+from workerpool.registry import Registry
 
 
 @dataclass
 class _Typed:
     size: int
-
-
-from workerpool import JobContext, PermanentError, RetryableError
-from workerpool import constants as c
-from workerpool.registry import Registry
 
 
 def test_each_poison_case_yields_one_failure_record_on_first_delivery(pubsub: PubSubEnv) -> None:

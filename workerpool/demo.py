@@ -57,7 +57,12 @@ def run_demo(*, count: int, max_outstanding: int, echo: Callable[[str], None]) -
     with _emulator(echo):
         clients = Clients()
         request = ProvisionRequest(
-            PROJECT, TOPIC, SUBSCRIPTION, DEAD_LETTER_TOPIC, ack_deadline=10, min_backoff=1,
+            PROJECT,
+            TOPIC,
+            SUBSCRIPTION,
+            DEAD_LETTER_TOPIC,
+            ack_deadline=10,
+            min_backoff=1,
             max_backoff=10,
         )
         for resource, created in provision(clients.publisher, clients.subscriber, request):
