@@ -117,6 +117,7 @@ class PubSubEnv:
             "min_backoff": 1.0,
             "max_backoff": 10.0,
             "drain_timeout": 10.0,
+            "idempotency_store": "memory://",
             **overrides,
         }
         return Settings(**values).validate()
@@ -144,14 +145,21 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
-def start_worker(env: PubSubEnv, ledger: Path, *args: str) -> subprocess.Popen[str]:
-    """A real ``workerpool run`` process on ``env``'s subscription, running jobs.demo."""
+def start_worker(
+    env: PubSubEnv, ledger: Path, *args: str, store: str = ""
+) -> subprocess.Popen[str]:
+    """A real ``workerpool run`` process on ``env``'s subscription, running jobs.demo.
+
+    Workers of one test share an SQLite idempotency store beside the ledger unless ``store``
+    names another."""
+    store = store or f"sqlite:///{ledger.parent / 'claims.db'}"
     command = [
         sys.executable, "-m", "workerpool", "run",
         "--project", env.project,
         "--subscription", env.subscription,
         "--jobs", "jobs.demo",
         "--min-backoff", "1",
+        "--idempotency-store", store,
         *args,
     ]  # fmt: skip
     environment = {

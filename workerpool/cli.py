@@ -69,6 +69,11 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--min-backoff", type=float, help="First retry delay, seconds."),
     click.option("--max-backoff", type=float, help="Longest retry delay, seconds."),
     click.option("--jobs", multiple=True, help="Module that registers jobs (repeatable)."),
+    click.option(
+        "--idempotency-store",
+        help="sqlite:///PATH (default), firestore://PROJECT/COLLECTION, memory:// or none.",
+    ),
+    click.option("--claim-ttl", type=float, help="Seconds a job claim lives unless renewed."),
 ]
 
 

@@ -35,11 +35,19 @@ class Settings:
     min_backoff: float = 2.0
     max_backoff: float = 600.0
     jobs: tuple[str, ...] = ()
+    idempotency_store: str = "sqlite:///workerpool-idempotency.db"
+    claim_ttl: float = 60.0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.
     job_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> Settings:
-        positive = ("max_outstanding", "max_bytes", "max_payload_bytes", "lease_extension")
+        positive = (
+            "max_outstanding",
+            "max_bytes",
+            "max_payload_bytes",
+            "lease_extension",
+            "claim_ttl",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

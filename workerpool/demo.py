@@ -78,6 +78,7 @@ def run_demo(*, count: int, max_outstanding: int, echo: Callable[[str], None]) -
             min_backoff=1.0,
             max_backoff=4.0,
             drain_timeout=10.0,
+            idempotency_store="memory://",  # a fresh emulator each run: start from nothing
         )
         launcher = Launcher(settings).start()
         stats = launcher.processor.stats

@@ -22,6 +22,8 @@ from workerpool.backoff import Backoff
 from workerpool.config import Settings
 from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
+from workerpool.idempotency import open_store
+from workerpool.idempotency.middleware import Idempotency
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, TimeLimit
 from workerpool.pool import DrainReport, Pool, PoolLimits
@@ -44,6 +46,14 @@ class Clients:
         self.publisher.stop()
 
 
+def _idempotency(settings: Settings, owner: str) -> list[Middleware]:
+    try:
+        store = open_store(settings.idempotency_store)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"idempotency_store: {exc}") from None
+    return [] if store is None else [Idempotency(store, owner, ttl=settings.claim_ttl)]
+
+
 class Launcher:
     def __init__(
         self,
@@ -60,7 +70,7 @@ class Launcher:
         self.worker_id = worker_id or worker_identity()
         self.subscription = subscription_path(settings.project, settings.subscription)
         self._jobs = jobs
-        self._middleware = [TimeLimit(), *middleware]
+        self._middleware = [*_idempotency(settings, self.worker_id), TimeLimit(), *middleware]
         self._clients = clients or Clients()
         self._stopped = False
         self.info: SubscriptionInfo | None = None

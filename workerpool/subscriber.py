@@ -85,7 +85,9 @@ class Puller:
                 )
             except gexc.DeadlineExceeded:
                 continue  # nothing arrived in time; not a failure
-            except _TRANSIENT as exc:
+            except (*_TRANSIENT, gexc.NotFound) as exc:
+                # NotFound too: an emulator restart loses the subscription until it is
+                # provisioned again, and a worker should resume then, not exit.
                 failures += 1
                 self.healthy.clear()
                 delay = min(self._max_backoff, 0.1 * 2**failures) * random.uniform(0.5, 1.0)

@@ -1,0 +1,1 @@
+"""Benchmarks that run against the local Pub/Sub emulator (see bench/README.md)."""
