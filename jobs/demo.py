@@ -4,6 +4,9 @@ If ``WORKERPOOL_DEMO_LEDGER`` names a file, every run appends one JSON line to i
 message id, attempt, pid, start and end times), which is how the tests check from outside a
 worker process what ran, when, and how often. The path comes from the environment, never from
 a message, so a publisher cannot make a worker write files.
+
+With ``WORKERPOOL_DEMO_LEDGER_STARTS=1`` a run also appends a line with outcome ``"start"`` (and
+no ``end``) when it begins, so tests can see what is running now; it is off by default.
 """
 
 from __future__ import annotations
@@ -32,24 +35,29 @@ def _record(ctx: JobContext, started: float, outcome: str) -> None:
     path = os.environ.get("WORKERPOOL_DEMO_LEDGER")
     if not path:
         return
-    line = json.dumps(
-        {
-            "job_id": ctx.job_id,
-            "message_id": ctx.message_id,
-            "attempt": ctx.delivery_attempt,
-            "pid": os.getpid(),
-            "start": started,
-            "end": time.time(),
-            "outcome": outcome,
-        }
-    )
+    entry: dict[str, Any] = {
+        "job_id": ctx.job_id,
+        "message_id": ctx.message_id,
+        "attempt": ctx.delivery_attempt,
+        "pid": os.getpid(),
+        "start": started,
+    }
+    if outcome != "start":
+        entry["end"] = time.time()
+    entry["outcome"] = outcome
     with _ledger_lock, open(path, "a") as ledger:
-        ledger.write(line + "\n")
+        ledger.write(json.dumps(entry) + "\n")
+
+
+def _record_start(ctx: JobContext, started: float) -> None:
+    if os.environ.get("WORKERPOOL_DEMO_LEDGER_STARTS") == "1":
+        _record(ctx, started, "start")
 
 
 @job("demo.sleep", timeout=600, payload=SleepRequest)
 def sleep(ctx: JobContext, request: SleepRequest) -> None:
     started = time.time()
+    _record_start(ctx, started)
     finished = ctx.sleep(request.seconds)
     if request.fail == "permanent":
         _record(ctx, started, "permanent")

@@ -14,7 +14,7 @@ class FakeAcks:
     acked: list[str] = field(default_factory=list)
     modacked: list[tuple[str, float]] = field(default_factory=list)
 
-    def ack(self, ack_id: str) -> None:
+    def ack(self, ack_id: str, *, confirm: bool = False) -> None:
         self.acked.append(ack_id)
 
     def modack(self, ack_ids: list[str], seconds: float) -> None:

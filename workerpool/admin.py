@@ -70,6 +70,7 @@ class ProvisionRequest:
     max_backoff: float = 600.0
     filter: str = ""
     retry_policy: bool = True
+    exactly_once: bool = False
 
 
 def _seconds(value: float) -> duration_pb2.Duration:
@@ -94,6 +95,7 @@ def provision(publisher: Any, subscriber: Any, req: ProvisionRequest) -> list[tu
             "max_delivery_attempts": req.max_delivery_attempts,
         },
         "filter": req.filter,
+        "enable_exactly_once_delivery": req.exactly_once,
     }
     if req.retry_policy:
         subscription["retry_policy"] = {

@@ -139,6 +139,7 @@ def list_jobs(modules: tuple[str, ...]) -> None:
 @click.option("--min-backoff", type=click.FloatRange(0, 600), default=10, show_default=True)
 @click.option("--max-backoff", type=click.FloatRange(0, 600), default=600, show_default=True)
 @click.option("--filter", "filter_", default="", help="Subscription filter expression.")
+@click.option("--exactly-once", is_flag=True, help="Enable exactly-once delivery.")
 def provision(**options: Any) -> None:
     """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
     options["filter"] = options.pop("filter_")

@@ -100,14 +100,11 @@ class LocalEmulator:
         process, self._process = self._process, None
         if process is None:
             return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        # Wait for the whole group, not just the wrapper: the Java server exits after it.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _signal_group(process.pid, sig) or _group_gone(process, timeout=10):
+                break
+        process.wait()
 
     def restart(self) -> None:
         self.stop()
@@ -123,3 +120,23 @@ class LocalEmulator:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> bool:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _group_gone(process: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.poll()  # reap the wrapper so it does not linger as a zombie in the group
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

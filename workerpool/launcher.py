@@ -121,6 +121,7 @@ class Launcher:
                 Backoff(s.min_backoff, s.max_backoff),
                 s.max_payload_bytes,
                 server_backoff=self.info.has_retry_policy,
+                exactly_once=self.info.exactly_once,
             ),
         )
         limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)

@@ -19,7 +19,7 @@ from workerpool.backoff import Backoff
 from workerpool.context import JobContext
 from workerpool.deadletter import DeadLetterPublisher, Failure
 from workerpool.delivery import Delivery
-from workerpool.envelope import Job, Rejection, decode, job_id_of
+from workerpool.envelope import Job, Rejection, decode
 from workerpool.errors import PermanentError, RetryableError
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, chain
@@ -49,6 +49,21 @@ class ProcessorSettings:
     # On the emulator, delaying with modify_ack_deadline(d) on such a subscription lost
     # messages for minutes (a batch of 2 or 6, per-message calls too), so we nack with 0 there.
     server_backoff: bool = False
+    # The subscription delivers exactly once: an ack can be refused, so wait for its result.
+    exactly_once: bool = False
+
+
+# How long a worker thread waits to learn whether an exactly-once ack took.
+_ACK_CONFIRM_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class _Subject:
+    """What a failure record and the logs say a message was."""
+
+    job_name: str
+    job_id: str
+    attempt: int
 
 
 class AttemptCounter:
@@ -114,15 +129,15 @@ class Processor:
         )
         if isinstance(decoded, Rejection):
             outcome: Outcome = Rejected(decoded.error_type, decoded.error_message)
-            job_name, job_id, max_attempts = decoded.job_name, decoded.job_id, 1
+            subject, max_attempts = _Subject(decoded.job_name, decoded.job_id, attempt), 1
         else:
             outcome = self._run(decoded, delivery)
-            job_name, job_id = decoded.name, decoded.job_id
+            subject = _Subject(decoded.name, decoded.job_id, attempt)
             max_attempts = decoded.spec.max_attempts
         action = decide(
             outcome, attempt=attempt, max_attempts=max_attempts, backoff=self._settings.backoff
         )
-        self._settle(delivery, action, Failure("", "", job_name, job_id, attempt))
+        self._settle(delivery, action, subject)
 
     def _run(self, job: Job, delivery: Delivery) -> Outcome:
         # The lease follows the job's own timeout, however long, and stops soon after it.
@@ -146,41 +161,48 @@ class Processor:
             with self._lock:
                 self._running.pop(delivery.ack_id, None)
 
-    def _settle(self, delivery: Delivery, action: Action, failure: Failure) -> None:
+    def _settle(self, delivery: Delivery, action: Action, subject: _Subject) -> None:
         if isinstance(action, DeadLetter):
-            action = self._record_failure(delivery, action, failure)
+            action = self._record_failure(delivery, action, subject)
         if not delivery.settle():
             return  # the drain deadline already gave this message back
         self._leaser.remove(delivery)
         match action:
             case Ack(label):
-                self._acks.ack(delivery.ack_id)
+                if not self._ack(delivery):
+                    label = "ack_failed"
             case Nack(delay, label):
                 self._acks.modack([delivery.ack_id], 0 if self._settings.server_backoff else delay)
         self._count(label)
 
-    def _record_failure(self, delivery: Delivery, action: DeadLetter, failure: Failure) -> Action:
+    def _ack(self, delivery: Delivery) -> bool:
+        confirmation = self._acks.ack(delivery.ack_id, confirm=self._settings.exactly_once)
+        if confirmation is None or confirmation.result(timeout=_ACK_CONFIRM_TIMEOUT):
+            return True
+        # Exactly-once: the message will come back (or went to another worker already); the
+        # idempotency store, not this ack, is what stops a second run.
+        log.error("ack of message %s was refused by Pub/Sub", delivery.message_id)
+        return False
+
+    def _record_failure(self, delivery: Delivery, action: DeadLetter, subject: _Subject) -> Action:
         record = Failure(
-            action.error_type,
-            action.error_message,
-            failure.job_name,
-            failure.job_id,
-            failure.delivery_attempt,
-        )
+            action.error_type, action.error_message, subject.job_name, subject.job_id,
+            subject.attempt,
+        )  # fmt: skip
         try:
             self._dead_letters.publish(delivery, record)
         except Exception as exc:  # any failure to record means we must not ack
-            log.error("failure record for %s not published: %s", failure.job_id, exc)
+            log.error("failure record for %s not published: %s", subject.job_id, exc)
             return decide(
                 RecordFailed(str(exc)),
-                attempt=failure.delivery_attempt,
-                max_attempts=failure.delivery_attempt + 1,
+                attempt=subject.attempt,
+                max_attempts=subject.attempt + 1,
                 backoff=self._settings.backoff,
             )
         log.warning(
             "job %s (%s) dead-lettered: %s: %s",
-            failure.job_name,
-            failure.job_id,
+            subject.job_name,
+            subject.job_id,
             action.error_type,
             action.error_message,
         )
@@ -198,16 +220,17 @@ class Processor:
             entry.ctx.cancelled.set()
             for mw in self._middleware:
                 mw.interrupted(entry.job, entry.ctx)
-            self._settle(entry.delivery, decide_interrupted(), _no_failure(entry))
+            job = entry.job
+            action = decide(
+                Interrupted(),
+                attempt=job.delivery_attempt,
+                max_attempts=job.spec.max_attempts,
+                backoff=self._settings.backoff,
+            )
+            self._settle(
+                entry.delivery, action, _Subject(job.name, job.job_id, job.delivery_attempt)
+            )
         return len(running)
-
-
-def decide_interrupted() -> Action:
-    return decide(Interrupted(), attempt=1, max_attempts=1, backoff=Backoff())
-
-
-def _no_failure(entry: _Running) -> Failure:
-    return Failure("", "", entry.job.name, entry.job.job_id, entry.job.delivery_attempt)
 
 
 def _invoke(job: Job, ctx: JobContext) -> Outcome:
@@ -222,6 +245,3 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
         ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
         return Failed(type(exc).__name__, str(exc))
     return Succeeded()
-
-
-__all__ = ["AttemptCounter", "Processor", "ProcessorSettings", "job_id_of"]
