@@ -18,6 +18,7 @@ from google.cloud import pubsub_v1
 
 from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.config import Settings
+from workerpool.idempotency import IdempotencyStore
 from workerpool.launcher import Clients, Launcher
 from workerpool.registry import Registry
 
@@ -123,8 +124,11 @@ class PubSubEnv:
         return Settings(**values).validate()
 
     @contextlib.contextmanager
-    def worker(self, jobs: Registry, **overrides: Any) -> Iterator[Launcher]:
-        launcher = Launcher(self.settings(**overrides), jobs=jobs, clients=Clients()).start()
+    def worker(
+        self, jobs: Registry, *, store: IdempotencyStore | None = None, **overrides: Any
+    ) -> Iterator[Launcher]:
+        settings = self.settings(**overrides)
+        launcher = Launcher(settings, jobs=jobs, clients=Clients(), store=store).start()
         try:
             yield launcher
         finally:
@@ -176,3 +180,114 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def worker_command(env: PubSubEnv, ledger: Path, *args: str, store: str = "") -> list[str]:
+    """The command line ``start_worker`` runs (same defaults)."""
+    store = store or f"sqlite:///{ledger.parent / 'claims.db'}"
+    return [
+        sys.executable, "-m", "workerpool", "run",
+        "--project", env.project,
+        "--subscription", env.subscription,
+        "--jobs", "jobs.demo",
+        "--min-backoff", "1",
+        "--idempotency-store", store,
+        *args,
+    ]  # fmt: skip
+
+
+@dataclass
+class WorkerProcess:
+    """A real worker process whose output goes to a file (a pipe nobody reads could fill up)."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    launched: float  # time.time() just before the process was started
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def ready(self) -> bool:
+        """The worker has started its puller (the launcher logs "pulling" then)."""
+        return " pulling " in self.output()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, signum: int) -> float:
+        """Send ``signum``; return the monotonic time it was sent."""
+        self.process.send_signal(signum)
+        return time.monotonic()
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the process if it still runs, and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+def spawn_worker(
+    env: PubSubEnv,
+    ledger: Path,
+    *args: str,
+    store: str = "",
+    extra_env: dict[str, str] | None = None,
+    starts: bool = True,
+) -> WorkerProcess:
+    """Like ``start_worker``, but the output goes to a log file beside the ledger, ``extra_env``
+    is added to the environment, and (``starts``) jobs.demo also writes "start" ledger lines."""
+    log = ledger.parent / f"worker-{uuid.uuid4().hex[:8]}.log"
+    environment = {
+        **os.environ,
+        "PUBSUB_EMULATOR_HOST": env.host,
+        "WORKERPOOL_DEMO_LEDGER": str(ledger),
+        "WORKERPOOL_DEMO_LEDGER_STARTS": "1" if starts else "0",
+        **(extra_env or {}),
+    }
+    launched = time.time()
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            worker_command(env, ledger, *args, store=store),
+            env=environment,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return WorkerProcess(process, log, launched)
+
+
+@contextlib.contextmanager
+def worker_processes() -> Iterator[list[WorkerProcess]]:
+    """Collects the workers a test spawns; any still alive at the end is SIGKILLed."""
+    workers: list[WorkerProcess] = []
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.kill()
+
+
+def read_ledger_lines(path: Path) -> list[dict[str, Any]]:
+    """``read_ledger`` for a ledger still being written: a last line without its newline yet
+    is left out rather than parsed half-written."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def ledger_events(path: Path, outcome: str, pid: int | None = None) -> list[dict[str, Any]]:
+    """Ledger lines with ``outcome`` ("start", "done", "cancelled", ...), of ``pid`` if given."""
+    return [
+        r
+        for r in read_ledger_lines(path)
+        if r["outcome"] == outcome and (pid is None or r["pid"] == pid)
+    ]

@@ -22,7 +22,7 @@ from workerpool.backoff import Backoff
 from workerpool.config import Settings
 from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
-from workerpool.idempotency import open_store
+from workerpool.idempotency import IdempotencyStore, open_store
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, TimeLimit
@@ -46,11 +46,14 @@ class Clients:
         self.publisher.stop()
 
 
-def _idempotency(settings: Settings, owner: str) -> list[Middleware]:
-    try:
-        store = open_store(settings.idempotency_store)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"idempotency_store: {exc}") from None
+def _idempotency(
+    settings: Settings, owner: str, store: IdempotencyStore | None
+) -> list[Middleware]:
+    if store is None:
+        try:
+            store = open_store(settings.idempotency_store)
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(f"idempotency_store: {exc}") from None
     return [] if store is None else [Idempotency(store, owner, ttl=settings.claim_ttl)]
 
 
@@ -63,14 +66,20 @@ class Launcher:
         middleware: Sequence[Middleware] = (),
         clients: Clients | None = None,
         worker_id: str | None = None,
+        store: IdempotencyStore | None = None,
     ) -> None:
+        """``store`` overrides ``settings.idempotency_store`` with a store object of your own."""
         if not settings.project or not settings.subscription:
             raise ConfigError("project and subscription are required")
         self.settings = settings
         self.worker_id = worker_id or worker_identity()
         self.subscription = subscription_path(settings.project, settings.subscription)
         self._jobs = jobs
-        self._middleware = [*_idempotency(settings, self.worker_id), TimeLimit(), *middleware]
+        self._middleware = [
+            *_idempotency(settings, self.worker_id, store),
+            TimeLimit(),
+            *middleware,
+        ]
         self._clients = clients or Clients()
         self._stopped = False
         self.info: SubscriptionInfo | None = None

@@ -15,6 +15,7 @@ from workerpool.context import JobContext
 from workerpool.envelope import Job
 from workerpool.idempotency.base import (
     Claimed,
+    ClaimResult,
     Done,
     HeldElsewhere,
     IdempotencyStore,
@@ -48,7 +49,8 @@ class Idempotency(Middleware):
         self._owner = owner
         self._ttl = ttl
         self._complete_patience = complete_patience
-        self._claims: dict[_Key, JobContext] = {}
+        self._claims: dict[_Key, JobContext] = {}  # claimed and running: renewed
+        self._active: set[_Key] = set()  # being processed here, claimed or not yet
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="workerpool-claims")
@@ -56,8 +58,22 @@ class Idempotency(Middleware):
         self._renewer.start()
 
     def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
+        key = (job.job_id, job.message_id)
+        with self._lock:
+            if key in self._active:
+                return RedeliveredWhileRunning()  # its first delivery runs right here
+            self._active.add(key)
+        try:
+            return self._run_claimed(job, ctx, call_next, key)
+        finally:
+            with self._lock:
+                self._active.discard(key)
+
+    def _run_claimed(self, job: Job, ctx: JobContext, call_next: Next, key: _Key) -> Outcome:
         try:
             claim = self._store.claim(job.job_id, self._owner, job.message_id, self._ttl)
+            if self._is_own_stale_claim(claim, job):
+                claim = Claimed()
         except StoreUnavailable as exc:
             return Unavailable(f"idempotency store: {exc}")
         match claim:
@@ -70,7 +86,6 @@ class Idempotency(Middleware):
                 return DuplicateOfRunning()
             case Claimed():
                 pass
-        key = (job.job_id, job.message_id)
         with self._lock:
             self._claims[key] = ctx
         try:
@@ -82,6 +97,16 @@ class Idempotency(Middleware):
             return self._complete(job, ctx)
         self._release(job)
         return outcome
+
+    def _is_own_stale_claim(self, claim: ClaimResult, job: Job) -> bool:
+        """A claim of ours on this very message that no run here holds (``run`` checked):
+        left by a claim whose reply was lost in an outage. Taking it back beats its TTL."""
+        return (
+            isinstance(claim, HeldElsewhere)
+            and claim.owner == self._owner
+            and claim.message_id == job.message_id
+            and self._store.renew(job.job_id, self._owner, job.message_id, self._ttl)
+        )
 
     def _complete(self, job: Job, ctx: JobContext) -> Outcome:
         # The side effect happened: keep trying to record it rather than re-running the job,
