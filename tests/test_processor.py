@@ -18,6 +18,7 @@ from workerpool.outcome import (
     Ack,
     AlreadyDone,
     DeadLetter,
+    Deferred,
     DuplicateOfRunning,
     Failed,
     Interrupted,
@@ -69,6 +70,8 @@ def test_decision_table() -> None:
         assert isinstance(action, Nack) and 2.0 <= action.delay <= 4.0
     deferred = decide(RedeliveredWhileRunning(), attempt=1, max_attempts=5, backoff=BACKOFF)
     assert isinstance(deferred, Nack) and deferred.label == "deferred" and deferred.delay >= 1
+    at_cap = decide(Deferred("at the cap", 7.0), attempt=9, max_attempts=5, backoff=BACKOFF)
+    assert at_cap == Nack(7.0, "deferred")  # past max_attempts, yet not dead-lettered
     last = decide(Failed("RetryableError", "flaky"), attempt=5, max_attempts=5, backoff=BACKOFF)
     assert last == DeadLetter(c.ERR_ATTEMPTS_EXHAUSTED, "RetryableError after 5 attempts: flaky")
 

@@ -1,11 +1,12 @@
 """workerpool: run jobs from a Pub/Sub pull subscription as a bounded, well-behaved pool."""
 
 from workerpool.context import JobContext
-from workerpool.errors import ConfigError, PermanentError, RetryableError
+from workerpool.errors import ConfigError, Defer, PermanentError, RetryableError
 from workerpool.registry import JobSpec, job, registry
 
 __all__ = [
     "ConfigError",
+    "Defer",
     "JobContext",
     "JobSpec",
     "PermanentError",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 
 @dataclass
@@ -24,6 +26,8 @@ class JobContext:
     publish_time: datetime | None
     draining: threading.Event
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The job's section of the config file (``[jobs."NAME"]``), empty if there is none.
+    config: Mapping[str, Any] = field(default_factory=dict)
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )

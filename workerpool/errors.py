@@ -17,5 +17,17 @@ class PermanentError(JobError):
         self.error_type = error_type
 
 
+class Defer(JobError):
+    """Not now, and not a failure: redeliver later without counting toward ``max_attempts``
+    (a shared resource is at its cap, say). ``delay`` in seconds, or None for the backoff.
+
+    Each deferral still counts as a delivery for the subscription's own dead-letter policy.
+    """
+
+    def __init__(self, reason: str, *, delay: float | None = None) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
 class ConfigError(Exception):
     """Bad configuration; the CLI prints it as one line and exits with code 2."""

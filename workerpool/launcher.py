@@ -131,6 +131,7 @@ class Launcher:
                 s.max_payload_bytes,
                 server_backoff=self.info.has_retry_policy,
                 exactly_once=self.info.exactly_once,
+                job_config=s.job_config,
             ),
         )
         limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)

@@ -49,6 +49,14 @@ class RedeliveredWhileRunning:
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """The handler asked to run later (``Defer``): not a failure."""
+
+    reason: str
+    delay: float | None = None
+
+
+@dataclass(frozen=True)
 class Interrupted:
     """The drain deadline passed while the handler ran."""
 
@@ -74,6 +82,7 @@ Outcome = (
     | AlreadyDone
     | DuplicateOfRunning
     | RedeliveredWhileRunning
+    | Deferred
     | Interrupted
     | Unavailable
     | RecordFailed
@@ -129,6 +138,9 @@ def decide(outcome: Outcome, *, attempt: int, max_attempts: int, backoff: Backof
             # Never ack: the holder may still fail and need this message. Never run a second
             # copy either. Come back later; spaced, since each deferral counts as a delivery.
             return Nack(backoff.delay(attempt + 1), "deferred")
+        case Deferred(_, delay):
+            # Not a failure, so it never dead-letters by our count; the handler may say when.
+            return Nack(backoff.delay(attempt) if delay is None else delay, "deferred")
         case Interrupted():
             # Give it to another worker now; the handler has seen ctx.cancelled.
             return Nack(0.0, "drained")

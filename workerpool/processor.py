@@ -10,8 +10,9 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from workerpool import constants as c
 from workerpool.acks import Acknowledger
@@ -20,13 +21,14 @@ from workerpool.context import JobContext
 from workerpool.deadletter import DeadLetterPublisher, Failure
 from workerpool.delivery import Delivery
 from workerpool.envelope import Job, Rejection, decode
-from workerpool.errors import PermanentError, RetryableError
+from workerpool.errors import Defer, PermanentError, RetryableError
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, chain
 from workerpool.outcome import (
     Ack,
     Action,
     DeadLetter,
+    Deferred,
     Failed,
     Interrupted,
     Nack,
@@ -51,6 +53,8 @@ class ProcessorSettings:
     server_backoff: bool = False
     # The subscription delivers exactly once: an ack can be refused, so wait for its result.
     exactly_once: bool = False
+    # Each job's own section of the config file, ``[jobs."NAME"]``, handed to it as ctx.config.
+    job_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 # How long a worker thread waits to learn whether an exactly-once ack took.
@@ -149,6 +153,7 @@ class Processor:
             delivery_attempt=job.delivery_attempt,
             publish_time=job.publish_time,
             draining=self.draining,
+            config=self._settings.job_config.get(job.name, {}),
             logger=logging.LoggerAdapter(
                 logging.getLogger(f"workerpool.job.{job.name}"), {"job_id": job.job_id}
             ),
@@ -239,6 +244,8 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
         job.spec.handler(ctx, job.payload)
     except PermanentError as exc:
         return Rejected(exc.error_type, str(exc) or type(exc).__name__)
+    except Defer as exc:
+        return Deferred(str(exc), exc.delay)
     except RetryableError as exc:
         return Failed(type(exc).__name__, str(exc))
     except Exception as exc:
