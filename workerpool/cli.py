@@ -18,7 +18,7 @@ from workerpool.admin import ProvisionRequest, topic_path
 from workerpool.admin import provision as provision_resources
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
-from workerpool.launcher import Clients, Launcher
+from workerpool.launcher import Clients, Fleet
 from workerpool.publishing import JobMessage, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry
 
@@ -74,6 +74,11 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
         help="sqlite:///PATH (default), firestore://PROJECT/COLLECTION, memory:// or none.",
     ),
     click.option("--claim-ttl", type=float, help="Seconds a job claim lives unless renewed."),
+    click.option(
+        "--rate-limit",
+        multiple=True,
+        help="Declare a rate limit NAME=RATE/s[:BURST] (repeatable), e.g. partner=20/s:5.",
+    ),
 ]
 
 
@@ -106,13 +111,13 @@ def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     _load_jobs(settings.jobs)
     signals = _Signals()
     signals.install()
-    launcher = Launcher(settings).start()
+    fleet = Fleet(settings).start()
     while not signals.stop.wait(1.0):
         pass
     logging.getLogger("workerpool").info(
         "signal received: draining (%.0fs)", settings.drain_timeout
     )
-    launcher.stop(time.monotonic() + settings.drain_timeout, abort=signals.hurry)
+    fleet.stop(time.monotonic() + settings.drain_timeout, abort=signals.hurry)
 
 
 @main.command("jobs")

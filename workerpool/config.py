@@ -16,6 +16,7 @@ from typing import Any
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
+from workerpool.ratelimit import RateSpec, parse_rate
 
 DEFAULT_CONFIG_FILE = "workerpool.toml"
 ENV_PREFIX = "WORKERPOOL_"
@@ -39,6 +40,10 @@ class Settings:
     claim_ttl: float = 60.0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.
     job_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # ``[rate_limits]`` NAME = "RATE/s:BURST", shared by every pool of the process.
+    rate_limits: Mapping[str, RateSpec] = field(default_factory=dict)
+    # ``[[pools]]``: one pool per subscription, each overriding the settings above.
+    pools: tuple[Mapping[str, Any], ...] = ()
 
     def validate(self) -> Settings:
         positive = (
@@ -58,10 +63,29 @@ class Settings:
             raise ConfigError(f"lease_extension must be 10..600 s, got {self.lease_extension}")
         if self.max_backoff < self.min_backoff:
             raise ConfigError("max_backoff must be at least min_backoff")
+        if self.pools and not all(pool.subscription for pool in self.pool_settings()):
+            raise ConfigError("every [[pools]] entry needs a subscription")
         return self
 
+    def pool_settings(self) -> list[Settings]:
+        """One Settings per pool: the ``[[pools]]`` entries over these, or just these."""
+        if not self.pools:
+            return [self]
+        return [
+            dataclasses.replace(self, pools=(), **_pool_values(i, pool)).validate()
+            for i, pool in enumerate(self.pools)
+        ]
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name != "job_config"}
+
+def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(pool) - set(_FIELDS) - {"jobs"})
+    if unknown:
+        raise ConfigError(f"pools[{index}]: unknown setting {unknown[0]}")
+    return {k: _coerce(k, v, f"pools[{index}]") for k, v in pool.items()}
+
+
+_STRUCTURED = ("job_config", "rate_limits", "pools")
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _STRUCTURED}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -81,19 +105,47 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     raise ConfigError(f"{name} (from {source}) must be {kind}, got {value!r}")
 
 
-def _from_file(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _rate_limits(entries: Mapping[str, Any], source: str) -> dict[str, RateSpec]:
+    limits = {}
+    for name, text in entries.items():
+        try:
+            limits[name] = parse_rate(str(text))
+        except ValueError as exc:
+            raise ConfigError(f"rate limit {name} (from {source}): {exc}") from None
+    return limits
+
+
+def _rate_limit_flags(entries: str | tuple[str, ...], source: str) -> dict[str, RateSpec]:
+    """``NAME=RATE/s[:BURST]`` items, comma-separated in the environment."""
+    items = entries.split(",") if isinstance(entries, str) else entries
+    pairs = {}
+    for item in (i.strip() for i in items if i.strip()):
+        name, sep, rate = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"rate limit {item!r} (from {source}) is not NAME=RATE/s[:BURST]")
+        pairs[name.strip()] = rate
+    return _rate_limits(pairs, source)
+
+
+def _from_file(path: Path) -> dict[str, Any]:
     try:
         document = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from exc
+    unknown_tables = sorted(set(document) - {"worker", "jobs", "rate_limits", "pools"})
+    if unknown_tables:
+        raise ConfigError(f"config file {path}: unknown table [{unknown_tables[0]}]")
     worker = document.get("worker", {})
     unknown = sorted(set(worker) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting worker.{unknown[0]}")
     values = {k: _coerce(k, v, str(path)) for k, v in worker.items()}
-    return values, dict(document.get("jobs", {}))
+    values["job_config"] = dict(document.get("jobs", {}))
+    values["rate_limits"] = _rate_limits(document.get("rate_limits", {}), str(path))
+    values["pools"] = tuple(document.get("pools", ()))
+    return values
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -114,11 +166,16 @@ def load_settings(
     env = os.environ if env is None else env
     path = Path(config_file) if config_file else Path(DEFAULT_CONFIG_FILE)
     values: dict[str, Any] = {}
-    job_config: dict[str, Any] = {}
     if config_file or path.exists():
-        values, job_config = _from_file(path)
+        values = _from_file(path)
     values.update(_from_env(env))
-    for name, value in (flags or {}).items():
+    limits = dict(values.get("rate_limits", {}))
+    if env.get(ENV_PREFIX + "RATE_LIMITS"):
+        limits.update(_rate_limit_flags(env[ENV_PREFIX + "RATE_LIMITS"], "WORKERPOOL_RATE_LIMITS"))
+    flags = dict(flags or {})
+    limits.update(_rate_limit_flags(flags.pop("rate_limit", None) or (), "--rate-limit"))
+    values["rate_limits"] = limits
+    for name, value in flags.items():
         if value is not None and value != ():
             values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
-    return Settings(**values, job_config=job_config).validate()
+    return Settings(**values).validate()

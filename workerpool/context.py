@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from workerpool.errors import Defer
+from workerpool.ratelimit.limiters import RateLimiters, UnknownLimiter
+
 
 @dataclass
 class JobContext:
@@ -28,9 +31,26 @@ class JobContext:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # The job's section of the config file (``[jobs."NAME"]``), empty if there is none.
     config: Mapping[str, Any] = field(default_factory=dict)
+    limiters: RateLimiters | None = field(default=None, repr=False)
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )
+
+    def acquire(self, limiter: str, tokens: float = 1.0) -> float:
+        """Wait for ``tokens`` from the declared rate limit ``limiter`` (one per outbound call,
+        say); return the seconds waited. The lease stays extended meanwhile. Raises ``Defer``
+        (the message is given back at once, not counted as a failure) if the pool drains."""
+        if self.limiters is None:
+            raise UnknownLimiter(f"no rate limit named {limiter!r} is declared")
+        waited = self.limiters.acquire(limiter, tokens, self.draining)
+        if waited is None:
+            raise Defer("the pool is draining; gave up waiting for a rate-limit token", delay=0)
+        return waited
+
+    def throttled(self, limiter: str, retry_after: float | None = None) -> None:
+        """Tell ``limiter`` the upstream answered "too many requests": it slows down."""
+        if self.limiters is not None:
+            self.limiters.throttled(limiter, retry_after)
 
     def sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return False early if the run is cancelled."""

@@ -9,6 +9,17 @@ class RetryableError(JobError):
     """The job failed for a reason that may pass: redeliver it later, with backoff."""
 
 
+class RateLimitedError(RetryableError):
+    """The upstream said "too many requests": slow the named limiter down and retry later."""
+
+    def __init__(
+        self, message: str, *, limiter: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.limiter = limiter
+        self.retry_after = retry_after
+
+
 class PermanentError(JobError):
     """The job can never succeed with this input: record the failure and ack."""
 

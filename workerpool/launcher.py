@@ -25,9 +25,10 @@ from workerpool.errors import ConfigError
 from workerpool.idempotency import IdempotencyStore, open_store
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.lease import Leaser
-from workerpool.middleware import Middleware, TimeLimit
+from workerpool.middleware import Middleware, RateLimit, TimeLimit
 from workerpool.pool import DrainReport, Pool, PoolLimits
 from workerpool.processor import Processor, ProcessorSettings
+from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
 from workerpool.subscriber import Puller
 
@@ -57,6 +58,14 @@ def _idempotency(
     return [] if store is None else [Idempotency(store, owner, ttl=settings.claim_ttl)]
 
 
+def _check_rate_limits(jobs: Registry, limiters: RateLimiters) -> None:
+    declared = set(limiters.names())
+    for spec in jobs.specs():
+        name = spec.options.get("rate_limit")
+        if name and name not in declared:
+            raise ConfigError(f"job {spec.name} uses rate limit {name!r}, which is not declared")
+
+
 class Launcher:
     def __init__(
         self,
@@ -67,16 +76,21 @@ class Launcher:
         clients: Clients | None = None,
         worker_id: str | None = None,
         store: IdempotencyStore | None = None,
+        limiters: RateLimiters | None = None,
     ) -> None:
-        """``store`` overrides ``settings.idempotency_store`` with a store object of your own."""
+        """``store`` overrides ``settings.idempotency_store`` with a store object of your own;
+        ``limiters`` are shared by the pools of one process (default: from settings)."""
         if not settings.project or not settings.subscription:
             raise ConfigError("project and subscription are required")
         self.settings = settings
         self.worker_id = worker_id or worker_identity()
         self.subscription = subscription_path(settings.project, settings.subscription)
         self._jobs = jobs
+        self._limiters = limiters or LocalLimiters(settings.rate_limits)
+        _check_rate_limits(jobs, self._limiters)
         self._middleware = [
             *_idempotency(settings, self.worker_id, store),
+            RateLimit(self._limiters),
             TimeLimit(),
             *middleware,
         ]
@@ -133,6 +147,7 @@ class Launcher:
                 exactly_once=self.info.exactly_once,
                 job_config=s.job_config,
             ),
+            limiters=self._limiters,
         )
         limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)
         self._pool = Pool(self._processor, self._leaser, self._acks, limits)
@@ -203,3 +218,32 @@ class Launcher:
             if self._pool.wait_idle(min(deadline, time.monotonic() + 0.1)):
                 return True
         return self._pool.wait_idle(time.monotonic())
+
+
+class Fleet:
+    """The pools of one process, one per subscription (``[[pools]]``), each with its own bound
+    and sharing the rate limiters. Draining quiets every pool first, then waits for them all
+    against one deadline."""
+
+    def __init__(self, settings: Settings, *, jobs: Registry = registry) -> None:
+        limiters = LocalLimiters(settings.rate_limits)
+        self.settings = settings
+        self.launchers = [
+            Launcher(pool, jobs=jobs, limiters=limiters) for pool in settings.pool_settings()
+        ]
+
+    def start(self) -> Fleet:
+        started: list[Launcher] = []
+        try:
+            for launcher in self.launchers:
+                started.append(launcher.start())
+        except BaseException:
+            for launcher in started:
+                launcher.stop(time.monotonic())
+            raise
+        return self
+
+    def stop(self, deadline: float, abort: threading.Event | None = None) -> list[DrainReport]:
+        for launcher in self.launchers:
+            launcher.quiet()
+        return [launcher.stop(deadline, abort) for launcher in self.launchers]

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from workerpool.context import JobContext
 from workerpool.deadlines import Deadlines
 from workerpool.envelope import Job
-from workerpool.outcome import Outcome
+from workerpool.outcome import Interrupted, Outcome
+from workerpool.ratelimit.limiters import RateLimiters
 
 Next = Callable[[Job, JobContext], Outcome]
 
@@ -59,3 +60,16 @@ class TimeLimit(Middleware):
 
     def close(self) -> None:
         self._deadlines.close()
+
+
+class RateLimit(Middleware):
+    """One token per run from the limiter a job declares with ``@job(..., rate_limit=NAME)``."""
+
+    def __init__(self, limiters: RateLimiters) -> None:
+        self._limiters = limiters
+
+    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
+        name = job.spec.options.get("rate_limit")
+        if name and self._limiters.acquire(name, 1, ctx.draining) is None:
+            return Interrupted()  # draining: give the message back now, it never started
+        return call_next(job, ctx)

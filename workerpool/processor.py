@@ -21,7 +21,7 @@ from workerpool.context import JobContext
 from workerpool.deadletter import DeadLetterPublisher, Failure
 from workerpool.delivery import Delivery
 from workerpool.envelope import Job, Rejection, decode
-from workerpool.errors import Defer, PermanentError, RetryableError
+from workerpool.errors import Defer, PermanentError, RateLimitedError, RetryableError
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, chain
 from workerpool.outcome import (
@@ -38,6 +38,7 @@ from workerpool.outcome import (
     Succeeded,
     decide,
 )
+from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ class Processor:
         dead_letters: DeadLetterPublisher,
         middleware: Sequence[Middleware] = (),
         settings: ProcessorSettings = ProcessorSettings(),
+        limiters: RateLimiters | None = None,
     ) -> None:
         self._registry = registry
+        self._limiters = limiters
         self._acks = acks
         self._leaser = leaser
         self._dead_letters = dead_letters
@@ -154,6 +157,7 @@ class Processor:
             publish_time=job.publish_time,
             draining=self.draining,
             config=self._settings.job_config.get(job.name, {}),
+            limiters=self._limiters,
             logger=logging.LoggerAdapter(
                 logging.getLogger(f"workerpool.job.{job.name}"), {"job_id": job.job_id}
             ),
@@ -246,6 +250,10 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
         return Rejected(exc.error_type, str(exc) or type(exc).__name__)
     except Defer as exc:
         return Deferred(str(exc), exc.delay)
+    except RateLimitedError as exc:
+        if exc.limiter:
+            ctx.throttled(exc.limiter, exc.retry_after)
+        return Failed(type(exc).__name__, str(exc))
     except RetryableError as exc:
         return Failed(type(exc).__name__, str(exc))
     except Exception as exc:

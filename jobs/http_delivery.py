@@ -1,0 +1,133 @@
+"""``http.delivery``: send one HTTP request per job, at a declared rate, to allowed hosts only.
+
+Config (``[jobs."http.delivery"]``):
+
+    allowed_hosts = ["api.partner.com", "*.example.com"]   # required: nothing else is reached
+    limiters = {"api.partner.com" = "partner"}             # declared limiter per host
+    allow_loopback = false      # 127.0.0.0/8, ::1 (for tests and sidecars)
+    allow_private = false       # 10/8, 172.16/12, 192.168/16, fc00::/7
+    timeout = 10                # seconds, connect and read
+
+Link-local addresses (169.254.0.0/16, which holds the metadata server, and fe80::/10) are always
+refused, so a message can never make the worker fetch its own credentials. The host is
+resolved and every address checked before the request; redirects are not followed (a redirect
+could lead anywhere). Responses: 2xx done; 429 and 503 throttle the limiter and retry; other
+5xx retry; 4xx and 3xx are permanent. Header values are never logged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import requests
+
+from workerpool import JobContext, PermanentError, RetryableError, job
+from workerpool.errors import RateLimitedError
+
+_METADATA_HOSTS = {"metadata.google.internal", "metadata", "metadata.goog"}
+_FORBIDDEN_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+
+
+@dataclass
+class HttpRequest:
+    url: str
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "POST"
+    body: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    limiter: str | None = None
+
+
+def _refuse(message: str) -> PermanentError:
+    return PermanentError(message, error_type="http.refused")
+
+
+def _check_destination(url: str, config: Mapping[str, Any]) -> str:
+    """Return the host if ``url`` may be fetched under ``config``; raise PermanentError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise _refuse(f"url scheme {parts.scheme!r} is not http or https")
+    host = (parts.hostname or "").lower().rstrip(".")
+    if not host or parts.username or parts.password:
+        raise _refuse("url needs a host and no credentials")
+    allowed = config.get("allowed_hosts", [])
+    if not any(fnmatch.fnmatchcase(host, pattern.lower()) for pattern in allowed):
+        raise _refuse(f"host {host!r} is not in allowed_hosts")
+    if host in _METADATA_HOSTS:
+        raise _refuse(f"host {host!r} is the metadata server")
+    try:
+        infos = socket.getaddrinfo(host, parts.port or 443, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        raise RetryableError(f"cannot resolve {host!r}: {exc}") from exc
+    for info in infos:
+        _check_address(ipaddress.ip_address(info[4][0]), host, config)
+    return host
+
+
+def _check_address(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address, host: str, config: Mapping[str, Any]
+) -> None:
+    if address.is_link_local or address.is_multicast or address.is_unspecified:
+        raise _refuse(f"host {host!r} resolves to {address}, which is never allowed")
+    if address.is_loopback and not config.get("allow_loopback", False):
+        raise _refuse(f"host {host!r} resolves to loopback {address}")
+    if address.is_private and not address.is_loopback and not config.get("allow_private", False):
+        raise _refuse(f"host {host!r} resolves to private address {address}")
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    except (TypeError, ValueError):
+        return None
+
+
+def _classify(response: requests.Response, limiter: str | None) -> None:
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    if status in (429, 503):
+        raise RateLimitedError(
+            f"HTTP {status}", limiter=limiter, retry_after=_retry_after(response)
+        )
+    if status >= 500:
+        raise RetryableError(f"HTTP {status}")
+    raise PermanentError(f"HTTP {status}: {response.reason}", error_type=f"http.{status}")
+
+
+@job("http.delivery", timeout=120, max_attempts=8, payload=HttpRequest)
+def deliver(ctx: JobContext, request: HttpRequest) -> None:
+    host = _check_destination(request.url, ctx.config)
+    bad_headers = sorted(h for h in request.headers if h.lower() in _FORBIDDEN_HEADERS)
+    if bad_headers:
+        raise PermanentError(f"header {bad_headers[0]} may not be set", error_type="http.refused")
+    limiter = request.limiter or ctx.config.get("limiters", {}).get(host)
+    if limiter:
+        ctx.acquire(limiter)
+    timeout = float(ctx.config.get("timeout", 10))
+    try:
+        response = requests.request(
+            request.method,
+            request.url,
+            json=request.body,
+            headers=request.headers,
+            timeout=(timeout, timeout),
+            allow_redirects=False,
+        )
+    except requests.RequestException as exc:
+        raise RetryableError(f"{type(exc).__name__} talking to {host}") from exc
+    _classify(response, limiter)

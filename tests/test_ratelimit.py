@@ -1,0 +1,92 @@
+"""Token buckets: accuracy under concurrent use, burst caps, throttling and recovery."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from workerpool.ratelimit import LocalLimiters, RateSpec, TokenBucket, parse_rate
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_parse_rate() -> None:
+    assert parse_rate("20/s") == RateSpec(20.0, 1)
+    assert parse_rate("20/s:5") == RateSpec(20.0, 5)
+    assert parse_rate("600/min:3") == RateSpec(10.0, 3)
+    for bad in ("20", "fast", "0/s", "20/s:0", "20/h"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_ten_seconds_at_50_per_second_from_many_threads() -> None:
+    # Given a 50/s bucket with a burst of 5 and 8 threads taking tokens as fast as they can
+    spec = RateSpec(50.0, 5)
+    limiters = LocalLimiters({"api": spec})
+    granted: list[float] = []
+    lock, stop = threading.Lock(), threading.Event()
+    start = time.monotonic()
+    never = threading.Event()
+
+    def take() -> None:
+        while not stop.is_set():
+            limiters.acquire("api", 1, never)
+            with lock:
+                granted.append(time.monotonic() - start)
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(10.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    # Then 10 s hold 500 +- 1% plus the burst, and no 100 ms window beats burst + its share
+    in_window = sorted(t for t in granted if t < 10.0)
+    print(f"granted in 10 s: {len(in_window)}")
+    assert abs(len(in_window) - (500 + spec.burst)) <= 5
+    busiest = max(
+        sum(1 for t in in_window if s <= t < s + 0.1) for s in (i / 100 for i in range(990))
+    )
+    print(f"busiest 100 ms window: {busiest}")
+    assert busiest <= spec.burst + 5
+
+
+def test_throttle_halves_the_rate_then_recovers_additively() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(RateSpec(20.0, 1), clock=clock)
+    bucket.throttled()
+    assert bucket.rate == 10.0
+    bucket.throttled()
+    assert bucket.rate == 5.0
+    clock.now += 5  # a tenth of the declared rate back per second
+    assert bucket.rate == 15.0
+    clock.now += 10
+    assert bucket.rate == 20.0  # never above the declared rate
+
+
+def test_retry_after_blocks_everyone_until_it_passes() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(RateSpec(100.0, 10), clock=clock)
+    bucket.throttled(retry_after=3.0)
+    assert bucket.reserve() == pytest.approx(3.0)
+    clock.now += 3.0
+    assert bucket.reserve() < 0.5
+
+
+def test_waiting_gives_up_when_the_pool_drains() -> None:
+    limiters = LocalLimiters({"slow": RateSpec(0.1, 1)})
+    draining = threading.Event()
+    assert limiters.acquire("slow", 1, draining) == 0.0  # the burst
+    threading.Timer(0.2, draining.set).start()
+    started = time.monotonic()
+    assert limiters.acquire("slow", 1, draining) is None
+    assert time.monotonic() - started < 5  # gave up on the drain, not after its 10 s slot
