@@ -1,0 +1,212 @@
+"""Dead-letter tooling and ``status`` on the emulator: list, replay, a subscription's settings."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from click.testing import CliRunner
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tests.support import PubSubEnv, wait_for
+from workerpool import JobContext, PermanentError, RetryableError
+from workerpool import constants as c
+from workerpool.cli import main
+from workerpool.dlq import FailureRecord, Replayer, peek
+from workerpool.registry import Registry
+from workerpool.telemetry import Telemetry
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def _rows(output: str) -> list[list[str]]:
+    """Table rows of ``dlq list`` (header and count line left out), split on 2+ spaces."""
+    lines = [line for line in output.splitlines()[1:] if line and "record(s) on" not in line]
+    return [re.split(r"\s{2,}", line.strip()) for line in lines]
+
+
+def test_dead_letters_are_listed_replayed_processed_and_gone(pubsub: PubSubEnv) -> None:
+    # Given jobs that fail for real while a dependency is broken: 3 permanently, 2 by
+    # exhausting their attempts; all published with a trace context
+    pubsub.provision()
+    broken = threading.Event()
+    broken.set()
+    jobs, done = Registry(), []
+    lock = threading.Lock()
+
+    @jobs.job("t.fragile")
+    def fragile(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if broken.is_set():
+            raise PermanentError(f"bucket {payload['bucket']} is missing")
+        with lock:
+            done.append(ctx.job_id)
+
+    @jobs.job("t.flaky", max_attempts=2)
+    def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if broken.is_set():
+            raise RetryableError("upstream unavailable")
+        with lock:
+            done.append(ctx.job_id)
+
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    for i in range(3):
+        pubsub.publish(
+            "t.fragile", {"bucket": f"b{i}"}, job_id=f"fragile-{i}", traceparent=TRACEPARENT
+        )
+    for i in range(2):
+        pubsub.publish("t.flaky", {}, job_id=f"flaky-{i}", traceparent=TRACEPARENT)
+    dlq = f"{pubsub.dead_letter_topic}-sub"
+    target = ["--project", pubsub.project, "--subscription", dlq]
+
+    with pubsub.worker(jobs, telemetry=Telemetry(tracer_provider=tracer_provider)) as worker:
+        assert wait_for(lambda: worker.processor.stats["dead_lettered"] == 5, timeout=60)
+
+        # When the dead-letter subscription is listed, twice
+        code, first = _cli("dlq", "list", *target)
+        again = _cli("dlq", "list", *target)[1]
+        # Then the table shows each failure, and listing consumed nothing
+        assert code == 0, first
+        assert first.splitlines()[0].split() == [
+            "JOB", "JOB_ID", "ERROR_TYPE", "ERROR_MESSAGE", "ATTEMPTS", "FAILED_AT",
+        ]  # fmt: skip
+        rows = {row[1]: row for row in _rows(first)}
+        assert sorted(rows) == ["flaky-0", "flaky-1", "fragile-0", "fragile-1", "fragile-2"]
+        assert rows["fragile-1"][:5] == [
+            "t.fragile", "fragile-1", "permanent_error", "bucket b1 is missing", "1",
+        ]  # fmt: skip
+        assert rows["flaky-0"][:3] == ["t.flaky", "flaky-0", "attempts_exhausted"]
+        assert rows["flaky-0"][4] == "2" and rows["flaky-0"][5].startswith("20")
+        assert "5 record(s) on" in first
+        assert sorted(row[1] for row in _rows(again)) == sorted(rows)
+        # ... and --job filters
+        flaky_only = _cli("dlq", "list", *target, "--job", "t.flaky")[1]
+        assert sorted(row[1] for row in _rows(flaky_only)) == ["flaky-0", "flaky-1"]
+
+        # When the cause is removed and the records are replayed (a dry run first)
+        broken.clear()
+        code, dry = _cli("dlq", "replay", *target, "--dry-run")
+        assert code == 0 and "5 would_replay" in dry, dry
+        assert len(_rows(_cli("dlq", "list", *target)[1])) == 5
+        code, replayed = _cli("dlq", "replay", *target)
+        # Then every record is republished, and the worker runs each job once, successfully
+        assert code == 0 and "5 replayed" in replayed, replayed
+        assert wait_for(lambda: len(done) == 5, timeout=30)
+        assert sorted(done) == sorted(rows)
+        assert worker.processor.stats["done"] == 5
+
+    # And the replayed messages kept their job id and trace context
+    replayed_spans = [
+        s
+        for s in spans.get_finished_spans()
+        if s.attributes and s.attributes[c.SPAN_OUTCOME] == "done"
+    ]
+    assert len(replayed_spans) == 5
+    assert {s.context.trace_id for s in replayed_spans if s.context} == {int(TRACE_ID, 16)}
+    # And the dead-letter subscription is empty
+    code, after = _cli("dlq", "list", *target)
+    assert code == 0 and "0 record(s) on" in after and not _rows(after)
+    response = pubsub.subscriber.pull(
+        request={"subscription": pubsub.dead_letter_subscription_path, "max_messages": 10},
+        timeout=5,
+    )
+    assert not response.received_messages
+
+
+def test_replay_strips_failure_attributes_and_honours_limit_and_job(pubsub: PubSubEnv) -> None:
+    # Given failure records on a dead-letter subscription (published as a worker would)
+    pubsub.provision()
+    dlq_topic = f"projects/{pubsub.project}/topics/{pubsub.dead_letter_topic}"
+    failure = {
+        c.ATTR_ERROR_TYPE: "permanent_error",
+        c.ATTR_ERROR_MESSAGE: "no",
+        c.ATTR_DELIVERY_ATTEMPT: "1",
+        c.ATTR_SOURCE_SUBSCRIPTION: pubsub.subscription_path,
+        c.ATTR_SOURCE_TOPIC: pubsub.topic_path,
+        c.ATTR_WORKER: "w",
+        c.ATTR_FAILED_AT: "2026-11-30T00:00:00.000+00:00",
+    }
+    for i, job in enumerate(("t.a", "t.b", "t.a", "t.a")):
+        attributes = {"job": job, "job_id": f"{job}-{i}", "traceparent": TRACEPARENT, "extra": "x"}
+        pubsub.publisher.publish(dlq_topic, b'{"k": 1}', **attributes, **failure).result(30)
+    # When two records of t.a are replayed
+    replayer = Replayer(pubsub.subscriber, pubsub.publisher, pubsub.dead_letter_subscription_path)
+    results = list(replayer.replay(job="t.a", limit=2))
+    # Then exactly those two are on the source subscription, with the original attributes only
+    assert [r.status for r in results] == ["replayed", "replayed"]
+    received = pubsub.subscriber.pull(
+        request={"subscription": pubsub.subscription_path, "max_messages": 10}, timeout=10
+    ).received_messages
+    assert len(received) == 2
+    for message in received:
+        assert dict(message.message.attributes) == {
+            "job": "t.a",
+            "job_id": message.message.attributes["job_id"],
+            "traceparent": TRACEPARENT,
+            "extra": "x",
+        }
+        assert message.message.data == b'{"k": 1}'
+    # And the other two records are still there
+    left = peek(pubsub.subscriber, pubsub.dead_letter_subscription_path)
+    assert sorted(r.job for r in left) == ["t.a", "t.b"]
+
+
+def test_records_forwarded_by_the_dead_letter_policy_are_understood() -> None:
+    record = FailureRecord(
+        "ack",
+        "m-1",
+        b"{}",
+        {
+            "job": "t.a",
+            c.ATTR_PUBSUB_DELIVERY_COUNT: "10",
+            c.ATTR_PUBSUB_SOURCE_SUBSCRIPTION: "jobs-sub",
+            c.ATTR_PUBSUB_SOURCE_PROJECT: "p",
+        },
+    )
+    assert (record.error_type, record.attempts) == (c.ERR_DELIVERY_LIMIT, "10")
+    assert record.replay_attributes() == {"job": "t.a"}
+
+    class Subscriber:
+        def get_subscription(self, request: dict[str, str], timeout: float) -> Any:
+            assert request == {"subscription": "projects/p/subscriptions/jobs-sub"}
+            return type("Sub", (), {"topic": "projects/p/topics/jobs"})()
+
+    assert Replayer(Subscriber(), None, "dlq").source_topic(record) == "projects/p/topics/jobs"
+
+
+def test_status_shows_settings_and_says_monitoring_is_unavailable_on_the_emulator(
+    pubsub: PubSubEnv,
+) -> None:
+    pubsub.provision(ack_deadline=30, max_delivery_attempts=7, min_backoff=2, max_backoff=20)
+    code, output = _cli(
+        "status", "--project", pubsub.project, "--subscription", pubsub.subscription
+    )
+    assert code == 0, output
+    fields = dict(line.split(": ", 1) for line in output.splitlines())
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    assert fields["subscription"] == pubsub.subscription_path
+    assert fields["topic"] == pubsub.topic_path
+    assert fields["ack deadline"] == "30s"
+    assert fields["retry policy"] == "backoff 2s .. 20s"
+    assert fields["dead-letter policy"] == (
+        f"projects/{pubsub.project}/topics/{pubsub.dead_letter_topic} after 7 delivery attempts"
+    )
+    assert fields["filter"] == "none" and fields["exactly-once delivery"] == "disabled"
+    assert fields["backlog, oldest unacked age"].startswith("unavailable on the emulator")
+    missing = CliRunner().invoke(
+        main, ["status", "--project", pubsub.project, "--subscription", "nope"]
+    )
+    assert missing.exit_code == 2
+    assert "subscription projects/workerpool-test/subscriptions/nope does not exist" in (
+        missing.output
+    )

@@ -1,0 +1,125 @@
+"""A real ``workerpool run`` process: console spans, JSON logs, and the --metrics-port endpoint."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.support import PubSubEnv, ledger_events, spawn_worker, wait_for, worker_processes
+from workerpool import constants as c
+from workerpool.emulator import free_port
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""  # not listening (yet, or any more)
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    entries = []
+    for line in text.splitlines():
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                continue
+    return entries
+
+
+def test_console_exporter_prints_job_spans_and_logs_are_json(
+    pubsub: PubSubEnv, tmp_path: Path
+) -> None:
+    # Given a worker process with OTEL_TRACES_EXPORTER=console, its stderr not a terminal
+    pubsub.provision()
+    ledger = tmp_path / "ledger.jsonl"
+    with worker_processes() as workers:
+        worker = spawn_worker(
+            pubsub, ledger, extra_env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "w1"}
+        )
+        workers.append(worker)
+        # When it runs a job published with a trace context, and one whose payload is private
+        pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="traced-1", traceparent=TRACEPARENT)
+        pubsub.publish("demo.echo", {"note": "PRIVATE-VALUE"}, job_id="echo-1")
+        assert wait_for(lambda: len(ledger_events(ledger, "done")) == 1, timeout=30)
+        assert wait_for(lambda: "job demo.echo done" in worker.output(), timeout=30)
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, worker.output()
+    output = worker.output()
+
+    # Then the job's span is printed, in the publisher's trace, with its outcome
+    assert '"name": "demo.sleep"' in output, output
+    assert f'"trace_id": "0x{TRACE_ID}"' in output
+    assert '"workerpool.outcome": "done"' in output and '"workerpool.job_id": "traced-1"' in output
+    assert '"service.name": "w1"' in output
+    # And the log lines are JSON in the Cloud Logging shape: a start and an end line per job
+    entries = _json_lines(output)
+    job_lines = [e for e in entries if e.get("logger") == "workerpool.jobs"]
+    start, end = [e for e in job_lines if e.get("job_id") == "traced-1"]
+    assert start["severity"] == "INFO" and start["message"] == "job demo.sleep started"
+    assert {k: end[k] for k in ("job", "job_id", "attempt", "outcome")} == {
+        "job": "demo.sleep", "job_id": "traced-1", "attempt": 1, "outcome": "done",
+    }  # fmt: skip
+    assert end["duration"] >= 0.1 and end["message_id"] == start["message_id"]
+    trace_field = f"projects/{pubsub.project}/traces/{TRACE_ID}"
+    assert start[c.LOG_TRACE] == trace_field and end[c.LOG_TRACE] == trace_field
+    # ... and the payload is in no log line
+    assert "PRIVATE-VALUE" not in output
+
+
+def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
+    pubsub: PubSubEnv, tmp_path: Path
+) -> None:
+    # Given a worker with --metrics-port that has finished one job and runs a long one
+    pubsub.provision(ack_deadline=60)
+    ledger = tmp_path / "ledger.jsonl"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with worker_processes() as workers:
+        worker = spawn_worker(
+            pubsub, ledger, "--metrics-port", str(port), "--drain-timeout", "4",
+            "--max-outstanding", "2",
+        )  # fmt: skip
+        workers.append(worker)
+        assert wait_for(lambda: _get(base + "/healthz")[0] == 200, timeout=30), worker.output()
+        assert _get(base + "/readyz") == (200, "ready\n")  # started, so ready
+        pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="quick-1")
+        assert wait_for(lambda: len(ledger_events(ledger, "done")) == 1, timeout=30)
+        pubsub.publish("demo.sleep", {"seconds": 60}, job_id="long-1")
+        assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
+
+        # When /metrics is scraped
+        status, text = _get(base + "/metrics")
+        # Then it has the counters, the in-flight gauge and its limit in Prometheus text
+        assert status == 200
+        lines = text.splitlines()
+        assert 'workerpool_jobs_finished_total{job="demo.sleep",outcome="done"} 1' in lines, text
+        assert 'workerpool_jobs_started_total{job="demo.sleep"} 2' in lines
+        assert f'workerpool_pool_in_flight{{pool="{pubsub.subscription}"}} 1' in lines
+        assert f'workerpool_pool_limit{{pool="{pubsub.subscription}"}} 2' in lines
+        assert "# TYPE workerpool_job_duration_seconds histogram" in lines
+
+        # When it gets SIGTERM while the long job runs (the drain lasts its 4 s timeout)
+        sent = worker.signal(signal.SIGTERM)
+        # Then /readyz turns 503 at once, while /healthz stays 200 and the process lives on
+        assert wait_for(lambda: _get(base + "/readyz")[0] == 503, timeout=2.0), worker.output()
+        became_unready = time.monotonic() - sent
+        assert worker.alive()
+        assert _get(base + "/healthz")[0] == 200
+        print(f"\n/readyz answered 503 {became_unready:.2f}s after SIGTERM")
+        # And the worker exits 0 after the drain timeout, its port closed
+        assert worker.wait(30) == 0, worker.output()
+        assert _get(base + "/healthz")[0] == 0
+    assert {r["job_id"] for r in ledger_events(ledger, "cancelled")} == {"long-1"}

@@ -1,0 +1,492 @@
+"""Traces, metrics, logs and the health endpoint: in-process, with in-memory OpenTelemetry.
+
+OpenTelemetry's global providers can be set once per process, so every test injects its own
+providers through ``Telemetry``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import workerpool
+from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from tests.support import PubSubEnv, wait_for
+from workerpool import JobContext, PermanentError, RetryableError
+from workerpool import constants as c
+from workerpool.cli import main
+from workerpool.errors import ConfigError
+from workerpool.health import HealthServer
+from workerpool.lease import Leaser
+from workerpool.listeners import Settled
+from workerpool.logs import CloudLoggingFormatter, TextFormatter, set_trace_project, setup_logging
+from workerpool.processor import Processor
+from workerpool.publishing import JobMessage
+from workerpool.ratelimit import LocalLimiters, parse_rate
+from workerpool.registry import Registry
+from workerpool.telemetry import PrometheusReader, Telemetry, extract, inject
+from workerpool.telemetry.exporters import exporter_names, span_processors
+from workerpool.telemetry.prometheus import metric_name
+
+
+def _in_memory() -> tuple[InMemorySpanExporter, InMemoryMetricReader, Telemetry]:
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    return spans, reader, Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+
+def _points(data: MetricsData | None, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
+    """``{sorted attributes: value}`` of metric ``name`` (a histogram's value is its count)."""
+    assert data is not None
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    return {
+                        tuple(sorted((p.attributes or {}).items())): getattr(p, "value", None)
+                        if hasattr(p, "value")
+                        else p.count
+                        for p in metric.data.data_points
+                    }
+    return {}
+
+
+# --- traces ----------------------------------------------------------------------------------
+
+
+def test_job_spans_are_children_of_the_publishers_span(pubsub: PubSubEnv) -> None:
+    # Given jobs published with workerpool.publish inside a publisher's span: one that
+    # succeeds, one that fails permanently, one that raises an unexpected exception
+    pubsub.provision()
+    spans, _, telemetry = _in_memory()
+    jobs = Registry()
+
+    @jobs.job("t.ok")
+    def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+        pass
+
+    @jobs.job("t.broken")
+    def broken(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise PermanentError("cannot do that")
+
+    @jobs.job("t.crash", max_attempts=1)
+    def crash(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise ValueError("boom")
+
+    publisher_tracer = TracerProvider().get_tracer("publisher")
+    with publisher_tracer.start_as_current_span("upload") as parent:
+        workerpool.publish(pubsub.topic, "t.ok", {"n": 1}, job_id="ok-1", project=pubsub.project)
+        for name in ("t.broken", "t.crash"):
+            workerpool.publish(
+                pubsub.topic_path, name, {}, job_id=f"{name}-1", publisher=pubsub.publisher
+            )
+    pubsub.publish("t.ok", {}, job_id="untraced-1")  # no trace context: a root span
+
+    # When a worker runs them
+    with pubsub.worker(jobs, telemetry=telemetry) as worker:
+        assert wait_for(lambda: sum(worker.processor.stats.values()) == 4, timeout=30)
+
+    # Then each run has one span named after its job, in the publisher's trace, its child
+    finished = spans.get_finished_spans()
+    by_job = {s.attributes[c.SPAN_JOB_ID]: s for s in finished if s.attributes}
+    assert sorted(by_job) == ["ok-1", "t.broken-1", "t.crash-1", "untraced-1"]
+    publisher = parent.get_span_context()
+    for job_id in ("ok-1", "t.broken-1", "t.crash-1"):
+        span = by_job[job_id]
+        assert span.context is not None and span.parent is not None
+        assert span.context.trace_id == publisher.trace_id
+        assert span.parent.span_id == publisher.span_id
+        assert span.kind is SpanKind.CONSUMER
+        assert span.attributes is not None
+        assert span.attributes[c.SPAN_MESSAGING_SYSTEM] == "gcp_pubsub"
+        assert span.attributes[c.SPAN_MESSAGING_DESTINATION] == pubsub.subscription_path
+        assert span.attributes[c.SPAN_MESSAGING_MESSAGE_ID]
+        assert span.attributes[c.SPAN_DELIVERY_ATTEMPT] == 1
+    ok_span = by_job["ok-1"]
+    assert ok_span.name == "t.ok"
+    assert ok_span.attributes is not None and ok_span.attributes[c.SPAN_OUTCOME] == "done"
+    assert ok_span.status.status_code is StatusCode.UNSET and not ok_span.events
+    # ... and a failing run records its exception and an error status
+    for job_id, error in (("t.broken-1", "PermanentError"), ("t.crash-1", "ValueError")):
+        span = by_job[job_id]
+        assert span.attributes is not None
+        assert span.attributes[c.SPAN_OUTCOME] == "dead_lettered"
+        assert span.status.status_code is StatusCode.ERROR
+        (event,) = span.events
+        assert event.name == "exception" and event.attributes is not None
+        assert str(event.attributes["exception.type"]).endswith(error)
+        assert "Traceback" in str(event.attributes["exception.stacktrace"])
+    # ... and a message without a trace context starts a trace of its own
+    untraced = by_job["untraced-1"]
+    assert untraced.parent is None and untraced.context is not None
+    assert untraced.context.trace_id != publisher.trace_id
+
+
+def test_publishing_injects_the_current_trace_context_and_keeps_a_given_one() -> None:
+    tracer = TracerProvider().get_tracer("test")
+    assert c.ATTR_TRACEPARENT not in JobMessage("j", {}).encode()[1]  # no span, nothing added
+    with tracer.start_as_current_span("outer") as span:
+        _, attributes = JobMessage("j", {}, "id-1").encode()
+        given = "00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
+        _, kept = JobMessage("j", {}, attributes={c.ATTR_TRACEPARENT: given}).encode()
+    context = span.get_span_context()
+    assert attributes[c.ATTR_TRACEPARENT].startswith(
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+    )
+    assert kept[c.ATTR_TRACEPARENT] == given
+    restored = extract(attributes)
+    carrier: dict[str, str] = {}
+    inject(carrier, restored)
+    assert carrier[c.ATTR_TRACEPARENT] == attributes[c.ATTR_TRACEPARENT]
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub: PubSubEnv) -> None:
+    # Given 20 jobs: 12 that succeed, 4 that fail once then succeed, 4 that fail permanently
+    pubsub.provision()
+    _, reader, telemetry = _in_memory()
+    jobs = Registry()
+
+    @jobs.job("t.ok")
+    def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+        pass
+
+    @jobs.job("t.flaky")
+    def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if ctx.delivery_attempt < 2:
+            raise RetryableError("not yet")
+
+    @jobs.job("t.broken")
+    def broken(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise PermanentError("never")
+
+    pubsub.publish_many("t.ok", [(f"ok-{i}", {}) for i in range(12)])
+    pubsub.publish_many("t.flaky", [(f"flaky-{i}", {}) for i in range(4)])
+    pubsub.publish_many("t.broken", [(f"broken-{i}", {}) for i in range(4)])
+
+    # When a pool of 4 runs them all
+    with pubsub.worker(jobs, max_outstanding=4, telemetry=telemetry) as worker:
+        stats = worker.processor.stats
+        assert wait_for(lambda: stats["done"] + stats["dead_lettered"] == 20, timeout=60)
+        gauges = reader.get_metrics_data()
+    # (the gauges stop with the pool; the counters stay)
+    data = reader.get_metrics_data()
+    stats = worker.processor.stats
+
+    # Then the finished counter is exactly the processor's own count, by job and outcome
+    finished = _points(data, c.METRIC_JOBS_FINISHED)
+    assert finished == {
+        (("job", "t.ok"), ("outcome", "done")): 12,
+        (("job", "t.flaky"), ("outcome", "retried")): 4,
+        (("job", "t.flaky"), ("outcome", "done")): 4,
+        (("job", "t.broken"), ("outcome", "dead_lettered")): 4,
+    }
+    by_outcome: Counter[str] = Counter()
+    for attributes, value in finished.items():
+        by_outcome[dict(attributes)["outcome"]] += value
+    assert by_outcome == stats == Counter(done=16, retried=4, dead_lettered=4)
+    # ... runs started and timed once per run, queue latency once per run
+    assert _points(data, c.METRIC_JOBS_STARTED) == {
+        (("job", "t.ok"),): 12,
+        (("job", "t.flaky"),): 8,
+        (("job", "t.broken"),): 4,
+    }
+    assert _points(data, c.METRIC_JOB_DURATION) == finished
+    assert sum(_points(data, c.METRIC_QUEUE_LATENCY).values()) == 24
+    # ... the pool's in-flight gauge and its limit, and one drain
+    pool = (("pool", pubsub.subscription),)
+    assert 0 <= _points(gauges, c.METRIC_IN_FLIGHT)[pool] <= 4
+    assert _points(gauges, c.METRIC_POOL_LIMIT) == {pool: 4}
+    assert _points(data, c.METRIC_DRAIN_DURATION) == {pool: 1}
+
+
+def test_lease_extensions_and_rate_limit_waits_are_counted() -> None:
+    _, reader, telemetry = _in_memory()
+    # The Leaser's on_extend hook
+    leaser = Leaser(FakeAcks(), extension=30, on_extend=telemetry.metrics.lease_extended)  # type: ignore[arg-type]
+    leaser.add([make_delivery(b"{}", {}, message_id=f"m-{i}") for i in range(3)])
+    leaser.extend_once()
+    leaser.extend_once()
+    # The rate limiters' on_wait hook (as the launcher wires it)
+    limiters = LocalLimiters(
+        {"partner": parse_rate("1000/s:1")}, on_wait=telemetry.metrics.rate_limit_waited
+    )
+    for _ in range(3):
+        assert limiters.acquire("partner", 1, threading.Event()) is not None
+    data = reader.get_metrics_data()
+    assert _points(data, c.METRIC_LEASE_EXTENSIONS) == {(): 6}
+    assert _points(data, c.METRIC_RATE_LIMIT_WAIT) == {(("limiter", "partner"),): 3}
+
+
+def test_unregistered_job_names_do_not_become_label_values() -> None:
+    _, reader, telemetry = _in_memory()
+    telemetry.metrics.know_jobs(["t.known"])
+    for job in ("t.known", "evil-1", "evil-2"):
+        telemetry.metrics.settled(Settled("dead_lettered", job, "id", "m", 1))
+    finished = _points(reader.get_metrics_data(), c.METRIC_JOBS_FINISHED)
+    assert finished == {
+        (("job", "(unknown)"), ("outcome", "dead_lettered")): 2,
+        (("job", "t.known"), ("outcome", "dead_lettered")): 1,
+    }
+
+
+def test_a_failing_listener_never_breaks_settling() -> None:
+    jobs, heard = Registry(), []
+
+    @jobs.job("t.ok")
+    def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+        pass
+
+    def broken_listener(settled: Settled) -> None:
+        raise RuntimeError("telemetry bug")
+
+    acks = FakeAcks()
+    processor = Processor(
+        jobs,
+        acks,  # type: ignore[arg-type]
+        FakeLeaser(),  # type: ignore[arg-type]
+        FakeDeadLetters(),  # type: ignore[arg-type]
+        listeners=[broken_listener, heard.append],
+    )
+    processor.process(make_delivery(b"{}", {"job": "t.ok", "job_id": "a"}))
+    processor.process(make_delivery(b"[]", {"job": "t.ok", "job_id": "b"}, message_id="m-2"))
+    assert acks.acked == ["ack-m-1", "ack-m-2"]
+    done, rejected = heard
+    assert (done.label, done.job, done.job_id, done.message_id, done.attempt) == (
+        "done", "t.ok", "a", "m-1", 1,
+    )  # fmt: skip
+    assert done.duration is not None and done.duration >= 0 and not done.error_type
+    assert (rejected.label, rejected.duration, rejected.error_type) == (
+        "dead_lettered", None, c.ERR_NOT_OBJECT,
+    )  # fmt: skip
+
+
+# --- Prometheus text and the health server ---------------------------------------------------
+
+
+def test_prometheus_text_format() -> None:
+    reader = PrometheusReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    meter.create_counter("workerpool.jobs.finished", unit="{job}", description="Done.").add(
+        3, {"job": 'a"b', "outcome": "done"}
+    )
+    histogram = meter.create_histogram(
+        "workerpool.job.duration", unit="s", explicit_bucket_boundaries_advisory=[0.1, 1.0]
+    )
+    for seconds in (0.05, 0.5, 5.0):
+        histogram.record(seconds, {"job": "x"})
+    meter.create_up_down_counter("workerpool.held").add(2)
+    text = reader.render()
+    lines = text.splitlines()
+    assert "# TYPE workerpool_jobs_finished_total counter" in lines
+    assert "# HELP workerpool_jobs_finished_total Done." in lines
+    assert 'workerpool_jobs_finished_total{job="a\\"b",outcome="done"} 3' in lines
+    assert "# TYPE workerpool_job_duration_seconds histogram" in lines
+    assert 'workerpool_job_duration_seconds_bucket{job="x",le="0.1"} 1' in lines
+    assert 'workerpool_job_duration_seconds_bucket{job="x",le="1.0"} 2' in lines
+    assert 'workerpool_job_duration_seconds_bucket{job="x",le="+Inf"} 3' in lines
+    assert 'workerpool_job_duration_seconds_count{job="x"} 3' in lines
+    assert 'workerpool_job_duration_seconds_sum{job="x"} 5.55' in lines
+    assert "# TYPE workerpool_held gauge" in lines and "workerpool_held 2" in lines
+    assert metric_name("workerpool.drain.duration", "s", counter=False) == (
+        "workerpool_drain_duration_seconds"
+    )
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_health_server_answers_real_http_requests() -> None:
+    healthy, ready = threading.Event(), threading.Event()
+    reader = PrometheusReader()
+    MeterProvider(metric_readers=[reader]).get_meter("t").create_counter("workerpool.x").add(1)
+    server = HealthServer(
+        0, healthy=healthy.is_set, ready=ready.is_set, metrics=reader, host="127.0.0.1"
+    ).start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        assert _get(base + "/healthz")[0] == 503 and _get(base + "/readyz")[0] == 503
+        healthy.set()
+        ready.set()
+        assert _get(base + "/healthz") == (200, "ok\n")
+        assert _get(base + "/readyz") == (200, "ready\n")
+        status, body = _get(base + "/metrics")
+        assert status == 200 and "workerpool_x_total 1" in body
+        assert _get(base + "/nope")[0] == 404
+        with pytest.raises(ConfigError, match="metrics_port: cannot listen on port"):
+            HealthServer(server.port, healthy=healthy.is_set, ready=ready.is_set).start()
+    finally:
+        server.stop()
+
+
+# --- exporters from OTEL_* ---------------------------------------------------------------------
+
+
+def test_exporters_follow_the_otel_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert exporter_names("traces", {}) == []
+    assert exporter_names("traces", {"OTEL_TRACES_EXPORTER": "none"}) == []
+    assert exporter_names("metrics", {"OTEL_METRICS_EXPORTER": "console,otlp"}) == [
+        "console",
+        "otlp",
+    ]
+    assert (
+        exporter_names("traces", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"})
+        == []
+    )
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'"):
+        exporter_names("traces", {"OTEL_TRACES_EXPORTER": "zipkin"})
+    (console,) = span_processors({"OTEL_TRACES_EXPORTER": "console"})
+    assert isinstance(console, SimpleSpanProcessor)
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    (otlp,) = span_processors(env)
+    assert isinstance(otlp, BatchSpanProcessor)
+    assert type(otlp.span_exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.http")
+    otlp.shutdown()
+    with pytest.raises(ConfigError, match="unsupported protocol 'carrier-pigeon'"):
+        span_processors(
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}
+        )
+    # Without the otlp extra installed: a clear configuration error
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(ConfigError) as raised:
+        span_processors({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert str(raised.value) == (
+        "OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: pip install 'workerpool[otlp]'"
+    )
+
+
+# --- logs -------------------------------------------------------------------------------------
+
+
+def _record(message: str, **extra: Any) -> logging.LogRecord:
+    record = logging.LogRecord("workerpool.jobs", logging.WARNING, __file__, 7, message, (), None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_json_log_lines_have_the_cloud_logging_shape() -> None:
+    tracer = TracerProvider().get_tracer("test")
+    set_trace_project("proj-1")
+    try:
+        with tracer.start_as_current_span("job") as span:
+            line = CloudLoggingFormatter().format(_record("job t.x retried", fields={"job": "t.x"}))
+        untraced = CloudLoggingFormatter().format(_record("plain"))
+    finally:
+        set_trace_project("")
+    entry = json.loads(line)
+    context = span.get_span_context()
+    assert entry["severity"] == "WARNING" and entry["message"] == "job t.x retried"
+    assert entry["job"] == "t.x" and entry["logger"] == "workerpool.jobs" and entry["time"]
+    assert entry[c.LOG_TRACE] == f"projects/proj-1/traces/{context.trace_id:032x}"
+    assert entry[c.LOG_SPAN_ID] == f"{context.span_id:016x}"
+    assert entry[c.LOG_TRACE_SAMPLED] is True
+    assert c.LOG_TRACE not in json.loads(untraced)
+
+
+def test_log_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("WORKERPOOL_LOG_FORMAT", raising=False)
+    root = logging.getLogger()
+    level = root.level
+    try:
+        tty, pipe = Tty(), io.StringIO()
+        assert isinstance(setup_logging(stream=tty).formatter, TextFormatter)
+        logging.getLogger("workerpool.jobs").info(
+            "job t.x done in 0.500s",
+            extra={"fields": {"job": "t.x", "duration": 0.5, "outcome": "done"}},
+        )
+        assert "INFO workerpool.jobs: job t.x done in 0.500s  job=t.x duration=0.500" in (
+            tty.getvalue()
+        )
+        assert isinstance(setup_logging(stream=pipe).formatter, CloudLoggingFormatter)
+        monkeypatch.setenv("WORKERPOOL_LOG_FORMAT", "text")
+        assert isinstance(setup_logging(stream=pipe).formatter, TextFormatter)
+    finally:
+        root.removeHandler(setup_logging(stream=io.StringIO()))
+        root.setLevel(level)
+
+
+def test_job_log_lines_carry_the_run_and_never_the_payload(
+    pubsub: PubSubEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a job whose payload holds something private
+    pubsub.provision()
+    _, _, telemetry = _in_memory()
+    jobs = Registry()
+
+    @jobs.job("t.private")
+    def private(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ctx.logger.info("handled")
+
+    pubsub.publish("t.private", {"email": "someone@example.com"}, job_id="p-1")
+    # When it runs
+    with caplog.at_level(logging.INFO), pubsub.worker(jobs, telemetry=telemetry) as worker:
+        assert wait_for(lambda: worker.processor.stats["done"] == 1, timeout=30)
+    # Then one start and one end line carry the run's fields, and the payload is nowhere
+    lines = [r for r in caplog.records if r.name == "workerpool.jobs"]
+    start, end = [r.fields for r in lines]
+    assert start == {"job": "t.private", "job_id": "p-1", "message_id": start["message_id"],
+                     "attempt": 1}  # fmt: skip
+    assert end["outcome"] == "done" and end["duration"] >= 0 and end["job_id"] == "p-1"
+    assert end["message_id"] == start["message_id"] and end["attempt"] == 1
+    assert lines[1].span_context.is_valid  # the end line keeps the run's trace
+    formatter = CloudLoggingFormatter()
+    text = "\n".join(formatter.format(r) for r in caplog.records)
+    assert "someone@example.com" not in text
+    handled = [json.loads(formatter.format(r)) for r in caplog.records if r.msg == "handled"]
+    assert handled and handled[0]["job_id"] == "p-1"
+
+
+def test_cli_publish_passes_the_trace_context_on(
+    pubsub: PubSubEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a traced script's context in TRACEPARENT
+    pubsub.provision()
+    given = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    monkeypatch.setenv("TRACEPARENT", given)
+    publish = ["publish", "--project", pubsub.project, "--topic", pubsub.topic, "--job", "t.x"]
+    runner = CliRunner()
+    # When jobs are published without a trace exporter, then with one
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    assert runner.invoke(main, [*publish, "--job-id", "plain", "--data", "{}"]).exit_code == 0
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert runner.invoke(main, [*publish, "--job-id", "spanned", "--data", "{}"]).exit_code == 0
+    received = pubsub.subscriber.pull(
+        request={"subscription": pubsub.subscription_path, "max_messages": 10}, timeout=10
+    ).received_messages
+    parents = {
+        m.message.attributes["job_id"]: m.message.attributes["traceparent"] for m in received
+    }
+    # Then the first carries the given context as it is; the second a publish span in its trace
+    assert parents["plain"] == given
+    assert parents["spanned"].split("-")[1] == given.split("-")[1]
+    assert parents["spanned"].split("-")[2] != given.split("-")[2]

@@ -1,0 +1,277 @@
+"""Dead-letter tooling: look at failure records, and replay them where they came from.
+
+``peek`` pulls records and gives them back (``modify_ack_deadline(0)``) without consuming them;
+they are held until the listing ends, so each is seen once. ``replay`` republishes each record
+to its ``source_topic`` with the failure attributes stripped (``job``, ``job_id``, the trace
+context and any other original attribute kept) and acks it only once Pub/Sub has confirmed the
+republish; records it skips (``--job``, ``--dry-run``) are given back at the end.
+
+Records forwarded by the subscription's own dead-letter policy (a worker crashed before it
+could write one) carry Pub/Sub's ``CloudPubSubDeadLetter*`` attributes instead: they are listed
+with error type ``max_delivery_attempts`` and replayed to the topic of their source subscription.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from google.api_core import exceptions as gexc
+
+from workerpool import constants as c
+from workerpool.admin import subscription_path
+
+log = logging.getLogger(__name__)
+
+# An idle pull ends at its deadline (the emulator answers just before it): keep it short.
+_PULL_TIMEOUT = 2.0
+_PUBLISH_TIMEOUT = 60.0
+_BATCH = 100
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    ack_id: str
+    message_id: str
+    data: bytes
+    attributes: dict[str, str]
+    publish_time: datetime | None = None
+
+    @property
+    def job(self) -> str:
+        return self.attributes.get(c.ATTR_JOB, "")
+
+    @property
+    def job_id(self) -> str:
+        return self.attributes.get(c.ATTR_JOB_ID, "")
+
+    @property
+    def forwarded_by_policy(self) -> bool:
+        return c.ATTR_ERROR_TYPE not in self.attributes and (
+            c.ATTR_PUBSUB_DELIVERY_COUNT in self.attributes
+        )
+
+    @property
+    def error_type(self) -> str:
+        if self.forwarded_by_policy:
+            return c.ERR_DELIVERY_LIMIT
+        return self.attributes.get(c.ATTR_ERROR_TYPE, "")
+
+    @property
+    def error_message(self) -> str:
+        return self.attributes.get(c.ATTR_ERROR_MESSAGE, "")
+
+    @property
+    def attempts(self) -> str:
+        return self.attributes.get(c.ATTR_DELIVERY_ATTEMPT) or self.attributes.get(
+            c.ATTR_PUBSUB_DELIVERY_COUNT, ""
+        )
+
+    @property
+    def failed_at(self) -> str:
+        failed = self.attributes.get(c.ATTR_FAILED_AT, "")
+        if not failed and self.publish_time is not None:
+            failed = self.publish_time.isoformat(timespec="milliseconds")
+        return failed
+
+    def replay_attributes(self) -> dict[str, str]:
+        """The original attributes: failure attributes (ours and Pub/Sub's) stripped."""
+        return {
+            key: value
+            for key, value in self.attributes.items()
+            if key not in c.FAILURE_ATTRIBUTES
+            and not key.startswith(c.ATTR_PUBSUB_DEAD_LETTER_PREFIX)
+        }
+
+
+def _record(received: Any) -> FailureRecord:
+    message = received.message
+    return FailureRecord(
+        ack_id=received.ack_id,
+        message_id=message.message_id,
+        data=bytes(message.data),
+        attributes=dict(message.attributes),
+        publish_time=message.publish_time,
+    )
+
+
+@dataclass
+class _Puller:
+    """Pulls records once each, holding what is not consumed until ``release``."""
+
+    subscriber: Any
+    subscription: str
+    held: list[str] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+    def pull(self, count: int) -> list[FailureRecord] | None:
+        """Records not seen before; None once the subscription has nothing more to give."""
+        try:
+            response = self.subscriber.pull(
+                request={"subscription": self.subscription, "max_messages": count},
+                timeout=_PULL_TIMEOUT,
+            )
+        except gexc.DeadlineExceeded:
+            return None
+        if not response.received_messages:
+            return None
+        fresh = []
+        for received in response.received_messages:
+            record = _record(received)
+            if record.message_id in self.seen:
+                self.hold(record)  # came back while held too long: give it back again
+            else:
+                self.seen.add(record.message_id)
+                fresh.append(record)
+        return fresh
+
+    def hold(self, record: FailureRecord) -> None:
+        self.held.append(record.ack_id)
+
+    def release(self) -> None:
+        """Give back every held record at once (ack deadline 0)."""
+        for start in range(0, len(self.held), 1000):
+            self.subscriber.modify_ack_deadline(
+                request={
+                    "subscription": self.subscription,
+                    "ack_ids": self.held[start : start + 1000],
+                    "ack_deadline_seconds": 0,
+                }
+            )
+        self.held.clear()
+
+
+def peek(
+    subscriber: Any, subscription: str, *, limit: int = 100, job: str | None = None
+) -> list[FailureRecord]:
+    """Up to ``limit`` records (of ``job`` only, if given), left on the subscription."""
+    puller = _Puller(subscriber, subscription)
+    records: list[FailureRecord] = []
+    try:
+        while len(records) < limit:
+            batch = puller.pull(_BATCH)
+            if batch is None:
+                break
+            for record in batch:
+                puller.hold(record)
+                if (job is None or record.job == job) and len(records) < limit:
+                    records.append(record)
+    finally:
+        puller.release()
+    return records
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What ``replay`` did with one record: ``replayed``, ``would_replay`` or ``failed``."""
+
+    record: FailureRecord
+    status: str
+    topic: str = ""
+    detail: str = ""
+
+
+class Replayer:
+    """Republishes failure records to where they came from."""
+
+    def __init__(self, subscriber: Any, publisher: Any, subscription: str) -> None:
+        self._subscriber = subscriber
+        self._publisher = publisher
+        self._subscription = subscription
+        self._topics: dict[str, str] = {}  # source subscription -> its topic
+
+    def replay(
+        self, *, job: str | None = None, limit: int | None = None, dry_run: bool = False
+    ) -> Iterator[Replayed]:
+        """Yield one ``Replayed`` per matching record, as each is done."""
+        puller = _Puller(self._subscriber, self._subscription)
+        count = 0
+        try:
+            while limit is None or count < limit:
+                batch = puller.pull(_BATCH)
+                if batch is None:
+                    break
+                chosen: list[FailureRecord] = []
+                for record in batch:
+                    wanted = job is None or record.job == job
+                    if wanted and (limit is None or count + len(chosen) < limit):
+                        chosen.append(record)
+                    else:
+                        puller.hold(record)
+                count += len(chosen)
+                yield from self._batch(chosen, puller, dry_run)
+        finally:
+            puller.release()
+
+    def _batch(
+        self, records: list[FailureRecord], puller: _Puller, dry_run: bool
+    ) -> Iterator[Replayed]:
+        sent = []
+        for record in records:
+            topic = self.source_topic(record)
+            if not topic:
+                puller.hold(record)
+                yield Replayed(record, "failed", detail="no source_topic to replay to")
+            elif dry_run:
+                puller.hold(record)
+                yield Replayed(record, "would_replay", topic)
+            else:
+                future = self._publisher.publish(topic, record.data, **record.replay_attributes())
+                sent.append((record, topic, future))
+        for record, topic, future in sent:
+            try:
+                future.result(timeout=_PUBLISH_TIMEOUT)
+            except Exception as exc:  # not confirmed: keep the record
+                puller.hold(record)
+                yield Replayed(record, "failed", topic, f"publish failed: {exc}")
+                continue
+            # Acked only now that the republish is confirmed: a lost ack means a second copy,
+            # which the job id's idempotency record turns into a duplicate, never a loss.
+            self._subscriber.acknowledge(
+                request={"subscription": self._subscription, "ack_ids": [record.ack_id]}
+            )
+            yield Replayed(record, "replayed", topic)
+
+    def source_topic(self, record: FailureRecord) -> str:
+        topic = record.attributes.get(c.ATTR_SOURCE_TOPIC, "")
+        source = record.attributes.get(c.ATTR_PUBSUB_SOURCE_SUBSCRIPTION, "")
+        if topic or not source:
+            return topic
+        path = subscription_path(record.attributes.get(c.ATTR_PUBSUB_SOURCE_PROJECT, ""), source)
+        if path not in self._topics:
+            try:
+                sub = self._subscriber.get_subscription(request={"subscription": path}, timeout=30)
+                self._topics[path] = sub.topic
+            except gexc.GoogleAPICallError as exc:
+                log.warning("cannot read %s to find the record's topic: %s", path, exc)
+                self._topics[path] = ""
+        return self._topics[path]
+
+
+def table(records: list[FailureRecord], *, width: int = 60) -> list[str]:
+    """Rows for ``dlq list``: job, job_id, error_type, error_message, attempts, failed_at."""
+    header = ("JOB", "JOB_ID", "ERROR_TYPE", "ERROR_MESSAGE", "ATTEMPTS", "FAILED_AT")
+    rows = [header] + [
+        (
+            r.job or "-",
+            r.job_id or "-",
+            r.error_type or "-",
+            _shorten(r.error_message, width) or "-",
+            r.attempts or "-",
+            r.failed_at or "-",
+        )
+        for r in records
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -1,0 +1,130 @@
+"""Log setup: JSON lines in Cloud Logging's shape off a terminal, readable text on one.
+
+On Cloud Run and GKE, stderr goes to Cloud Logging, which reads a JSON line's ``severity``,
+``message``, ``time`` and ``logging.googleapis.com/*`` keys; every other key lands in
+``jsonPayload``. Structured fields ride on a record as ``extra={"fields": {...}}`` and both
+formats show them. A line written while a span is active (or naming one with
+``extra={"span_context": ...}``) carries its trace, so Cloud Logging shows it with the trace.
+``WORKERPOOL_LOG_FORMAT=json|text`` overrides the terminal check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
+
+from workerpool import constants as c
+
+# Record attributes: structured fields, and the span a line belongs to when none is current.
+FIELDS = "fields"
+SPAN_CONTEXT = "span_context"
+ENV_LOG_FORMAT = "WORKERPOOL_LOG_FORMAT"
+
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_installed: logging.Handler | None = None
+_project = ""
+
+
+def set_trace_project(project: str) -> None:
+    """The Google Cloud project that traces in JSON lines belong to
+    (``projects/P/traces/T``); default ``GOOGLE_CLOUD_PROJECT``."""
+    global _project
+    _project = project
+
+
+def setup_logging(
+    verbose: bool = False, *, stream: TextIO | None = None, json_lines: bool | None = None
+) -> logging.Handler:
+    """Send the root logger to ``stream`` (stderr): JSON lines unless it is a terminal."""
+    global _installed
+    stream = stream or sys.stderr
+    if json_lines is None:
+        wanted = os.environ.get(ENV_LOG_FORMAT, "").strip().lower()
+        json_lines = wanted == "json" if wanted in ("json", "text") else not _isatty(stream)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(CloudLoggingFormatter() if json_lines else TextFormatter())
+    root = logging.getLogger()
+    if _installed is not None:
+        root.removeHandler(_installed)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    _installed = handler
+    return handler
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _span_context(record: logging.LogRecord) -> SpanContext | None:
+    named = getattr(record, SPAN_CONTEXT, None)
+    context = named if named is not None else trace.get_current_span().get_span_context()
+    return context if context.is_valid else None
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = dict(getattr(record, FIELDS, None) or {})
+    job_id = getattr(record, c.LOG_JOB_ID, None)  # set by a job's ctx.logger
+    if job_id is not None:
+        fields.setdefault(c.LOG_JOB_ID, job_id)
+    return fields
+
+
+class CloudLoggingFormatter(logging.Formatter):
+    """One JSON object per line, in the shape Cloud Logging reads from stdout/stderr."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
+        entry: dict[str, Any] = {
+            "severity": record.levelname if record.levelno else "DEFAULT",
+            "message": message,
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="microseconds"),
+            "logger": record.name,
+            c.LOG_SOURCE_LOCATION: {
+                "file": record.pathname,
+                "line": str(record.lineno),
+                "function": record.funcName,
+            },
+        }
+        entry.update(_fields(record))
+        span = _span_context(record)
+        if span is not None:
+            project = _project or os.environ.get("GOOGLE_CLOUD_PROJECT", "")
+            trace_id = f"{span.trace_id:032x}"
+            entry[c.LOG_TRACE] = f"projects/{project}/traces/{trace_id}" if project else trace_id
+            entry[c.LOG_SPAN_ID] = f"{span.span_id:016x}"
+            entry[c.LOG_TRACE_SAMPLED] = span.trace_flags.sampled
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """``time LEVEL logger: message  key=value ...`` for people at a terminal."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        fields = _fields(record)
+        if fields:
+            text += "  " + " ".join(f"{key}={_text(value)}" for key, value in fields.items())
+        return text
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value)
+    return json.dumps(text) if not text or any(ch.isspace() for ch in text) else text

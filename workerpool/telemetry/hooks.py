@@ -1,0 +1,69 @@
+"""Where telemetry plugs into a worker: middleware, settle listeners and a few callbacks.
+
+``Telemetry`` holds the tracer and meter providers of one process and its ``Metrics``;
+``hooks(subscription)`` gives each pool's processor its middleware (outermost, so every run
+is seen, even one the idempotency check short-circuits) and its settle listeners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+from opentelemetry.trace import TracerProvider
+
+from workerpool.listeners import Listener
+from workerpool.middleware import Middleware
+from workerpool.telemetry.joblog import JobLog
+from workerpool.telemetry.metrics import Metrics
+from workerpool.telemetry.tracing import Tracing
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What one processor gets: run these middleware first, call these listeners on settle."""
+
+    middleware: list[Middleware]
+    listeners: list[Listener]
+
+
+class Telemetry:
+    """Traces, metrics and job log lines for the pools of one process.
+
+    The providers are injected (tests pass their own; ``workerpool run`` passes the ones built
+    from ``OTEL_*``); None means OpenTelemetry's global providers, no-ops until configured.
+    OpenTelemetry lets a process set its global providers only once, hence the injection.
+    """
+
+    def __init__(
+        self,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        job_logs: bool = True,
+        owned: bool = False,
+    ) -> None:
+        """``owned``: ``shutdown()`` shuts the providers down too (flushing exporters)."""
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self.metrics = Metrics(meter_provider)
+        self._job_log = JobLog() if job_logs else None
+        self._owned = owned
+
+    def hooks(self, subscription: str) -> Hooks:
+        tracing = Tracing(subscription, self.tracer_provider)
+        observers: list[Tracing | Metrics | JobLog] = [tracing, self.metrics]
+        if self._job_log is not None:
+            observers.append(self._job_log)
+        return Hooks(list(observers), [observer.settled for observer in observers])
+
+    def shutdown(self) -> None:
+        """Flush and stop the exporters (only providers this object was given to own)."""
+        if not self._owned:
+            return
+        if isinstance(self.tracer_provider, SdkTracerProvider):
+            self.tracer_provider.shutdown()
+        if isinstance(self.meter_provider, SdkMeterProvider):
+            self.meter_provider.shutdown()

@@ -1,0 +1,168 @@
+"""The worker's OpenTelemetry instruments, every name under the ``workerpool.`` prefix.
+
+One ``Metrics`` serves every pool of a process. It is fed by small hooks, never by a second
+count of its own: ``run`` (a middleware: a run starts), ``settled`` (the processor's settle
+listener: how each delivery ended, the same labels as ``Processor.stats``), ``lease_extended``
+(the Leaser's ``on_extend``), ``rate_limit_waited`` (for rate limiters), ``watch_pool`` (in-flight
+gauges) and ``drained``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Protocol
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+
+from workerpool import constants as c
+from workerpool.context import JobContext
+from workerpool.envelope import Job
+from workerpool.listeners import Settled
+from workerpool.middleware import Middleware, Next
+from workerpool.outcome import Outcome
+
+# Histogram bucket bounds in seconds: from a quick job to an hours-long one.
+_SECONDS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+    7200, 14400,
+)  # fmt: skip
+
+
+class _Limits(Protocol):
+    @property
+    def max_outstanding(self) -> int: ...
+
+
+class WatchedPool(Protocol):
+    """What the gauges read from a pool."""
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def limits(self) -> _Limits: ...
+
+
+class Metrics(Middleware):
+    def __init__(self, meter_provider: MeterProvider | None = None) -> None:
+        meter = metrics.get_meter(c.INSTRUMENTATION_NAME, meter_provider=meter_provider)
+        self._started = meter.create_counter(
+            c.METRIC_JOBS_STARTED, unit="{job}", description="Job runs started, by job."
+        )
+        self._finished = meter.create_counter(
+            c.METRIC_JOBS_FINISHED,
+            unit="{job}",
+            description="Deliveries settled, by job and outcome (done, retried, dead_lettered, "
+            "deferred, drained, duplicate, ack_failed).",
+        )
+        self._duration = meter.create_histogram(
+            c.METRIC_JOB_DURATION,
+            unit="s",
+            description="From the start of a run to its ack or nack, by job and outcome.",
+            explicit_bucket_boundaries_advisory=_SECONDS,
+        )
+        self._queue_latency = meter.create_histogram(
+            c.METRIC_QUEUE_LATENCY,
+            unit="s",
+            description="From the message's publish time to the start of its run, by job.",
+            explicit_bucket_boundaries_advisory=_SECONDS,
+        )
+        self._extensions = meter.create_counter(
+            c.METRIC_LEASE_EXTENSIONS,
+            unit="{extension}",
+            description="Ack deadline extensions of held messages.",
+        )
+        self._rate_limit_wait = meter.create_histogram(
+            c.METRIC_RATE_LIMIT_WAIT,
+            unit="s",
+            description="Time spent waiting for a rate-limit token, by limiter.",
+            explicit_bucket_boundaries_advisory=_SECONDS,
+        )
+        self._drain = meter.create_histogram(
+            c.METRIC_DRAIN_DURATION,
+            unit="s",
+            description="How long draining a pool took, from the signal to the flushed acks.",
+            explicit_bucket_boundaries_advisory=_SECONDS,
+        )
+        meter.create_observable_gauge(
+            c.METRIC_IN_FLIGHT,
+            callbacks=[self._observe_in_flight],
+            unit="{job}",
+            description="Jobs running now, by pool.",
+        )
+        meter.create_observable_gauge(
+            c.METRIC_POOL_LIMIT,
+            callbacks=[self._observe_limits],
+            unit="{job}",
+            description="Jobs a pool may run at once (max_outstanding), by pool.",
+        )
+        self._pools: dict[str, WatchedPool] = {}
+        self._known_jobs: set[str] = set()
+        self._lock = threading.Lock()
+
+    # --- the middleware: a run starts -------------------------------------------------------
+
+    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
+        with self._lock:
+            self._known_jobs.add(job.name)
+        attributes = {c.LABEL_JOB: job.name}
+        self._started.add(1, attributes)
+        if job.publish_time is not None:
+            latency = (datetime.now(UTC) - job.publish_time).total_seconds()
+            self._queue_latency.record(max(0.0, latency), attributes)
+        return call_next(job, ctx)
+
+    # --- the settle listener: how it ended --------------------------------------------------
+
+    def settled(self, event: Settled) -> None:
+        attributes = {c.LABEL_JOB: self._job_label(event), c.LABEL_OUTCOME: event.label}
+        self._finished.add(1, attributes)
+        if event.duration is not None:
+            self._duration.record(event.duration, attributes)
+
+    def _job_label(self, event: Settled) -> str:
+        # A message that never ran may name any job at all: keep label values bounded.
+        if event.duration is not None or event.job in self._known_jobs:
+            return event.job
+        return c.UNKNOWN_JOB_LABEL
+
+    def know_jobs(self, names: Iterable[str]) -> None:
+        """Jobs that are registered: their name labels even a message that never ran."""
+        with self._lock:
+            self._known_jobs.update(names)
+
+    # --- other hooks ------------------------------------------------------------------------
+
+    def lease_extended(self, count: int) -> None:
+        """The Leaser's ``on_extend``: ``count`` messages had their ack deadline extended."""
+        self._extensions.add(count)
+
+    def rate_limit_waited(self, limiter: str, seconds: float) -> None:
+        """A run (or an outbound call) waited ``seconds`` for a token of ``limiter``."""
+        self._rate_limit_wait.record(seconds, {c.LABEL_LIMITER: limiter})
+
+    def watch_pool(self, name: str, pool: WatchedPool) -> None:
+        """Report ``pool``'s running jobs and its limit as gauges labelled ``pool=name``."""
+        with self._lock:
+            self._pools[name] = pool
+
+    def drained(self, name: str, seconds: float) -> None:
+        """Pool ``name`` finished draining in ``seconds``; its gauges stop."""
+        self._drain.record(seconds, {c.LABEL_POOL: name})
+        with self._lock:
+            self._pools.pop(name, None)
+
+    def _observe_in_flight(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            pools = list(self._pools.items())
+        return [Observation(pool.running, {c.LABEL_POOL: name}) for name, pool in pools]
+
+    def _observe_limits(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            pools = list(self._pools.items())
+        return [
+            Observation(pool.limits.max_outstanding, {c.LABEL_POOL: name}) for name, pool in pools
+        ]
