@@ -1,7 +1,8 @@
 """The local BigQuery emulator for the tests, and the statement seam the emulator needs.
 
 ``local_bigquery`` runs ``local-bigquery serve`` (local-bigquery 0.3.2, which needs Python 3.13:
-it lives in its own venv, ``.bqemu-venv`` in the repo, made by .ci/run) on a free port with a
+it lives in its own venv, ``.bqemu-venv`` in the repo, made on first use by
+emulator/install-bigquery-emulator.sh) on a free port with a
 fresh data directory, in its own process group, and kills the group afterwards.
 ``BIGQUERY_EMULATOR_HOST`` set beforehand means "use that one instead".
 
@@ -57,7 +58,11 @@ def find_local_bigquery() -> Path | None:
     if REPO_EXECUTABLE.exists():
         return REPO_EXECUTABLE
     found = shutil.which("local-bigquery")
-    return Path(found) if found else None
+    if found:
+        return Path(found)
+    installer = REPO / "emulator" / "install-bigquery-emulator.sh"
+    result = subprocess.run(["bash", str(installer)], capture_output=True, timeout=600, check=False)
+    return REPO_EXECUTABLE if result.returncode == 0 and REPO_EXECUTABLE.exists() else None
 
 
 def install_extensions(executable: Path) -> None:

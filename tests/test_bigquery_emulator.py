@@ -73,8 +73,8 @@ def bigquery_host() -> Iterator[str]:
     executable = find_local_bigquery()
     if executable is None:
         reason = (
-            "local-bigquery is not installed: make .bqemu-venv as .ci/run does "
-            "(Python 3.13, local-bigquery==0.3.2, duckdb 1.5.5 and its extensions)"
+            "local-bigquery could not be installed (emulator/install-bigquery-emulator.sh "
+            "needs Python 3.13 and PyPI): the BigQuery emulator tests cannot run"
         )
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
