@@ -8,7 +8,7 @@ a dead-letter policy) for every measurement, and the same jobs run by both imple
   the job, then ``message.ack()``.
 * workerpool: ``Launcher(Settings(max_outstanding=N, prefetch=2), jobs=Registry()).start()``.
 
-Scenarios (sizes are flags; defaults fit in about 4 minutes on 2 cores):
+Scenarios (sizes are flags; the defaults take about 2 minutes on 2 cores):
 
 1. held: how many messages the worker leases after ~3 s on a backlog of 2 s jobs, measured
    from outside by a second client's unary pull loop that gives back at once all it gets.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import importlib.metadata
 import logging
@@ -40,10 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 from google.api_core import exceptions as gexc
 from google.cloud import pubsub_v1
 from google.cloud.pubsub_v1.subscriber.scheduler import ThreadScheduler
 from google.cloud.pubsub_v1.types import FlowControl
+from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
 
 from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.config import Settings
@@ -115,9 +118,26 @@ class Worker(Protocol):
     def stop(self) -> None: ...
 
 
+def subscriber_client(own_connection: bool) -> Any:
+    """A SubscriberClient; with ``own_connection``, on a TCP connection no other client shares.
+
+    With the emulator every ``SubscriberClient()`` in a process gets a plain insecure channel,
+    and gRPC shares one connection between them, so a worker's connection would outlive its
+    stop while the bench's observer clients use it. A real worker is a process of its own.
+    """
+    if not own_connection:
+        return pubsub_v1.SubscriberClient()
+    channel = grpc.insecure_channel(
+        os.environ["PUBSUB_EMULATOR_HOST"], options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+    return pubsub_v1.SubscriberClient(transport=SubscriberGrpcTransport(channel=channel))
+
+
 class StreamingWorker:
-    def __init__(self, subscription: str, n: int, recorder: Recorder, seconds: float) -> None:
-        self._client = pubsub_v1.SubscriberClient()
+    def __init__(
+        self, subscription: str, n: int, recorder: Recorder, seconds: float, own_connection: bool
+    ) -> None:
+        self._client = subscriber_client(own_connection)
 
         def callback(message: Any) -> None:
             recorder.run(message.attributes.get("job_id") or message.message_id, seconds)
@@ -142,7 +162,14 @@ class StreamingWorker:
 
 class PoolWorker:
     def __init__(
-        self, project: str, subscription: str, n: int, recorder: Recorder, seconds: float
+        self,
+        project: str,
+        subscription: str,
+        n: int,
+        recorder: Recorder,
+        seconds: float,
+        idempotency_store: str,
+        own_connection: bool,
     ) -> None:
         jobs = Registry()
 
@@ -150,16 +177,22 @@ class PoolWorker:
         def handler(ctx: JobContext, payload: dict[str, Any]) -> None:
             recorder.run(ctx.job_id, seconds)
 
-        settings = Settings(
-            project=project,
-            subscription=subscription,
-            max_outstanding=n,
-            prefetch=2,
-            drain_timeout=10.0,
-            min_backoff=1.0,
-            max_backoff=10.0,
-        ).validate()
-        self._launcher = Launcher(settings, jobs=jobs, clients=Clients()).start()
+        values: dict[str, Any] = {
+            "project": project,
+            "subscription": subscription,
+            "max_outstanding": n,
+            "prefetch": 2,
+            "drain_timeout": 10.0,
+            "min_backoff": 1.0,
+            "max_backoff": 10.0,
+        }
+        if "idempotency_store" in {f.name for f in dataclasses.fields(Settings)}:
+            # The streaming baseline has no such step; "none" also keeps the default sqlite
+            # file out of the working directory.
+            values["idempotency_store"] = idempotency_store
+        settings = Settings(**values).validate()
+        clients = Clients(subscriber=subscriber_client(own_connection))
+        self._launcher = Launcher(settings, jobs=jobs, clients=clients).start()
 
     def stop(self) -> None:
         self._launcher.stop(time.monotonic() + 10)
@@ -176,6 +209,7 @@ class Resources:
     topic: str
     subscription: str
     dead_letter_topic: str
+    run: str  # unique per run: job ids start with it, so no two runs share one
 
     @property
     def topic_path(self) -> str:
@@ -204,7 +238,9 @@ class Bench:
     @contextlib.contextmanager
     def resources(self, label: str) -> Iterator[Resources]:
         suffix = uuid.uuid4().hex[:6]
-        res = Resources(self.project, f"t-{label}-{suffix}", f"s-{label}-{suffix}", f"d-{suffix}")
+        res = Resources(
+            self.project, f"t-{label}-{suffix}", f"s-{label}-{suffix}", f"d-{suffix}", suffix
+        )
         provision(
             self.publisher,
             self.admin,
@@ -237,7 +273,7 @@ class Bench:
                 self.publisher.delete_topic(request={"topic": topic}, timeout=30)
 
     def publish(self, res: Resources, count: int) -> list[str]:
-        ids = [f"j{i:06d}" for i in range(count)]
+        ids = [f"{res.run}-{i:06d}" for i in range(count)]
         futures = [self.publisher.publish(res.topic_path, b"{}", job=JOB, job_id=i) for i in ids]
         for future in futures:
             future.result(timeout=60)
@@ -296,12 +332,6 @@ class Bench:
 def _job_id(received: Any) -> str:
     message = received.message
     return str(message.attributes.get("job_id") or message.message_id)
-
-
-def start_worker(impl: str, res: Resources, n: int, recorder: Recorder, seconds: float) -> Worker:
-    if impl == "streaming":
-        return StreamingWorker(res.subscription_path, n, recorder, seconds)
-    return PoolWorker(res.project, res.subscription, n, recorder, seconds)
 
 
 def sleep_until(moment: float) -> None:
@@ -372,10 +402,20 @@ class Context:
     args: argparse.Namespace
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    load: tuple[float, float, float] = field(default_factory=os.getloadavg)
 
     def note(self, text: str) -> None:
         print(f"  - {text}", flush=True)
         self.notes.append(text)
+
+    def start(
+        self, impl: str, res: Resources, n: int, recorder: Recorder, seconds: float
+    ) -> Worker:
+        own = not self.args.shared_connection
+        if impl == "streaming":
+            return StreamingWorker(res.subscription_path, n, recorder, seconds, own)
+        store = self.args.idempotency_store
+        return PoolWorker(res.project, res.subscription, n, recorder, seconds, store, own)
 
     def row(self, scenario: str, better: str) -> Row:
         row = Row(scenario, better)
@@ -397,7 +437,7 @@ def held(ctx: Context) -> None:
                 backlog = len(ctx.bench.publish(res, a.held_backlog))
                 recorder = Recorder(backlog)
                 t0 = time.monotonic()
-                worker = start_worker(impl, res, n, recorder, a.held_seconds)
+                worker = ctx.start(impl, res, n, recorder, a.held_seconds)
                 sleep_until(t0 + a.held_after)
                 # Done and running are read as the probe starts; what the probe gets within its
                 # window was available then (a job cannot finish what the probe is holding).
@@ -426,7 +466,7 @@ def utilisation(ctx: Context) -> None:
             with ctx.bench.resources(f"util{n}{impl[0]}") as res:
                 ctx.bench.publish(res, total)
                 recorder = Recorder(total)
-                worker = start_worker(impl, res, n, recorder, a.util_seconds)
+                worker = ctx.start(impl, res, n, recorder, a.util_seconds)
                 done = recorder.all_done.wait(a.run_timeout)
                 worker.stop()
             intervals = list(recorder.intervals)
@@ -452,7 +492,7 @@ def throughput(ctx: Context) -> None:
         with ctx.bench.resources(f"noop{impl[0]}") as res:
             ctx.bench.publish(res, total)
             recorder = Recorder(total)
-            worker = start_worker(impl, res, n, recorder, 0.0)
+            worker = ctx.start(impl, res, n, recorder, 0.0)
             done = recorder.all_done.wait(a.run_timeout)
             worker.stop()  # returns once every ack has been sent
             stopped = time.monotonic()
@@ -531,7 +571,7 @@ def _release_one(ctx: Context, impl: str) -> Release:
         all_ids = set(ctx.bench.publish(res, a.release_backlog))
         recorder = Recorder(len(all_ids))
         t0 = time.monotonic()
-        worker = start_worker(impl, res, a.release_n, recorder, a.release_seconds)
+        worker = ctx.start(impl, res, a.release_n, recorder, a.release_seconds)
         # Who holds what just before the stop: whatever a plain pull cannot get is held.
         sleep_until(t0 + max(0.0, a.release_after - a.probe_seconds))
         available = ctx.bench.probe_available(res, a.probe_seconds)
@@ -624,6 +664,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--release-cap", type=float, default=70.0)
     add("--run-timeout", type=float, default=60.0, help="give up on a backlog after this")
     add("--warmup", type=int, default=1000, help="messages through the emulator first (JIT)")
+    add(
+        "--idempotency-store",
+        default="none",
+        help="workerpool's idempotency_store (the streaming baseline has none)",
+    )
+    add(
+        "--shared-connection",
+        action="store_true",
+        help="workers use plain SubscriberClient() (one gRPC connection with the observers)",
+    )
     add("--results", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -650,13 +700,52 @@ def report(ctx: Context, started: dt.datetime, seconds: float) -> str:
         f"- command: `python -m bench.pool_vs_streaming{' ' + argv if argv else ''}` "
         f"({seconds:.0f} s in all)",
         "- streaming: `subscribe(FlowControl(max_messages=N), ThreadScheduler(N threads), "
-        "await_callbacks_on_shutdown=True)`; workerpool: `Launcher(max_outstanding=N, prefetch=2)`",
+        "await_callbacks_on_shutdown=True)`; workerpool: `Launcher(max_outstanding=N, prefetch=2, "
+        f"idempotency_store={ctx.args.idempotency_store!r})`",
+        f"- load average (1 min) at the start / end: {ctx.load[0]:.2f} / {os.getloadavg()[0]:.2f} "
+        "(the machine may be shared)",
         "- ratio is always workerpool / streaming; the scenario says whether lower or higher is "
         "better",
         "",
     ]
     notes = ["", "## Notes (raw figures behind each cell)", "", *(f"- {n}" for n in ctx.notes)]
-    return "\n".join([*header, table(ctx.rows), *notes, ""])
+    return "\n".join([*header, table(ctx.rows), *notes, "", CAVEATS])
+
+
+CAVEATS = """## Read with care
+
+- The emulator ignores StreamingPull's server-side flow control (`max_outstanding_messages`,
+  which the client sends from `FlowControl.max_messages`) and pushes the whole backlog onto the
+  stream. Production Pub/Sub stops sending once that many messages are outstanding, so the
+  streaming "held" figures (scenarios 1 and 4) are what the emulator does, not what production
+  would do.
+- The emulator throws while handling each cancelled StreamingPull (see the onRstStreamRead
+  note), and what follows varies: the messages the streaming client nacked at its stop were
+  pullable about 3 s after it in some runs, only after about 60 s or not within the cap in
+  others. The streaming rows of scenario 4 vary from run to run; see bench/README.md.
+- Independent of the emulator (google-cloud-pubsub's shutdown code): the streaming client nacks
+  the messages it holds only after the running callbacks finish (`await_callbacks_on_shutdown`),
+  and never nacks those still in flight on the stream; workerpool gives back its waiting
+  messages first, then waits for the running jobs.
+- Scenarios 2 and 3 time job starts and ends; both implementations send the ack afterwards.
+- workerpool runs with the idempotency store given by `--idempotency-store` (default `none`:
+  the streaming baseline has no such step). Each worker has a gRPC connection of its own
+  (`--shared-connection` gives both plain `SubscriberClient()`s instead).
+"""
+
+
+def emulator_errors(ctx: Context, log_path: Path | None) -> None:
+    """Note the emulator's failures to handle a cancelled call (it then keeps the call alive)."""
+    if log_path is None or not log_path.exists():
+        return
+    text = log_path.read_text(errors="replace")
+    rst = text.count("Exception in onRstStreamRead()")
+    if rst:
+        ctx.note(
+            f"emulator log {log_path}: {rst} x 'Exception in onRstStreamRead()' "
+            "(java.lang.NoSuchMethodError): the emulator failed to process that many cancelled "
+            "calls, such as a StreamingPull stream cancelled at a streaming worker's stop"
+        )
 
 
 def warm_up(bench: Bench, count: int) -> None:
@@ -683,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
                 SCENARIOS[name](ctx)
         finally:
             bench.close()
+        emulator_errors(ctx, emulator.log_path)
     text = report(ctx, started, time.monotonic() - t0)
     print()
     print(table(ctx.rows))

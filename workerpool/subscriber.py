@@ -1,8 +1,9 @@
 """The pull loop: ask Pub/Sub for exactly as many messages as the pool has room for.
 
-We measured google-cloud-pubsub's StreamingPull client holding ~100 leased messages even with
-``FlowControl(max_messages=1)`` and keeping only 0.83-0.90 of N slots busy, so this loop owns
-the intake over the same library's unary ``pull``: it never holds more than N + prefetch.
+On the emulator, google-cloud-pubsub's StreamingPull client held hundreds of leased messages
+even with ``FlowControl(max_messages=1)`` and kept only 0.80-0.84 of N slots busy (see
+bench/results.md), so this loop owns the intake over the same library's unary ``pull``: it
+never holds more than N + prefetch.
 Connection failures are retried with capped, jittered backoff; the loop never exits on them.
 """
 
@@ -79,12 +80,18 @@ class Puller:
             try:
                 # The emulator answers an idle pull with an empty response just before the
                 # call's deadline, so a short deadline bounds how long a drain waits for it.
+                # retry=None: this loop owns retries (logged, backed off, never past a drain);
+                # the client's default policy silently retried a stopped emulator for ~50 s.
                 response = self._client.pull(
                     request={"subscription": self._subscription, "max_messages": room},
                     timeout=self._pull_timeout,
+                    retry=None,
                 )
             except gexc.DeadlineExceeded:
-                continue  # nothing arrived in time; not a failure
+                # Nothing arrived in time: not a failure. An idle subscription may answer
+                # every pull this way, and /healthz must not fail an idle worker for it.
+                self.healthy.set()
+                continue
             except (*_TRANSIENT, gexc.NotFound) as exc:
                 # NotFound too: an emulator restart loses the subscription until it is
                 # provisioned again, and a worker should resume then, not exit.
