@@ -21,7 +21,7 @@ class _RefusingClient:
         self.refused = refused
         self.calls: list[list[str]] = []
 
-    def acknowledge(self, request: dict[str, Any]) -> None:
+    def acknowledge(self, request: dict[str, Any], **options: Any) -> None:
         self.calls.append(list(request["ack_ids"]))
         errors = {a: why for a, why in self.refused.items() if a in request["ack_ids"]}
         if errors:

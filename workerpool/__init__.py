@@ -2,6 +2,7 @@
 
 from workerpool.context import JobContext
 from workerpool.errors import ConfigError, Defer, PermanentError, RetryableError
+from workerpool.publishing import publish_job as publish
 from workerpool.registry import JobSpec, job, registry
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "PermanentError",
     "RetryableError",
     "job",
+    "publish",
     "registry",
 ]

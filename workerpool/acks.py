@@ -25,6 +25,7 @@ from workerpool.delivery import Delivery
 log = logging.getLogger(__name__)
 
 _MAX_IDS_PER_REQUEST = 1000
+_CALL_TIMEOUT = 10.0
 _ATTEMPTS = 4
 _TRANSIENT = (
     gexc.ServiceUnavailable,
@@ -168,7 +169,9 @@ class Acknowledger:
         kind, seconds = key
         if kind == "ack":
             self._client.acknowledge(
-                request={"subscription": self._subscription, "ack_ids": ack_ids}
+                request={"subscription": self._subscription, "ack_ids": ack_ids},
+                retry=None,  # _send_with_retries owns retries, bounded so a drain can flush
+                timeout=_CALL_TIMEOUT,
             )
         else:
             self._client.modify_ack_deadline(
@@ -176,7 +179,9 @@ class Acknowledger:
                     "subscription": self._subscription,
                     "ack_ids": ack_ids,
                     "ack_deadline_seconds": seconds,
-                }
+                },
+                retry=None,
+                timeout=_CALL_TIMEOUT,
             )
 
 

@@ -33,6 +33,10 @@ class SubscriptionInfo:
     has_retry_policy: bool
     exactly_once: bool
     filter: str
+    # Seconds; 0 when not set (what ``workerpool status`` shows beyond the above).
+    min_backoff: float = 0.0
+    max_backoff: float = 0.0
+    retention_seconds: float = 0.0
 
 
 def describe_subscription(subscriber: Any, subscription: str) -> SubscriptionInfo:
@@ -54,6 +58,9 @@ def describe_subscription(subscriber: Any, subscription: str) -> SubscriptionInf
         has_retry_policy=has_retry,
         exactly_once=sub.enable_exactly_once_delivery,
         filter=sub.filter,
+        min_backoff=sub.retry_policy.minimum_backoff.total_seconds() if has_retry else 0.0,
+        max_backoff=sub.retry_policy.maximum_backoff.total_seconds() if has_retry else 0.0,
+        retention_seconds=sub.message_retention_duration.total_seconds(),
     )
 
 

@@ -8,19 +8,29 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import click
 
-from workerpool.admin import ProvisionRequest, topic_path
+from workerpool.admin import (
+    ProvisionRequest,
+    describe_subscription,
+    subscription_path,
+    topic_path,
+)
 from workerpool.admin import provision as provision_resources
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
+from workerpool.health import HealthServer
 from workerpool.launcher import Clients, Fleet
+from workerpool.logs import set_trace_project, setup_logging
 from workerpool.publishing import JobMessage, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry
+from workerpool.telemetry import PrometheusReader, telemetry_from_env
+from workerpool.telemetry.exporters import publish_span
 
 
 class _Group(click.Group):
@@ -34,18 +44,11 @@ class _Group(click.Group):
             sys.exit(2)
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 @click.group(cls=_Group)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
     """Run jobs from a Pub/Sub subscription as a bounded worker pool."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
 
 
 def _load_jobs(modules: tuple[str, ...]) -> None:
@@ -74,6 +77,11 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
         help="sqlite:///PATH (default), firestore://PROJECT/COLLECTION, memory:// or none.",
     ),
     click.option("--claim-ttl", type=float, help="Seconds a job claim lives unless renewed."),
+    click.option(
+        "--metrics-port",
+        type=int,
+        help="Serve /metrics, /healthz and /readyz on this port (default: nothing listens).",
+    ),
     click.option(
         "--rate-limit",
         multiple=True,
@@ -109,15 +117,27 @@ def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
     _load_jobs(settings.jobs)
+    set_trace_project(settings.project)
+    scrape = PrometheusReader() if settings.metrics_port else None
+    telemetry = telemetry_from_env(extra_readers=[scrape] if scrape else [])
     signals = _Signals()
     signals.install()
-    fleet = Fleet(settings).start()
+    fleet = Fleet(settings, telemetry=telemetry)
+    health = None
+    if settings.metrics_port:
+        health = HealthServer(
+            settings.metrics_port, healthy=fleet.healthy, ready=fleet.ready, metrics=scrape
+        ).start()
+    fleet.start()
     while not signals.stop.wait(1.0):
         pass
     logging.getLogger("workerpool").info(
         "signal received: draining (%.0fs)", settings.drain_timeout
     )
     fleet.stop(time.monotonic() + settings.drain_timeout, abort=signals.hurry)
+    if health is not None:
+        health.stop()
+    telemetry.shutdown()
 
 
 @main.command("jobs")
@@ -184,7 +204,10 @@ def publish(
     clients = Clients()
     try:
         ids = publish_many(clients.publisher, topic_path(project, topic), messages)
-        with click.progressbar(ids, length=len(messages), label="publishing") as bar:
+        with (
+            publish_span(topic_path(project, topic)),
+            click.progressbar(ids, length=len(messages), label="publishing") as bar,
+        ):
             count = sum(1 for _ in bar)
         click.echo(f"published {count} job(s) to {topic_path(project, topic)}")
     finally:
@@ -206,3 +229,90 @@ def demo(count: int, max_outstanding: int) -> None:
     from workerpool.demo import run_demo
 
     run_demo(count=count, max_outstanding=max_outstanding, echo=click.echo)
+
+
+@main.group()
+def dlq() -> None:
+    """Inspect and replay failure records on a dead-letter subscription."""
+
+
+_DLQ_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--project", required=True),
+    click.option("--subscription", required=True, help="The dead-letter subscription."),
+    click.option("--job", "job_name", help="Only records of this job."),
+]
+
+
+def _dlq_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_DLQ_OPTIONS):
+        func = option(func)
+    return func
+
+
+@dlq.command("list")
+@_dlq_options
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+def dlq_list(project: str, subscription: str, job_name: str | None, limit: int) -> None:
+    """Show failure records as a table, leaving them on the subscription."""
+    from workerpool.dlq import peek, table
+
+    clients = Clients()
+    try:
+        path = subscription_path(project, subscription)
+        describe_subscription(clients.subscriber, path)  # a missing one: exit 2, one line
+        records = peek(clients.subscriber, path, limit=limit, job=job_name)
+    finally:
+        clients.close()
+    for line in table(records):
+        click.echo(line)
+    click.echo(f"{len(records)} record(s) on {path}")
+
+
+@dlq.command("replay")
+@_dlq_options
+@click.option("--limit", type=click.IntRange(1), help="Replay at most this many.")
+@click.option("--dry-run", is_flag=True, help="Say what would be replayed; change nothing.")
+def dlq_replay(
+    project: str, subscription: str, job_name: str | None, limit: int | None, dry_run: bool
+) -> None:
+    """Republish failure records to their source topic; ack each once that is confirmed."""
+    from workerpool.dlq import Replayer
+
+    clients = Clients()
+    counts: Counter[str] = Counter()
+    try:
+        path = subscription_path(project, subscription)
+        describe_subscription(clients.subscriber, path)
+        results = Replayer(clients.subscriber, clients.publisher, path).replay(
+            job=job_name, limit=limit, dry_run=dry_run
+        )
+        label = "checking" if dry_run else "replaying"
+        with click.progressbar(results, length=limit, label=label) as bar:
+            for result in bar:
+                counts[result.status] += 1
+                if result.status != "replayed":
+                    record = result.record
+                    detail = f": {result.detail}" if result.detail else f" to {result.topic}"
+                    click.echo(f"\n{result.status} {record.job} {record.job_id}{detail}")
+    finally:
+        clients.close()
+    summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    click.echo(f"{summary or 'nothing to replay'} from {path}")
+    if counts["failed"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--project", required=True)
+@click.option("--subscription", required=True)
+def status(project: str, subscription: str) -> None:
+    """Show a subscription's settings and, where Cloud Monitoring is reachable, its backlog."""
+    from workerpool.status import status_lines
+
+    clients = Clients()
+    try:
+        lines = status_lines(clients.subscriber, subscription_path(project, subscription))
+    finally:
+        clients.close()
+    for line in lines:
+        click.echo(line)

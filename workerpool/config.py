@@ -38,6 +38,8 @@ class Settings:
     jobs: tuple[str, ...] = ()
     idempotency_store: str = "sqlite:///workerpool-idempotency.db"
     claim_ttl: float = 60.0
+    # Serve /metrics, /healthz and /readyz on this port; 0: nothing listens.
+    metrics_port: int = 0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.
     job_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # ``[rate_limits]`` NAME = "RATE/s:BURST", shared by every pool of the process.
@@ -63,6 +65,8 @@ class Settings:
             raise ConfigError(f"lease_extension must be 10..600 s, got {self.lease_extension}")
         if self.max_backoff < self.min_backoff:
             raise ConfigError("max_backoff must be at least min_backoff")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if self.pools and not all(pool.subscription for pool in self.pool_settings()):
             raise ConfigError("every [[pools]] entry needs a subscription")
         return self

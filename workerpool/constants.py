@@ -47,3 +47,68 @@ DEFAULT_TIMEOUT_SECONDS: Final = 3600.0
 DEFAULT_PREFETCH: Final = 2
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
+
+# Outcome labels: how a delivery ended, as counted in Processor.stats and workerpool.jobs.finished.
+OUTCOME_LABELS: Final = (
+    "done",
+    "retried",
+    "dead_lettered",
+    "deferred",
+    "drained",
+    "duplicate",
+    "ack_failed",
+)
+# Labels that mean this run failed (its span's status is ERROR, its end log line a warning).
+FAILED_LABELS: Final = ("retried", "dead_lettered", "ack_failed")
+
+# OpenTelemetry: instrument names (every one under the ``workerpool.`` prefix) and attributes.
+INSTRUMENTATION_NAME: Final = "workerpool"
+METRIC_JOBS_STARTED: Final = "workerpool.jobs.started"
+METRIC_JOBS_FINISHED: Final = "workerpool.jobs.finished"
+METRIC_JOB_DURATION: Final = "workerpool.job.duration"
+METRIC_QUEUE_LATENCY: Final = "workerpool.job.queue_latency"
+METRIC_IN_FLIGHT: Final = "workerpool.pool.in_flight"
+METRIC_POOL_LIMIT: Final = "workerpool.pool.limit"
+METRIC_LEASE_EXTENSIONS: Final = "workerpool.lease.extensions"
+METRIC_RATE_LIMIT_WAIT: Final = "workerpool.rate_limit.wait"
+METRIC_DRAIN_DURATION: Final = "workerpool.drain.duration"
+LABEL_JOB: Final = "job"
+LABEL_OUTCOME: Final = "outcome"
+LABEL_POOL: Final = "pool"
+LABEL_LIMITER: Final = "limiter"
+# The job label of a message whose job is missing or not registered (bounds label values).
+UNKNOWN_JOB_LABEL: Final = "(unknown)"
+SPAN_MESSAGING_SYSTEM: Final = "messaging.system"
+SPAN_MESSAGING_DESTINATION: Final = "messaging.destination.name"
+SPAN_MESSAGING_OPERATION: Final = "messaging.operation.type"
+SPAN_MESSAGING_MESSAGE_ID: Final = "messaging.message.id"
+SPAN_DELIVERY_ATTEMPT: Final = "messaging.gcp_pubsub.message.delivery_attempt"
+SPAN_JOB_ID: Final = "workerpool.job_id"
+SPAN_OUTCOME: Final = "workerpool.outcome"
+MESSAGING_SYSTEM: Final = "gcp_pubsub"
+
+# Structured logs: job line fields and the Cloud Logging special keys.
+LOG_JOB: Final = "job"
+LOG_JOB_ID: Final = "job_id"
+LOG_MESSAGE_ID: Final = "message_id"
+LOG_ATTEMPT: Final = "attempt"
+LOG_DURATION: Final = "duration"
+LOG_OUTCOME: Final = "outcome"
+LOG_ERROR_TYPE: Final = "error_type"
+LOG_TRACE: Final = "logging.googleapis.com/trace"
+LOG_SPAN_ID: Final = "logging.googleapis.com/spanId"
+LOG_TRACE_SAMPLED: Final = "logging.googleapis.com/trace_sampled"
+LOG_SOURCE_LOCATION: Final = "logging.googleapis.com/sourceLocation"
+
+# Health endpoint paths (``--metrics-port``).
+PATH_METRICS: Final = "/metrics"
+PATH_HEALTHZ: Final = "/healthz"
+PATH_READYZ: Final = "/readyz"
+
+# Attributes Pub/Sub itself adds when its dead-letter policy forwards a message.
+ATTR_PUBSUB_DEAD_LETTER_PREFIX: Final = "CloudPubSubDeadLetter"
+ATTR_PUBSUB_DELIVERY_COUNT: Final = "CloudPubSubDeadLetterSourceDeliveryCount"
+ATTR_PUBSUB_SOURCE_SUBSCRIPTION: Final = "CloudPubSubDeadLetterSourceSubscription"
+ATTR_PUBSUB_SOURCE_PROJECT: Final = "CloudPubSubDeadLetterSourceSubscriptionProject"
+# error_type shown for such a message: the subscription's max delivery attempts ran out.
+ERR_DELIVERY_LIMIT: Final = "max_delivery_attempts"

@@ -26,6 +26,8 @@ class Delivery:
     received_at: float = field(default_factory=time.monotonic)
     # Monotonic time after which the lease is no longer extended (set from the job's timeout).
     lease_until: float = float("inf")
+    # Monotonic time its run started (None until then, and for input that never runs).
+    started_at: float | None = None
     _settled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

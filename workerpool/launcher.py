@@ -31,6 +31,7 @@ from workerpool.processor import Processor, ProcessorSettings
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
 from workerpool.subscriber import Puller
+from workerpool.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +78,26 @@ class Launcher:
         worker_id: str | None = None,
         store: IdempotencyStore | None = None,
         limiters: RateLimiters | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """``store`` overrides ``settings.idempotency_store`` with a store object of your own;
-        ``limiters`` are shared by the pools of one process (default: from settings)."""
+        ``limiters`` are shared by the pools of one process (default: from settings);
+        ``telemetry`` (traces, metrics, job log lines) too (default: global providers)."""
         if not settings.project or not settings.subscription:
             raise ConfigError("project and subscription are required")
         self.settings = settings
         self.worker_id = worker_id or worker_identity()
         self.subscription = subscription_path(settings.project, settings.subscription)
         self._jobs = jobs
-        self._limiters = limiters or LocalLimiters(settings.rate_limits)
+        self.telemetry = telemetry or Telemetry()
+        hooks = self.telemetry.hooks(self.subscription)
+        self._listeners = hooks.listeners
+        self._limiters = limiters or LocalLimiters(
+            settings.rate_limits, on_wait=self.telemetry.metrics.rate_limit_waited
+        )
         _check_rate_limits(jobs, self._limiters)
         self._middleware = [
+            *hooks.middleware,  # outermost: every run is seen, even one short-circuited
             *_idempotency(settings, self.worker_id, store),
             RateLimit(self._limiters),
             TimeLimit(),
@@ -126,7 +135,11 @@ class Launcher:
                 f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
             )
         self._acks = Acknowledger(self._clients.subscriber, self.subscription)
-        self._leaser = Leaser(self._acks, extension=s.lease_extension)
+        self._leaser = Leaser(
+            self._acks,
+            extension=s.lease_extension,
+            on_extend=self.telemetry.metrics.lease_extended,
+        )
         dead_letters = DeadLetterPublisher(
             self._clients.publisher,
             dead_letter_topic,
@@ -148,9 +161,12 @@ class Launcher:
                 job_config=s.job_config,
             ),
             limiters=self._limiters,
+            listeners=self._listeners,
         )
         limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)
         self._pool = Pool(self._processor, self._leaser, self._acks, limits)
+        self.telemetry.metrics.know_jobs(self._jobs.names())
+        self.telemetry.metrics.watch_pool(s.subscription, self._pool)
         self._puller = Puller(self._clients.subscriber, self.subscription, self._pool)
         self._leaser.start()
         self._pool.start()
@@ -208,7 +224,18 @@ class Launcher:
             report.interrupted,
             flushed,
         )
+        self.telemetry.metrics.drained(self.settings.subscription, report.seconds)
         return report
+
+    def healthy(self) -> bool:
+        """The pull stream is healthy (its last pull answered), or the worker is draining."""
+        if self._stopped:
+            return True
+        return self._puller is not None and self._puller.healthy.is_set()
+
+    def ready(self) -> bool:
+        """Started and not draining: readiness turns false as soon as draining starts."""
+        return self._pool is not None and not self._pool.quieted
 
     def _wait_idle(self, deadline: float, abort: threading.Event | None) -> bool:
         assert self._pool is not None
@@ -225,11 +252,21 @@ class Fleet:
     and sharing the rate limiters. Draining quiets every pool first, then waits for them all
     against one deadline."""
 
-    def __init__(self, settings: Settings, *, jobs: Registry = registry) -> None:
-        limiters = LocalLimiters(settings.rate_limits)
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        jobs: Registry = registry,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.telemetry = telemetry or Telemetry()
+        limiters = LocalLimiters(
+            settings.rate_limits, on_wait=self.telemetry.metrics.rate_limit_waited
+        )
         self.settings = settings
         self.launchers = [
-            Launcher(pool, jobs=jobs, limiters=limiters) for pool in settings.pool_settings()
+            Launcher(pool, jobs=jobs, limiters=limiters, telemetry=self.telemetry)
+            for pool in settings.pool_settings()
         ]
 
     def start(self) -> Fleet:
@@ -247,3 +284,9 @@ class Fleet:
         for launcher in self.launchers:
             launcher.quiet()
         return [launcher.stop(deadline, abort) for launcher in self.launchers]
+
+    def healthy(self) -> bool:
+        return all(launcher.healthy() for launcher in self.launchers)
+
+    def ready(self) -> bool:
+        return all(launcher.ready() for launcher in self.launchers)

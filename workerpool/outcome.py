@@ -6,7 +6,7 @@ outcome to an ``Action``. The branches mirror the table in DESIGN.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workerpool import constants as c
 from workerpool.backoff import Backoff
@@ -23,6 +23,8 @@ class Failed:
 
     error_type: str
     error_message: str
+    # What the handler raised, for the trace (not part of the decision).
+    exc: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Rejected:
 
     error_type: str
     error_message: str
+    exc: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from workerpool.delivery import Delivery
 from workerpool.envelope import Job, Rejection, decode
 from workerpool.errors import Defer, PermanentError, RateLimitedError, RetryableError
 from workerpool.lease import Leaser
+from workerpool.listeners import Listener, Settled
 from workerpool.middleware import Middleware, chain
 from workerpool.outcome import (
     Ack,
@@ -111,8 +112,11 @@ class Processor:
         middleware: Sequence[Middleware] = (),
         settings: ProcessorSettings = ProcessorSettings(),
         limiters: RateLimiters | None = None,
+        listeners: Sequence[Listener] = (),
     ) -> None:
+        """``listeners`` hear how each delivery ended (telemetry), once, as it is counted."""
         self._registry = registry
+        self._listeners = list(listeners)
         self._limiters = limiters
         self._acks = acks
         self._leaser = leaser
@@ -149,6 +153,7 @@ class Processor:
     def _run(self, job: Job, delivery: Delivery) -> Outcome:
         # The lease follows the job's own timeout, however long, and stops soon after it.
         delivery.lease_until = time.monotonic() + job.spec.timeout + self._leaser.extension
+        delivery.started_at = time.monotonic()
         ctx = JobContext(
             job=job.name,
             job_id=job.job_id,
@@ -171,6 +176,7 @@ class Processor:
                 self._running.pop(delivery.ack_id, None)
 
     def _settle(self, delivery: Delivery, action: Action, subject: _Subject) -> None:
+        error_type = action.error_type if isinstance(action, DeadLetter) else ""
         if isinstance(action, DeadLetter):
             action = self._record_failure(delivery, action, subject)
         if not delivery.settle():
@@ -183,6 +189,7 @@ class Processor:
             case Nack(delay, label):
                 self._acks.modack([delivery.ack_id], 0 if self._settings.server_backoff else delay)
         self._count(label)
+        self._notify(delivery, subject, label, error_type if label == "dead_lettered" else "")
 
     def _ack(self, delivery: Delivery) -> bool:
         confirmation = self._acks.ack(delivery.ack_id, confirm=self._settings.exactly_once)
@@ -221,6 +228,20 @@ class Processor:
         with self._lock:
             self.stats[label] += 1
 
+    def _notify(self, delivery: Delivery, subject: _Subject, label: str, error_type: str) -> None:
+        if not self._listeners:
+            return
+        started = delivery.started_at
+        settled = Settled(
+            label, subject.job_name, subject.job_id, delivery.message_id, subject.attempt,
+            None if started is None else time.monotonic() - started, error_type,
+        )  # fmt: skip
+        for listener in self._listeners:
+            try:
+                listener(settled)
+            except Exception:  # telemetry must never break the data path
+                log.exception("settle listener %r failed", listener)
+
     def interrupt_running(self) -> int:
         """At the drain deadline: cancel what still runs and give its messages back now."""
         with self._lock:
@@ -247,16 +268,16 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
     try:
         job.spec.handler(ctx, job.payload)
     except PermanentError as exc:
-        return Rejected(exc.error_type, str(exc) or type(exc).__name__)
+        return Rejected(exc.error_type, str(exc) or type(exc).__name__, exc)
     except Defer as exc:
         return Deferred(str(exc), exc.delay)
     except RateLimitedError as exc:
         if exc.limiter:
             ctx.throttled(exc.limiter, exc.retry_after)
-        return Failed(type(exc).__name__, str(exc))
+        return Failed(type(exc).__name__, str(exc), exc)
     except RetryableError as exc:
-        return Failed(type(exc).__name__, str(exc))
+        return Failed(type(exc).__name__, str(exc), exc)
     except Exception as exc:
         ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
-        return Failed(type(exc).__name__, str(exc))
+        return Failed(type(exc).__name__, str(exc), exc)
     return Succeeded()

@@ -1,14 +1,21 @@
-"""Publishing jobs by the message contract: JSON object data, ``job`` and ``job_id`` attributes."""
+"""Publishing jobs by the message contract: JSON object data, ``job`` and ``job_id`` attributes.
+
+Every message also carries the publisher's current trace context (``traceparent`` /
+``tracestate``), so the job's span on the worker is a child of the span that published it.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
+from workerpool.telemetry.propagation import inject
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,7 @@ class JobMessage:
         attributes[c.ATTR_JOB] = self.job
         if self.job_id:
             attributes[c.ATTR_JOB_ID] = self.job_id
+        inject(attributes)
         return json.dumps(self.data, separators=(",", ":")).encode(), attributes
 
 
@@ -31,6 +39,47 @@ def publish(publisher: Any, topic: str, message: JobMessage, *, timeout: float =
     data, attributes = message.encode()
     message_id: str = publisher.publish(topic, data, **attributes).result(timeout=timeout)
     return message_id
+
+
+_default_publisher: Any = None
+_default_lock = threading.Lock()
+
+
+def _publisher() -> Any:
+    global _default_publisher
+    with _default_lock:
+        if _default_publisher is None:
+            from google.cloud.pubsub_v1 import PublisherClient
+
+            _default_publisher = PublisherClient()
+        return _default_publisher
+
+
+def publish_job(
+    topic: str,
+    job: str,
+    data: Mapping[str, Any] | None = None,
+    *,
+    job_id: str = "",
+    attributes: Mapping[str, str] | None = None,
+    project: str | None = None,
+    publisher: Any = None,
+    timeout: float = 60,
+) -> str:
+    """Publish one job and wait for its message id: ``workerpool.publish``.
+
+    ``topic`` is a topic name in ``project`` (default: ``GOOGLE_CLOUD_PROJECT``) or a full
+    ``projects/P/topics/T`` path. The current OpenTelemetry context is injected, so the job's
+    span on the worker is a child of the caller's span. ``publisher`` defaults to one
+    ``PublisherClient`` shared by the process (``PUBSUB_EMULATOR_HOST`` is honoured).
+    """
+    if not topic.startswith("projects/"):
+        project = project or os.environ.get("GOOGLE_CLOUD_PROJECT", "")
+        if not project:
+            raise ConfigError(f"topic {topic!r}: give a project or a projects/P/topics/T path")
+        topic = f"projects/{project}/topics/{topic}"
+    message = JobMessage(job, dict(data or {}), job_id, attributes)
+    return publish(publisher or _publisher(), topic, message, timeout=timeout)
 
 
 def publish_many(publisher: Any, topic: str, messages: Iterable[JobMessage]) -> Iterator[str]:
