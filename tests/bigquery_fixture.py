@@ -27,10 +27,33 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jobs.bigquery_reverse_etl as plugin
 from jobs.bigquery_reverse_etl import ExportRequest, Query
 from jobs.bigquery_reverse_etl.statement import build_query
+
+# The example, with names that pass the real rules (project ids are 6-30 characters,
+# Bigtable instance ids 6-33: the "p" and "i" are rejected, see below).
+EXAMPLE_PAYLOAD: dict[str, Any] = {
+    "source": {
+        "uris": ["gs://bucket/segments/2026-11-30/*.csv"],
+        "format": "CSV",
+        "skip_leading_rows": 1,
+        "schema": [{"name": "user_id", "type": "STRING"}, {"name": "segment", "type": "STRING"}],
+    },
+    "row_key": "user_id",
+    "column_families": {"seg": ["segment"]},
+    "target": {
+        "project": "ads-serving",
+        "instance": "segments-prod",
+        "app_profile": "retl",
+        "table": "segments",
+    },
+    "options": {"overwrite": True, "auto_create_column_families": True},
+    "location": "US",
+    "labels": {"team": "ads"},
+}
 
 REPO = Path(__file__).resolve().parent.parent
 # Where to find the emulator: this variable (the executable), else the repo's own venv, else PATH.

@@ -35,31 +35,20 @@ from jobs.bigquery_reverse_etl.launch import (
     label_value,
     make_client,
 )
-from tests.bigquery_fixture import NAP_ENV, find_local_bigquery, local_bigquery, nap_query
+from tests.bigquery_fixture import (
+    EXAMPLE_PAYLOAD,
+    NAP_ENV,
+    find_local_bigquery,
+    local_bigquery,
+    nap_query,
+)
 from tests.support import PubSubEnv, WorkerProcess, spawn_worker, wait_for, worker_processes
 from workerpool import JobContext
 from workerpool import constants as c
 from workerpool.registry import Registry
 
 EMULATOR_PROJECT = "workerpool-bq"
-PAYLOAD: dict[str, Any] = {
-    "source": {
-        "uris": ["gs://segments-landing/segments/2026-11-30/*.csv"],
-        "format": "CSV",
-        "skip_leading_rows": 1,
-        "schema": [{"name": "user_id", "type": "STRING"}, {"name": "segment", "type": "STRING"}],
-    },
-    "row_key": "user_id",
-    "column_families": {"seg": ["segment"]},
-    "target": {
-        "project": "ads-serving",
-        "instance": "segments-prod",
-        "app_profile": "retl",
-        "table": "segments",
-    },
-    "options": {"overwrite": True, "auto_create_column_families": True},
-    "labels": {"team": "ads"},
-}
+PAYLOAD = {k: v for k, v in EXAMPLE_PAYLOAD.items() if k != "location"}
 
 
 @pytest.fixture(scope="session")

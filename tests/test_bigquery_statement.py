@@ -33,32 +33,13 @@ from jobs.bigquery_reverse_etl.launch import (
 )
 from jobs.bigquery_reverse_etl.payload import INVALID_PAYLOAD, PluginConfig
 from jobs.bigquery_reverse_etl.statement import build_query, quote_identifier, quote_string
+from tests.bigquery_fixture import EXAMPLE_PAYLOAD
 from workerpool import Defer, JobContext, PermanentError, RetryableError
 from workerpool.payload import PayloadError, convert
 
 PROJECT = "my-project"
 
-# The issue's example, with names that pass the real rules (project ids are 6-30 characters,
-# Bigtable instance ids 6-33: the issue's "p" and "i" are rejected, see below).
-EXAMPLE: dict[str, Any] = {
-    "source": {
-        "uris": ["gs://bucket/segments/2026-11-30/*.csv"],
-        "format": "CSV",
-        "skip_leading_rows": 1,
-        "schema": [{"name": "user_id", "type": "STRING"}, {"name": "segment", "type": "STRING"}],
-    },
-    "row_key": "user_id",
-    "column_families": {"seg": ["segment"]},
-    "target": {
-        "project": "ads-serving",
-        "instance": "segments-prod",
-        "app_profile": "retl",
-        "table": "segments",
-    },
-    "options": {"overwrite": True, "auto_create_column_families": True},
-    "location": "US",
-    "labels": {"team": "ads"},
-}
+EXAMPLE = EXAMPLE_PAYLOAD
 
 GOLDEN_CSV = """\
 EXPORT DATA OPTIONS (
