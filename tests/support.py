@@ -21,6 +21,7 @@ from workerpool.config import Settings
 from workerpool.idempotency import IdempotencyStore
 from workerpool.launcher import Clients, Launcher
 from workerpool.registry import Registry
+from workerpool.telemetry import Telemetry
 
 
 @dataclass
@@ -125,10 +126,17 @@ class PubSubEnv:
 
     @contextlib.contextmanager
     def worker(
-        self, jobs: Registry, *, store: IdempotencyStore | None = None, **overrides: Any
+        self,
+        jobs: Registry,
+        *,
+        store: IdempotencyStore | None = None,
+        telemetry: Telemetry | None = None,
+        **overrides: Any,
     ) -> Iterator[Launcher]:
         settings = self.settings(**overrides)
-        launcher = Launcher(settings, jobs=jobs, clients=Clients(), store=store).start()
+        launcher = Launcher(
+            settings, jobs=jobs, clients=Clients(), store=store, telemetry=telemetry
+        ).start()
         try:
             yield launcher
         finally:
