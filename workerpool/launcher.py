@@ -22,7 +22,7 @@ from workerpool.backoff import Backoff
 from workerpool.config import Settings
 from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
-from workerpool.idempotency import IdempotencyStore, open_store
+from workerpool.idempotency import IdempotencyStore, StoreUnavailable, open_store
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, RateLimit, TimeLimit
@@ -54,7 +54,7 @@ def _idempotency(
     if store is None:
         try:
             store = open_store(settings.idempotency_store)
-        except (ValueError, ImportError) as exc:
+        except (ValueError, ImportError, StoreUnavailable) as exc:
             raise ConfigError(f"idempotency_store: {exc}") from None
     return [] if store is None else [Idempotency(store, owner, ttl=settings.claim_ttl)]
 
