@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -109,6 +110,20 @@ def _classify(response: requests.Response, limiter: str | None) -> None:
     raise PermanentError(f"HTTP {status}: {response.reason}", error_type=f"http.{status}")
 
 
+_local = threading.local()
+
+
+def _session() -> requests.Session:
+    """One keep-alive session per slot thread: no TCP handshake per request, so requests
+    leave when the limiter says, not a connection set-up later (sessions are not shared
+    across threads, which requests does not promise to be safe)."""
+    session: requests.Session | None = getattr(_local, "session", None)
+    if session is None:
+        session = _local.session = requests.Session()
+        session.trust_env = False  # no proxy or netrc from the environment
+    return session
+
+
 @job("http.delivery", timeout=120, max_attempts=8, payload=HttpRequest)
 def deliver(ctx: JobContext, request: HttpRequest) -> None:
     host = _check_destination(request.url, ctx.config)
@@ -120,7 +135,7 @@ def deliver(ctx: JobContext, request: HttpRequest) -> None:
         ctx.acquire(limiter)
     timeout = float(ctx.config.get("timeout", 10))
     try:
-        response = requests.request(
+        response = _session().request(
             request.method,
             request.url,
             json=request.body,

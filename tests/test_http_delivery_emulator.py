@@ -41,6 +41,7 @@ class LimitedUpstream(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: LimitedUpstream
+    protocol_version = "HTTP/1.1"  # keep-alive, as real APIs offer
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
