@@ -1,0 +1,66 @@
+"""``status`` reads the backlog from Cloud Monitoring where it can (no Google service is
+reachable here, so Monitoring's REST answers are canned; the emulator case is in
+tests/test_dlq_emulator.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workerpool.status import MONITORING_URL, backlog_lines
+
+SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
+
+
+class _Response:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def raise_for_status(self) -> None:
+        pass
+
+    def json(self) -> dict[str, Any]:
+        return self.body
+
+
+class _Monitoring:
+    """Answers timeSeries.list like Cloud Monitoring, newest point first."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.queries: list[tuple[str, dict[str, str]]] = []
+
+    def get(self, url: str, params: dict[str, str], timeout: float) -> _Response:
+        self.queries.append((url, params))
+        metric = params["filter"].split("subscription/")[1].split('"')[0]
+        value = self.values.get(metric)
+        if value is None:
+            return _Response({})
+        points = [{"value": {"int64Value": str(value)}}, {"value": {"int64Value": "1"}}]
+        return _Response({"timeSeries": [{"points": points}]})
+
+
+def test_backlog_and_oldest_age_come_from_the_newest_points() -> None:
+    monitoring = _Monitoring({"num_undelivered_messages": 1234, "oldest_unacked_message_age": 95})
+    lines = backlog_lines(SUBSCRIPTION, env={}, session=monitoring)
+    assert lines == [("backlog", "1234 messages"), ("oldest unacked age", "95s")]
+    url, params = monitoring.queries[0]
+    assert url == MONITORING_URL.format(project="ads-prod")
+    assert 'resource.labels.subscription_id = "exports-sub"' in params["filter"]
+    assert params["interval.startTime"] < params["interval.endTime"]
+
+
+def test_missing_series_and_failures_are_said_not_raised() -> None:
+    quiet = backlog_lines(SUBSCRIPTION, env={}, session=_Monitoring({}))
+    assert quiet == [
+        ("backlog", "no data in the last 10 minutes"),
+        ("oldest unacked age", "no data in the last 10 minutes"),
+    ]
+
+    class Refusing:
+        def get(self, *args: Any, **kwargs: Any) -> Any:
+            raise PermissionError("403 monitoring.timeSeries.list denied")
+
+    [(_, why)] = backlog_lines(SUBSCRIPTION, env={}, session=Refusing())
+    assert why == "Cloud Monitoring unavailable: 403 monitoring.timeSeries.list denied"
+    [(_, why)] = backlog_lines(SUBSCRIPTION, env={"PUBSUB_EMULATOR_HOST": "127.0.0.1:1"})
+    assert why.startswith("unavailable on the emulator")
