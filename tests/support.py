@@ -164,16 +164,7 @@ def start_worker(
 
     Workers of one test share an SQLite idempotency store beside the ledger unless ``store``
     names another."""
-    store = store or f"sqlite:///{ledger.parent / 'claims.db'}"
-    command = [
-        sys.executable, "-m", "workerpool", "run",
-        "--project", env.project,
-        "--subscription", env.subscription,
-        "--jobs", "jobs.demo",
-        "--min-backoff", "1",
-        "--idempotency-store", store,
-        *args,
-    ]  # fmt: skip
+    command = worker_command(env, ledger, *args, store=store)
     environment = {
         **os.environ,
         "PUBSUB_EMULATOR_HOST": env.host,

@@ -61,7 +61,8 @@ class Deferred:
 
 @dataclass(frozen=True)
 class Interrupted:
-    """The drain deadline passed while the handler ran."""
+    """Draining caught the job: its deadline passed while the handler ran, or the pool
+    drained while the job still waited for a rate-limit token."""
 
 
 @dataclass(frozen=True)
