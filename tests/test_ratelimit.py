@@ -73,12 +73,14 @@ def test_throttle_halves_the_rate_then_recovers_additively() -> None:
     assert bucket.rate == 20.0  # never above the declared rate
 
 
-def test_retry_after_blocks_everyone_until_it_passes() -> None:
+def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:
     clock = FakeClock()
     bucket = TokenBucket(RateSpec(100.0, 10), clock=clock)
-    bucket.throttled(retry_after=3.0)
-    assert bucket.reserve() == pytest.approx(3.0)
-    clock.now += 3.0
+    bucket.throttled(retry_after=3.0)  # and the rate halves to 50/s
+    waits = [bucket.reserve() for _ in range(50)]
+    # Released one by one at the new rate after the block, not all together when it ends
+    assert waits == pytest.approx([3.0 + (i + 1) / 50 for i in range(50)])
+    clock.now += 5.0
     assert bucket.reserve() < 0.5
 
 

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,7 +284,12 @@ class Fleet:
     def stop(self, deadline: float, abort: threading.Event | None = None) -> list[DrainReport]:
         for launcher in self.launchers:
             launcher.quiet()
-        return [launcher.stop(deadline, abort) for launcher in self.launchers]
+        # Side by side: one pool's wait, interrupt and flush must not delay another's past
+        # the shared deadline (the platform's SIGKILL follows it closely).
+        with ThreadPoolExecutor(max_workers=len(self.launchers)) as stopping:
+            return list(
+                stopping.map(lambda launcher: launcher.stop(deadline, abort), self.launchers)
+            )
 
     def healthy(self) -> bool:
         return all(launcher.healthy() for launcher in self.launchers)

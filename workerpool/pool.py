@@ -143,7 +143,7 @@ class Pool:
                 self._running += 1
             try:
                 self._processor.process(delivery)
-            except Exception:  # the processor catches handler errors; this is a bug guard
+            except (Exception, SystemExit):  # the processor maps handler errors; a bug guard
                 log.exception("%s: processing %s failed", self.name, delivery.message_id)
             finally:
                 self._leaser.remove(delivery)

@@ -122,10 +122,10 @@ class Processor:
         self._leaser = leaser
         self._dead_letters = dead_letters
         self._middleware = list(middleware)
-        self._run_chain = chain(self._middleware, _invoke)
+        self._run_chain = chain(self._middleware, self._start_handler)
         self._settings = settings
         self._attempts = AttemptCounter()
-        self._running: dict[str, _Running] = {}
+        self._running: dict[int, _Running] = {}  # by id(ctx)
         self._lock = threading.Lock()
         self.draining = threading.Event()
         self.stats: Counter[str] = Counter()
@@ -151,8 +151,6 @@ class Processor:
         self._settle(delivery, action, subject)
 
     def _run(self, job: Job, delivery: Delivery) -> Outcome:
-        # The lease follows the job's own timeout, however long, and stops soon after it.
-        delivery.lease_until = time.monotonic() + job.spec.timeout + self._leaser.extension
         delivery.started_at = time.monotonic()
         ctx = JobContext(
             job=job.name,
@@ -168,19 +166,31 @@ class Processor:
             ),
         )
         with self._lock:
-            self._running[delivery.ack_id] = _Running(job, ctx, delivery)
+            self._running[id(ctx)] = _Running(job, ctx, delivery)
         try:
             return self._run_chain(job, ctx)
         finally:
             with self._lock:
-                self._running.pop(delivery.ack_id, None)
+                self._running.pop(id(ctx), None)
+
+    def _start_handler(self, job: Job, ctx: JobContext) -> Outcome:
+        """Innermost step. The lease follows the job's own timeout, however long, and stops
+        soon after it; it starts counting here, after any wait for a rate-limit token."""
+        with self._lock:
+            entry = self._running.get(id(ctx))
+        if entry is not None:
+            entry.delivery.lease_until = (
+                time.monotonic() + job.spec.timeout + self._leaser.extension
+            )
+        return _invoke(job, ctx)
 
     def _settle(self, delivery: Delivery, action: Action, subject: _Subject) -> None:
-        error_type = action.error_type if isinstance(action, DeadLetter) else ""
-        if isinstance(action, DeadLetter):
-            action = self._record_failure(delivery, action, subject)
         if not delivery.settle():
             return  # the drain deadline already gave this message back
+        error_type = action.error_type if isinstance(action, DeadLetter) else ""
+        if isinstance(action, DeadLetter):
+            # After settle(): a message the drain already gave back must get no record.
+            action = self._record_failure(delivery, action, subject)
         self._leaser.remove(delivery)
         match action:
             case Ack(label):
@@ -277,7 +287,7 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
         return Failed(type(exc).__name__, str(exc), exc)
     except RetryableError as exc:
         return Failed(type(exc).__name__, str(exc), exc)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a handler's sys.exit() must not end the slot
         ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
         return Failed(type(exc).__name__, str(exc), exc)
     return Succeeded()

@@ -21,15 +21,6 @@ from workerpool.pool import Pool
 
 log = logging.getLogger(__name__)
 
-_TRANSIENT = (
-    gexc.ServiceUnavailable,
-    gexc.InternalServerError,
-    gexc.Aborted,
-    gexc.Unknown,
-    gexc.RetryError,
-    gexc.ResourceExhausted,
-)
-
 
 def to_delivery(received: Any) -> Delivery:
     message = received.message
@@ -92,12 +83,14 @@ class Puller:
                 # every pull this way, and /healthz must not fail an idle worker for it.
                 self.healthy.set()
                 continue
-            except (*_TRANSIENT, gexc.NotFound) as exc:
-                # NotFound too: an emulator restart loses the subscription until it is
-                # provisioned again, and a worker should resume then, not exit.
+            except Exception as exc:
+                # Anything (NotFound after an emulator restart, PermissionDenied while IAM
+                # propagates, ...) is logged and retried with backoff: the loop never dies
+                # silently, and /healthz reports it unhealthy meanwhile.
                 failures += 1
                 self.healthy.clear()
-                delay = min(self._max_backoff, 0.1 * 2**failures) * random.uniform(0.5, 1.0)
+                delay = min(self._max_backoff, 0.1 * 2 ** min(failures, 16))
+                delay *= random.uniform(0.5, 1.0)
                 log.warning("pull failed (%s); retrying in %.1fs", type(exc).__name__, delay)
                 self._stop.wait(delay)
                 continue

@@ -57,7 +57,6 @@ class TokenBucket:
         self._floor = spec.rate * floor_fraction
         self._recovery = spec.rate * recovery_fraction  # tokens/s regained per second
         self._last = clock()
-        self._blocked_until = 0.0
 
     @property
     def rate(self) -> float:
@@ -75,7 +74,7 @@ class TokenBucket:
         else:
             self._tokens += elapsed * self._rate
         self._tokens = min(self._tokens, float(self.spec.burst))
-        self._last = now
+        self._last = max(self._last, now)  # never back into a Retry-After block
 
     def reserve(self, tokens: float = 1.0) -> float:
         """Take ``tokens`` now; return the seconds to wait before using them."""
@@ -87,8 +86,8 @@ class TokenBucket:
             now = self._clock()
             self._advance(now)
             self._tokens -= tokens
-            wait = 0.0 if self._tokens >= 0 else -self._tokens / self._rate
-            return max(wait, self._blocked_until - now)
+            blocked = max(0.0, self._last - now)
+            return blocked + (0.0 if self._tokens >= 0 else -self._tokens / self._rate)
 
     def refund(self, tokens: float = 1.0) -> None:
         """Give back a reservation that was not used (the waiter gave up)."""
@@ -103,4 +102,6 @@ class TokenBucket:
             self._rate = max(self._floor, self._rate / 2)
             self._tokens = min(self._tokens, 0.0)
             if retry_after:
-                self._blocked_until = max(self._blocked_until, now + retry_after)
+                # The bucket's clock resumes after Retry-After: waiters are then released one
+                # by one at the new rate, not all at once when it ends.
+                self._last = max(self._last, now + retry_after)
