@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from sqlglot import exp
 
 from jobs.bigquery_reverse_etl import ExportRequest, run_export
-from jobs.bigquery_reverse_etl import launch as bq_launch
 from jobs.bigquery_reverse_etl.launch import (
     JOB_LABEL_VALUE,
     LABEL_JOB,
@@ -476,7 +475,8 @@ def test_drain_hands_the_message_back_and_leaves_the_job_running(fake: FakeClien
 def test_the_jobs_own_timeout_cancels_the_bigquery_job(fake: FakeClient) -> None:
     fake.script = [("RUNNING", None)]
     ctx = _ctx()
-    threading.Timer(0.3, ctx.cancelled.set).start()  # what the framework does at the timeout
+    # What the framework's TimeLimit does at the timeout
+    threading.Timer(0.3, lambda: (ctx.timed_out.set(), ctx.cancelled.set())).start()
     with pytest.raises(RetryableError, match=r"timed out after 0\.3s"):
         run_export(ctx, request(), timeout=0.3)
     assert fake.jobs[job_ids("seg-1")(1)].cancelled
@@ -492,4 +492,4 @@ def test_a_cancel_long_before_the_timeout_leaves_the_job_running(fake: FakeClien
 
 
 def test_module_constants_are_consistent() -> None:
-    assert json.dumps(JOB_LABEL_VALUE) and bq_launch.TIMEOUT_SLACK < 60
+    assert json.dumps(JOB_LABEL_VALUE)

@@ -14,6 +14,7 @@ from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.backoff import Backoff
 from workerpool.deadletter import failure_attributes
+from workerpool.middleware import TimeLimit
 from workerpool.outcome import (
     Ack,
     AlreadyDone,
@@ -193,3 +194,30 @@ def test_random_messages_end_as_a_run_or_one_failure_record(
             c.ERR_INVALID_PAYLOAD,
             c.ERR_OVERSIZE,
         }
+
+
+def test_time_limit_says_the_cancel_is_a_timeout() -> None:
+    jobs, seen = Registry(), []
+
+    @jobs.job("t.slow", timeout=0.2)
+    def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
+        assert ctx.cancelled.wait(10)
+        seen.append(ctx.timed_out.is_set())
+        raise RetryableError("gave up at the timeout")
+
+    limit = TimeLimit()
+    acks = FakeAcks()
+    processor = Processor(
+        jobs,
+        acks,
+        FakeLeaser(),
+        FakeDeadLetters(),
+        [limit],
+        ProcessorSettings(BACKOFF),  # type: ignore[arg-type]
+    )
+    try:
+        processor.process(make_delivery(b"{}", {"job": "t.slow"}))
+    finally:
+        limit.close()
+    assert seen == [True]
+    assert processor.stats == {"retried": 1}

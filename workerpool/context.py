@@ -29,6 +29,8 @@ class JobContext:
     publish_time: datetime | None
     draining: threading.Event
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
+    timed_out: threading.Event = field(default_factory=threading.Event)
     # The job's section of the config file (``[jobs."NAME"]``), empty if there is none.
     config: Mapping[str, Any] = field(default_factory=dict)
     limiters: RateLimiters | None = field(default=None, repr=False)

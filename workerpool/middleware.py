@@ -42,7 +42,7 @@ def _bind(mw: Middleware, call_next: Next) -> Next:
 
 
 class TimeLimit(Middleware):
-    """Sets ``ctx.cancelled`` when the job passes its ``timeout``.
+    """Sets ``ctx.timed_out`` then ``ctx.cancelled`` when the job passes its ``timeout``.
 
     Python cannot stop a thread from outside, so the limit is cooperative; if a handler ignores
     it, its lease stops being extended soon after and the message is redelivered.
@@ -52,11 +52,17 @@ class TimeLimit(Middleware):
         self._deadlines = Deadlines()
 
     def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
-        entry = self._deadlines.set_after(job.spec.timeout, ctx.cancelled)
+        # Scheduled in this order, timed_out is set first: a handler woken by cancelled
+        # already knows why.
+        entries = [
+            self._deadlines.set_after(job.spec.timeout, event)
+            for event in (ctx.timed_out, ctx.cancelled)
+        ]
         try:
             return call_next(job, ctx)
         finally:
-            self._deadlines.discard(entry)
+            for entry in entries:
+                self._deadlines.discard(entry)
 
     def close(self) -> None:
         self._deadlines.close()

@@ -12,7 +12,6 @@ waiting, errors).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from google.cloud import bigquery
@@ -37,12 +36,11 @@ client_factory: Callable[[str | None, str], bigquery.Client] = make_client
 
 def run_export(ctx: JobContext, request: ExportRequest, *, timeout: float = JOB_TIMEOUT) -> None:
     """The handler's body; ``timeout`` is the one the job was registered with."""
-    started = time.monotonic()
     config = PluginConfig.from_mapping(ctx.config)
     query = query_builder(request, config.project)  # validates: PermanentError naming a field
     location = request.location or config.location
     client = client_factory(config.project, location)
-    Export(client, config, ctx, query, location, request.labels, timeout, started).run()
+    Export(client, config, ctx, query, location, request.labels, timeout).run()
 
 
 @job(JOB_NAME, timeout=JOB_TIMEOUT, max_attempts=MAX_ATTEMPTS, payload=ExportRequest)

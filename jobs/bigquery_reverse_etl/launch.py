@@ -47,8 +47,6 @@ LABEL_WORKER = "workerpool-worker"
 JOB_ID_PREFIX = "workerpool-retl"
 API_TIMEOUT = 30.0  # seconds for one API call (the client retries transient failures within)
 API_RETRY = DEFAULT_RETRY.with_deadline(60.0)
-# A cancel set by the framework this close to the job's timeout is that timeout.
-TIMEOUT_SLACK = 2.0
 
 # errorResult reasons: https://cloud.google.com/bigquery/docs/error-messages
 RETRYABLE_REASONS = frozenset(
@@ -183,7 +181,6 @@ class Export:
     location: str
     labels: Mapping[str, str]
     timeout: float
-    started: float
 
     def __post_init__(self) -> None:
         self.job_id = job_ids(self.ctx.job_id)
@@ -321,8 +318,7 @@ class Export:
             raise Defer(reason, delay=0)
         if not self.ctx.cancelled.is_set():
             return
-        elapsed = time.monotonic() - self.started
-        if elapsed + TIMEOUT_SLACK < self.timeout:
+        if not self.ctx.timed_out.is_set():
             # Cancelled early, not by our timeout (our claim was taken over): whoever holds
             # the job id now is attached to this BigQuery job; leave it alone.
             raise RetryableError(f"run cancelled; BigQuery job {job.job_id} left running")
