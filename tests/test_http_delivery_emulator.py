@@ -2,109 +2,96 @@
 
 from __future__ import annotations
 
-import threading
+import json
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-import jobs.http_delivery  # noqa: F401  (registers http.delivery)
-from tests.support import PubSubEnv, wait_for
-from workerpool.ratelimit import RateSpec
-from workerpool.registry import registry
+from tests.support import PubSubEnv, spawn_worker, wait_for, worker_processes
 
 
-class LimitedUpstream(ThreadingHTTPServer):
-    """Allows 20 requests/s globally (token bucket, capacity 2); 429 without Retry-After."""
+@dataclass
+class Upstream:
+    port: int
 
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.lock = threading.Lock()
-        self.tokens, self.last = 2.0, time.monotonic()
-        self.ok: list[float] = []
-        self.refused = 0
-
-    def admit(self) -> bool:
-        with self.lock:
-            now = time.monotonic()
-            self.tokens = min(2.0, self.tokens + (now - self.last) * 20.0)
-            self.last = now
-            if self.tokens >= 1.0:
-                self.tokens -= 1.0
-                self.ok.append(now)
-                return True
-            self.refused += 1
-            return False
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: LimitedUpstream
-    protocol_version = "HTTP/1.1"  # keep-alive, as real APIs offer
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200 if self.server.admit() else 429)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+    def stats(self) -> tuple[list[float], int]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=10) as r:
+            body = json.load(r)
+        return body["ok"], body["refused"]
 
 
 @pytest.fixture
-def upstream() -> Iterator[LimitedUpstream]:
-    server = LimitedUpstream()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+def upstream() -> Iterator[Upstream]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.limited_upstream"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        yield Upstream(int(process.stdout.readline()))
+    finally:
+        process.kill()
+        process.wait()
 
 
-def _deliver_300(pubsub: PubSubEnv, upstream: LimitedUpstream, **settings: Any) -> dict[str, int]:
+def _run_worker(
+    pubsub: PubSubEnv, tmp_path: Path, upstream: Upstream, config: str
+) -> tuple[int, int]:
+    """300 deliveries through a real `workerpool run` process with 50 slots, in a process of
+    its own as in production (this test process has run many others); returns how many were
+    dead-lettered and the worker's exit code."""
     pubsub.provision(retry_policy=False)
-    url = f"http://127.0.0.1:{upstream.server_address[1]}/menus"
+    url = f"http://127.0.0.1:{upstream.port}/menus"
     pubsub.publish_many("http.delivery", [(f"menu-{i}", {"url": url}) for i in range(300)])
-    config = {"allowed_hosts": ["127.0.0.1"], "allow_loopback": True, "timeout": 5}
-    config.update(settings.pop("config", {}))
-    with pubsub.worker(
-        registry,
-        max_outstanding=50,
-        min_backoff=1.0,
-        max_backoff=2.0,
-        job_config={"http.delivery": config},
-        **settings,
-    ) as worker:
-        stats = worker.processor.stats
-        assert wait_for(lambda: stats["done"] + stats["dead_lettered"] >= 300, timeout=120)
-        return dict(stats)
+    config_file = tmp_path / "workerpool.toml"
+    config_file.write_text(
+        "[worker]\nmax_outstanding = 50\nmax_backoff = 2\n"
+        '[jobs."http.delivery"]\nallowed_hosts = ["127.0.0.1"]\nallow_loopback = true\n'
+        "timeout = 5\n" + config
+    )
+    dead_lettered = 0
+    with worker_processes() as workers:
+        worker = spawn_worker(
+            pubsub, tmp_path / "ledger.jsonl", "--config", str(config_file), store="memory://"
+        )
+        workers.append(worker)
+        deadline = time.monotonic() + 120
+        while len(upstream.stats()[0]) + dead_lettered < 300 and time.monotonic() < deadline:
+            if not wait_for(lambda: len(upstream.stats()[0]) == 300, timeout=2, interval=0.5):
+                dead_lettered += len(pubsub.dead_letters(expected=1, timeout=1))
+        worker.signal(signal.SIGTERM)
+        code = worker.process.wait(30)
+    assert len(upstream.stats()[0]) + dead_lettered == 300, worker.output()[-2000:]
+    return dead_lettered, code
 
 
 def test_fifty_slots_without_a_limiter_hit_the_upstream_limit(
-    pubsub: PubSubEnv, upstream: LimitedUpstream
+    pubsub: PubSubEnv, upstream: Upstream, tmp_path: Path
 ) -> None:
     # Given 300 deliveries and 50 slots, no rate limit declared
-    stats = _deliver_300(pubsub, upstream)
+    dead_lettered, code = _run_worker(pubsub, tmp_path, upstream, "")
     # Then the upstream refused many requests; retried jobs got through or ran out of attempts
-    print(f"no limiter: {upstream.refused} responses 429, stats {stats}")
-    assert upstream.refused > 100
-    assert len(upstream.ok) == stats["done"] and stats["done"] + stats["dead_lettered"] == 300
+    _, refused = upstream.stats()
+    print(f"no limiter: {refused} responses 429, {dead_lettered} out of attempts")
+    assert refused > 100
+    assert code == 0
 
 
 def test_declared_rate_gets_zero_429s_and_takes_rate_time(
-    pubsub: PubSubEnv, upstream: LimitedUpstream
+    pubsub: PubSubEnv, upstream: Upstream, tmp_path: Path
 ) -> None:
     # Given the same 300 deliveries and 50 slots, with partner = 20/s (burst 1) declared
-    stats = _deliver_300(
-        pubsub,
-        upstream,
-        rate_limits={"partner": RateSpec(20.0, 1)},
-        config={"limiters": {"127.0.0.1": "partner"}},
-    )
+    limiter = 'limiters = {"127.0.0.1" = "partner"}\n[rate_limits]\npartner = "20/s:1"\n'
+    dead_lettered, code = _run_worker(pubsub, tmp_path, upstream, limiter)
     # Then no 429 at all, and the run takes 300 / 20 s within 10%
-    span = upstream.ok[-1] - upstream.ok[0]
-    print(f"20/s declared: {upstream.refused} responses 429, 300 requests in {span:.2f}s")
-    assert upstream.refused == 0 and stats == {"done": 300}
+    ok, refused = upstream.stats()
+    span = ok[-1] - ok[0]
+    print(f"20/s declared: {refused} responses 429, 300 requests in {span:.2f}s")
+    assert refused == 0 and dead_lettered == 0 and code == 0
     assert abs(span - 299 / 20) <= 0.1 * 15
