@@ -11,13 +11,10 @@ import pytest
 
 from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext
-from workerpool.emulator import LocalEmulator, gcloud_available
+from workerpool.emulator import LocalEmulator
 from workerpool.idempotency import StoreUnavailable
 from workerpool.idempotency.firestore import FirestoreStore
 from workerpool.registry import Registry
-
-pytestmark = pytest.mark.skipif(not gcloud_available(), reason="needs the gcloud emulators")
-
 
 class RecordingStore(FirestoreStore):
     """Firestore store that notes each completion it recorded and each call that failed."""
