@@ -16,6 +16,7 @@ from workerpool.idempotency import StoreUnavailable
 from workerpool.idempotency.firestore import FirestoreStore
 from workerpool.registry import Registry
 
+
 class RecordingStore(FirestoreStore):
     """Firestore store that notes each completion it recorded and each call that failed."""
 
