@@ -133,19 +133,32 @@ def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
     assert second_code == 0, second.output()
 
 
+LONG_JOBS = ("long-0", "long-1")
+
+
+def _running_two_long_jobs(
+    pubsub: PubSubEnv, ledger: Path, workers: list[WorkerProcess], *, drain_timeout: float
+) -> WorkerProcess:
+    """A worker (ack deadline 60 s) that has started two 60-second jobs."""
+    pubsub.provision(ack_deadline=60)
+    worker = spawn_worker(
+        pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", str(drain_timeout)
+    )
+    workers.append(worker)
+    pubsub.publish_many("demo.sleep", [(job_id, {"seconds": 60}) for job_id in LONG_JOBS])
+    assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
+    return worker
+
+
 def test_drain_deadline_cancels_running_jobs_and_gives_them_back_at_once(
     pubsub: PubSubEnv, tmp_path: Path
 ) -> None:
     # Given two 60-second jobs running on a worker with a 3 s drain timeout (ack deadline 60 s),
     # and a second, idle worker on the same subscription
-    pubsub.provision(ack_deadline=60)
     ledger = tmp_path / "ledger.jsonl"
-    job_ids = {"long-0", "long-1"}
+    job_ids = set(LONG_JOBS)
     with worker_processes() as workers:
-        first = spawn_worker(pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", "3")
-        workers.append(first)
-        pubsub.publish_many("demo.sleep", [(job_id, {"seconds": 60}) for job_id in job_ids])
-        assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
+        first = _running_two_long_jobs(pubsub, ledger, workers, drain_timeout=3)
         second = spawn_worker(pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", "1")
         workers.append(second)
         assert wait_for(second.ready, timeout=30), second.output()
@@ -182,14 +195,10 @@ def test_drain_deadline_cancels_running_jobs_and_gives_them_back_at_once(
 
 def test_a_second_signal_skips_the_drain_wait(pubsub: PubSubEnv, tmp_path: Path) -> None:
     # Given two 60-second jobs running on a worker with a 30 s drain timeout
-    pubsub.provision(ack_deadline=60)
     ledger = tmp_path / "ledger.jsonl"
-    job_ids = {"long-0", "long-1"}
+    job_ids = set(LONG_JOBS)
     with worker_processes() as workers:
-        worker = spawn_worker(pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", "30")
-        workers.append(worker)
-        pubsub.publish_many("demo.sleep", [(job_id, {"seconds": 60}) for job_id in job_ids])
-        assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
+        worker = _running_two_long_jobs(pubsub, ledger, workers, drain_timeout=30)
 
         # When it gets SIGTERM, and SIGTERM again one second later
         worker.signal(signal.SIGTERM)
