@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,20 @@ def test_dockerfile_runs_workerpool_as_non_root_and_drains_on_sigterm() -> None:
     assert "STOPSIGNAL SIGTERM" in lines
     secret_words = ("GOOGLE_APPLICATION_CREDENTIALS", "key.json", "SECRET", "PASSWORD", "TOKEN")
     assert not any(word in text for word in secret_words)
+
+
+def test_log_level_from_flag_and_environment() -> None:
+    root = logging.getLogger()
+    before = root.level
+    try:
+        assert CliRunner().invoke(main, ["--log-level", "warning", "jobs"]).exit_code == 0
+        assert root.level == logging.WARNING
+        runner = CliRunner(env={"WORKERPOOL_LOG_LEVEL": "error"})
+        assert runner.invoke(main, ["jobs"]).exit_code == 0
+        assert root.level == logging.ERROR
+        assert CliRunner().invoke(main, ["-v", "jobs"]).exit_code == 0
+        assert root.level == logging.DEBUG
+        refused = CliRunner().invoke(main, ["--log-level", "loud", "jobs"])
+        assert refused.exit_code == 2 and "loud" in refused.output
+    finally:
+        root.setLevel(before)

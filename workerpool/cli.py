@@ -45,10 +45,19 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group)
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(verbose: bool) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging (--log-level debug).")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    show_default=True,
+    envvar="WORKERPOOL_LOG_LEVEL",
+    help="Lowest level logged; warning drops the per-job start and end lines.",
+)
+def main(verbose: bool, log_level: str) -> None:
     """Run jobs from a Pub/Sub subscription as a bounded worker pool."""
-    setup_logging(verbose)
+    level = logging.DEBUG if verbose else logging.getLevelNamesMapping()[log_level.upper()]
+    setup_logging(level=level)
 
 
 def _load_jobs(modules: tuple[str, ...]) -> None:

@@ -40,7 +40,7 @@ def set_trace_project(project: str) -> None:
 
 
 def setup_logging(
-    verbose: bool = False, *, stream: TextIO | None = None, json_lines: bool | None = None
+    *, level: int = logging.INFO, stream: TextIO | None = None, json_lines: bool | None = None
 ) -> logging.Handler:
     """Send the root logger to ``stream`` (stderr): JSON lines unless it is a terminal."""
     global _installed
@@ -54,7 +54,7 @@ def setup_logging(
     if _installed is not None:
         root.removeHandler(_installed)
     root.addHandler(handler)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.setLevel(level)
     _installed = handler
     return handler
 
