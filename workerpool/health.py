@@ -19,6 +19,8 @@ from workerpool.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
 
 log = logging.getLogger(__name__)
 
+_POLL_SECONDS = 0.05
+
 Check = Callable[[], bool]
 
 
@@ -53,8 +55,13 @@ class HealthServer:
                 f"metrics_port: cannot listen on port {self._address[1]}: {exc.strerror}"
             ) from None
         self._server.daemon_threads = True
+        # shutdown() waits until serve_forever notices; its default 0.5 s poll added about
+        # half a second to every drain's exit (measured in bench/, scenario 3).
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="workerpool-health", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": _POLL_SECONDS},
+            name="workerpool-health",
+            daemon=True,
         )
         self._thread.start()
         log.info("serving /metrics, /healthz and /readyz on port %d", self.port)
