@@ -1,0 +1,82 @@
+"""``python -m bench``: workerpool against the plain google-cloud-pubsub subscriber and
+gcloud-aio-pubsub, side by side, on a Pub/Sub emulator of its own.
+
+The full run (about 25 minutes on 2 cores) rewrites BENCHMARKS.md and its plots; ``--quick``
+(under 2 minutes) prints the same tables for a spot check and writes nothing unless ``--out``
+says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import Bench
+from bench.report import table_markdown, targets, write
+from bench.scenarios import FULL, QUICK, SCENARIOS, Context
+from workerpool.testing import pubsub_emulator
+
+ROOT = Path(__file__).resolve().parent.parent
+WARM_UP = 2_000  # messages through the emulator first, so its JIT is warm for every run
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one run each")
+    parser.add_argument("--runs", type=int, help="runs per implementation (default 3, quick 1)")
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--out", type=Path, help="report file (full run: BENCHMARKS.md)")
+    parser.add_argument("--project", default="workerpool-bench")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    plan = QUICK if args.quick else FULL
+    if args.runs:
+        plan = type(plan)(**{**vars(plan), "runs": args.runs})
+    out = args.out or (None if args.quick else ROOT / "BENCHMARKS.md")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    began, t0 = dt.datetime.now(dt.UTC), time.monotonic()
+
+    def log(text: str) -> None:
+        print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True)
+
+    with pubsub_emulator(args.project) as (host, how):
+        os.environ["PUBSUB_EMULATOR_HOST"] = host
+        log(f"Pub/Sub emulator: {how}")
+        bench = Bench(args.project, Path(tempfile.mkdtemp(prefix="workerpool-bench-")))
+        ctx = Context(bench, plan, log)
+        try:
+            with bench.resources("warm") as res:
+                bench.publish(res, WARM_UP)
+                bench.drain(res, WARM_UP)
+            for name in args.scenarios:
+                log(f"scenario {name}")
+                SCENARIOS[name](ctx)
+        finally:
+            bench.close()
+    for table in ctx.tables:
+        print("\n".join(table_markdown(table)))
+    print("\n".join(targets(ctx)))
+    took = time.monotonic() - t0
+    if out is not None:
+        command = " ".join(["python -m bench", *argv])
+        header = {
+            "date": began.strftime("%Y-%m-%d %H:%M UTC"),
+            "command": f"`{command}` ({took / 60:.0f} minutes), emulator: {how}",
+        }
+        write(ctx, header, out, out.parent / "bench" / "plots")
+        log(f"written {out}")
+    log(f"done in {took:.0f} s; consumer logs and reports in {bench.workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,310 @@
+"""One benchmark consumer as a process of its own: ``python -m bench.consumer IMPL ...``.
+
+Each implementation runs the same job (record the start, sleep ``--seconds``, record the end)
+until ``--expect`` distinct jobs have finished or SIGTERM arrives, then stops the way its
+library recommends and writes a JSON report. A worker is a process of its own in production
+too, so CPU time and RSS are the process's own.
+
+Implementations:
+
+* ``workerpool``: the real ``workerpool run`` command with its default middleware (the SQLite
+  idempotency store, metrics with a Prometheus reader, job log lines, tracing sampled off).
+* ``workerpool-bare``: the same command with everything off (no store, OpenTelemetry disabled,
+  log level warning).
+* ``plain``: google-cloud-pubsub's ``subscribe()`` with ``FlowControl(max_messages=N)`` and a
+  ``ThreadScheduler`` of N threads; the callback runs the job, then ``ack()``.
+* ``aio``: gcloud-aio-pubsub's ``subscribe()`` with N tasks per consumer, one consumer.
+
+Times are ``time.monotonic()``, which on Linux is one clock for every process, so the parent
+can compare them with its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOB = "bench.job"
+IMPLS = ("workerpool", "workerpool-bare", "plain", "aio")
+RATE_LIMIT = "bench"
+CHECKPOINTS = (10, 50, 100)  # percent of --expect at which RSS is read
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+@dataclass
+class Report:
+    impl: str
+    n: int
+    expect: int
+    ready_at: float = 0.0
+    finished: int = 0  # distinct job ids
+    runs: int = 0
+    duplicates: int = 0  # runs of a job id that had already started
+    peak: int = 0
+    first_start: float | None = None
+    cpu_first: float | None = None  # CPU seconds when the first job started (imports done)
+    last_start: float | None = None
+    last_end: float | None = None
+    cpu_done: float | None = None  # CPU seconds when the last expected job ended
+    rss_kib_at: dict[int, int] = field(default_factory=dict)  # percent done -> RSS
+    stopped_at: float | None = None
+    cpu_exit: float = 0.0
+    max_rss_kib: int = 0
+    intervals: list[tuple[str, float, float]] = field(default_factory=list)
+    samples: list[tuple[float, int]] = field(default_factory=list)
+
+
+class Recorder:
+    """What the jobs did: counted under one lock, so ``running`` is exact at every instant."""
+
+    def __init__(self, report: Report, keep_intervals: bool, on_done: Callable[[], None]):
+        self.report = report
+        self._keep = keep_intervals
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._started: set[str] = set()
+        self._finished: set[str] = set()
+        self.running = 0
+        marks = sorted({max(1, report.expect * p // 100) for p in CHECKPOINTS})
+        self._checkpoints = dict(zip(marks, CHECKPOINTS, strict=True))
+
+    def begin(self, job_id: str) -> float:
+        now = time.monotonic()
+        r = self.report
+        with self._lock:
+            self.running += 1
+            r.peak = max(r.peak, self.running)
+            r.runs += 1
+            if job_id in self._started:
+                r.duplicates += 1
+            self._started.add(job_id)
+            if r.first_start is None:
+                r.first_start, r.cpu_first = now, cpu_seconds()
+                print(f"first-start {now}", flush=True)
+            r.last_start = now
+        return now
+
+    def end(self, job_id: str, started: float) -> None:
+        now = time.monotonic()
+        r = self.report
+        with self._lock:
+            self.running -= 1
+            self._finished.add(job_id)
+            r.finished = len(self._finished)
+            r.last_end = now
+            if self._keep:
+                r.intervals.append((job_id, started, now))
+            percent = self._checkpoints.pop(r.finished, None)
+            if percent is not None:
+                r.rss_kib_at[percent] = rss_kib()
+            done = r.finished == r.expect
+            if done:
+                r.cpu_done = cpu_seconds()
+        if done:
+            self._on_done()
+
+    def run(self, job_id: str, seconds: float) -> None:
+        started = self.begin(job_id)
+        if seconds > 0:
+            time.sleep(seconds)
+        self.end(job_id, started)
+
+    async def run_async(self, job_id: str, seconds: float) -> None:
+        started = self.begin(job_id)
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        self.end(job_id, started)
+
+    def sample_every(self, interval: float, stop: threading.Event) -> None:
+        samples = self.report.samples
+        while not stop.wait(interval):
+            samples.append((time.monotonic(), self.running))
+
+
+class Stop:
+    """SIGTERM, or the last expected job, asks the implementation to stop; ``how`` is the
+    implementation's own way to be asked."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.how: Callable[[], None] = self.event.set
+
+    def request(self) -> None:
+        self.how()
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.event.set()
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementations: each runs until asked to stop, then stops the way its library says.
+# ---------------------------------------------------------------------------------------------
+
+
+def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
+    from workerpool.cli import main
+    from workerpool.registry import registry
+
+    options = {"rate_limit": RATE_LIMIT} if args.rate_limit else {}
+
+    @registry.job(JOB, **options)
+    def bench_job(ctx: Any, payload: Any) -> None:
+        recorder.run(ctx.job_id, args.seconds)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-wp-"))
+    bare = args.impl == "workerpool-bare"
+    if bare:
+        os.environ["OTEL_SDK_DISABLED"] = "true"
+        store, extra = "none", ["--log-level", "warning"]
+    else:
+        os.environ["OTEL_TRACES_SAMPLER"] = "always_off"
+        store, extra = f"sqlite:///{work / 'idempotency.db'}", []
+    command = [
+        *extra,
+        "run",
+        f"--project={args.project}",
+        f"--subscription={args.subscription}",
+        f"--max-outstanding={args.n}",
+        f"--drain-timeout={args.drain_timeout}",
+        f"--idempotency-store={store}",
+    ]
+    if not bare:
+        command.append(f"--metrics-port={args.metrics_port}")
+    if args.rate_limit:
+        command.append(f"--rate-limit={RATE_LIMIT}={args.rate_limit}")
+    # ``workerpool run`` drains on SIGTERM: the last job sends one, as a deployment would.
+    stop.how = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    main(command, standalone_mode=False)
+
+
+def run_plain(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
+    from google.cloud import pubsub_v1
+    from google.cloud.pubsub_v1.subscriber.scheduler import ThreadScheduler
+    from google.cloud.pubsub_v1.types import FlowControl
+
+    signal.signal(signal.SIGTERM, stop.on_signal)
+    client = pubsub_v1.SubscriberClient()
+
+    def callback(message: Any) -> None:
+        recorder.run(message.attributes["job_id"], args.seconds)
+        message.ack()
+
+    future = client.subscribe(
+        client.subscription_path(args.project, args.subscription),
+        callback,
+        flow_control=FlowControl(max_messages=args.n),
+        scheduler=ThreadScheduler(ThreadPoolExecutor(max_workers=args.n)),
+        await_callbacks_on_shutdown=True,
+    )
+    stop.event.wait()
+    future.cancel()  # the documented way to stop: waits for running callbacks, nacks the rest
+    future.result(timeout=60)
+    client.close()
+
+
+def run_aio(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
+    asyncio.run(_aio(args, recorder, stop))
+
+
+async def _aio(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
+    import aiohttp
+    from gcloud.aio.pubsub import SubscriberClient, SubscriberMessage, subscribe
+
+    loop = asyncio.get_running_loop()
+    asked = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, asked.set)
+    stop.how = lambda: loop.call_soon_threadsafe(asked.set)
+
+    async def handler(message: SubscriberMessage) -> None:
+        await recorder.run_async(message.attributes["job_id"], args.seconds)
+
+    async with aiohttp.ClientSession() as session:
+        client = SubscriberClient(session=session)
+        task = asyncio.create_task(
+            subscribe(
+                f"projects/{args.project}/subscriptions/{args.subscription}",
+                handler,
+                client,
+                num_producers=1,
+                max_messages_per_producer=args.n,
+                num_tasks_per_consumer=args.n,
+            )
+        )
+        await asked.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace, Recorder, Stop], None]] = {
+    "workerpool": run_workerpool,
+    "workerpool-bare": run_workerpool,
+    "plain": run_plain,
+    "aio": run_aio,
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.consumer", description=__doc__)
+    parser.add_argument("impl", choices=IMPLS)
+    parser.add_argument("--project", required=True)
+    parser.add_argument("--subscription", required=True)
+    parser.add_argument("--n", type=int, required=True, help="jobs running at once, at most")
+    parser.add_argument("--expect", type=int, required=True, help="stop after this many jobs")
+    parser.add_argument("--seconds", type=float, default=0.0, help="each job sleeps this long")
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--sample-ms", type=float, default=0.0, help="sample running jobs")
+    parser.add_argument("--intervals", action="store_true", help="report every job's run")
+    parser.add_argument("--drain-timeout", type=float, default=10.0)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--rate-limit", default="", help="RATE/s[:BURST] on the job")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    report = Report(args.impl, args.n, args.expect)
+    stop = Stop()
+    recorder = Recorder(report, args.intervals, stop.request)
+    sampling = threading.Event()
+    if args.sample_ms > 0:
+        sampler = threading.Thread(
+            target=recorder.sample_every, args=(args.sample_ms / 1000, sampling), daemon=True
+        )
+        sampler.start()
+    report.ready_at = time.monotonic()
+    try:
+        RUNNERS[args.impl](args, recorder, stop)
+    finally:
+        sampling.set()
+        report.stopped_at = time.monotonic()
+        report.cpu_exit = cpu_seconds()
+        report.max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        args.report.write_text(json.dumps(asdict(report)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

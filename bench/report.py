@@ -1,0 +1,270 @@
+"""BENCHMARKS.md and its plots from the scenarios' tables.
+
+Everything above the notes marker is rewritten on each full run; the hand-written notes below
+it are kept.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bench.scenarios import PREFETCH, Context, Row, Table
+
+NOTES_MARKER = "<!-- notes: written by hand below this line; `python -m bench` keeps them -->"
+LIBRARIES = (
+    "google-cloud-pubsub",
+    "grpcio",
+    "gcloud-aio-pubsub",
+    "aiohttp",
+    "opentelemetry-sdk",
+)
+IMPL_TEXT = {
+    "workerpool": "`workerpool run` with its defaults: SQLite idempotency store, metrics "
+    "(Prometheus reader), JSON job log lines to a file, tracing sampled off; prefetch 2",
+    "workerpool-bare": "`workerpool run` with the idempotency store off, OpenTelemetry disabled "
+    "and `--log-level warning`",
+    "plain": "google-cloud-pubsub `subscribe()`, `FlowControl(max_messages=N)`, a "
+    "`ThreadScheduler` of N threads; the callback runs the job, then `ack()`",
+    "aio": "gcloud-aio-pubsub `subscribe()`, one producer, N tasks per consumer, "
+    "`max_messages_per_producer=N`; the handler awaits the job (its sleep is `asyncio.sleep`)",
+}
+BASELINES = ("plain", "aio")
+
+
+def fmt(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:.3f}"
+
+
+def cell(row: Row, impl: str) -> str:
+    values = row.values.get(impl)
+    if not values:
+        return "-"
+    median = row.median(impl)
+    assert median is not None
+    text = fmt(median)
+    if len(values) > 1:
+        text += f" ({fmt(min(values))}-{fmt(max(values))})"
+    if impl in row.notes:
+        text += f" [{row.notes[impl]}]"
+    return text
+
+
+def ratio(row: Row, impl: str, baseline: str) -> str:
+    a, b = row.median(impl), row.median(baseline)
+    if a is None or b is None or not row.better:
+        return ""
+    if b == 0:
+        return "n/a" if a else "1"
+    return f"{a / b:.2f}"
+
+
+def table_markdown(table: Table) -> list[str]:
+    impls = [i for i in IMPL_TEXT if any(i in row.values for row in table.rows)]
+    baselines = [b for b in BASELINES if b in impls and "workerpool" in impls]
+    header = ["figure", *impls, *(f"workerpool / {b}" for b in baselines)]
+    lines = [
+        f"## {table.scenario}",
+        "",
+        table.description,
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+    ]
+    for row in table.rows:
+        label = row.label + (f", {row.unit}" if row.unit else "")
+        if row.better:
+            label += f" ({row.better} is better)"
+        cells = [cell(row, i) for i in impls] + [ratio(row, "workerpool", b) for b in baselines]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    return [*lines, ""]
+
+
+def find(ctx: Context, scenario: str, label: str) -> Row | None:
+    for table in ctx.tables:
+        if table.scenario.startswith(scenario):
+            for row in table.rows:
+                if row.label.startswith(label):
+                    return row
+    return None
+
+
+def targets(ctx: Context) -> list[str]:
+    """The issue's targets against what was measured: a miss is a finding, shown as such."""
+    lines = ["| target | measured (workerpool) | met |", "| --- | --- | --- |"]
+
+    def add(target: str, measured: str, met: bool | None) -> None:
+        verdict = "n/a" if met is None else "yes" if met else "**no**"
+        lines.append(f"| {target} | {measured} | {verdict} |")
+
+    for n in ctx.plan.throughput_counts:
+        row = find(ctx, f"1. Throughput, N = {n}", "throughput")
+        if row and row.median("workerpool") and row.median("plain"):
+            r = ratio(row, "workerpool", "plain")
+            aio = ratio(row, "workerpool", "aio")
+            add(
+                f"throughput / plain >= 1.0, N = {n}", f"{r} (/ aio: {aio or 'n/a'})", float(r) >= 1
+            )
+    held = find(ctx, "3. Drain", "messages held")
+    if held and held.values.get("workerpool"):
+        limit = ctx.plan.drain_n + PREFETCH
+        most = max(held.values["workerpool"])
+        add(f"held <= N + prefetch = {limit}", f"at most {fmt(most)}", most <= limit)
+    for n in ctx.plan.util_backlogs:
+        peak = find(ctx, f"2. Slot utilisation, N = {n}", "highest")
+        if peak and peak.values.get("workerpool"):
+            seen = sorted(set(peak.values["workerpool"]))
+            add(f"highest running == N = {n}", ", ".join(fmt(v) for v in seen), seen == [n])
+        mean = find(ctx, f"2. Slot utilisation, N = {n}", "mean running")
+        if n >= 8 and mean and mean.values.get("workerpool"):
+            low = min(mean.values["workerpool"])
+            add(f"mean utilisation >= 0.95, N = {n}", f"lowest run {fmt(low)}", low >= 0.95)
+    over = find(ctx, "3. Drain", "exit after the signal minus")
+    if over and over.values.get("workerpool"):
+        most = max(over.values["workerpool"])
+        add("exit <= longest remaining job + 1 s", f"+{fmt(most)} s at most", most <= 1)
+    every = find(ctx, "3. Drain", "every unstarted")
+    if every and every.values.get("workerpool"):
+        most = max(every.values["workerpool"])
+        add("unstarted redelivered within 1 s", f"{fmt(most)} s at most", most <= 1)
+    growth = find(ctx, "4. Soak", "growth")
+    if growth and growth.values.get("workerpool"):
+        value = max(growth.values["workerpool"])
+        add("soak RSS growth 50 % -> 100 % < 10 %", f"{fmt(value)} %", value < 10)
+    return lines
+
+
+def versions() -> Iterable[str]:
+    for name in LIBRARIES:
+        try:
+            yield f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            yield f"{name} (not installed)"
+
+
+def machine() -> str:
+    model = ""
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    cpus = len(os.sched_getaffinity(0))
+    system = f"{platform.system()} {platform.release()}"
+    return f"{cpus} CPUs ({model}), {system}, Python {platform.python_version()}"
+
+
+def commit() -> str:
+    result = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return result.stdout.strip() or "unknown"
+
+
+def markdown(ctx: Context, header: dict[str, str], plots: list[Path], out: Path) -> str:
+    lines = [
+        "# Benchmarks: workerpool against the plain google-cloud-pubsub subscriber",
+        "",
+        "<!-- everything above the notes marker is written by `python -m bench` -->",
+        "",
+        *(f"- {key}: {value}" for key, value in header.items()),
+        f"- machine: {machine()}",
+        f"- libraries: {', '.join(versions())}; workerpool at commit {commit()}",
+        f"- each cell: the median of {ctx.plan.runs} runs (min-max); implementations run in "
+        "turn, the order rotating each run; a ratio is of medians",
+        "",
+        "Implementations (each a process of its own, on one local Pub/Sub emulator; every job "
+        "records its own start and end):",
+        "",
+        *(f"- **{impl}**: {text}" for impl, text in IMPL_TEXT.items()),
+        "",
+        "## Targets",
+        "",
+        *targets(ctx),
+        "",
+    ]
+    for table in ctx.tables:
+        lines += table_markdown(table)
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{p.stem}]({p.relative_to(out.parent)})" for p in plots]
+        lines.append("")
+    lines += ["## Runs that lost or repeated jobs", ""]
+    lines += [f"- {a}" for a in ctx.anomalies] or ["None."]
+    return "\n".join([*lines, ""])
+
+
+def write(ctx: Context, header: dict[str, str], out: Path, plot_dir: Path) -> None:
+    kept = ""
+    if out.exists() and NOTES_MARKER in (old := out.read_text()):
+        kept = old.split(NOTES_MARKER, 1)[1]
+    plots = draw(ctx, plot_dir)
+    out.write_text(markdown(ctx, header, plots, out) + "\n" + NOTES_MARKER + (kept or "\n"))
+
+
+def draw(ctx: Context, plot_dir: Path) -> list[Path]:
+    """PNG plots with matplotlib (the ``bench`` extra); none, said aloud, without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return []
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if ctx.running_n8:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for impl, samples in ctx.running_n8.items():
+            ax.step([t for t, _ in samples], [r for _, r in samples], where="post", label=impl)
+        ax.axhline(8, color="grey", linestyle=":", linewidth=1)
+        ax.set(xlabel="seconds since the first job started", ylabel="jobs running")
+        ax.set_title("Running jobs over time, N = 8, 50 ms jobs (sampled every 10 ms)")
+        ax.legend()
+        paths.append(_save(fig, plot_dir / "running-n8.png"))
+    by_n = {
+        n: row
+        for n in ctx.plan.throughput_counts
+        if (row := find(ctx, f"1. Throughput, N = {n}", "throughput"))
+    }
+    if by_n:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        impls = [i for i in IMPL_TEXT if any(i in row.values for row in by_n.values())]
+        width = 0.8 / len(impls)
+        for k, impl in enumerate(impls):
+            xs, medians, low, high = [], [], [], []
+            for x, row in enumerate(by_n.values()):
+                values = row.values.get(impl, [])
+                if values:
+                    median = row.median(impl) or 0.0
+                    xs.append(x + k * width)
+                    medians.append(median)
+                    low.append(median - min(values))
+                    high.append(max(values) - median)
+            ax.bar(xs, medians, width, yerr=[low, high], label=impl, capsize=2)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(by_n))])
+        ax.set_xticklabels([f"N = {n}" for n in by_n])
+        ax.set(ylabel="no-op jobs per second")
+        ax.set_title("Throughput by N (median, min-max)")
+        ax.legend()
+        paths.append(_save(fig, plot_dir / "throughput.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
