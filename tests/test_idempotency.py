@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
@@ -26,6 +27,7 @@ from workerpool.idempotency import (
     StoreUnavailable,
     open_store,
 )
+from workerpool.idempotency import sqlite as sqlite_backend
 
 TTL = 60.0
 RETENTION = 3600.0
@@ -255,6 +257,179 @@ def test_sqlite_locked_past_busy_timeout_is_unavailable(tmp_path: Path) -> None:
         blocker.execute("ROLLBACK")
         blocker.close()
         assert store.claim(JOB, "w1", "m1", TTL) == Claimed()  # recovers once the lock is gone
+
+
+def test_sqlite_many_threads_on_two_stores_keep_the_serial_semantics(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # Two stores on one file stand for two worker processes; their threads are pool slots.
+    threads, shared = 64, [f"shared-{i}" for i in range(40)]
+    stores = [SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) for _ in "ab"]
+    start = threading.Barrier(threads)
+    results: dict[str, list[tuple[str, object]]] = {}
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        owner, store = f"w{index}", stores[index % 2]
+        own = [f"own-{index}-{i}" for i in range(10)]
+        try:
+            start.wait(timeout=30)
+            for job_id in random.Random(index).sample(own + shared, len(own) + len(shared)):
+                result = store.claim(job_id, owner, "m", TTL)
+                results.setdefault(job_id, []).append((owner, result))
+                if result == Claimed():
+                    store.complete(job_id, owner, "m")
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(timeout=120)
+    for store in stores:
+        store.close()
+    assert not errors
+    assert len(results) == threads * 10 + len(shared)
+    for job_id, outcomes in results.items():
+        winners = [owner for owner, result in outcomes if result == Claimed()]
+        assert len(winners) == 1, job_id
+        losers = {result for owner, result in outcomes if result != Claimed()}
+        # Every loser saw the winner's claim or its completion, nothing else.
+        assert losers <= {HeldElsewhere(winners[0], "m", clock.now + TTL), Done(clock.now)}
+    assert sum(len(outcomes) for outcomes in results.values()) == threads * (10 + len(shared))
+    with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as reopened:
+        assert all(reopened.claim(job_id, "x", "m", TTL) == Done(clock.now) for job_id in results)
+
+
+def _wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def _as_one_batch(
+    store: SqliteStore, calls: list[Callable[[], object]], then: Callable[[], None] = lambda: None
+) -> list[object]:
+    """Returns each call's result or exception. The writer is held inside an earlier mutation
+    until every call is queued (in list order), so they reach it together: one transaction.
+    ``then`` runs once all are queued, before the writer is let go."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(record: object, now: float) -> tuple[None, None]:
+        entered.set()
+        gate.wait(timeout=30)
+        return None, None
+
+    def held() -> None:
+        with contextlib.suppress(StoreUnavailable):  # a test may fail every transaction
+            store._mutate("held", hold)
+
+    holder = threading.Thread(target=held)
+    holder.start()
+    assert entered.wait(timeout=30)
+    outcomes: list[object] = [None] * len(calls)
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = calls[index]()
+        except Exception as exc:
+            outcomes[index] = exc
+
+    pool = []
+    for index in range(len(calls)):
+        pool.append(threading.Thread(target=run, args=(index,)))
+        pool[-1].start()
+        _wait_until(lambda: store._queue.qsize() == index + 1)  # noqa: B023
+    then()
+    gate.set()
+    for thread in [holder, *pool]:
+        thread.join(timeout=30)
+    return outcomes
+
+
+def test_sqlite_batch_runs_in_order_and_a_failing_mutation_fails_only_its_caller(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    def boom(record: object, now: float) -> tuple[None, None]:
+        raise ValueError("boom")
+
+    path = tmp_path / "idem.db"
+    with SqliteStore(path, retention=RETENTION, clock=clock) as store:
+        outcomes = _as_one_batch(
+            store,
+            [
+                lambda: store.claim(JOB, "w1", "m1", TTL),
+                lambda: store._mutate(JOB, boom),
+                lambda: store.claim(JOB, "w2", "m2", TTL),  # sees the claim just before it
+                lambda: store.complete(JOB, "w1", "m1"),
+                lambda: store.claim(JOB, "w3", "m3", TTL),
+                lambda: store.claim("other", "w1", "m1", TTL),
+                lambda: store.release("other", "w1", "m1"),
+            ],
+        )
+    assert outcomes[0] == Claimed()
+    assert isinstance(outcomes[1], ValueError)
+    assert outcomes[2] == HeldElsewhere("w1", "m1", clock.now + TTL)
+    assert outcomes[3:] == [None, Done(clock.now), Claimed(), None]
+    with SqliteStore(path, retention=RETENTION, clock=clock) as reopened:  # it was committed
+        assert reopened.claim(JOB, "w4", "m4", TTL) == Done(clock.now)
+        assert reopened.claim("other", "w4", "m4", TTL) == Claimed()
+
+
+def test_sqlite_failed_transaction_keeps_nothing_and_fails_every_caller(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing_purge() -> None:  # runs inside the batch's transaction, after its writes
+        raise sqlite3.OperationalError("disk I/O error")
+
+    with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as store:
+        monkeypatch.setattr(sqlite_backend, "_PURGE_EVERY", 1)
+        monkeypatch.setattr(store, "_purge", failing_purge)
+        outcomes = _as_one_batch(
+            store,
+            [
+                lambda: store.claim(JOB, "w1", "m1", TTL),
+                lambda: store.claim("other", "w1", "m1", TTL),
+                lambda: store.complete("third", "w1", "m1"),
+            ],
+        )
+        monkeypatch.undo()
+        for outcome in outcomes:
+            assert isinstance(outcome, StoreUnavailable)
+            assert isinstance(outcome.__cause__, sqlite3.OperationalError)
+        assert len({id(outcome) for outcome in outcomes}) == len(outcomes)  # one per caller
+        for job_id in [JOB, "other", "third"]:
+            assert store.claim(job_id, "w2", "m2", TTL) == Claimed()
+
+
+def test_sqlite_close_finishes_queued_work_then_refuses_calls(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock)
+    closer = threading.Thread(target=store.close)
+
+    def close_while_queued() -> None:
+        closer.start()
+        _wait_until(lambda: store._closed)
+        with pytest.raises(StoreUnavailable, match="closed"):  # at once, not after the queue
+            store.claim("late", "w1", "m1", TTL)
+
+    outcomes = _as_one_batch(
+        store,
+        [lambda: store.claim(JOB, "w1", "m1", TTL), lambda: store.claim(JOB, "w2", "m2", TTL)],
+        then=close_while_queued,
+    )
+    closer.join(timeout=30)
+    assert not closer.is_alive() and not store._writer.is_alive()
+    assert outcomes == [Claimed(), HeldElsewhere("w1", "m1", clock.now + TTL)]
+    with pytest.raises(StoreUnavailable, match="closed"):
+        store.renew(JOB, "w1", "m1", TTL)
+    store.close()  # idempotent
+    with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as reopened:
+        assert reopened.claim(JOB, "w3", "m3", TTL) == HeldElsewhere("w1", "m1", clock.now + TTL)
+        assert reopened.claim("late", "w3", "m3", TTL) == Claimed()
 
 
 def test_firestore_unreachable_is_unavailable_within_the_timeout(
