@@ -22,7 +22,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import pubsub_v1
 from google.pubsub_v1 import PubsubMessage
 
-from bench.consumer import JOB
+from bench.consumer import ACK_DEADLINE, JOB
 from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.emulator import free_port
 
@@ -76,7 +76,7 @@ class Bench:
                 topic=res.topic,
                 subscription=res.subscription,
                 dead_letter_topic=res.dead_letter_topic,
-                ack_deadline=60,
+                ack_deadline=ACK_DEADLINE,
                 # The probes give messages back; stay far from the dead-letter limit.
                 max_delivery_attempts=100,
                 retry_policy=False,

@@ -32,8 +32,9 @@ IMPL_TEXT = {
     "and `--log-level warning`",
     "plain": "google-cloud-pubsub `subscribe()`, `FlowControl(max_messages=N)`, a "
     "`ThreadScheduler` of N threads; the callback runs the job, then `ack()`",
-    "aio": "gcloud-aio-pubsub `subscribe()`, one producer, N tasks per consumer, "
-    "`max_messages_per_producer=N`; the handler awaits the job (its sleep is `asyncio.sleep`)",
+    "aio": "gcloud-aio-pubsub `subscribe()`: one producer, `max_messages_per_producer=N`, "
+    "N tasks per consumer, `ack_window=0.05`; the handler awaits the job (its sleep is "
+    "`asyncio.sleep`); stopped by cancelling the task",
 }
 BASELINES = ("plain", "aio")
 
@@ -41,6 +42,8 @@ BASELINES = ("plain", "aio")
 def fmt(value: float) -> str:
     if math.isnan(value):
         return "n/a"
+    if value == int(value):
+        return f"{int(value):,}"
     if abs(value) >= 100:
         return f"{value:,.0f}"
     if abs(value) >= 10:
