@@ -46,6 +46,11 @@ ACK_DEADLINE = 60  # seconds; bench.harness makes every subscription with it
 CHECKPOINTS = (10, 50, 100)  # percent of --expect at which RSS is read
 
 
+def job_index(job_id: str) -> int:
+    """Job ids are ``RUN-INDEX`` (bench.harness publishes them so)."""
+    return int(job_id.rsplit("-", 1)[1])
+
+
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -56,13 +61,23 @@ def rss_kib() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def peak_rss_kib() -> int:
+    """VmHWM: getrusage's ru_maxrss survives exec on Linux, so in a child it reported the
+    parent's peak (the same 81.6 MiB for two different libraries)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 @dataclass
 class Report:
     impl: str
     n: int
     expect: int
     ready_at: float = 0.0
-    finished: int = 0  # distinct job ids
+    finished: int = 0  # distinct jobs
     runs: int = 0
     duplicates: int = 0  # runs of a job id that had already started
     peak: int = 0
@@ -87,8 +102,10 @@ class Recorder:
         self._keep = keep_intervals
         self._on_done = on_done
         self._lock = threading.Lock()
-        self._started: set[str] = set()
-        self._finished: set[str] = set()
+        # One byte per job, allocated up front: sets of ids grew by tens of MiB over the soak
+        # and would have been measured as the implementation's growth.
+        self._started = bytearray(report.expect)
+        self._finished = bytearray(report.expect)
         self.running = 0
         marks = sorted({max(1, report.expect * p // 100) for p in CHECKPOINTS})
         self._checkpoints = dict(zip(marks, CHECKPOINTS, strict=True))
@@ -100,9 +117,10 @@ class Recorder:
             self.running += 1
             r.peak = max(r.peak, self.running)
             r.runs += 1
-            if job_id in self._started:
+            index = job_index(job_id)
+            if self._started[index]:
                 r.duplicates += 1
-            self._started.add(job_id)
+            self._started[index] = 1
             if r.first_start is None:
                 r.first_start, r.cpu_first = now, cpu_seconds()
                 print(f"first-start {now}", flush=True)
@@ -114,15 +132,17 @@ class Recorder:
         r = self.report
         with self._lock:
             self.running -= 1
-            self._finished.add(job_id)
-            r.finished = len(self._finished)
+            index = job_index(job_id)
+            first_time = not self._finished[index]
+            self._finished[index] = 1
+            r.finished += first_time
             r.last_end = now
             if self._keep:
                 r.intervals.append((job_id, started, now))
             percent = self._checkpoints.pop(r.finished, None)
             if percent is not None:
                 r.rss_kib_at[percent] = rss_kib()
-            done = r.finished == r.expect
+            done = first_time and r.finished == r.expect  # once: a repeat run must not stop twice
             if done:
                 r.cpu_done = cpu_seconds()
         if done:
@@ -308,7 +328,7 @@ def main(argv: list[str]) -> None:
         sampling.set()
         report.stopped_at = time.monotonic()
         report.cpu_exit = cpu_seconds()
-        report.max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        report.max_rss_kib = peak_rss_kib()
         args.report.write_text(json.dumps(asdict(report)))
 
 

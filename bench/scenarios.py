@@ -40,7 +40,7 @@ class Plan:
 
 FULL = Plan(
     runs=3,
-    throughput_counts={1: 5_000, 10: 20_000, 100: 20_000},
+    throughput_counts={1: 2_000, 10: 20_000, 100: 20_000},
     throughput_impls=("workerpool", "workerpool-bare", "plain", "aio"),
     util_backlogs={1: 200, 8: 2_000, 64: 2_000},
     util_seconds=0.05,

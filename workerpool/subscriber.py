@@ -2,7 +2,7 @@
 
 On the emulator, google-cloud-pubsub's StreamingPull client held hundreds of leased messages
 even with ``FlowControl(max_messages=1)`` and kept only 0.80-0.84 of N slots busy (see
-bench/results.md), so this loop owns the intake over the same library's unary ``pull``: it
+BENCHMARKS.md), so this loop owns the intake over the same library's unary ``pull``: it
 never holds more than N + prefetch.
 Connection failures are retried with capped, jittered backoff; the loop never exits on them.
 """
