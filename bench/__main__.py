@@ -12,12 +12,13 @@ import argparse
 import datetime as dt
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import Bench
+from bench.harness import Bench, Consumer
 from bench.report import table_markdown, targets, write
 from bench.scenarios import FULL, QUICK, SCENARIOS, Context
 from workerpool.testing import pubsub_emulator
@@ -38,8 +39,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    # SIGTERM unwinds like Ctrl-C, so the emulator and the consumers are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     plan = QUICK if args.quick else FULL
-    if args.runs:
+    if args.runs is not None:
+        if args.runs < 1:
+            raise SystemExit("--runs must be at least 1")
         plan = type(plan)(**{**vars(plan), "runs": args.runs})
     out = args.out or (None if args.quick else ROOT / "BENCHMARKS.md")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -59,8 +64,14 @@ def main(argv: list[str]) -> int:
                 bench.drain(res, WARM_UP)
             for name in args.scenarios:
                 log(f"scenario {name}")
-                SCENARIOS[name](ctx)
+                try:
+                    SCENARIOS[name](ctx)
+                except (RuntimeError, KeyError, TypeError, ZeroDivisionError) as exc:
+                    # One stuck or failed consumer: say so in the report, keep the rest.
+                    ctx.anomalies.append(f"scenario {name} stopped: {type(exc).__name__}: {exc}")
+                    log(f"scenario {name} stopped: {exc}")
         finally:
+            Consumer.kill_all()
             bench.close()
     for table in ctx.tables:
         print("\n".join(table_markdown(table)))

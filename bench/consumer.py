@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 JOB = "bench.job"
-IMPLS = ("workerpool", "workerpool-bare", "plain", "aio")
 RATE_LIMIT = "bench"
 ACK_DEADLINE = 60  # seconds; bench.harness makes every subscription with it
 CHECKPOINTS = (10, 50, 100)  # percent of --expect at which RSS is read
@@ -76,9 +75,7 @@ class Report:
     impl: str
     n: int
     expect: int
-    ready_at: float = 0.0
     finished: int = 0  # distinct jobs
-    runs: int = 0
     duplicates: int = 0  # runs of a job id that had already started
     peak: int = 0
     first_start: float | None = None
@@ -87,10 +84,10 @@ class Report:
     last_end: float | None = None
     cpu_done: float | None = None  # CPU seconds when the last expected job ended
     rss_kib_at: dict[int, int] = field(default_factory=dict)  # percent done -> RSS
-    stopped_at: float | None = None
     cpu_exit: float = 0.0
     max_rss_kib: int = 0
-    intervals: list[tuple[str, float, float]] = field(default_factory=list)
+    starts: list[tuple[str, float]] = field(default_factory=list)  # with --intervals
+    intervals: list[tuple[str, float, float]] = field(default_factory=list)  # finished runs
     samples: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -107,8 +104,8 @@ class Recorder:
         self._started = bytearray(report.expect)
         self._finished = bytearray(report.expect)
         self.running = 0
-        marks = sorted({max(1, report.expect * p // 100) for p in CHECKPOINTS})
-        self._checkpoints = dict(zip(marks, CHECKPOINTS, strict=True))
+        # jobs finished -> percent; with tiny counts two percents share a mark, the last wins
+        self._checkpoints = {max(1, report.expect * p // 100): p for p in CHECKPOINTS}
 
     def begin(self, job_id: str) -> float:
         now = time.monotonic()
@@ -116,7 +113,8 @@ class Recorder:
         with self._lock:
             self.running += 1
             r.peak = max(r.peak, self.running)
-            r.runs += 1
+            if self._keep:
+                r.starts.append((job_id, now))
             index = job_index(job_id)
             if self._started[index]:
                 r.duplicates += 1
@@ -210,6 +208,7 @@ def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> 
         f"--project={args.project}",
         f"--subscription={args.subscription}",
         f"--max-outstanding={args.n}",
+        f"--prefetch={args.prefetch}",
         f"--drain-timeout={args.drain_timeout}",
         f"--idempotency-store={store}",
     ]
@@ -291,6 +290,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Recorder, Stop], None]] = {
     "plain": run_plain,
     "aio": run_aio,
 }
+IMPLS = tuple(RUNNERS)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -305,6 +305,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sample-ms", type=float, default=0.0, help="sample running jobs")
     parser.add_argument("--intervals", action="store_true", help="report every job's run")
     parser.add_argument("--drain-timeout", type=float, default=10.0)
+    parser.add_argument("--prefetch", type=int, required=True, help="workerpool's")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--rate-limit", default="", help="RATE/s[:BURST] on the job")
     return parser.parse_args(argv)
@@ -321,12 +322,10 @@ def main(argv: list[str]) -> None:
             target=recorder.sample_every, args=(args.sample_ms / 1000, sampling), daemon=True
         )
         sampler.start()
-    report.ready_at = time.monotonic()
     try:
         RUNNERS[args.impl](args, recorder, stop)
     finally:
         sampling.set()
-        report.stopped_at = time.monotonic()
         report.cpu_exit = cpu_seconds()
         report.max_rss_kib = peak_rss_kib()
         args.report.write_text(json.dumps(asdict(report)))

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from google.api_core import exceptions as gexc
 from google.cloud import pubsub_v1
@@ -24,6 +24,7 @@ from google.pubsub_v1 import PubsubMessage
 
 from bench.consumer import ACK_DEADLINE, JOB
 from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
+from workerpool.constants import DEFAULT_PREFETCH
 from workerpool.emulator import free_port
 
 _PUBLISH_BATCH = 1000  # messages per Publish call
@@ -61,7 +62,7 @@ class Bench:
         self.publisher.stop()
 
     @contextlib.contextmanager
-    def resources(self, label: str) -> Iterator[Resources]:
+    def resources(self, label: str, ack_deadline: int = ACK_DEADLINE) -> Iterator[Resources]:
         """A topic and subscription for one run: ack deadline 60 s, no retry policy, and a
         dead-letter policy (workerpool needs its topic; it also sets ``delivery_attempt``)."""
         suffix = uuid.uuid4().hex[:6]
@@ -76,7 +77,7 @@ class Bench:
                 topic=res.topic,
                 subscription=res.subscription,
                 dead_letter_topic=res.dead_letter_topic,
-                ack_deadline=ACK_DEADLINE,
+                ack_deadline=ack_deadline,
                 # The probes give messages back; stay far from the dead-letter limit.
                 max_delivery_attempts=100,
                 retry_policy=False,
@@ -125,7 +126,7 @@ class Bench:
             return []
         return list(response.received_messages)
 
-    def _settle(self, res: Resources, received: list[Any], *, ack: bool) -> None:
+    def settle(self, res: Resources, received: list[Any], *, ack: bool) -> None:
         ack_ids = [r.ack_id for r in received]
         if not ack_ids:
             return
@@ -149,24 +150,11 @@ class Bench:
         deadline = time.monotonic() + seconds
         while (remaining := deadline - time.monotonic()) > 0:
             received = self.pull(res, timeout=max(0.2, min(1.0, remaining)))
-            self._settle(res, received, ack=False)
+            self.settle(res, received, ack=False)
             ids = {job_id(r) for r in received}
             if not ids - seen:
                 time.sleep(0.1)  # given-back messages come round again: walked the backlog
             seen |= ids
-        return seen
-
-    def collect(self, res: Resources, wanted: set[str], cap: float) -> dict[str, float]:
-        """Pull and ack, as another replica would, until every id in ``wanted`` came or
-        ``cap`` seconds passed; the monotonic time each job id first arrived."""
-        seen: dict[str, float] = {}
-        deadline = time.monotonic() + cap
-        while wanted - seen.keys() and (remaining := deadline - time.monotonic()) > 0:
-            received = self.pull(res, timeout=max(0.2, min(1.0, remaining)))
-            now = time.monotonic()
-            for r in received:
-                seen.setdefault(job_id(r), now)
-            self._settle(res, received, ack=True)
         return seen
 
     def drain(self, res: Resources, expected: int, timeout: float = 30.0) -> None:
@@ -175,8 +163,37 @@ class Bench:
         deadline = time.monotonic() + timeout
         while got < expected and time.monotonic() < deadline:
             received = self.pull(res, timeout=1.0)
-            self._settle(res, received, ack=True)
+            self.settle(res, received, ack=True)
             got += len(received)
+
+
+class Collector:
+    """Another replica: pulls and acks everything, noting when each job id first arrived."""
+
+    def __init__(self, bench: Bench, res: Resources) -> None:
+        self.seen: dict[str, float] = {}
+        self._bench, self._res = bench, res
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            received = self._bench.pull(self._res, timeout=0.5)
+            now = time.monotonic()
+            for message in received:
+                self.seen.setdefault(job_id(message), now)
+            self._bench.settle(self._res, received, ack=True)
+            if not received:
+                self._stop.wait(0.01)  # an empty answer can come at once: do not spin
+
+    def wait_for(self, ids: set[str], deadline: float) -> None:
+        while ids - self.seen.keys() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def job_id(received: Any) -> str:
@@ -185,6 +202,14 @@ def job_id(received: Any) -> str:
 
 class Consumer:
     """A ``bench.consumer`` process; its stdout says when the first job started."""
+
+    running: ClassVar[set[Consumer]] = set()
+
+    @classmethod
+    def kill_all(cls) -> None:
+        """For an interrupted bench: no consumer outlives it, pulling from a dead emulator."""
+        for consumer in list(cls.running):
+            consumer.process.kill()
 
     def __init__(
         self,
@@ -215,12 +240,14 @@ class Consumer:
             f"--report={self.report_path}",
             f"--sample-ms={sample_ms}",
             f"--metrics-port={free_port()}",
+            f"--prefetch={DEFAULT_PREFETCH}",
         ]
         if intervals:
             command.append("--intervals")
         if rate_limit:
             command.append(f"--rate-limit={rate_limit}")
         self.first_start = threading.Event()
+        self.first_start_at = 0.0  # the consumer's own clock reading; monotonic is system-wide
         self.exited = threading.Event()
         self.exited_at = 0.0
         with self.log_path.open("wb") as log:
@@ -232,15 +259,18 @@ class Consumer:
                 env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
                 text=True,
             )
+        Consumer.running.add(self)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith("first-start"):
+                self.first_start_at = float(line.split()[1])
                 self.first_start.set()
         self.process.wait()
         self.exited_at = time.monotonic()
+        Consumer.running.discard(self)
         self.exited.set()
 
     def terminate(self) -> float:

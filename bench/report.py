@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.scenarios import PREFETCH, Context, Row, Table
+from bench.scenarios import Context, Row, Table
+from workerpool.constants import DEFAULT_PREFETCH
 
 NOTES_MARKER = "<!-- notes: written by hand below this line; `python -m bench` keeps them -->"
 LIBRARIES = (
@@ -61,13 +62,13 @@ def cell(row: Row, impl: str) -> str:
     if len(values) > 1:
         text += f" ({fmt(min(values))}-{fmt(max(values))})"
     if impl in row.notes:
-        text += f" [{row.notes[impl]}]"
+        text += f" [{'; '.join(row.notes[impl])}]"
     return text
 
 
 def ratio(row: Row, impl: str, baseline: str) -> str:
     a, b = row.median(impl), row.median(baseline)
-    if a is None or b is None or not row.better:
+    if a is None or b is None or not row.better or not row.compare:
         return ""
     if b == 0:
         return "n/a" if a else "1"
@@ -122,7 +123,7 @@ def targets(ctx: Context) -> list[str]:
             )
     held = find(ctx, "3. Drain", "messages held")
     if held and held.values.get("workerpool"):
-        limit = ctx.plan.drain_n + PREFETCH
+        limit = ctx.plan.drain_n + DEFAULT_PREFETCH
         most = max(held.values["workerpool"])
         add(f"held <= N + prefetch = {limit}", f"at most {fmt(most)}", most <= limit)
     for n in ctx.plan.util_backlogs:
@@ -171,7 +172,11 @@ def machine() -> str:
 
 def commit() -> str:
     result = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).parent,
     )
     return result.stdout.strip() or "unknown"
 
@@ -185,8 +190,10 @@ def markdown(ctx: Context, header: dict[str, str], plots: list[Path], out: Path)
         *(f"- {key}: {value}" for key, value in header.items()),
         f"- machine: {machine()}",
         f"- libraries: {', '.join(versions())}; workerpool at commit {commit()}",
-        f"- each cell: the median of {ctx.plan.runs} runs (min-max); implementations run in "
-        "turn, the order rotating each run; a ratio is of medians",
+        f"- each cell: the median of {ctx.plan.runs} runs (min-max) unless the scenario says "
+        "otherwise; implementations run in turn, the order rotating each run; a ratio is of "
+        "medians",
+        *(f"- differs from the issue: {text}" for text in ctx.plan.deviations),
         "",
         "Implementations (each a process of its own, on one local Pub/Sub emulator; every job "
         "records its own start and end):",
@@ -235,7 +242,7 @@ def draw(ctx: Context, plot_dir: Path) -> list[Path]:
             ax.step([t for t, _ in samples], [r for _, r in samples], where="post", label=impl)
         ax.axhline(8, color="grey", linestyle=":", linewidth=1)
         ax.set(xlabel="seconds since the first job started", ylabel="jobs running")
-        ax.set_title("Running jobs over time, N = 8, 50 ms jobs (sampled every 10 ms)")
+        ax.set_title("Running jobs over time, N = 8, 50 ms jobs (last run, sampled every 10 ms)")
         ax.legend()
         paths.append(_save(fig, plot_dir / "running-n8.png"))
     by_n = {
