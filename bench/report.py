@@ -237,13 +237,18 @@ def draw(ctx: Context, plot_dir: Path) -> list[Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     if ctx.running_n8:
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        for impl, samples in ctx.running_n8.items():
-            ax.step([t for t, _ in samples], [r for _, r in samples], where="post", label=impl)
-        ax.axhline(8, color="grey", linestyle=":", linewidth=1)
-        ax.set(xlabel="seconds since the first job started", ylabel="jobs running")
-        ax.set_title("Running jobs over time, N = 8, 50 ms jobs (last run, sampled every 10 ms)")
-        ax.legend()
+        impls = [i for i in IMPL_TEXT if i in ctx.running_n8]
+        fig, grid = plt.subplots(
+            len(impls), 1, figsize=(8, 1.4 * len(impls) + 1), sharex=True, squeeze=False
+        )
+        axes = grid[:, 0]
+        for ax, impl in zip(axes, impls, strict=True):
+            samples = ctx.running_n8[impl]
+            ax.step([t for t, _ in samples], [r for _, r in samples], where="post", linewidth=0.6)
+            ax.set_ylim(0, 9)
+            ax.set_ylabel(impl, rotation=0, ha="right")
+        axes[-1].set_xlabel("seconds since the first job started")
+        axes[0].set_title("Jobs running, N = 8, 50 ms jobs (last run, sampled every 10 ms)")
         paths.append(_save(fig, plot_dir / "running-n8.png"))
     by_n = {
         n: row
