@@ -98,7 +98,7 @@ def table_markdown(table: Table) -> list[str]:
 
 def find(ctx: Context, scenario: str, label: str) -> Row | None:
     for table in ctx.tables:
-        if table.scenario.startswith(scenario):
+        if table.scenario == scenario:
             for row in table.rows:
                 if row.label.startswith(label):
                     return row
@@ -121,7 +121,8 @@ def targets(ctx: Context) -> list[str]:
             add(
                 f"throughput / plain >= 1.0, N = {n}", f"{r} (/ aio: {aio or 'n/a'})", float(r) >= 1
             )
-    held = find(ctx, "3. Drain", "messages held")
+    drain = f"3. Drain, N = {ctx.plan.drain_n}"
+    held = find(ctx, drain, "messages held")
     if held and held.values.get("workerpool"):
         limit = ctx.plan.drain_n + DEFAULT_PREFETCH
         most = max(held.values["workerpool"])
@@ -135,15 +136,15 @@ def targets(ctx: Context) -> list[str]:
         if n >= 8 and mean and mean.values.get("workerpool"):
             low = min(mean.values["workerpool"])
             add(f"mean utilisation >= 0.95, N = {n}", f"lowest run {fmt(low)}", low >= 0.95)
-    over = find(ctx, "3. Drain", "exit after the signal minus")
+    over = find(ctx, drain, "exit after the signal minus")
     if over and over.values.get("workerpool"):
         most = max(over.values["workerpool"])
         add("exit <= longest remaining job + 1 s", f"+{fmt(most)} s at most", most <= 1)
-    every = find(ctx, "3. Drain", "every unstarted")
+    every = find(ctx, drain, "every unstarted")
     if every and every.values.get("workerpool"):
         most = max(every.values["workerpool"])
         add("unstarted redelivered within 1 s", f"{fmt(most)} s at most", most <= 1)
-    growth = find(ctx, "4. Soak", "growth")
+    growth = find(ctx, f"4. Soak, N = {ctx.plan.soak_n}", "growth")
     if growth and growth.values.get("workerpool"):
         value = max(growth.values["workerpool"])
         add("soak RSS growth 50 % -> 100 % < 10 %", f"{fmt(value)} %", value < 10)

@@ -12,7 +12,7 @@ from bench.consumer import IMPLS
 from bench.harness import Bench, Consumer
 from bench.ratelimit_accuracy import busiest
 from bench.report import draw, markdown, targets
-from bench.scenarios import QUICK, Context, held, rotations
+from bench.scenarios import FULL, Context, held, rotations
 from tests.conftest import PROJECT
 
 
@@ -74,7 +74,7 @@ def test_held_counts_what_neither_finished_nor_could_be_pulled() -> None:
 
 
 def test_report_says_which_targets_were_missed(tmp_path: Path, bench: Bench) -> None:
-    ctx = Context(bench, QUICK, print)
+    ctx = Context(bench, FULL, print)
     throughput = ctx.table("1. Throughput, N = 10", "d")
     rate = throughput.row("throughput", "msg/s", "higher")
     for impl, value in (("workerpool", 900.0), ("plain", 1000.0), ("aio", 450.0)):
@@ -83,6 +83,7 @@ def test_report_says_which_targets_were_missed(tmp_path: Path, bench: Bench) -> 
     peak.add("workerpool", 8)
     lines = "\n".join(targets(ctx))
     assert "| throughput / plain >= 1.0, N = 10 | 0.90 (/ aio: 2.00) | **no** |" in lines
+    assert "N = 1 |" not in lines and "N = 100 |" not in lines  # not measured: not claimed
     assert "| highest running == N = 8 | 8 | yes |" in lines
     ctx.running_n8 = {"workerpool": [(0.0, 0), (0.01, 8), (0.5, 0)]}
     plots = draw(ctx, tmp_path / "plots")
