@@ -84,7 +84,6 @@ class Report:
     last_end: float | None = None
     cpu_done: float | None = None  # CPU seconds when the last expected job ended
     rss_kib_at: dict[int, int] = field(default_factory=dict)  # percent done -> RSS
-    cpu_exit: float = 0.0
     max_rss_kib: int = 0
     starts: list[tuple[str, float]] = field(default_factory=list)  # with --intervals
     intervals: list[tuple[str, float, float]] = field(default_factory=list)  # finished runs
@@ -326,7 +325,6 @@ def main(argv: list[str]) -> None:
         RUNNERS[args.impl](args, recorder, stop)
     finally:
         sampling.set()
-        report.cpu_exit = cpu_seconds()
         report.max_rss_kib = peak_rss_kib()
         args.report.write_text(json.dumps(asdict(report)))
 

@@ -49,9 +49,8 @@ def test_every_consumer_runs_its_backlog_within_its_bound_and_acks_it(bench: Ben
         reports = {impl: consumer.wait(120) for impl, (_, _, consumer) in runs.items()}
         # An unacked message comes back once its deadline passes; none may. (A lease extended
         # just before exit would hide one for longer: workerpool's own tests check its acks.)
-        time.sleep(
-            max(c.exited_at for _, _, c in runs.values()) + ack_deadline + 1 - time.monotonic()
-        )
+        last_exit = max(c.exited_at for _, _, c in runs.values())
+        time.sleep(max(0.0, last_exit + ack_deadline + 1 - time.monotonic()))
         left = {impl: bench.pull(res, timeout=2.0) for impl, (res, _, _) in runs.items()}
     for impl, report in reports.items():
         ids = runs[impl][1]
