@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -145,6 +147,17 @@ class PubSubEnv:
     def close(self) -> None:
         self.subscriber.close()
         self.publisher.stop()
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET; (0, "") when nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""  # not listening (yet, or any more)
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:

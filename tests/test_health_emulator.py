@@ -5,27 +5,22 @@ from __future__ import annotations
 import json
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support import PubSubEnv, ledger_events, spawn_worker, wait_for, worker_processes
+from tests.support import (
+    PubSubEnv,
+    http_get,
+    ledger_events,
+    spawn_worker,
+    wait_for,
+    worker_processes,
+)
 from workerpool import constants as c
 from workerpool.emulator import free_port
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""  # not listening (yet, or any more)
 
 
 def _json_lines(text: str) -> list[dict[str, Any]]:
@@ -93,15 +88,15 @@ def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
             "--max-outstanding", "2",
         )  # fmt: skip
         workers.append(worker)
-        assert wait_for(lambda: _get(base + "/healthz")[0] == 200, timeout=30), worker.output()
-        assert _get(base + "/readyz") == (200, "ready\n")  # started, so ready
+        assert wait_for(lambda: http_get(base + "/healthz")[0] == 200, timeout=30), worker.output()
+        assert http_get(base + "/readyz") == (200, "ready\n")  # started, so ready
         pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="quick-1")
         assert wait_for(lambda: len(ledger_events(ledger, "done")) == 1, timeout=30)
         pubsub.publish("demo.sleep", {"seconds": 60}, job_id="long-1")
         assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
 
         # When /metrics is scraped
-        status, text = _get(base + "/metrics")
+        status, text = http_get(base + "/metrics")
         # Then it has the counters, the in-flight gauge and its limit in Prometheus text
         assert status == 200
         lines = text.splitlines()
@@ -114,12 +109,12 @@ def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
         # When it gets SIGTERM while the long job runs (the drain lasts its 4 s timeout)
         sent = worker.signal(signal.SIGTERM)
         # Then /readyz turns 503 at once, while /healthz stays 200 and the process lives on
-        assert wait_for(lambda: _get(base + "/readyz")[0] == 503, timeout=2.0), worker.output()
+        assert wait_for(lambda: http_get(base + "/readyz")[0] == 503, timeout=2.0), worker.output()
         became_unready = time.monotonic() - sent
         assert worker.alive()
-        assert _get(base + "/healthz")[0] == 200
+        assert http_get(base + "/healthz")[0] == 200
         print(f"\n/readyz answered 503 {became_unready:.2f}s after SIGTERM")
         # And the worker exits 0 after the drain timeout, its port closed
         assert worker.wait(30) == 0, worker.output()
-        assert _get(base + "/healthz")[0] == 0
+        assert http_get(base + "/healthz")[0] == 0
     assert {r["job_id"] for r in ledger_events(ledger, "cancelled")} == {"long-1"}

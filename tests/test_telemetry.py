@@ -11,8 +11,6 @@ import json
 import logging
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections import Counter
 from typing import Any
 
@@ -27,7 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 import workerpool
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
-from tests.support import PubSubEnv, wait_for
+from tests.support import PubSubEnv, http_get, wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.cli import main
@@ -314,14 +312,6 @@ def test_prometheus_text_format() -> None:
     )
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def test_health_server_answers_real_http_requests() -> None:
     healthy, ready = threading.Event(), threading.Event()
     reader = PrometheusReader()
@@ -331,14 +321,14 @@ def test_health_server_answers_real_http_requests() -> None:
     ).start()
     base = f"http://127.0.0.1:{server.port}"
     try:
-        assert _get(base + "/healthz")[0] == 503 and _get(base + "/readyz")[0] == 503
+        assert http_get(base + "/healthz")[0] == 503 and http_get(base + "/readyz")[0] == 503
         healthy.set()
         ready.set()
-        assert _get(base + "/healthz") == (200, "ok\n")
-        assert _get(base + "/readyz") == (200, "ready\n")
-        status, body = _get(base + "/metrics")
+        assert http_get(base + "/healthz") == (200, "ok\n")
+        assert http_get(base + "/readyz") == (200, "ready\n")
+        status, body = http_get(base + "/metrics")
         assert status == 200 and "workerpool_x_total 1" in body
-        assert _get(base + "/nope")[0] == 404
+        assert http_get(base + "/nope")[0] == 404
         with pytest.raises(ConfigError, match="metrics_port: cannot listen on port"):
             HealthServer(server.port, healthy=healthy.is_set, ready=ready.is_set).start()
     finally:
