@@ -202,11 +202,7 @@ def test_racing_threads_claim_each_job_once(make_store: StoreFactory) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join(timeout=60)
+    _run_threads(worker, threads, timeout=60)
     assert not errors
     assert sorted(job_id for ids in won for job_id in ids) == sorted(job_ids)
 
@@ -282,11 +278,7 @@ def test_sqlite_many_threads_on_two_stores_keep_the_serial_semantics(
         except BaseException as exc:
             errors.append(exc)
 
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join(timeout=120)
+    _run_threads(worker, threads, timeout=120)
     for store in stores:
         store.close()
     assert not errors
@@ -486,3 +478,12 @@ def test_open_store_rejects_unknown_urls(url: str) -> None:
     with pytest.raises(ValueError, match="unsupported idempotency store URL") as caught:
         open_store(url)
     assert repr(url) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def _run_threads(target: Callable[[int], None], count: int, timeout: float) -> None:
+    """``target(0)`` ... ``target(count - 1)`` at once, each in a thread of its own."""
+    pool = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(timeout=timeout)
