@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import Bench, Consumer
+from bench.harness import Bench, Collector, Consumer
 from bench.report import table_markdown, targets, write
 from bench.scenarios import FULL, QUICK, SCENARIOS, Context
 from workerpool.testing import pubsub_emulator
@@ -60,8 +60,10 @@ def main(argv: list[str]) -> int:
         ctx = Context(bench, plan, log)
         try:
             with bench.resources("warm") as res:
-                bench.publish(res, WARM_UP)
-                bench.drain(res, WARM_UP)
+                ids = set(bench.publish(res, WARM_UP))
+                warm = Collector(bench, res)
+                warm.wait_for(ids, time.monotonic() + 30)
+                warm.stop()
             for name in args.scenarios:
                 log(f"scenario {name}")
                 try:

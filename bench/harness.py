@@ -157,15 +157,6 @@ class Bench:
             seen |= ids
         return seen
 
-    def drain(self, res: Resources, expected: int, timeout: float = 30.0) -> None:
-        """Pull and ack ``expected`` messages (used to warm the emulator's JIT)."""
-        got = 0
-        deadline = time.monotonic() + timeout
-        while got < expected and time.monotonic() < deadline:
-            received = self.pull(res, timeout=1.0)
-            self.settle(res, received, ack=True)
-            got += len(received)
-
 
 class Collector:
     """Another replica: pulls and acks everything, noting when each job id first arrived."""
