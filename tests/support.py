@@ -19,9 +19,10 @@ from typing import Any
 from google.cloud import pubsub_v1
 
 from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
+from workerpool.clients import Clients
 from workerpool.config import Settings
 from workerpool.idempotency import IdempotencyStore
-from workerpool.launcher import Clients, Launcher
+from workerpool.launcher import Launcher
 from workerpool.registry import Registry
 from workerpool.telemetry import Telemetry
 

@@ -22,10 +22,11 @@ from workerpool.admin import (
     topic_path,
 )
 from workerpool.admin import provision as provision_resources
+from workerpool.clients import Clients
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
 from workerpool.health import HealthServer
-from workerpool.launcher import Clients, Fleet
+from workerpool.launcher import Fleet
 from workerpool.logs import set_trace_project, setup_logging
 from workerpool.publishing import JobMessage, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry

@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from workerpool.admin import ProvisionRequest, provision, topic_path
+from workerpool.clients import Clients
 from workerpool.config import Settings
 from workerpool.emulator import LocalEmulator
-from workerpool.launcher import Clients, Launcher
+from workerpool.launcher import Launcher
 from workerpool.publishing import JobMessage, publish_many
 from workerpool.registry import load_entry_points
 

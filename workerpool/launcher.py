@@ -12,14 +12,11 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
-
-from google.cloud.pubsub_v1 import PublisherClient, SubscriberClient
 
 from workerpool.acks import Acknowledger
 from workerpool.admin import SubscriptionInfo, describe_subscription, subscription_path, topic_path
 from workerpool.backoff import Backoff
+from workerpool.clients import Clients
 from workerpool.config import Settings
 from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
@@ -37,16 +34,6 @@ from workerpool.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 _FLUSH_TIMEOUT = 10.0
-
-
-@dataclass
-class Clients:
-    subscriber: Any = field(default_factory=SubscriberClient)
-    publisher: Any = field(default_factory=PublisherClient)
-
-    def close(self) -> None:
-        self.subscriber.close()
-        self.publisher.stop()
 
 
 def _idempotency(
