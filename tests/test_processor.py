@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +18,7 @@ from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.backoff import Backoff
 from workerpool.deadletter import failure_attributes
+from workerpool.logs import CloudLoggingFormatter, TextFormatter
 from workerpool.middleware import TimeLimit
 from workerpool.outcome import (
     Ack,
@@ -43,7 +48,9 @@ class Item:
     count: int
 
 
-def build(jobs: Registry, **kwargs: Any) -> tuple[Processor, FakeAcks, FakeDeadLetters]:
+def build(
+    jobs: Registry, *, max_payload_bytes: int = 4096, **kwargs: Any
+) -> tuple[Processor, FakeAcks, FakeDeadLetters]:
     acks, dead_letters = FakeAcks(), FakeDeadLetters(**kwargs)
     processor = Processor(
         jobs,
@@ -51,7 +58,7 @@ def build(jobs: Registry, **kwargs: Any) -> tuple[Processor, FakeAcks, FakeDeadL
         FakeLeaser(),
         dead_letters,
         (),
-        ProcessorSettings(BACKOFF, 4096),  # type: ignore[arg-type]
+        ProcessorSettings(BACKOFF, max_payload_bytes),  # type: ignore[arg-type]
     )
     return processor, acks, dead_letters
 
@@ -221,3 +228,112 @@ def test_time_limit_says_the_cancel_is_a_timeout() -> None:
         limit.close()
     assert seen == [True]
     assert processor.stats == {"retried": 1}
+
+
+def test_async_and_generator_handlers_are_refused_at_registration() -> None:
+    # Given handlers whose call would only build a coroutine or a generator
+    async def coroutine(ctx: JobContext, payload: dict[str, Any]) -> None: ...
+
+    async def async_generator(ctx: JobContext, payload: dict[str, Any]) -> Any:
+        yield None
+
+    def generator(ctx: JobContext, payload: dict[str, Any]) -> Any:
+        yield None
+
+    class AsyncCallable:
+        async def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None: ...
+
+    for handler, says in [
+        (coroutine, "async"),
+        (async_generator, "async"),
+        (functools.partial(coroutine), "async"),
+        (AsyncCallable(), "async"),
+        (generator, "generator"),
+    ]:
+        # When one is registered, Then registration fails and says why
+        try:
+            Registry().job("t.bad")(handler)
+        except TypeError as exc:
+            assert says in str(exc) and "t.bad" in str(exc)
+        else:
+            raise AssertionError(f"{handler!r} was registered")
+
+
+def test_a_handler_that_returns_a_coroutine_is_never_acked_as_done() -> None:
+    # Given a plain def that hands back a coroutine instead of running it
+    jobs, ran = Registry(), []
+
+    async def body() -> None:
+        ran.append(True)
+
+    jobs.job("t.sneaky")(lambda ctx, payload: body())
+    processor, acks, dead_letters = build(jobs)
+    # When a message for it is processed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine was never awaited" would be a leak
+        processor.process(make_delivery(b"{}", {"job": "t.sneaky"}))
+    # Then it is recorded as a failure, not counted done, and its body never ran
+    [(_, failure)] = dead_letters.records
+    assert failure.error_type == c.ERR_HANDLER_RETURNED_AWAITABLE
+    assert processor.stats == {"dead_lettered": 1} and ran == []
+    assert acks.acked == ["ack-m-1"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b'{"x": NaN}',
+        b'{"x": Infinity}',
+        b'{"x": -Infinity}',
+        b'{"x": 1e400}',
+        b'{"x": ' + b"9" * 5000 + b"}",
+    ],
+    ids=["deep-list", "deep-object", "nan", "infinity", "-infinity", "1e400", "5000-digits"],
+)
+def test_json_that_python_would_choke_on_or_that_rfc_8259_forbids_is_not_json(
+    body: bytes,
+) -> None:
+    # Given a job with a float field, and a body that is not RFC 8259 JSON or nests too deep
+    jobs, runs = Registry(), []
+
+    @dataclass
+    class Reading:
+        x: float = 0.0
+
+    jobs.job("t.reading", payload=Reading)(lambda ctx, payload: runs.append(payload))
+    processor, acks, dead_letters = build(jobs, max_payload_bytes=c.MAX_MESSAGE_BYTES)
+    # When it is processed
+    processor.process(make_delivery(body, {"job": "t.reading"}))
+    # Then it never reaches the handler: one not_json record, and the message is acked
+    assert runs == []
+    assert [f.error_type for _, f in dead_letters.records] == [c.ERR_NOT_JSON]
+    assert acks.acked == ["ack-m-1"]
+
+
+def test_a_lone_surrogate_in_a_field_name_still_gets_its_failure_record() -> None:
+    # Given a typed job, and a payload whose unexpected field name is a lone surrogate
+    jobs = Registry()
+    jobs.job("t.item", payload=Item)(lambda ctx, payload: None)
+    processor, acks, dead_letters = build(jobs)
+    # When it is processed
+    processor.process(make_delivery(b'{"\\ud800": 1}', {"job": "t.item"}))
+    # Then one invalid_payload record is written, with a message every UTF-8 encoder accepts
+    [(delivery, failure)] = dead_letters.records
+    assert failure.error_type == c.ERR_INVALID_PAYLOAD
+    record = failure_attributes(delivery, failure, subscription="s", topic="t", worker="w")
+    assert "\\ud800" in record[c.ATTR_ERROR_MESSAGE]
+    for value in record.values():
+        value.encode("utf-8")
+    assert acks.acked == ["ack-m-1"]
+
+
+def test_log_lines_with_lone_surrogates_are_written() -> None:
+    # Given both log formats and a message carrying a lone surrogate
+    record = logging.LogRecord("t", logging.WARNING, __file__, 1, "field %s", ("\ud800",), None)
+    for formatter in (CloudLoggingFormatter(), TextFormatter()):
+        # When it is formatted, Then the line encodes as UTF-8 and shows the escape
+        line = formatter.format(record)
+        assert "\\ud800" in line
+        line.encode("utf-8")

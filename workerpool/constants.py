@@ -35,6 +35,8 @@ ERR_INVALID_PAYLOAD: Final = "invalid_payload"
 ERR_OVERSIZE: Final = "oversize"
 ERR_PERMANENT: Final = "permanent_error"
 ERR_ATTEMPTS_EXHAUSTED: Final = "attempts_exhausted"
+# A handler returned a coroutine or generator instead of running its body.
+ERR_HANDLER_RETURNED_AWAITABLE: Final = "handler_returned_awaitable"
 
 # Pub/Sub limits.
 MAX_MESSAGE_BYTES: Final = 10 * 1024 * 1024

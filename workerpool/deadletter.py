@@ -15,6 +15,7 @@ from typing import Any
 
 from workerpool import constants as c
 from workerpool.delivery import Delivery
+from workerpool.text import truncate_utf8
 
 # Original attributes kept first when the 100-attribute limit forces a choice.
 _PRIORITY = (c.ATTR_JOB, c.ATTR_JOB_ID, c.ATTR_TRACEPARENT, c.ATTR_TRACESTATE)
@@ -23,13 +24,6 @@ _PRIORITY = (c.ATTR_JOB, c.ATTR_JOB_ID, c.ATTR_TRACEPARENT, c.ATTR_TRACESTATE)
 def worker_identity() -> str:
     """host-pid-random: unique per process, readable in a failure record or a claim."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def truncate_utf8(text: str, limit: int = c.MAX_ATTRIBUTE_VALUE_BYTES) -> str:
-    encoded = text.encode("utf-8")
-    if len(encoded) <= limit:
-        return text
-    return encoded[: limit - 3].decode("utf-8", errors="ignore") + "..."
 
 
 @dataclass(frozen=True)

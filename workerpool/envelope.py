@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -16,6 +17,7 @@ from workerpool import constants as c
 from workerpool.delivery import Delivery
 from workerpool.payload import PayloadError, convert
 from workerpool.registry import JobSpec, Registry
+from workerpool.text import safe_text
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,23 @@ class Rejection:
     job_id: str
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (RFC 8259 has no NaN or infinities)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: a number JSON allows, a float cannot hold
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def parse_json(data: bytes) -> Any:
+    """Strict RFC 8259: NaN, Infinity and numbers beyond a float's range are errors, not
+    values a handler has to guard against."""
+    return json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def job_id_of(delivery: Delivery) -> str:
     return delivery.attributes.get(c.ATTR_JOB_ID) or delivery.message_id
 
@@ -58,7 +77,7 @@ def decode(
     job_id = job_id_of(delivery)
 
     def reject(error_type: str, message: str) -> Rejection:
-        return Rejection(error_type, message, name, job_id)
+        return Rejection(error_type, safe_text(message), name, job_id)
 
     if len(delivery.data) > max_payload_bytes:
         return reject(
@@ -70,9 +89,11 @@ def decode(
     if spec is None:
         return reject(c.ERR_UNKNOWN_JOB, f"no job named {name!r} is registered")
     try:
-        data = json.loads(delivery.data.decode("utf-8"))
+        data = parse_json(delivery.data)
     except (UnicodeDecodeError, ValueError) as exc:
         return reject(c.ERR_NOT_JSON, f"payload is not UTF-8 JSON: {exc}")
+    except RecursionError:
+        return reject(c.ERR_NOT_JSON, "payload is JSON nested too deeply to parse")
     if not isinstance(data, dict):
         return reject(c.ERR_NOT_OBJECT, f"payload is JSON {type(data).__name__}, not an object")
     payload: Any = data

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from workerpool import constants as c
+from workerpool.text import safe_text
 
 # Record attributes: structured fields, and the span a line belongs to when none is current.
 FIELDS = "fields"
@@ -106,7 +107,8 @@ class CloudLoggingFormatter(logging.Formatter):
             entry[c.LOG_TRACE] = f"projects/{project}/traces/{trace_id}" if project else trace_id
             entry[c.LOG_SPAN_ID] = f"{span.span_id:016x}"
             entry[c.LOG_TRACE_SAMPLED] = span.trace_flags.sampled
-        return json.dumps(entry, default=str, ensure_ascii=False)
+        # A handler may log text decoded from a hostile payload: the line must still encode.
+        return safe_text(json.dumps(entry, default=str, ensure_ascii=False))
 
 
 class TextFormatter(logging.Formatter):
@@ -121,6 +123,10 @@ class TextFormatter(logging.Formatter):
         if fields:
             text += "  " + " ".join(f"{key}={_text(value)}" for key, value in fields.items())
         return text
+
+    def format(self, record: logging.LogRecord) -> str:
+        # A handler may log text decoded from a hostile payload: the line must still encode.
+        return safe_text(super().format(record))
 
 
 def _text(value: Any) -> str:

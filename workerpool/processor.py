@@ -6,6 +6,7 @@ that chooses ack, nack or dead-letter, and ``_settle`` the one place that carrie
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -276,7 +277,7 @@ class Processor:
 def _invoke(job: Job, ctx: JobContext) -> Outcome:
     """Call the handler and name what happened; nothing it raises escapes."""
     try:
-        job.spec.handler(ctx, job.payload)
+        result = job.spec.handler(ctx, job.payload)
     except PermanentError as exc:
         return Rejected(exc.error_type, str(exc) or type(exc).__name__, exc)
     except Defer as exc:
@@ -290,4 +291,15 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
     except (Exception, SystemExit) as exc:  # a handler's sys.exit() must not end the slot
         ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
         return Failed(type(exc).__name__, str(exc), exc)
+    if inspect.isawaitable(result) or inspect.isgenerator(result):
+        # Registration refuses async and generator functions; a handler can still return a
+        # coroutine (a lambda around one, say). Its body never ran: never call that done.
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # no "coroutine was never awaited" warning at garbage collection
+        return Rejected(
+            c.ERR_HANDLER_RETURNED_AWAITABLE,
+            f"handler returned {type(result).__name__} instead of running: async handlers "
+            "are not supported yet",
+        )
     return Succeeded()

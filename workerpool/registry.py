@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -95,10 +96,34 @@ class Registry:
             raise TypeError(f"job {name!r}: payload must be a dataclass, got {payload!r}")
 
         def register(handler: Handler) -> Handler:
+            _check_handler(name, handler)
             self.add(JobSpec(name, handler, float(timeout), max_attempts, payload, dict(options)))
             return handler
 
         return register
+
+
+def _check_handler(name: str, handler: Handler) -> None:
+    """A handler whose call only builds a coroutine or generator would be acked as done
+    without its body ever running: refuse it here, where the mistake is made."""
+    if not callable(handler):
+        raise TypeError(f"job {name!r}: the handler must be callable, got {handler!r}")
+    call = getattr(handler, "__call__", None)  # noqa: B004 - an object's async __call__
+    for target in (handler, call):
+        if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+            raise TypeError(
+                f"job {name!r}: {_name_of(handler)} is an async function; async handlers are "
+                "not supported yet: write it as a plain def (the worker runs it in a thread)"
+            )
+        if inspect.isgeneratorfunction(target):
+            raise TypeError(
+                f"job {name!r}: {_name_of(handler)} is a generator function (it yields), so "
+                "calling it would not run its body; return instead of yielding"
+            )
+
+
+def _name_of(handler: Handler) -> str:
+    return getattr(handler, "__qualname__", None) or repr(handler)
 
 
 # The process-wide registry that ``@workerpool.job`` and plugins register into.
@@ -125,3 +150,5 @@ def import_job_modules(modules: Iterable[str]) -> None:
             importlib.import_module(module)
         except ImportError as exc:
             raise ConfigError(f"--jobs {module}: cannot import it ({exc})") from exc
+        except (TypeError, ValueError) as exc:  # what @job raises for a bad registration
+            raise ConfigError(f"--jobs {module}: {exc}") from exc
