@@ -1,7 +1,12 @@
-"""In-process fakes for pure-logic tests of the processor (no Pub/Sub involved)."""
+"""In-process fakes for pure-logic tests of the data path (no Pub/Sub involved).
+
+They have the shapes of ``workerpool.interfaces``, so the processor, pool and leaser take them
+without a ``type: ignore``.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -13,25 +18,29 @@ from workerpool.delivery import Delivery
 class FakeAcks:
     acked: list[str] = field(default_factory=list)
     modacked: list[tuple[str, float]] = field(default_factory=list)
+    extended: list[tuple[str, float]] = field(default_factory=list)
 
-    def ack(self, ack_id: str, *, confirm: bool = False) -> None:
+    def ack(self, ack_id: str, *, confirm: bool = False) -> Future[bool] | None:
         self.acked.append(ack_id)
+        return None
 
     def modack(self, ack_ids: list[str], seconds: float) -> None:
         self.modacked.extend((ack_id, seconds) for ack_id in ack_ids)
 
     def extend(self, deliveries: list[Delivery], seconds: float) -> None:
-        pass
+        self.extended.extend((d.ack_id, seconds) for d in deliveries if not d.settled)
 
 
+@dataclass
 class FakeLeaser:
-    extension = 30.0
+    extension: float = 30.0
+    held: dict[str, Delivery] = field(default_factory=dict)
 
     def add(self, deliveries: list[Delivery]) -> None:
-        pass
+        self.held.update((d.ack_id, d) for d in deliveries)
 
     def remove(self, delivery: Delivery) -> None:
-        pass
+        self.held.pop(delivery.ack_id, None)
 
 
 @dataclass

@@ -40,9 +40,10 @@ def test_refused_ack_ids_resolve_false_and_transient_ones_are_retried() -> None:
         {"b": "PERMANENT_FAILURE_INVALID_ACK_ID", "c": "TRANSIENT_FAILURE_UNORDERED_ACK_ID"}
     )
     acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.05)
+    acks.start()
     futures = {ack_id: acks.ack(ack_id, confirm=True) for ack_id in "abc"}
     results = {ack_id: f.result(timeout=10) for ack_id, f in futures.items() if f}
-    assert acks.close()
+    assert acks.close(timeout=10)
     assert results == {"a": True, "b": False, "c": True}
     assert client.calls == [["a", "b", "c"], ["c"]]
 

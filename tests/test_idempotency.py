@@ -304,9 +304,9 @@ def _wait_until(condition: Callable[[], bool]) -> None:
 def _as_one_batch(
     store: SqliteStore, calls: list[Callable[[], object]], then: Callable[[], None] = lambda: None
 ) -> list[object]:
-    """Returns each call's result or exception. The writer is held inside an earlier mutation
-    until every call is queued (in list order), so they reach it together: one transaction.
-    ``then`` runs once all are queued, before the writer is let go."""
+    """Returns each call's result or exception. A leader is held inside an earlier mutation
+    until every call is queued (in list order), so the next leader commits them together: one
+    transaction. ``then`` runs once all are queued, before the leader is let go."""
     entered, gate = threading.Event(), threading.Event()
 
     def hold(record: object, now: float) -> tuple[None, None]:
@@ -333,7 +333,7 @@ def _as_one_batch(
     for index in range(len(calls)):
         pool.append(threading.Thread(target=run, args=(index,)))
         pool[-1].start()
-        _wait_until(lambda: store._queue.qsize() == index + 1)  # noqa: B023
+        _wait_until(lambda: store._queued() == index + 1)  # noqa: B023
     then()
     gate.set()
     for thread in [holder, *pool]:
@@ -414,7 +414,7 @@ def test_sqlite_close_finishes_queued_work_then_refuses_calls(
         then=close_while_queued,
     )
     closer.join(timeout=30)
-    assert not closer.is_alive() and not store._writer.is_alive()
+    assert not closer.is_alive() and store._queued() == 0
     assert outcomes == [Claimed(), HeldElsewhere("w1", "m1", clock.now + TTL)]
     with pytest.raises(StoreUnavailable, match="closed"):
         store.renew(JOB, "w1", "m1", TTL)

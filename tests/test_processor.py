@@ -17,6 +17,7 @@ from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.backoff import Backoff
+from workerpool.constants import Label
 from workerpool.deadletter import failure_attributes
 from workerpool.logs import CloudLoggingFormatter, TextFormatter
 from workerpool.middleware import TimeLimit
@@ -26,9 +27,12 @@ from workerpool.outcome import (
     DeadLetter,
     Deferred,
     DuplicateOfRunning,
+    Facts,
     Failed,
     Interrupted,
+    LostClaim,
     Nack,
+    NotStarted,
     RecordFailed,
     RedeliveredWhileRunning,
     Rejected,
@@ -38,6 +42,7 @@ from workerpool.outcome import (
 )
 from workerpool.processor import Processor, ProcessorSettings
 from workerpool.registry import Registry
+from workerpool.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
 
@@ -58,30 +63,54 @@ def build(
         FakeLeaser(),
         dead_letters,
         (),
-        ProcessorSettings(BACKOFF, max_payload_bytes),  # type: ignore[arg-type]
+        ProcessorSettings(BACKOFF, max_payload_bytes),
     )
     return processor, acks, dead_letters
 
 
+def _facts(attempt: int = 1, max_attempts: int = 5, *, retry_policy: bool = False) -> Facts:
+    return Facts(attempt, max_attempts, BACKOFF, retry_policy)
+
+
 def test_decision_table() -> None:
     table = {
-        Succeeded(): Ack("done"),
-        AlreadyDone(): Ack("duplicate"),
-        DuplicateOfRunning(): Ack("duplicate"),
+        Succeeded(): Ack(Label.DONE),
+        AlreadyDone(): Ack(Label.DUPLICATE),
+        DuplicateOfRunning(): Ack(Label.DUPLICATE),
         Rejected("not_json", "x"): DeadLetter("not_json", "x"),
-        Interrupted(): Nack(0.0, "drained"),
+        Interrupted(): Nack(0.0, Label.DRAINED),
+        NotStarted(): Nack(0.0, Label.RELEASED),
+        LostClaim(after=12.5): Nack(12.5, Label.DEFERRED),
     }
     for outcome, action in table.items():
-        assert decide(outcome, attempt=1, max_attempts=5, backoff=BACKOFF) == action
+        assert decide(outcome, _facts()) == action
     for outcome in (Failed("E", "x"), Unavailable("down"), RecordFailed("down")):
-        action = decide(outcome, attempt=3, max_attempts=5, backoff=BACKOFF)
+        action = decide(outcome, _facts(3))
         assert isinstance(action, Nack) and 2.0 <= action.delay <= 4.0
-    deferred = decide(RedeliveredWhileRunning(), attempt=1, max_attempts=5, backoff=BACKOFF)
+        assert action.label == Label.RETRIED
+    deferred = decide(RedeliveredWhileRunning(), _facts())
     assert isinstance(deferred, Nack) and deferred.label == "deferred" and deferred.delay >= 1
-    at_cap = decide(Deferred("at the cap", 7.0), attempt=9, max_attempts=5, backoff=BACKOFF)
-    assert at_cap == Nack(7.0, "deferred")  # past max_attempts, yet not dead-lettered
-    last = decide(Failed("RetryableError", "flaky"), attempt=5, max_attempts=5, backoff=BACKOFF)
+    at_cap = decide(Deferred("at the cap", 7.0), _facts(9))
+    assert at_cap == Nack(7.0, Label.DEFERRED)  # past max_attempts, yet not dead-lettered
+    last = decide(Failed("RetryableError", "flaky"), _facts(5))
     assert last == DeadLetter(c.ERR_ATTEMPTS_EXHAUSTED, "RetryableError after 5 attempts: flaky")
+    # A record that could not be published is retried, also on the last attempt
+    assert decide(RecordFailed("down"), _facts(5)).label == Label.RETRIED  # type: ignore[union-attr]
+
+
+def test_with_a_retry_policy_every_nack_is_immediate_and_pub_sub_spaces_them() -> None:
+    policy = _facts(3, retry_policy=True)
+    for outcome in (
+        Failed("E", "x"),
+        Unavailable("down"),
+        RecordFailed("down"),
+        RedeliveredWhileRunning(),
+        Deferred("later", 30.0),
+        LostClaim(after=20.0),
+    ):
+        action = decide(outcome, policy)
+        assert isinstance(action, Nack) and action.delay == 0.0, outcome
+    assert decide(Succeeded(), policy) == Ack(Label.DONE)
 
 
 def test_backoff_grows_with_jitter_within_bounds() -> None:
@@ -212,20 +241,16 @@ def test_time_limit_says_the_cancel_is_a_timeout() -> None:
         seen.append(ctx.timed_out.is_set())
         raise RetryableError("gave up at the timeout")
 
-    limit = TimeLimit()
+    timers = Timers()
+    timers.start()
     acks = FakeAcks()
     processor = Processor(
-        jobs,
-        acks,
-        FakeLeaser(),
-        FakeDeadLetters(),
-        [limit],
-        ProcessorSettings(BACKOFF),  # type: ignore[arg-type]
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers)], ProcessorSettings(BACKOFF)
     )
     try:
         processor.process(make_delivery(b"{}", {"job": "t.slow"}))
     finally:
-        limit.close()
+        timers.close()
     assert seen == [True]
     assert processor.stats == {"retried": 1}
 

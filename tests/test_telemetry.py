@@ -29,15 +29,17 @@ from tests.support import PubSubEnv, http_get, wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.cli import main
+from workerpool.constants import Label
 from workerpool.errors import ConfigError
 from workerpool.health import HealthServer
 from workerpool.lease import Leaser
-from workerpool.listeners import Settled
 from workerpool.logs import CloudLoggingFormatter, TextFormatter, set_trace_project, setup_logging
+from workerpool.middleware import Middleware
 from workerpool.processor import Processor
 from workerpool.publishing import JobMessage
 from workerpool.ratelimit import LocalLimiters, parse_rate
 from workerpool.registry import Registry
+from workerpool.run import Settled
 from workerpool.telemetry import PrometheusReader, Telemetry, extract, inject
 from workerpool.telemetry.exporters import exporter_names, span_processors
 from workerpool.telemetry.prometheus import metric_name
@@ -222,7 +224,7 @@ def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub: PubSubEnv) -> No
 def test_lease_extensions_and_rate_limit_waits_are_counted() -> None:
     _, reader, telemetry = _in_memory()
     # The Leaser's on_extend hook
-    leaser = Leaser(FakeAcks(), extension=30, on_extend=telemetry.metrics.lease_extended)  # type: ignore[arg-type]
+    leaser = Leaser(FakeAcks(), extension=30, on_extend=telemetry.metrics.lease_extended)
     leaser.add([make_delivery(b"{}", {}, message_id=f"m-{i}") for i in range(3)])
     leaser.extend_once()
     leaser.extend_once()
@@ -241,7 +243,7 @@ def test_unregistered_job_names_do_not_become_label_values() -> None:
     _, reader, telemetry = _in_memory()
     telemetry.metrics.know_jobs(["t.known"])
     for job in ("t.known", "evil-1", "evil-2"):
-        telemetry.metrics.settled(Settled("dead_lettered", job, "id", "m", 1))
+        telemetry.metrics.settled(Settled(Label.DEAD_LETTERED, job, "id", "m", 1))
     finished = _points(reader.get_metrics_data(), c.METRIC_JOBS_FINISHED)
     assert finished == {
         (("job", "(unknown)"), ("outcome", "dead_lettered")): 2,
@@ -249,24 +251,23 @@ def test_unregistered_job_names_do_not_become_label_values() -> None:
     }
 
 
-def test_a_failing_listener_never_breaks_settling() -> None:
+def test_a_failing_settled_hook_never_breaks_settling() -> None:
     jobs, heard = Registry(), []
 
     @jobs.job("t.ok")
     def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
         pass
 
-    def broken_listener(settled: Settled) -> None:
-        raise RuntimeError("telemetry bug")
+    class Broken(Middleware):
+        def settled(self, event: Settled) -> None:
+            raise RuntimeError("telemetry bug")
+
+    class Ear(Middleware):
+        def settled(self, event: Settled) -> None:
+            heard.append(event)
 
     acks = FakeAcks()
-    processor = Processor(
-        jobs,
-        acks,  # type: ignore[arg-type]
-        FakeLeaser(),  # type: ignore[arg-type]
-        FakeDeadLetters(),  # type: ignore[arg-type]
-        listeners=[broken_listener, heard.append],
-    )
+    processor = Processor(jobs, acks, FakeLeaser(), FakeDeadLetters(), [Broken(), Ear()])
     processor.process(make_delivery(b"{}", {"job": "t.ok", "job_id": "a"}))
     processor.process(make_delivery(b"[]", {"job": "t.ok", "job_id": "b"}, message_id="m-2"))
     assert acks.acked == ["ack-m-1", "ack-m-2"]

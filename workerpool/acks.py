@@ -20,6 +20,7 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 
+from workerpool import constants as c
 from workerpool.delivery import Delivery
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,12 @@ class Acknowledger:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        # False while requests fail (Pub/Sub unreachable, a bug here): /healthz turns 503.
+        self.healthy = True
+
+    def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="workerpool-acks", daemon=True)
         self._thread.start()
 
@@ -89,10 +96,14 @@ class Acknowledger:
                 self._idle.wait(remaining)
         return True
 
-    def close(self, timeout: float = 10.0) -> bool:
+    def close(self, timeout: float) -> bool:
+        """Flush for up to ``timeout`` seconds, then stop; True if everything was sent."""
+        deadline = time.monotonic() + timeout
         flushed = self.flush(timeout)
+        self._closing.set()  # retries stop waiting between attempts
         self._queue.put(None)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         return flushed
 
     def _run(self) -> None:
@@ -101,69 +112,97 @@ class Acknowledger:
             if first is None:
                 return
             time.sleep(self._interval)  # let concurrent outcomes join this batch
-            batch: dict[_Key, list[_Entry]] = defaultdict(list)
-            dropped = 0
-            item: _Item | None = first
-            stop = False
-            while item is not None:
-                key, ack_id, delivery, future = item
-                if delivery is not None and delivery.settled:
-                    dropped += 1
-                else:
-                    batch[key].append((ack_id, future))
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                stop = item is None
-            self._done(dropped)
-            # Extensions first: a nack or ack in the same batch must be the last word.
-            for key in sorted(batch, key=lambda k: k[0] != "extend"):
-                self._send(key, batch[key])
+            batch, stop = self._collect(first)
+            try:
+                # Extensions first: a nack or ack in the same batch must be the last word.
+                for key in sorted(batch, key=lambda k: k[0] != "extend"):
+                    self._send(key, batch[key])
+            except Exception:  # a bug here must not stop every later ack
+                log.exception("sending a batch of acks failed")
+                self.healthy = False
+                self._resolve(batch, {})
             if stop:
                 return
+
+    def _collect(self, first: _Item) -> tuple[dict[_Key, list[_Entry]], bool]:
+        batch: dict[_Key, list[_Entry]] = defaultdict(list)
+        dropped = 0
+        item: _Item | None = first
+        stop = False
+        while item is not None:
+            key, ack_id, delivery, future = item
+            if delivery is not None and delivery.settled:
+                dropped += 1
+            else:
+                batch[key].append((ack_id, future))
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            stop = item is None
+        self._done(dropped)
+        return batch, stop
 
     def _done(self, count: int) -> None:
         with self._idle:
             self._pending -= count
             self._idle.notify_all()
 
+    def _resolve(self, batch: dict[_Key, list[_Entry]], took: dict[str, bool]) -> None:
+        """Give every entry of ``batch`` still pending its answer (False if unknown)."""
+        for entries in batch.values():
+            for ack_id, future in entries:
+                if future is not None and not future.done():
+                    future.set_result(took.get(ack_id, False))
+            self._done(len(entries))
+            entries.clear()
+
     def _send(self, key: _Key, entries: list[_Entry]) -> None:
         for start in range(0, len(entries), _MAX_IDS_PER_REQUEST):
             chunk = entries[start : start + _MAX_IDS_PER_REQUEST]
-            failed: set[str] | None = None
-            try:
-                failed = self._send_with_retries(key, [ack_id for ack_id, _ in chunk])
-            except gexc.GoogleAPICallError as exc:
-                # Lost requests are safe: an unacked message is redelivered after its deadline.
-                log.warning("%s of %d messages failed: %s", key[0], len(chunk), exc)
-            finally:
-                for ack_id, future in chunk:
-                    if future is not None:
-                        future.set_result(failed is not None and ack_id not in failed)
-                self._done(len(chunk))
+            took = self._send_with_retries(key, [ack_id for ack_id, _ in chunk])
+            self._resolve({key: list(chunk)}, took)
+        entries.clear()
 
-    def _send_with_retries(self, key: _Key, ack_ids: list[str]) -> set[str]:
-        """Send; return the ack ids that failed for good (exactly-once subscriptions only)."""
-        failed: set[str] = set()
+    def _send_with_retries(self, key: _Key, ack_ids: list[str]) -> dict[str, bool]:
+        """Send; return whether each ack id took. Never raises: a request that failed for
+        good is logged, and its messages come back after their ack deadline."""
+        took: dict[str, bool] = {}
+        pending = ack_ids
         for attempt in range(_ATTEMPTS):
             try:
-                self._call(key, ack_ids)
-                return failed
+                self._call(key, pending)
             except gexc.InvalidArgument as exc:
                 errors = _ack_id_errors(exc)
                 if not errors:
-                    raise
+                    return self._gave_up(key, pending, exc, took)
                 # The other ids in the request took effect; retry only the transient ones.
-                failed |= {a for a, why in errors.items() if not why.startswith("TRANSIENT_")}
-                ack_ids = [a for a, why in errors.items() if why.startswith("TRANSIENT_")]
-                if not ack_ids:
-                    return failed
-            except _TRANSIENT:
-                if attempt == _ATTEMPTS - 1:
-                    raise
-            time.sleep(0.1 * 2**attempt)
-        return failed | set(ack_ids)
+                took.update((a, True) for a in pending if a not in errors)
+                took.update((a, False) for a, why in errors.items() if not _transient(why))
+                pending = [a for a, why in errors.items() if _transient(why)]
+                if not pending:
+                    return took
+            except _TRANSIENT as exc:
+                if attempt == _ATTEMPTS - 1 or self._closing.is_set():
+                    return self._gave_up(key, pending, exc, took)
+            except Exception as exc:  # PermissionDenied, a closed channel: retrying won't help
+                return self._gave_up(key, pending, exc, took)
+            else:
+                self.healthy = True
+                took.update((a, True) for a in pending)
+                return took
+            self._closing.wait(0.1 * 2**attempt)
+        return self._gave_up(key, pending, None, took)
+
+    def _gave_up(
+        self, key: _Key, pending: list[str], exc: Exception | None, took: dict[str, bool]
+    ) -> dict[str, bool]:
+        # Lost requests are safe: an unacked message is redelivered after its deadline.
+        reason = f"{type(exc).__name__}: {exc}" if exc else "transient failures"
+        log.warning("%s of %d messages failed: %s", key[0], len(pending), reason)
+        self.healthy = False
+        took.update((a, False) for a in pending)
+        return took
 
     def _call(self, key: _Key, ack_ids: list[str]) -> None:
         kind, seconds = key
@@ -185,6 +224,10 @@ class Acknowledger:
             )
 
 
+def _transient(why: str) -> bool:
+    return why.startswith("TRANSIENT_")
+
+
 def _ack_id_errors(exc: gexc.GoogleAPICallError) -> dict[str, str]:
     """Per-ack-id failures that an exactly-once subscription reports in an ErrorInfo."""
     errors: dict[str, str] = {}
@@ -195,4 +238,4 @@ def _ack_id_errors(exc: gexc.GoogleAPICallError) -> dict[str, str]:
 
 
 def _deadline(seconds: float) -> int:
-    return max(0, min(600, round(seconds)))
+    return max(0, min(c.MAX_ACK_DEADLINE_SECONDS, round(seconds)))

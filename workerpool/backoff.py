@@ -5,14 +5,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# Pub/Sub's maximum ack deadline, which bounds a delay expressed as modify_ack_deadline.
-MAX_ACK_DEADLINE_SECONDS = 600
+from workerpool import constants as c
 
 
 @dataclass(frozen=True)
 class Backoff:
-    minimum: float = 2.0
-    maximum: float = 600.0
+    minimum: float = c.DEFAULT_MIN_BACKOFF
+    # A delay is a modify_ack_deadline, which Pub/Sub caps.
+    maximum: float = c.MAX_ACK_DEADLINE_SECONDS
     factor: float = 2.0
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:

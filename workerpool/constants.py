@@ -1,5 +1,6 @@
 """Every external name in one place: message attributes, failure-record attributes, defaults."""
 
+from enum import StrEnum
 from typing import Final
 
 # Message contract (publisher <-> worker).
@@ -42,26 +43,37 @@ ERR_HANDLER_RETURNED_AWAITABLE: Final = "handler_returned_awaitable"
 MAX_MESSAGE_BYTES: Final = 10 * 1024 * 1024
 MAX_ATTRIBUTES: Final = 100
 MAX_ATTRIBUTE_VALUE_BYTES: Final = 1024
+# The longest ack deadline, which also bounds a delay expressed as modify_ack_deadline.
+MAX_ACK_DEADLINE_SECONDS: Final = 600
 
 # Defaults.
 DEFAULT_MAX_ATTEMPTS: Final = 5
 DEFAULT_TIMEOUT_SECONDS: Final = 3600.0
 DEFAULT_PREFETCH: Final = 2
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
+DEFAULT_LEASE_EXTENSION: Final = 30.0
+DEFAULT_MIN_BACKOFF: Final = 2.0
+DEFAULT_CLAIM_TTL: Final = 60.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
 
-# Outcome labels: how a delivery ended, as counted in Processor.stats and workerpool.jobs.finished.
-OUTCOME_LABELS: Final = (
-    "done",
-    "retried",
-    "dead_lettered",
-    "deferred",
-    "drained",
-    "duplicate",
-    "ack_failed",
-)
+
+class Label(StrEnum):
+    """How a message left the pool, as counted in ``Processor.stats`` and
+    ``workerpool.jobs.finished``: every message that leaves gets exactly one."""
+
+    DONE = "done"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    DEFERRED = "deferred"
+    DRAINED = "drained"
+    DUPLICATE = "duplicate"
+    ACK_FAILED = "ack_failed"
+    # Given back before it started: beyond the bound, or held when the pool drained.
+    RELEASED = "released"
+
+
 # Labels that mean this run failed (its span's status is ERROR, its end log line a warning).
-FAILED_LABELS: Final = ("retried", "dead_lettered", "ack_failed")
+FAILED_LABELS: Final = frozenset({Label.RETRIED, Label.DEAD_LETTERED, Label.ACK_FAILED})
 
 # OpenTelemetry: instrument names (every one under the ``workerpool.`` prefix) and attributes.
 INSTRUMENTATION_NAME: Final = "workerpool"

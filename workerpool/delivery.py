@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
+
+
+class _State(Enum):
+    HELD = "held"  # leased to us; nobody has decided its fate yet
+    SETTLING = "settling"  # its own run owns it and is publishing its failure record
+    SETTLED = "settled"  # its ack or nack is queued: nothing else may be sent for it
 
 
 @dataclass(eq=False)
 class Delivery:
     """A message leased to this worker.
 
-    ``settle()`` is the single gate to ack or nack: whichever of the job's own outcome or the
-    drain path gets there first decides, and the other is ignored, so a message is never
-    both nacked at the drain deadline and acked a moment later by its finishing handler.
+    Exactly one ack or nack is ever queued for it, by whoever moves it to SETTLED first: its
+    run's own end, or a hand-back (drain deadline, a lost claim). Until then its lease is
+    extended, also while its run publishes a failure record (SETTLING), so a slow publish
+    cannot let it be redelivered meanwhile.
     """
 
     ack_id: str
@@ -23,26 +30,39 @@ class Delivery:
     attributes: dict[str, str]
     publish_time: datetime | None
     delivery_attempt: int | None
-    received_at: float = field(default_factory=time.monotonic)
     # Monotonic time after which the lease is no longer extended (set from the job's timeout).
     lease_until: float = float("inf")
-    # Monotonic time its run started (None until then, and for input that never runs).
-    started_at: float | None = None
-    _settled: bool = False
+    _state: _State = _State.HELD
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def size(self) -> int:
         return len(self.data) + sum(len(k) + len(v) for k, v in self.attributes.items())
 
-    def settle(self) -> bool:
-        """Claim the right to ack or nack this message; True only for the first caller."""
-        with self._lock:
-            if self._settled:
-                return False
-            self._settled = True
-            return True
-
     @property
     def settled(self) -> bool:
-        return self._settled
+        return self._state is _State.SETTLED
+
+    def take(self) -> bool:
+        """HELD -> SETTLED: True if the caller now must queue this message's one ack or nack."""
+        return self._move((_State.HELD,), _State.SETTLED)
+
+    def begin_settle(self) -> bool:
+        """HELD -> SETTLING, for a run about to publish its failure record: a hand-back leaves
+        it alone from now on (only ``force`` can still take it)."""
+        return self._move((_State.HELD,), _State.SETTLING)
+
+    def finish_settle(self) -> bool:
+        """SETTLING -> SETTLED: False if ``force`` took it meanwhile (then send nothing)."""
+        return self._move((_State.SETTLING,), _State.SETTLED)
+
+    def force(self) -> bool:
+        """HELD or SETTLING -> SETTLED, at the end of a drain: nothing may outlive it."""
+        return self._move((_State.HELD, _State.SETTLING), _State.SETTLED)
+
+    def _move(self, sources: tuple[_State, ...], target: _State) -> bool:
+        with self._lock:
+            if self._state not in sources:
+                return False
+            self._state = target
+            return True

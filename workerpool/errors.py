@@ -1,5 +1,7 @@
 """Exceptions a handler raises to choose its outcome, and configuration errors."""
 
+from workerpool import constants as c
+
 
 class JobError(Exception):
     """Base class of the errors a handler raises on purpose."""
@@ -23,7 +25,7 @@ class RateLimitedError(RetryableError):
 class PermanentError(JobError):
     """The job can never succeed with this input: record the failure and ack."""
 
-    def __init__(self, message: str, *, error_type: str = "permanent_error") -> None:
+    def __init__(self, message: str, *, error_type: str = c.ERR_PERMANENT) -> None:
         super().__init__(message)
         self.error_type = error_type
 

@@ -1,8 +1,11 @@
 """The worker's lifecycle: start, quiet (stop pulling), stop(deadline).
 
-Draining follows DESIGN.md: stop pulling and give back what has not started; tell running
-jobs; wait until a deadline computed once from the monotonic clock; then cancel and give back
-what still runs; flush every ack and nack before the clients close.
+``start`` builds every part of a pool (one ``_Parts``) and starts their threads; nothing starts
+a thread before that. Draining follows DESIGN.md and is bounded by its deadline whatever the
+store, Pub/Sub or a stuck handler do: stop pulling and give back what has not started; tell
+running jobs; wait until a deadline computed once from the monotonic clock; then hand back at
+once what still runs, and give the releases, the ack flush and the closing of clients what is
+left of a short grace period, each against the same deadline, never more.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
 
 from workerpool.acks import Acknowledger
 from workerpool.admin import SubscriptionInfo, describe_subscription, subscription_path, topic_path
@@ -20,7 +25,7 @@ from workerpool.clients import Clients
 from workerpool.config import Settings
 from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
-from workerpool.idempotency import IdempotencyStore, StoreUnavailable, open_store
+from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.lease import Leaser
 from workerpool.middleware import Middleware, RateLimit, TimeLimit
@@ -30,28 +35,48 @@ from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
 from workerpool.subscriber import Puller
 from workerpool.telemetry import Telemetry
+from workerpool.timers import Timers
 
 log = logging.getLogger(__name__)
 
-_FLUSH_TIMEOUT = 10.0
+# After the drain deadline (or a second signal): the time the hand-backs, the claim releases,
+# the ack flush and closing the clients share, so the process exits within the platform's
+# grace period (drain_timeout + 1 s); a part that does not finish in time is left behind.
+GRACE = 0.8
+# Of that: how long messages whose failure record is still being published may finish.
+_RECORD_GRACE = 0.3
 
 
-def _idempotency(
-    settings: Settings, owner: str, store: IdempotencyStore | None
-) -> list[Middleware]:
-    if store is None:
-        try:
-            store = open_store(settings.idempotency_store)
-        except (ValueError, ImportError, StoreUnavailable) as exc:
-            raise ConfigError(f"idempotency_store: {exc}") from None
-    return [] if store is None else [Idempotency(store, owner, ttl=settings.claim_ttl)]
+class Phase(Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
 
 
-def _check_rate_limits(jobs: Registry, limiters: RateLimiters) -> None:
-    declared = set(limiters.names())
+@dataclass
+class _Parts:
+    """Everything ``start`` built for one pool, in the order it started."""
+
+    info: SubscriptionInfo
+    clients: Clients
+    timers: Timers
+    acks: Acknowledger
+    leaser: Leaser
+    middleware: list[Middleware]
+    processor: Processor
+    pool: Pool
+    puller: Puller
+
+
+def _check_options(jobs: Registry, middleware: Sequence[Middleware], limits: RateLimiters) -> None:
+    declared = frozenset().union(*(mw.options for mw in middleware))
+    limiter_names = set(limits.names())
     for spec in jobs.specs():
+        unread = sorted(set(spec.options) - declared)
+        if unread:
+            raise ConfigError(f"job {spec.name}: no middleware of this worker reads {unread[0]}")
         name = spec.options.get("rate_limit")
-        if name and name not in declared:
+        if name and name not in limiter_names:
             raise ConfigError(f"job {spec.name} uses rate limit {name!r}, which is not declared")
 
 
@@ -70,96 +95,141 @@ class Launcher:
     ) -> None:
         """``store`` overrides ``settings.idempotency_store`` with a store object of your own;
         ``limiters`` are shared by the pools of one process (default: from settings);
-        ``telemetry`` (traces, metrics, job log lines) too (default: global providers)."""
+        ``telemetry`` (traces, metrics, job log lines) too (default: global providers).
+        Nothing is opened or started until ``start``."""
         if not settings.project or not settings.subscription:
             raise ConfigError("project and subscription are required")
         self.settings = settings
         self.worker_id = worker_id or worker_identity()
         self.subscription = subscription_path(settings.project, settings.subscription)
-        self._jobs = jobs
         self.telemetry = telemetry or Telemetry()
-        hooks = self.telemetry.hooks(self.subscription)
-        self._listeners = hooks.listeners
+        self._jobs = jobs
+        self._extra_middleware = list(middleware)
+        self._clients = clients
+        self._store = store
+        self._open_store = None if store is not None else _opener(settings.idempotency_store)
         self._limiters = limiters or LocalLimiters(
             settings.rate_limits, on_wait=self.telemetry.metrics.rate_limit_waited
         )
-        _check_rate_limits(jobs, self._limiters)
-        self._middleware = [
-            *hooks.middleware,  # outermost: every run is seen, even one short-circuited
-            *_idempotency(settings, self.worker_id, store),
-            RateLimit(self._limiters),
-            TimeLimit(),
-            *middleware,
-        ]
-        self._clients = clients or Clients()
-        self._stopped = False
-        self.info: SubscriptionInfo | None = None
-        self._acks: Acknowledger | None = None
-        self._leaser: Leaser | None = None
-        self._pool: Pool | None = None
-        self._puller: Puller | None = None
-        self._processor: Processor | None = None
+        self._phase = Phase.NEW
+        self._parts: _Parts | None = None
+        self._released = 0
+        self._lock = threading.Lock()  # orders start() against stop()
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def info(self) -> SubscriptionInfo:
+        return self._started().info
 
     @property
     def pool(self) -> Pool:
-        assert self._pool is not None, "start() first"
-        return self._pool
+        return self._started().pool
 
     @property
     def processor(self) -> Processor:
-        assert self._processor is not None, "start() first"
-        return self._processor
+        return self._started().processor
+
+    def _started(self) -> _Parts:
+        if self._parts is None:
+            raise RuntimeError("the launcher has not started")
+        return self._parts
+
+    # --- start -------------------------------------------------------------------------------
 
     def start(self) -> Launcher:
+        with self._lock:
+            if self._phase is not Phase.NEW:
+                raise RuntimeError(f"cannot start a launcher that is {self._phase.value}")
+            clients = self._clients or Clients()
+            try:
+                self._parts = self._build(clients)
+            except BaseException:
+                clients.close()
+                raise
+            self._run(self._parts)
+            self._phase = Phase.RUNNING
+        return self
+
+    def _build(self, clients: Clients) -> _Parts:
         s = self.settings
-        self.info = describe_subscription(self._clients.subscriber, self.subscription)
+        info = describe_subscription(clients.subscriber, self.subscription)
         dead_letter_topic = (
             topic_path(s.project, s.dead_letter_topic)
             if s.dead_letter_topic
-            else self.info.dead_letter_topic
+            else info.dead_letter_topic
         )
         if not dead_letter_topic:
             raise ConfigError(
                 f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
             )
-        self._acks = Acknowledger(self._clients.subscriber, self.subscription)
-        self._leaser = Leaser(
-            self._acks,
-            extension=s.lease_extension,
-            on_extend=self.telemetry.metrics.lease_extended,
+        timers = Timers()
+        middleware = self._middleware(timers)
+        _check_options(self._jobs, middleware, self._limiters)
+        acks = Acknowledger(clients.subscriber, self.subscription)
+        leaser = Leaser(
+            acks, extension=s.lease_extension, on_extend=self.telemetry.metrics.lease_extended
         )
-        dead_letters = DeadLetterPublisher(
-            self._clients.publisher,
+        records = DeadLetterPublisher(
+            clients.publisher,
             dead_letter_topic,
             subscription=self.subscription,
-            source_topic=self.info.topic,
+            source_topic=info.topic,
             worker=self.worker_id,
         )
-        self._processor = Processor(
+        processor = Processor(
             self._jobs,
-            self._acks,
-            self._leaser,
-            dead_letters,
-            self._middleware,
+            acks,
+            leaser,
+            records,
+            middleware,
             ProcessorSettings(
                 Backoff(s.min_backoff, s.max_backoff),
                 s.max_payload_bytes,
-                server_backoff=self.info.has_retry_policy,
-                exactly_once=self.info.exactly_once,
+                retry_policy=info.has_retry_policy,
+                exactly_once=info.exactly_once,
                 job_config=s.job_config,
             ),
             limiters=self._limiters,
-            listeners=self._listeners,
         )
-        limits = PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes)
-        self._pool = Pool(self._processor, self._leaser, self._acks, limits)
+        pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes))
+        puller = Puller(clients.subscriber, self.subscription, pool)
+        return _Parts(info, clients, timers, acks, leaser, middleware, processor, pool, puller)
+
+    def _middleware(self, timers: Timers) -> list[Middleware]:
+        idempotency: list[Middleware] = []
+        store = self._store
+        if store is None and self._open_store is not None:
+            try:
+                store = self._open_store()
+            except (ImportError, StoreError) as exc:
+                raise ConfigError(f"idempotency_store: {exc}") from None
+        if store is not None:
+            idempotency.append(
+                Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
+            )
+        return [
+            *self.telemetry.middleware(self.subscription),  # outermost: every run is seen
+            *idempotency,
+            RateLimit(self._limiters),
+            TimeLimit(timers),
+            *self._extra_middleware,
+        ]
+
+    def _run(self, parts: _Parts) -> None:
+        s = self.settings
         self.telemetry.metrics.know_jobs(self._jobs.names())
-        self.telemetry.metrics.watch_pool(s.subscription, self._pool)
-        self._puller = Puller(self._clients.subscriber, self.subscription, self._pool)
-        self._leaser.start()
-        self._pool.start()
-        self._puller.start()
-        if self.info.has_retry_policy:
+        self.telemetry.metrics.watch_pool(s.subscription, parts.pool)
+        parts.timers.start()
+        parts.acks.start()
+        parts.leaser.start()
+        for mw in parts.middleware:
+            mw.start()
+        parts.pool.start()
+        parts.puller.start()
+        if parts.info.has_retry_policy:
             log.info("%s has a retry policy: Pub/Sub spaces redeliveries", self.subscription)
         log.info(
             "worker %s pulling %s with max_outstanding=%d prefetch=%d",
@@ -168,41 +238,50 @@ class Launcher:
             s.max_outstanding,
             s.prefetch,
         )
-        return self
+
+    # --- stop --------------------------------------------------------------------------------
 
     def quiet(self) -> int:
         """Stop pulling and give back every message not started; returns how many."""
-        assert self._puller is not None and self._pool is not None
-        self._puller.stop(timeout=0)
-        released = self._pool.quiet()
-        log.info("draining: stopped pulling, released %d waiting messages", released)
+        if self._parts is None:
+            return 0
+        first = not self._parts.pool.quieted
+        self._parts.puller.stop(timeout=0)
+        released = self._parts.pool.quiet()
+        self._released += released
+        if first or released:
+            log.info("draining: stopped pulling, released %d waiting messages", released)
         return released
 
     def stop(self, deadline: float, abort: threading.Event | None = None) -> DrainReport:
-        """Wait for running jobs until the monotonic ``deadline`` (or ``abort``), then cancel
-        and give back what still runs, flush, and close. Idempotent; safe before start."""
+        """Wait for running jobs until the monotonic ``deadline`` (or ``abort``), then hand
+        back what still runs, flush, and close, all within ``GRACE`` after it. Idempotent;
+        safe before start."""
         started = time.monotonic()
-        if self._stopped or self._pool is None:
+        with self._lock:
+            phase, self._phase = self._phase, Phase.STOPPED
+        if phase is not Phase.RUNNING or self._parts is None:
             return DrainReport(0, 0, 0, 0.0)
-        self._stopped = True
-        released = self.quiet()
-        assert self._puller is not None and self._acks is not None and self._leaser is not None
-        self._puller.stop(timeout=max(0.0, deadline - time.monotonic()))
-        released += self._pool.quiet()  # anything a last in-flight pull brought
-        running = self._pool.running
+        parts = self._parts
+        self.quiet()
+        # A pull in flight is waited for (bounded by its 2 s deadline), so nothing it brings
+        # is lost; anything it brings is given back at once.
+        parts.puller.stop(timeout=max(0.0, deadline - time.monotonic()))
+        self._released += parts.pool.quiet()
+        running = parts.pool.running
         log.info("draining: waiting for %d running jobs", running)
-        idle = self._wait_idle(deadline, abort)
-        interrupted = 0 if idle else self._pool.interrupt()
-        if interrupted:
+        idle = self._wait_idle(parts.pool, deadline, abort)
+        end = min(deadline, time.monotonic()) + GRACE
+        interrupted = 0
+        if not idle:
+            interrupted = parts.processor.interrupt_running()
             log.warning("draining: deadline passed, gave back %d running jobs", interrupted)
-        flushed = self._acks.close(timeout=_FLUSH_TIMEOUT)
-        self._leaser.stop()
-        self._pool.join(timeout=0.1)
-        for mw in self._middleware:
-            mw.close()
-        self._clients.close()
+        self._sweep(parts, min(end, time.monotonic() + _RECORD_GRACE))
+        flushed = parts.acks.close(timeout=max(0.0, end - 0.2 - time.monotonic()))
+        parts.leaser.stop(timeout=0)
+        self._close(parts, end)
         report = DrainReport(
-            released, max(0, running - interrupted), interrupted, time.monotonic() - started
+            self._released, max(0, running - interrupted), interrupted, time.monotonic() - started
         )
         log.info(
             "drained in %.1fs: %d released, %d finished, %d interrupted, acks flushed=%s",
@@ -215,24 +294,90 @@ class Launcher:
         self.telemetry.metrics.drained(self.settings.subscription, report.seconds)
         return report
 
+    def _wait_idle(self, pool: Pool, deadline: float, abort: threading.Event | None) -> bool:
+        while time.monotonic() < deadline:
+            if abort is not None and abort.is_set():
+                return pool.wait_idle(time.monotonic())
+            if pool.wait_idle(min(deadline, time.monotonic() + 0.1)):
+                return True
+        return pool.wait_idle(time.monotonic())
+
+    def _sweep(self, parts: _Parts, until: float) -> None:
+        """Nothing held may outlive the drain: a message whose failure record is still being
+        published gets until ``until``, then it is given back like a running one."""
+        while parts.leaser.holding() and time.monotonic() < until:
+            time.sleep(0.01)
+        abandoned = parts.processor.give_back(parts.leaser.holding(), force=True)
+        if abandoned:
+            log.warning("draining: gave back %d messages still being settled", abandoned)
+
+    def _close(self, parts: _Parts, end: float) -> None:
+        """Close every part side by side, each on a daemon thread, waiting for them only
+        until ``end``: a close stuck on a dead network must not hold the exit past it."""
+        steps: list[tuple[str, Callable[[], object]]] = [
+            *((type(mw).__name__, _closer(mw, end)) for mw in parts.middleware),
+            ("slots", lambda: parts.pool.join(end - 0.1)),
+            ("timers", lambda: parts.timers.close(max(0.0, end - 0.1 - time.monotonic()))),
+            ("clients", parts.clients.close),
+        ]
+        threads = [
+            threading.Thread(
+                target=_logged(name, step), name=f"workerpool-close-{name}", daemon=True
+            )
+            for name, step in steps
+        ]
+        for thread in threads:
+            thread.start()
+        for (name, _), thread in zip(steps, threads, strict=True):
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                log.warning("draining: closing %s did not finish in time; left behind", name)
+
+    # --- probes ------------------------------------------------------------------------------
+
     def healthy(self) -> bool:
-        """The pull stream is healthy (its last pull answered), or the worker is draining."""
-        if self._stopped:
+        """Every part can do its work (its last pull answered, acks and lease extensions go
+        through, claims are renewed), or the worker is draining."""
+        if self._phase is Phase.STOPPED:
             return True
-        return self._puller is not None and self._puller.healthy.is_set()
+        parts = self._parts
+        if parts is None:
+            return False
+        return (
+            parts.puller.healthy.is_set()
+            and parts.acks.healthy
+            and parts.leaser.healthy
+            and all(mw.healthy for mw in parts.middleware)
+        )
 
     def ready(self) -> bool:
         """Started and not draining: readiness turns false as soon as draining starts."""
-        return self._pool is not None and not self._pool.quieted
+        return (
+            self._phase is Phase.RUNNING
+            and self._parts is not None
+            and not self._parts.pool.quieted
+        )
 
-    def _wait_idle(self, deadline: float, abort: threading.Event | None) -> bool:
-        assert self._pool is not None
-        while time.monotonic() < deadline:
-            if abort is not None and abort.is_set():
-                return self._pool.wait_idle(time.monotonic())
-            if self._pool.wait_idle(min(deadline, time.monotonic() + 0.1)):
-                return True
-        return self._pool.wait_idle(time.monotonic())
+
+def _opener(url: str) -> StoreOpener | None:
+    try:
+        return store_opener(url)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"idempotency_store: {exc}") from None
+
+
+def _closer(mw: Middleware, end: float) -> Callable[[], None]:
+    return lambda: mw.close(max(0.0, end - time.monotonic()))
+
+
+def _logged(name: str, step: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            step()
+        except Exception:
+            log.exception("draining: closing %s failed", name)
+
+    return run
 
 
 class Fleet:

@@ -12,8 +12,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from workerpool.acks import Acknowledger
+from workerpool import constants as c
 from workerpool.delivery import Delivery
+from workerpool.interfaces import Acks
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +22,9 @@ log = logging.getLogger(__name__)
 class Leaser:
     def __init__(
         self,
-        acks: Acknowledger,
+        acks: Acks,
         *,
-        extension: float = 30.0,
+        extension: float = c.DEFAULT_LEASE_EXTENSION,
         on_extend: Callable[[int], None] | None = None,
     ) -> None:
         self._acks = acks
@@ -32,9 +33,11 @@ class Leaser:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._on_extend = on_extend
-        self._thread = threading.Thread(target=self._run, name="workerpool-leaser", daemon=True)
+        self._thread: threading.Thread | None = None
+        self.healthy = True
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="workerpool-leaser", daemon=True)
         self._thread.start()
 
     def add(self, deliveries: list[Delivery]) -> None:
@@ -48,18 +51,25 @@ class Leaser:
         with self._lock:
             self._held.pop(delivery.ack_id, None)
 
-    def held(self) -> list[Delivery]:
+    def holding(self) -> list[Delivery]:
+        """Held messages not yet settled (waiting, running, or being recorded)."""
         with self._lock:
-            return list(self._held.values())
+            return [d for d in self._held.values() if not d.settled]
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self._stop.wait(self.extension / 3):
-            self.extend_once()
+            try:
+                self.extend_once()
+            except Exception:  # never die: a lapsed lease means a second run elsewhere
+                log.exception("lease extension failed; trying again in %.0fs", self.extension / 3)
+                self.healthy = False
+            else:
+                self.healthy = True
 
     def extend_once(self) -> None:
         now = time.monotonic()

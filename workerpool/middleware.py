@@ -1,32 +1,48 @@
-"""Concerns that wrap a job run: each gets the job, its context and the next step.
+"""Concerns that wrap a job run, each one class with do-nothing hooks (Dramatiq's shape).
 
-``run`` returns the outcome of the rest of the chain (or its own, to short-circuit it, as the
-idempotency check does for a job already completed). ``interrupted`` is called when the drain
-deadline passes while the job still runs, so a middleware can give back what it holds.
+``run`` gets the ``Run`` and the next step, and returns the outcome of the rest of the chain
+(or its own, to short-circuit it, as the idempotency check does for a job already completed).
+``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
+``interrupted`` is called when a run is handed back while its handler still runs (the drain
+deadline, a lost claim), so a middleware can give back what it holds. ``options`` names the
+``@job`` options a middleware reads: ``@job`` refuses any option no middleware declares.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
-from workerpool.context import JobContext
-from workerpool.deadlines import Deadlines
-from workerpool.envelope import Job
 from workerpool.outcome import Interrupted, Outcome
 from workerpool.ratelimit.limiters import RateLimiters
+from workerpool.run import Run, Settled
+from workerpool.timers import Timers
 
-Next = Callable[[Job, JobContext], Outcome]
+Next = Callable[[Run], Outcome]
 
 
 class Middleware:
-    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
-        return call_next(job, ctx)
+    options: ClassVar[frozenset[str]] = frozenset()
 
-    def interrupted(self, job: Job, ctx: JobContext) -> None:
-        """The drain deadline passed while ``job`` ran; its message is being nacked."""
+    def start(self) -> None:
+        """The worker starts: start any thread here, never in ``__init__``."""
 
-    def close(self) -> None:
-        """The worker is stopping."""
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        return call_next(run)
+
+    def settled(self, event: Settled) -> None:
+        """A message left the pool (acked, nacked or recorded). Must be quick, must not raise."""
+
+    def interrupted(self, run: Run) -> None:
+        """``run`` was handed back while it still ran; its message is being nacked."""
+
+    @property
+    def healthy(self) -> bool:
+        """False while this middleware cannot do its work (``/healthz`` answers 503)."""
+        return True
+
+    def close(self, timeout: float) -> None:
+        """The worker is stopping: release what is held within ``timeout`` seconds."""
 
 
 def chain(middleware: Sequence[Middleware], innermost: Next) -> Next:
@@ -38,7 +54,18 @@ def chain(middleware: Sequence[Middleware], innermost: Next) -> Next:
 
 
 def _bind(mw: Middleware, call_next: Next) -> Next:
-    return lambda job, ctx: mw.run(job, ctx, call_next)
+    return lambda run: mw.run(run, call_next)
+
+
+def declared_options() -> frozenset[str]:
+    """Every ``@job`` option some middleware class (imported so far) says it reads."""
+    found: set[str] = set()
+    pending = [Middleware]
+    while pending:
+        cls = pending.pop()
+        found |= cls.options
+        pending.extend(cls.__subclasses__())
+    return frozenset(found)
 
 
 class TimeLimit(Middleware):
@@ -48,34 +75,33 @@ class TimeLimit(Middleware):
     it, its lease stops being extended soon after and the message is redelivered.
     """
 
-    def __init__(self) -> None:
-        self._deadlines = Deadlines()
+    def __init__(self, timers: Timers) -> None:
+        self._timers = timers
 
-    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
-        # Scheduled in this order, timed_out is set first: a handler woken by cancelled
-        # already knows why.
-        entries = [
-            self._deadlines.set_after(job.spec.timeout, event)
-            for event in (ctx.timed_out, ctx.cancelled)
-        ]
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        ctx = run.ctx
+
+        def expire() -> None:
+            ctx.timed_out.set()  # first: a handler woken by cancelled already knows why
+            ctx.cancelled.set()
+
+        timer = self._timers.call_after(run.job.spec.timeout, expire)
         try:
-            return call_next(job, ctx)
+            return call_next(run)
         finally:
-            for entry in entries:
-                self._deadlines.discard(entry)
-
-    def close(self) -> None:
-        self._deadlines.close()
+            timer.cancel()
 
 
 class RateLimit(Middleware):
     """One token per run from the limiter a job declares with ``@job(..., rate_limit=NAME)``."""
 
+    options = frozenset({"rate_limit"})
+
     def __init__(self, limiters: RateLimiters) -> None:
         self._limiters = limiters
 
-    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
-        name = job.spec.options.get("rate_limit")
-        if name and self._limiters.acquire(name, 1, ctx.draining) is None:
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        name = run.job.spec.options.get("rate_limit")
+        if name and self._limiters.acquire(name, 1, run.ctx.draining) is None:
             return Interrupted()  # draining: give the message back now, it never started
-        return call_next(job, ctx)
+        return call_next(run)

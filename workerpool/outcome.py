@@ -1,7 +1,9 @@
 """What happened to a message, and the one table that turns it into ack, nack or dead-letter.
 
-Every path of the processor ends in an ``Outcome``; ``decide`` is the only place that maps an
-outcome to an ``Action``. The branches mirror the table in DESIGN.md.
+Every path ends in an ``Outcome``: a run's own end, a message that never ran (bad input, given
+back unstarted), a run handed back while it still ran (drain deadline, lost claim), a failure
+record that could not be published. ``decide`` is the only place that maps an outcome and the
+``Facts`` around it to an ``Action``; its branches mirror the table in DESIGN.md.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 from workerpool import constants as c
 from workerpool.backoff import Backoff
+from workerpool.constants import Label
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,19 @@ class Interrupted:
 
 
 @dataclass(frozen=True)
+class LostClaim:
+    """The run's idempotency claim could not be renewed: the run was cancelled and handed
+    back before the claim could lapse; the message returns once it has (``after`` seconds)."""
+
+    after: float
+
+
+@dataclass(frozen=True)
+class NotStarted:
+    """Held but never started: beyond the bound, or still waiting when the pool drained."""
+
+
+@dataclass(frozen=True)
 class Unavailable:
     """A dependency the decision needs (the idempotency store) could not be reached."""
 
@@ -88,25 +104,41 @@ Outcome = (
     | RedeliveredWhileRunning
     | Deferred
     | Interrupted
+    | LostClaim
+    | NotStarted
     | Unavailable
     | RecordFailed
 )
 
 
 @dataclass(frozen=True)
+class Facts:
+    """What the decision needs besides the outcome."""
+
+    attempt: int
+    max_attempts: int
+    backoff: Backoff
+    # The subscription has a retry policy: Pub/Sub spaces redeliveries after a plain nack.
+    # On the emulator, delaying with modify_ack_deadline(d) on such a subscription lost
+    # messages for minutes (a batch of 2 or 6, per-message calls too), so every nack is 0 there.
+    retry_policy: bool = False
+
+
+@dataclass(frozen=True)
 class Ack:
-    label: str
+    label: Label
 
 
 @dataclass(frozen=True)
 class Nack:
     delay: float
-    label: str
+    label: Label
 
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """Publish a failure record, then ack."""
+    """Publish a failure record, then ack; if the record is not published, ``decide`` is
+    asked again with ``RecordFailed``."""
 
     error_type: str
     error_message: str
@@ -115,40 +147,49 @@ class DeadLetter:
 Action = Ack | Nack | DeadLetter
 
 
-def decide(outcome: Outcome, *, attempt: int, max_attempts: int, backoff: Backoff) -> Action:
+def decide(outcome: Outcome, facts: Facts) -> Action:
     match outcome:
         case Succeeded():
             # Completion is recorded by the idempotency middleware before we get here.
-            return Ack("done")
-        case Failed(error_type, error_message) if attempt >= max_attempts:
+            return Ack(Label.DONE)
+        case Failed(error_type, error_message) if facts.attempt >= facts.max_attempts:
             # Last attempt: keep the reason, stop redelivering.
             return DeadLetter(
                 c.ERR_ATTEMPTS_EXHAUSTED,
-                f"{error_type} after {attempt} attempts: {error_message}",
+                f"{error_type} after {facts.attempt} attempts: {error_message}",
             )
         case Failed():
             # Transient: come back later, spaced by the attempt number, never in a hot loop.
-            return Nack(backoff.delay(attempt), "retried")
+            return _later(facts.backoff.delay(facts.attempt), Label.RETRIED, facts)
         case Rejected(error_type, error_message):
             # Retrying cannot help: record why, then ack so it never loops.
             return DeadLetter(error_type, error_message)
-        case AlreadyDone():
-            # At-least-once delivery: the work is done, drop the copy.
-            return Ack("duplicate")
-        case DuplicateOfRunning():
-            # The holder's own message stays unacked until its job ends, so nothing is lost.
-            return Ack("duplicate")
+        case AlreadyDone() | DuplicateOfRunning():
+            # At-least-once delivery: the work is done, drop the copy. Or it runs elsewhere,
+            # and the holder's own message stays unacked until its job ends: nothing is lost.
+            return Ack(Label.DUPLICATE)
         case RedeliveredWhileRunning():
             # Never ack: the holder may still fail and need this message. Never run a second
             # copy either. Come back later; spaced, since each deferral counts as a delivery.
-            return Nack(backoff.delay(attempt + 1), "deferred")
+            return _later(facts.backoff.delay(facts.attempt + 1), Label.DEFERRED, facts)
         case Deferred(_, delay):
             # Not a failure, so it never dead-letters by our count; the handler may say when.
-            return Nack(backoff.delay(attempt) if delay is None else delay, "deferred")
+            wait = facts.backoff.delay(facts.attempt) if delay is None else delay
+            return _later(wait, Label.DEFERRED, facts)
         case Interrupted():
             # Give it to another worker now; the handler has seen ctx.cancelled.
-            return Nack(0.0, "drained")
+            return Nack(0.0, Label.DRAINED)
+        case LostClaim(after):
+            # Not a failure: come back once the claim has lapsed, so nobody runs it meanwhile.
+            return _later(after, Label.DEFERRED, facts)
+        case NotStarted():
+            # Another worker can start it now.
+            return Nack(0.0, Label.RELEASED)
         case Unavailable() | RecordFailed():
             # We could not record what happened: neither run-and-ack nor drop; retry later.
-            return Nack(backoff.delay(attempt), "retried")
+            return _later(facts.backoff.delay(facts.attempt), Label.RETRIED, facts)
     raise AssertionError(f"unhandled outcome {outcome!r}")
+
+
+def _later(delay: float, label: Label, facts: Facts) -> Nack:
+    return Nack(0.0 if facts.retry_policy else delay, label)

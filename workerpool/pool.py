@@ -13,9 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from workerpool.acks import Acknowledger
 from workerpool.delivery import Delivery
-from workerpool.lease import Leaser
+from workerpool.interfaces import Leases
 from workerpool.processor import Processor
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,7 @@ class Pool:
     def __init__(
         self,
         processor: Processor,
-        leaser: Leaser,
-        acks: Acknowledger,
+        leases: Leases,
         limits: PoolLimits,
         *,
         name: str = "pool",
@@ -61,18 +59,14 @@ class Pool:
         self.limits = limits
         self.name = name
         self._processor = processor
-        self._leaser = leaser
-        self._acks = acks
+        self._leases = leases
         self._waiting: queue.SimpleQueue[Delivery | None] = queue.SimpleQueue()
         self._held = 0
         self._held_bytes = 0
         self._running = 0
         self._cond = threading.Condition()
         self._quiet = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._slot, name=f"{name}-slot-{i}", daemon=True)
-            for i in range(limits.max_outstanding)
-        ]
+        self._threads: list[threading.Thread] = []
 
     @property
     def running(self) -> int:
@@ -87,6 +81,10 @@ class Pool:
         return self._quiet.is_set()
 
     def start(self) -> None:
+        self._threads = [
+            threading.Thread(target=self._slot, name=f"{self.name}-slot-{i}", daemon=True)
+            for i in range(self.limits.max_outstanding)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -106,6 +104,7 @@ class Pool:
 
     def admit(self, deliveries: list[Delivery]) -> None:
         accepted: list[Delivery] = []
+        released: list[Delivery] = []
         with self._cond:
             for delivery in deliveries:
                 fits = self._held < self.limits.max_held and (
@@ -115,22 +114,16 @@ class Pool:
                     self._held += 1
                     self._held_bytes += delivery.size
                     accepted.append(delivery)
-        released = [d for d in deliveries if d not in accepted]
+                else:
+                    released.append(delivery)
         if accepted:
-            self._leaser.add(accepted)
+            self._leases.add(accepted)
             for delivery in accepted:
                 self._waiting.put(delivery)
         if released:
             # More than we asked for, or we are draining: let another worker have them now.
-            self._give_back(released)
+            self._processor.give_back(released)
             log.info("%s released %d messages beyond its bound", self.name, len(released))
-
-    def _give_back(self, deliveries: list[Delivery]) -> None:
-        ids = [d.ack_id for d in deliveries if d.settle()]
-        for delivery in deliveries:
-            self._leaser.remove(delivery)
-        if ids:
-            self._acks.modack(ids, 0)
 
     def _slot(self) -> None:
         while True:
@@ -146,7 +139,7 @@ class Pool:
             except (Exception, SystemExit):  # the processor maps handler errors; a bug guard
                 log.exception("%s: processing %s failed", self.name, delivery.message_id)
             finally:
-                self._leaser.remove(delivery)
+                self._leases.remove(delivery)
                 with self._cond:
                     self._running -= 1
                     self._held -= 1
@@ -165,12 +158,12 @@ class Pool:
                 break
             if item is not None:
                 waiting.append(item)
-        self._give_back(waiting)
+        released = self._processor.give_back(waiting)
         with self._cond:
             self._held -= len(waiting)
             self._held_bytes -= sum(d.size for d in waiting)
             self._cond.notify_all()
-        return len(waiting)
+        return released
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no job runs, or the monotonic ``deadline`` passes."""
@@ -185,8 +178,11 @@ class Pool:
     def interrupt(self) -> int:
         return self._processor.interrupt_running()
 
-    def join(self, timeout: float = 1.0) -> None:
+    def join(self, deadline: float) -> bool:
+        """Stop the slots; wait for them until the monotonic ``deadline`` (a handler that
+        ignores ``ctx.cancelled`` keeps its slot thread; it is a daemon). True if all ended."""
         for _ in self._threads:
             self._waiting.put(None)
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)

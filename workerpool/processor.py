@@ -1,7 +1,11 @@
 """From a leased message to its ack: decode, run through the middleware, decide, settle.
 
 ``process`` reads top to bottom as the data path; ``decide`` (in ``outcome``) is the one place
-that chooses ack, nack or dead-letter, and ``_settle`` the one place that carries it out.
+that chooses ack, nack or dead-letter, and ``_settle`` the one place that carries it out for a
+run's own end. A message can also leave without its run ending: given back unstarted
+(``give_back``), or handed back while it runs (``interrupt_running`` at the drain deadline,
+``Run.hand_back`` for a lost claim). Every way out goes through ``decide``, is counted under
+its label in ``stats`` and is told to every middleware's ``settled``, once.
 """
 
 from __future__ import annotations
@@ -10,30 +14,30 @@ import inspect
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.acks import Acknowledger
 from workerpool.backoff import Backoff
+from workerpool.constants import Label
 from workerpool.context import JobContext
-from workerpool.deadletter import DeadLetterPublisher, Failure
+from workerpool.deadletter import Failure
 from workerpool.delivery import Delivery
-from workerpool.envelope import Job, Rejection, decode
+from workerpool.envelope import Job, Rejection, decode, job_id_of
 from workerpool.errors import Defer, PermanentError, RateLimitedError, RetryableError
-from workerpool.lease import Leaser
-from workerpool.listeners import Listener, Settled
+from workerpool.interfaces import Acks, FailureRecords, Leases
 from workerpool.middleware import Middleware, chain
 from workerpool.outcome import (
     Ack,
-    Action,
     DeadLetter,
     Deferred,
+    Facts,
     Failed,
     Interrupted,
     Nack,
+    NotStarted,
     Outcome,
     RecordFailed,
     Rejected,
@@ -42,6 +46,7 @@ from workerpool.outcome import (
 )
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
+from workerpool.run import Run, Settled
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +55,8 @@ log = logging.getLogger(__name__)
 class ProcessorSettings:
     backoff: Backoff = field(default_factory=Backoff)
     max_payload_bytes: int = c.MAX_MESSAGE_BYTES
-    # The subscription has a retry policy: Pub/Sub spaces redeliveries after a plain nack.
-    # On the emulator, delaying with modify_ack_deadline(d) on such a subscription lost
-    # messages for minutes (a batch of 2 or 6, per-message calls too), so we nack with 0 there.
-    server_backoff: bool = False
+    # The subscription has a retry policy: Pub/Sub spaces redeliveries (see outcome.Facts).
+    retry_policy: bool = False
     # The subscription delivers exactly once: an ack can be refused, so wait for its result.
     exactly_once: bool = False
     # Each job's own section of the config file, ``[jobs."NAME"]``, handed to it as ctx.config.
@@ -66,11 +69,16 @@ _ACK_CONFIRM_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class _Subject:
-    """What a failure record and the logs say a message was."""
+    """What a failure record, the logs and the decision say a message was."""
 
     job_name: str
     job_id: str
     attempt: int
+    max_attempts: int = 1
+
+    @classmethod
+    def of(cls, job: Job) -> _Subject:
+        return cls(job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts)
 
 
 class AttemptCounter:
@@ -96,37 +104,28 @@ class AttemptCounter:
             return count
 
 
-@dataclass
-class _Running:
-    job: Job
-    ctx: JobContext
-    delivery: Delivery
-
-
 class Processor:
     def __init__(
         self,
         registry: Registry,
-        acks: Acknowledger,
-        leaser: Leaser,
-        dead_letters: DeadLetterPublisher,
+        acks: Acks,
+        leases: Leases,
+        records: FailureRecords,
         middleware: Sequence[Middleware] = (),
         settings: ProcessorSettings = ProcessorSettings(),
         limiters: RateLimiters | None = None,
-        listeners: Sequence[Listener] = (),
     ) -> None:
-        """``listeners`` hear how each delivery ended (telemetry), once, as it is counted."""
         self._registry = registry
-        self._listeners = list(listeners)
         self._limiters = limiters
         self._acks = acks
-        self._leaser = leaser
-        self._dead_letters = dead_letters
+        self._leases = leases
+        self._records = records
         self._middleware = list(middleware)
-        self._run_chain = chain(self._middleware, self._start_handler)
+        self._chain = chain(self._middleware, self._start_handler)
         self._settings = settings
         self._attempts = AttemptCounter()
-        self._running: dict[int, _Running] = {}  # by id(ctx)
+        self._running: set[Run] = set()
+        self._stopping = False  # the drain deadline passed: nothing starts any more
         self._lock = threading.Lock()
         self.draining = threading.Event()
         self.stats: Counter[str] = Counter()
@@ -140,19 +139,24 @@ class Processor:
             max_payload_bytes=self._settings.max_payload_bytes,
         )
         if isinstance(decoded, Rejection):
-            outcome: Outcome = Rejected(decoded.error_type, decoded.error_message)
-            subject, max_attempts = _Subject(decoded.job_name, decoded.job_id, attempt), 1
-        else:
-            outcome = self._run(decoded, delivery)
-            subject = _Subject(decoded.name, decoded.job_id, attempt)
-            max_attempts = decoded.spec.max_attempts
-        action = decide(
-            outcome, attempt=attempt, max_attempts=max_attempts, backoff=self._settings.backoff
-        )
-        self._settle(delivery, action, subject)
+            subject = _Subject(decoded.job_name, decoded.job_id, attempt)
+            self._settle(delivery, Rejected(decoded.error_type, decoded.error_message), subject)
+            return
+        run = self._begin(decoded, delivery)
+        if run is None:
+            self._settle(delivery, Interrupted(), _Subject.of(decoded))
+            return
+        try:
+            run.outcome = self._chain(run)
+        except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
+            log.exception("job %s: the middleware chain raised", decoded.name)
+            run.outcome = Failed(type(exc).__name__, str(exc), exc)
+        finally:
+            with self._lock:
+                self._running.discard(run)
+        self._settle(delivery, run.outcome, _Subject.of(decoded), run)
 
-    def _run(self, job: Job, delivery: Delivery) -> Outcome:
-        delivery.started_at = time.monotonic()
+    def _begin(self, job: Job, delivery: Delivery) -> Run | None:
         ctx = JobContext(
             job=job.name,
             job_id=job.job_id,
@@ -166,66 +170,65 @@ class Processor:
                 logging.getLogger(f"workerpool.job.{job.name}"), {"job_id": job.job_id}
             ),
         )
+        run = Run(job, ctx, delivery, self._hand_back)
         with self._lock:
-            self._running[id(ctx)] = _Running(job, ctx, delivery)
-        try:
-            return self._run_chain(job, ctx)
-        finally:
-            with self._lock:
-                self._running.pop(id(ctx), None)
+            if self._stopping:
+                return None  # dequeued just as the drain deadline passed: never start it
+            self._running.add(run)
+        return run
 
-    def _start_handler(self, job: Job, ctx: JobContext) -> Outcome:
+    def _start_handler(self, run: Run) -> Outcome:
         """Innermost step. The lease follows the job's own timeout, however long, and stops
         soon after it; it starts counting here, after any wait for a rate-limit token."""
-        with self._lock:
-            entry = self._running.get(id(ctx))
-        if entry is not None:
-            entry.delivery.lease_until = (
-                time.monotonic() + job.spec.timeout + self._leaser.extension
-            )
-        return _invoke(job, ctx)
+        run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
+        return _invoke(run.job, run.ctx)
 
-    def _settle(self, delivery: Delivery, action: Action, subject: _Subject) -> None:
-        if not delivery.settle():
-            return  # the drain deadline already gave this message back
-        error_type = action.error_type if isinstance(action, DeadLetter) else ""
+    def _settle(
+        self, delivery: Delivery, outcome: Outcome, subject: _Subject, run: Run | None = None
+    ) -> None:
+        facts = self._facts(subject)
+        action = decide(outcome, facts)
+        error_type = ""
         if isinstance(action, DeadLetter):
-            # After settle(): a message the drain already gave back must get no record.
-            action = self._record_failure(delivery, action, subject)
-        self._leaser.remove(delivery)
-        match action:
-            case Ack(label):
-                if not self._ack(delivery):
-                    label = "ack_failed"
-            case Nack(delay, label):
-                self._acks.modack([delivery.ack_id], 0 if self._settings.server_backoff else delay)
-        self._count(label)
-        self._notify(delivery, subject, label, error_type if label == "dead_lettered" else "")
+            # The lease stays extended while the record is published (SETTLING), and a
+            # hand-back that came first means no record at all.
+            if not delivery.begin_settle():
+                return
+            error_type = action.error_type
+            action = self._record(delivery, action, subject, facts)
+            if not delivery.finish_settle():
+                return  # the end of a drain gave it back meanwhile
+        elif not delivery.take():
+            return  # a hand-back (drain deadline, lost claim) settled it already
+        self._leases.remove(delivery)
+        label = self._send(delivery, action)
+        if label is not Label.DEAD_LETTERED:
+            error_type = ""
+        self._finish(
+            Settled(label, subject.job_name, subject.job_id, delivery.message_id,
+                    subject.attempt, run, error_type)
+        )  # fmt: skip
 
-    def _ack(self, delivery: Delivery) -> bool:
-        confirmation = self._acks.ack(delivery.ack_id, confirm=self._settings.exactly_once)
-        if confirmation is None or confirmation.result(timeout=_ACK_CONFIRM_TIMEOUT):
-            return True
-        # Exactly-once: the message will come back (or went to another worker already); the
-        # idempotency store, not this ack, is what stops a second run.
-        log.error("ack of message %s was refused by Pub/Sub", delivery.message_id)
-        return False
+    def _facts(self, subject: _Subject) -> Facts:
+        return Facts(
+            subject.attempt, subject.max_attempts, self._settings.backoff,
+            self._settings.retry_policy,
+        )  # fmt: skip
 
-    def _record_failure(self, delivery: Delivery, action: DeadLetter, subject: _Subject) -> Action:
+    def _record(
+        self, delivery: Delivery, action: DeadLetter, subject: _Subject, facts: Facts
+    ) -> Ack | Nack:
         record = Failure(
             action.error_type, action.error_message, subject.job_name, subject.job_id,
             subject.attempt,
         )  # fmt: skip
         try:
-            self._dead_letters.publish(delivery, record)
+            self._records.publish(delivery, record)
         except Exception as exc:  # any failure to record means we must not ack
             log.error("failure record for %s not published: %s", subject.job_id, exc)
-            return decide(
-                RecordFailed(str(exc)),
-                attempt=subject.attempt,
-                max_attempts=subject.attempt + 1,
-                backoff=self._settings.backoff,
-            )
+            retry = decide(RecordFailed(str(exc)), facts)
+            assert not isinstance(retry, DeadLetter)
+            return retry
         log.warning(
             "job %s (%s) dead-lettered: %s: %s",
             subject.job_name,
@@ -233,45 +236,104 @@ class Processor:
             action.error_type,
             action.error_message,
         )
-        return Ack("dead_lettered")
+        return Ack(Label.DEAD_LETTERED)
 
-    def _count(self, label: str) -> None:
+    def _send(self, delivery: Delivery, action: Ack | Nack) -> Label:
+        match action:
+            case Ack(label):
+                return label if self._ack(delivery) else Label.ACK_FAILED
+            case Nack(delay, label):
+                self._acks.modack([delivery.ack_id], delay)
+                return label
+
+    def _ack(self, delivery: Delivery) -> bool:
+        confirmation = self._acks.ack(delivery.ack_id, confirm=self._settings.exactly_once)
+        if confirmation is None:
+            return True
+        # Exactly-once: a refused or unanswered ack means the message comes back (or went to
+        # another worker already); the idempotency store, not this ack, stops a second run.
+        try:
+            took = confirmation.result(timeout=_ACK_CONFIRM_TIMEOUT)
+        except TimeoutError:
+            log.error("ack of message %s was not confirmed in time", delivery.message_id)
+            return False
+        if not took:
+            log.error("ack of message %s was refused by Pub/Sub", delivery.message_id)
+        return took
+
+    def _finish(self, event: Settled) -> None:
         with self._lock:
-            self.stats[label] += 1
-
-    def _notify(self, delivery: Delivery, subject: _Subject, label: str, error_type: str) -> None:
-        if not self._listeners:
-            return
-        started = delivery.started_at
-        settled = Settled(
-            label, subject.job_name, subject.job_id, delivery.message_id, subject.attempt,
-            None if started is None else time.monotonic() - started, error_type,
-        )  # fmt: skip
-        for listener in self._listeners:
+            self.stats[event.label] += 1
+        for mw in self._middleware:
             try:
-                listener(settled)
+                mw.settled(event)
             except Exception:  # telemetry must never break the data path
-                log.exception("settle listener %r failed", listener)
+                log.exception("%s.settled failed", type(mw).__name__)
+
+    # --- messages that leave without their run's own end -----------------------------------
+
+    def give_back(self, deliveries: Sequence[Delivery], *, force: bool = False) -> int:
+        """Give back messages that never started, so another worker can have them now; with
+        ``force``, at the very end of a drain, whatever is still held, even a message whose
+        run is still publishing its failure record (that publish may yet succeed: a second
+        record after its redelivery is better than a lost message)."""
+        outcome: Outcome = Interrupted() if force else NotStarted()
+        taken = [d for d in deliveries if (d.force() if force else d.take())]
+        by_delay: dict[float, list[Delivery]] = defaultdict(list)
+        labels: dict[Delivery, Label] = {}
+        for delivery in taken:
+            self._leases.remove(delivery)
+            attempt = delivery.delivery_attempt or 0
+            action = decide(outcome, self._facts(_Subject("", "", attempt)))
+            assert isinstance(action, Nack)
+            by_delay[action.delay].append(delivery)
+            labels[delivery] = action.label
+        for delay, group in by_delay.items():
+            self._acks.modack([d.ack_id for d in group], delay)
+        for delivery in taken:
+            self._finish(
+                Settled(labels[delivery], delivery.attributes.get(c.ATTR_JOB, ""),
+                        job_id_of(delivery), delivery.message_id, delivery.delivery_attempt or 0)
+            )  # fmt: skip
+        return len(taken)
 
     def interrupt_running(self) -> int:
-        """At the drain deadline: cancel what still runs and give its messages back now."""
+        """At the drain deadline: cancel what still runs and give its messages back now;
+        nothing starts from here on."""
         with self._lock:
-            running = list(self._running.values())
-        for entry in running:
-            entry.ctx.cancelled.set()
+            self._stopping = True
+            running = list(self._running)
+        return self._hand_back_all(running, Interrupted())
+
+    def _hand_back(self, run: Run, outcome: Outcome) -> bool:
+        return self._hand_back_all([run], outcome) == 1
+
+    def _hand_back_all(self, runs: Sequence[Run], outcome: Outcome) -> int:
+        for run in runs:
+            run.ctx.cancelled.set()
+        taken = [run for run in runs if run.delivery.take()]
+        by_delay: dict[float, list[Run]] = defaultdict(list)
+        labels: dict[Run, Label] = {}
+        for run in taken:
+            self._leases.remove(run.delivery)
+            action = decide(outcome, self._facts(_Subject.of(run.job)))
+            assert isinstance(action, Nack), f"{outcome!r} must give the message back"
+            by_delay[action.delay].append(run)
+            labels[run] = action.label
+        for delay, group in by_delay.items():  # one request for all of them
+            self._acks.modack([run.delivery.ack_id for run in group], delay)
+        for run in taken:
+            subject = _Subject.of(run.job)
+            self._finish(
+                Settled(labels[run], subject.job_name, subject.job_id, run.delivery.message_id,
+                        subject.attempt, run)
+            )  # fmt: skip
             for mw in self._middleware:
-                mw.interrupted(entry.job, entry.ctx)
-            job = entry.job
-            action = decide(
-                Interrupted(),
-                attempt=job.delivery_attempt,
-                max_attempts=job.spec.max_attempts,
-                backoff=self._settings.backoff,
-            )
-            self._settle(
-                entry.delivery, action, _Subject(job.name, job.job_id, job.delivery_attempt)
-            )
-        return len(running)
+                try:
+                    mw.interrupted(run)
+                except Exception:
+                    log.exception("%s.interrupted failed", type(mw).__name__)
+        return len(taken)
 
 
 def _invoke(job: Job, ctx: JobContext) -> Outcome:

@@ -23,14 +23,6 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
 
-# Options that features beyond the core (rate limits, say) read from JobSpec.options.
-_EXTRA_OPTIONS: set[str] = {"rate_limit"}
-
-
-def register_option(name: str) -> None:
-    """Let an extension accept ``@job(..., name=...)``."""
-    _EXTRA_OPTIONS.add(name)
-
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -80,12 +72,7 @@ class Registry:
         before the failure is recorded on the dead-letter topic; ``payload`` is an optional
         dataclass the JSON object is converted to (a mismatch is a permanent error).
         """
-        unknown = sorted(set(options) - _EXTRA_OPTIONS)
-        if unknown:
-            known = ", ".join(sorted({"timeout", "max_attempts", "payload", *_EXTRA_OPTIONS}))
-            raise TypeError(
-                f"job {name!r}: unknown option(s) {', '.join(unknown)} (known: {known})"
-            )
+        _check_options(name, options)
         if not name:
             raise ValueError("a job needs a non-empty name")
         if timeout <= 0:
@@ -101,6 +88,18 @@ class Registry:
             return handler
 
         return register
+
+
+def _check_options(name: str, options: dict[str, Any]) -> None:
+    # Options beyond the core ones belong to middleware, each declaring what it reads.
+    # Imported here: middleware modules import this one.
+    from workerpool.middleware import declared_options
+
+    extra = declared_options()
+    unknown = sorted(set(options) - extra)
+    if unknown:
+        known = ", ".join(sorted({"timeout", "max_attempts", "payload", *extra}))
+        raise TypeError(f"job {name!r}: unknown option(s) {', '.join(unknown)} (known: {known})")
 
 
 def _check_handler(name: str, handler: Handler) -> None:

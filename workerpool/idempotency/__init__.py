@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
     Claimed,
@@ -19,6 +21,7 @@ from workerpool.idempotency.base import (
     Done,
     HeldElsewhere,
     IdempotencyStore,
+    StoreError,
     StoreUnavailable,
 )
 from workerpool.idempotency.memory import MemoryStore
@@ -33,30 +36,41 @@ __all__ = [
     "IdempotencyStore",
     "MemoryStore",
     "SqliteStore",
+    "StoreError",
     "StoreUnavailable",
     "open_store",
+    "store_opener",
 ]
 
 _EXPECTED = "expected sqlite:///PATH, firestore://PROJECT/COLLECTION, memory:// or none"
 
+StoreOpener = Callable[[], IdempotencyStore]
 
-def open_store(url: str, *, retention: float = DEFAULT_RETENTION) -> IdempotencyStore | None:
-    """Open the store a URL names; None for ``none``. Raises ValueError for anything else."""
+
+def store_opener(url: str, *, retention: float = DEFAULT_RETENTION) -> StoreOpener | None:
+    """What opens the store a URL names (None for ``none``), checked now, opened later.
+    Raises ValueError for a URL it does not know, ImportError for a missing extra."""
     if url == "none":
         return None
     if url == "memory://":
-        return MemoryStore(retention=retention)
+        return lambda: MemoryStore(retention=retention)
     scheme, sep, rest = url.partition("://")
     if sep and scheme == "sqlite" and rest.startswith("/") and rest != "/":
-        return SqliteStore(rest[1:], retention=retention)
+        return lambda: SqliteStore(rest[1:], retention=retention)
     if sep and scheme == "firestore":
         project, _, collection = rest.partition("/")
         if project and collection and "/" not in collection:
-            return _open_firestore(project, collection, retention)
+            return _firestore_opener(project, collection, retention)
     raise ValueError(f"unsupported idempotency store URL {url!r}: {_EXPECTED}")
 
 
-def _open_firestore(project: str, collection: str, retention: float) -> IdempotencyStore:
+def open_store(url: str, *, retention: float = DEFAULT_RETENTION) -> IdempotencyStore | None:
+    """Open the store a URL names; None for ``none``. Raises ValueError for anything else."""
+    opener = store_opener(url, retention=retention)
+    return None if opener is None else opener()
+
+
+def _firestore_opener(project: str, collection: str, retention: float) -> StoreOpener:
     # Imported here so the package works without the optional google-cloud-firestore.
     try:
         from workerpool.idempotency.firestore import FirestoreStore
@@ -65,4 +79,4 @@ def _open_firestore(project: str, collection: str, retention: float) -> Idempote
             "firestore:// idempotency store needs google-cloud-firestore: "
             "pip install 'workerpool[firestore]'"
         ) from exc
-    return FirestoreStore(project, collection, retention=retention)
+    return lambda: FirestoreStore(project, collection, retention=retention)

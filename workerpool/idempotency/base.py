@@ -8,7 +8,7 @@ record (``_mutate``); the decisions live here, once, so all backends behave iden
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Final, Literal, TypeGuard, TypeVar
@@ -42,8 +42,14 @@ class HeldElsewhere:
 ClaimResult = Claimed | Done | HeldElsewhere
 
 
-class StoreUnavailable(Exception):
-    """The backend could not be reached or timed out: the caller neither runs nor acks."""
+class StoreError(Exception):
+    """The store could not do what was asked, and trying again soon will not help
+    (permission denied, a corrupt file, a bug). The caller neither runs nor acks. Every
+    failure of a store call is a ``StoreError``: nothing else escapes one."""
+
+
+class StoreUnavailable(StoreError):
+    """The backend could not be reached, was busy or timed out: try again later."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class IdempotencyStore(ABC):
     over: the side effect has happened, so further runs must stop. The first completion wins
     (its ``completed_at`` is kept), and the other worker's ``renew`` returns False from then on.
     ``renew`` succeeds on our own claim even after ``until`` passed, as long as nobody took it
-    over (no one else can have run the job). Every method may raise ``StoreUnavailable``.
+    over (no one else can have run the job). Every method may raise ``StoreError`` (its
+    subclass ``StoreUnavailable`` when trying again later may help), and nothing else.
     """
 
     def __init__(self, *, retention: float, clock: Callable[[], float]) -> None:
@@ -83,6 +90,11 @@ class IdempotencyStore(ABC):
     @abstractmethod
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
         """Atomically read the record, call ``mutation(record, now)``, apply its change."""
+
+    def _mutate_many(self, items: Sequence[tuple[str, Mutation[T]]]) -> list[T]:
+        """``_mutate`` for each item, in order; a backend may do them in one round trip.
+        Raises at the first failure (earlier items may have been applied)."""
+        return [self._mutate(job_id, mutation) for job_id, mutation in items]
 
     @abstractmethod
     def close(self) -> None:
@@ -101,15 +113,25 @@ class IdempotencyStore(ABC):
                 return Done(record.completed_at), None
             return HeldElsewhere(record.owner, record.message_id, record.until), None
 
-        return self._mutate(job_id, mutation)
+        return self._guarded(lambda: self._mutate(job_id, mutation))
 
     def renew(self, job_id: str, owner: str, message_id: str, ttl: float) -> bool:
-        def mutation(record: Record | None, now: float) -> tuple[bool, Change]:
-            if _owns(record, owner, message_id):
-                return True, replace(record, until=now + ttl)
-            return False, None
+        return self.renew_many([(job_id, message_id)], owner, ttl)[0]
 
-        return self._mutate(job_id, mutation)
+    def renew_many(self, claims: Sequence[tuple[str, str]], owner: str, ttl: float) -> list[bool]:
+        """Renew ``(job_id, message_id)`` claims of ``owner``, in one round trip where the
+        backend can; for each, True if it is still ours."""
+
+        def renewal(message_id: str) -> Mutation[bool]:
+            def mutation(record: Record | None, now: float) -> tuple[bool, Change]:
+                if _owns(record, owner, message_id):
+                    return True, replace(record, until=now + ttl)
+                return False, None
+
+            return mutation
+
+        items = [(job_id, renewal(message_id)) for job_id, message_id in claims]
+        return self._guarded(lambda: self._mutate_many(items))
 
     def complete(self, job_id: str, owner: str, message_id: str) -> None:
         def mutation(record: Record | None, now: float) -> tuple[None, Change]:
@@ -117,13 +139,28 @@ class IdempotencyStore(ABC):
                 return None, None  # keep the first completion
             return None, Record(owner, message_id, until=now, completed_at=now)
 
-        self._mutate(job_id, mutation)
+        self._guarded(lambda: self._mutate(job_id, mutation))
 
     def release(self, job_id: str, owner: str, message_id: str) -> None:
-        def mutation(record: Record | None, now: float) -> tuple[None, Change]:
-            return None, DELETE if _owns(record, owner, message_id) else None
+        self.release_many([(job_id, message_id)], owner)
 
-        self._mutate(job_id, mutation)
+    def release_many(self, claims: Sequence[tuple[str, str]], owner: str) -> None:
+        def releasing(message_id: str) -> Mutation[None]:
+            def mutation(record: Record | None, now: float) -> tuple[None, Change]:
+                return None, DELETE if _owns(record, owner, message_id) else None
+
+            return mutation
+
+        items = [(job_id, releasing(message_id)) for job_id, message_id in claims]
+        self._guarded(lambda: self._mutate_many(items))
+
+    def _guarded(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except StoreError:
+            raise
+        except Exception as exc:  # a backend's unclassified error, or a bug: still a store error
+            raise StoreError(f"{type(self).__name__}: {type(exc).__name__}: {exc}") from exc
 
     def __enter__(self) -> IdempotencyStore:
         return self

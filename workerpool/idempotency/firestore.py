@@ -11,11 +11,12 @@ Set a TTL policy on the ``expire_at`` field to have Firestore purge old records.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from google.api_core import exceptions as api_exceptions
 from google.api_core.retry import Retry, if_transient_error
@@ -29,10 +30,12 @@ from workerpool.idempotency.base import (
     IdempotencyStore,
     Mutation,
     Record,
+    StoreError,
     StoreUnavailable,
     T,
 )
 
+# Worth trying again later: the service is down, slow, overloaded, or gave up on a conflict.
 _UNAVAILABLE = (
     api_exceptions.ServiceUnavailable,
     api_exceptions.DeadlineExceeded,
@@ -41,10 +44,15 @@ _UNAVAILABLE = (
     api_exceptions.TooManyRequests,
     api_exceptions.ResourceExhausted,
     api_exceptions.Unknown,
+    api_exceptions.Aborted,
+    api_exceptions.Cancelled,
     auth_exceptions.TransportError,
     ConnectionError,
     TimeoutError,
 )
+# Not soon better: PERMISSION_DENIED, UNAUTHENTICATED, INVALID_ARGUMENT, bad credentials, or
+# a closed channel (gRPC's ValueError "Cannot invoke RPC on closed channel!").
+_FAILED = (api_exceptions.GoogleAPICallError, auth_exceptions.GoogleAuthError, ValueError)
 # A write whose precondition failed: someone changed the document since we read it.
 _LOST_RACE = (api_exceptions.Conflict, api_exceptions.FailedPrecondition, api_exceptions.NotFound)
 
@@ -84,6 +92,36 @@ class FirestoreStore(IdempotencyStore):
                     return result
                 except _LOST_RACE:
                     continue
+
+    def _mutate_many(self, items: Sequence[tuple[str, Mutation[T]]]) -> list[T]:
+        """Side by side, on daemon threads: renewing or releasing many claims costs one round
+        trip and one ``timeout`` at most, not one per claim (a stalled Firestore would
+        otherwise hold a drain for ``timeout`` per claim)."""
+        if len(items) == 1:
+            return [self._mutate(*items[0])]
+        results: list[T | BaseException | None] = [None] * len(items)
+
+        def one(index: int, job_id: str, mutation: Mutation[T]) -> None:
+            try:
+                results[index] = self._mutate(job_id, mutation)
+            except BaseException as exc:
+                results[index] = exc
+
+        threads = [
+            threading.Thread(target=one, args=(i, *item), daemon=True)
+            for i, item in enumerate(items)
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self._timeout + 1.0
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
+            raise StoreUnavailable(f"Firestore idempotency store: no answer in {self._timeout}s")
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return cast(list[T], results)
 
     def _write(self, ref: Any, snapshot: Any, job_id: str, change: Change, deadline: float) -> None:
         if change is None:
@@ -142,3 +180,5 @@ def _translated() -> Iterator[None]:
         yield
     except _UNAVAILABLE as exc:
         raise StoreUnavailable(f"Firestore idempotency store: {exc}") from exc
+    except _FAILED as exc:
+        raise StoreError(f"Firestore idempotency store: {type(exc).__name__}: {exc}") from exc

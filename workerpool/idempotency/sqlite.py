@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -18,6 +17,7 @@ from workerpool.idempotency.base import (
     IdempotencyStore,
     Mutation,
     Record,
+    StoreError,
     StoreUnavailable,
     T,
 )
@@ -36,11 +36,10 @@ CREATE INDEX IF NOT EXISTS idempotency_expire_at ON idempotency (expire_at);
 _PURGE_EVERY = 1000  # mutations between purges; the expire_at index keeps each purge cheap
 # One batch's upsert binds 6 values per record: stay under SQLite's historical limit of 999.
 _MAX_BATCH = 999 // 6
-_STOP = None  # queued by close(): the writer finishes what came before it and exits
 
 
 class _Request:
-    """One caller's mutation; ``done`` is released by the writer once the outcome is final."""
+    """One caller's mutation and, once a leader has committed its batch, its outcome."""
 
     __slots__ = ("done", "error", "job_id", "mutation", "result")
 
@@ -49,21 +48,23 @@ class _Request:
         self.mutation = mutation
         self.result: Any = None
         self.error: BaseException | None = None
-        self.done = threading.Lock()  # the cheapest one-shot signal Python has
-        self.done.acquire()
+        self.done = False
 
 
 class SqliteStore(IdempotencyStore):
-    """Group commit: one writer thread owns the connection and runs everything queued in one
-    BEGIN IMMEDIATE transaction; callers get their results only after its COMMIT.
+    """Group commit, leader/follower: a caller queues its mutation, then takes the commit
+    lock; if no earlier leader has committed its mutation meanwhile, it becomes the leader
+    and runs everything queued in one BEGIN IMMEDIATE transaction. A lone caller so commits
+    its own mutation on its own thread, with no hand-off; callers that arrive while a leader
+    commits share the next transaction and its fsync.
 
     Why not a lock around one transaction per call: the sqlite3 module releases the GIL around
     every statement, so a thread holding the store lock also waited to get the GIL back, once
     per statement, while every other caller queued behind it (a lock convoy), and each call
-    paid its own fsync. Here one thread does a handful of statements per batch, and the batch
-    shares one fsync. WAL lets readers and the single writer proceed together; the busy
-    timeout bounds how long a batch waits for another process's write lock before its callers
-    get ``StoreUnavailable``.
+    paid its own fsync. A writer thread fixed that but cost two thread hand-offs per call even
+    with nothing to batch (5,331 vs 14,501 claim+complete pairs/s on one thread, measured).
+    WAL lets readers and the single writer proceed together; the busy timeout bounds how long a
+    batch waits for another process's write lock before its callers get ``StoreUnavailable``.
     """
 
     def __init__(
@@ -76,8 +77,9 @@ class SqliteStore(IdempotencyStore):
     ) -> None:
         super().__init__(retention=retention, clock=clock)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders close() against enqueueing: none after _STOP
+        self._queue: list[_Request] = []
+        self._queue_lock = threading.Lock()  # guards _queue and _closed
+        self._commit_lock = threading.Lock()  # held by the leader: it alone uses _conn
         self._closed = False
         self._since_purge = 0
         with _translated():
@@ -104,45 +106,52 @@ class SqliteStore(IdempotencyStore):
             except BaseException:
                 self._conn.close()
                 raise
-        self._writer = threading.Thread(
-            target=self._write_loop, name="workerpool-sqlite", daemon=True
-        )
-        self._writer.start()
 
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
-        request = _Request(job_id, mutation)
-        with self._lock:
+        return self._mutate_many([(job_id, mutation)])[0]
+
+    def _mutate_many(self, items: Sequence[tuple[str, Mutation[T]]]) -> list[T]:
+        requests = [_Request(job_id, mutation) for job_id, mutation in items]
+        with self._queue_lock:
             if self._closed:
                 # Not a programming error: the launcher closes the store while interrupted
                 # jobs may still finish; they must neither run nor ack, as in an outage.
                 raise StoreUnavailable("SQLite idempotency store: closed")
-            self._queue.put(request)
-        request.done.acquire()
-        error = request.error
-        if isinstance(error, sqlite3.OperationalError):
-            # A new exception per caller: a failed batch's callers share this cause, and
-            # re-raising one object in many threads would splice their tracebacks together.
-            raise StoreUnavailable(f"SQLite idempotency store: {error}") from error
-        if error is not None:
-            raise error
-        return cast(T, request.result)
+            self._queue.extend(requests)
+        while not requests[-1].done:
+            with self._commit_lock:
+                if not requests[-1].done:  # no earlier leader took it: lead
+                    self._commit_queued()
+        results = []
+        for request in requests:
+            if isinstance(request.error, sqlite3.OperationalError):
+                # A new exception per caller: a failed batch's callers share this cause, and
+                # re-raising one object in many threads would splice their tracebacks together.
+                raise StoreUnavailable(f"SQLite idempotency store: {request.error}") from (
+                    request.error
+                )
+            if isinstance(request.error, sqlite3.Error):
+                raise StoreError(f"SQLite idempotency store: {request.error}") from request.error
+            if request.error is not None:
+                raise request.error
+            results.append(cast(T, request.result))
+        return results
 
-    def _write_loop(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < _MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stopping = batch[-1] is _STOP  # nothing is ever queued after it
-            requests = [r for r in batch if r is not None]
-            if requests:
-                self._commit(requests)
-            for request in requests:
-                request.done.release()
-            if stopping:
-                return
+    def _queued(self) -> int:
+        with self._queue_lock:
+            return len(self._queue)
+
+    def _commit_queued(self) -> None:
+        """As leader (commit lock held): commit what is queued, a bounded batch at a time."""
+        with self._queue_lock:
+            batch, self._queue = self._queue[:_MAX_BATCH], self._queue[_MAX_BATCH:]
+        if not batch:
+            return
+        try:
+            self._commit(batch)
+        finally:
+            for request in batch:
+                request.done = True
 
     def _commit(self, batch: list[_Request]) -> None:
         """Apply the batch in one transaction; on failure nothing of it is kept and every
@@ -159,7 +168,7 @@ class SqliteStore(IdempotencyStore):
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
                 raise
-        except BaseException as exc:  # the writer must survive anything, or callers hang
+        except BaseException as exc:  # every caller of the batch must hear of it, or it loops
             for request in batch:
                 request.error = request.error or exc
             return
@@ -220,14 +229,15 @@ class SqliteStore(IdempotencyStore):
         self._conn.execute("DELETE FROM idempotency WHERE expire_at <= ?", (self._clock(),))
 
     def close(self) -> None:
-        """Finish what is queued, stop the writer, close the connection. Idempotent."""
-        with self._lock:
+        """Refuse new calls, let queued ones finish, close the connection. Idempotent."""
+        with self._queue_lock:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(_STOP)
-        self._writer.join()
-        self._conn.close()
+        with self._commit_lock:
+            while self._queued():
+                self._commit_queued()
+            self._conn.close()
 
 
 def _marks(count: int) -> str:
@@ -237,11 +247,13 @@ def _marks(count: int) -> str:
 @contextmanager
 def _translated() -> Iterator[None]:
     # OperationalError is SQLite's class for environmental failures: locked/busy past the
-    # busy timeout, I/O errors, a file that cannot be opened. Programming errors stay as they are.
+    # busy timeout, I/O errors, a file that cannot be opened: worth trying again later.
     try:
         yield
     except sqlite3.OperationalError as exc:
         raise StoreUnavailable(f"SQLite idempotency store: {exc}") from exc
+    except sqlite3.Error as exc:  # not a database, corrupt, read-only: not soon better
+        raise StoreError(f"SQLite idempotency store: {exc}") from exc
 
 
 def _enable_wal(conn: sqlite3.Connection, busy_timeout: float) -> bool:

@@ -1,32 +1,21 @@
-"""Where telemetry plugs into a worker: middleware, settle listeners and a few callbacks.
+"""Where telemetry plugs into a worker: plain middleware, and a few callbacks.
 
 ``Telemetry`` holds the tracer and meter providers of one process and its ``Metrics``;
-``hooks(subscription)`` gives each pool's processor its middleware (outermost, so every run
-is seen, even one the idempotency check short-circuits) and its settle listeners.
+``middleware(subscription)`` gives each pool's processor its telemetry middleware (outermost,
+so every run is seen, even one the idempotency check short-circuits).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.trace import TracerProvider
 
-from workerpool.listeners import Listener
 from workerpool.middleware import Middleware
 from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.metrics import Metrics
 from workerpool.telemetry.tracing import Tracing
-
-
-@dataclass(frozen=True)
-class Hooks:
-    """What one processor gets: run these middleware first, call these listeners on settle."""
-
-    middleware: list[Middleware]
-    listeners: list[Listener]
 
 
 class Telemetry:
@@ -52,12 +41,11 @@ class Telemetry:
         self._job_log = JobLog() if job_logs else None
         self._owned = owned
 
-    def hooks(self, subscription: str) -> Hooks:
-        tracing = Tracing(subscription, self.tracer_provider)
-        observers: list[Tracing | Metrics | JobLog] = [tracing, self.metrics]
+    def middleware(self, subscription: str) -> list[Middleware]:
+        chain: list[Middleware] = [Tracing(subscription, self.tracer_provider), self.metrics]
         if self._job_log is not None:
-            observers.append(self._job_log)
-        return Hooks(list(observers), [observer.settled for observer in observers])
+            chain.append(self._job_log)
+        return chain
 
     def shutdown(self) -> None:
         """Flush and stop the exporters (only providers this object was given to own)."""

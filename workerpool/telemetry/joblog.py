@@ -9,31 +9,20 @@ from __future__ import annotations
 
 import logging
 
-from opentelemetry import trace
-from opentelemetry.trace import SpanContext
-
 from workerpool import constants as c
-from workerpool.context import JobContext
-from workerpool.envelope import Job
-from workerpool.listeners import Settled
 from workerpool.logs import FIELDS, SPAN_CONTEXT
 from workerpool.middleware import Middleware, Next
 from workerpool.outcome import Outcome
-from workerpool.telemetry.runs import PerRun
+from workerpool.run import Run, Settled
 
 log = logging.getLogger("workerpool.jobs")
 
 
 class JobLog(Middleware):
-    """The start line (a middleware) and the end line (``settled``, a settle listener)."""
+    """The start line (``run``) and the end line (``settled``)."""
 
-    def __init__(self) -> None:
-        self._spans: PerRun[SpanContext] = PerRun()
-
-    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
-        span = trace.get_current_span().get_span_context()
-        if span.is_valid:
-            self._spans.put(job, span)
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        job = run.job
         fields = {
             c.LOG_JOB: job.name,
             c.LOG_JOB_ID: job.job_id,
@@ -41,22 +30,23 @@ class JobLog(Middleware):
             c.LOG_ATTEMPT: job.delivery_attempt,
         }
         log.info("job %s started", job.name, extra={FIELDS: fields})
-        return call_next(job, ctx)
+        return call_next(run)
 
     def settled(self, event: Settled) -> None:
-        span = self._spans.pop(event)
+        duration = event.duration
         fields: dict[str, object] = {
             c.LOG_JOB: event.job,
             c.LOG_JOB_ID: event.job_id,
             c.LOG_MESSAGE_ID: event.message_id,
             c.LOG_ATTEMPT: event.attempt,
-            c.LOG_DURATION: None if event.duration is None else round(event.duration, 6),
+            c.LOG_DURATION: None if duration is None else round(duration, 6),
             c.LOG_OUTCOME: event.label,
         }
         if event.error_type:
             fields[c.LOG_ERROR_TYPE] = event.error_type
         level = logging.WARNING if event.label in c.FAILED_LABELS else logging.INFO
-        took = "" if event.duration is None else f" in {event.duration:.3f}s"
+        took = "" if duration is None else f" in {duration:.3f}s"
+        span = event.run.span.get_span_context() if event.run is not None else None
         log.log(
             level,
             "job %s %s%s",

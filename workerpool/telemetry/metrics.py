@@ -1,8 +1,8 @@
 """The worker's OpenTelemetry instruments, every name under the ``workerpool.`` prefix.
 
 One ``Metrics`` serves every pool of a process. It is fed by small hooks, never by a second
-count of its own: ``run`` (a middleware: a run starts), ``settled`` (the processor's settle
-listener: how each delivery ended, the same labels as ``Processor.stats``), ``lease_extended``
+count of its own: ``run`` (a run starts) and ``settled`` (how each message left the pool, the
+same labels as ``Processor.stats``), both middleware hooks, and ``lease_extended``
 (the Leaser's ``on_extend``), ``rate_limit_waited`` (for rate limiters), ``watch_pool`` (in-flight
 gauges) and ``drained``.
 """
@@ -18,11 +18,9 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from workerpool import constants as c
-from workerpool.context import JobContext
-from workerpool.envelope import Job
-from workerpool.listeners import Settled
 from workerpool.middleware import Middleware, Next
 from workerpool.outcome import Outcome
+from workerpool.run import Run, Settled
 
 # Histogram bucket bounds in seconds: from a quick job to an hours-long one.
 _SECONDS = (
@@ -103,9 +101,10 @@ class Metrics(Middleware):
         self._known_jobs: set[str] = set()
         self._lock = threading.Lock()
 
-    # --- the middleware: a run starts -------------------------------------------------------
+    # --- the middleware: a run starts, a message leaves ----------------------------------
 
-    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        job = run.job
         with self._lock:
             self._known_jobs.add(job.name)
         attributes = {c.LABEL_JOB: job.name}
@@ -113,19 +112,18 @@ class Metrics(Middleware):
         if job.publish_time is not None:
             latency = (datetime.now(UTC) - job.publish_time).total_seconds()
             self._queue_latency.record(max(0.0, latency), attributes)
-        return call_next(job, ctx)
-
-    # --- the settle listener: how it ended --------------------------------------------------
+        return call_next(run)
 
     def settled(self, event: Settled) -> None:
         attributes = {c.LABEL_JOB: self._job_label(event), c.LABEL_OUTCOME: event.label}
         self._finished.add(1, attributes)
-        if event.duration is not None:
-            self._duration.record(event.duration, attributes)
+        duration = event.duration
+        if duration is not None:
+            self._duration.record(duration, attributes)
 
     def _job_label(self, event: Settled) -> str:
         # A message that never ran may name any job at all: keep label values bounded.
-        if event.duration is not None or event.job in self._known_jobs:
+        if event.run is not None or event.job in self._known_jobs:
             return event.job
         return c.UNKNOWN_JOB_LABEL
 

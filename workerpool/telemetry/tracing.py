@@ -8,36 +8,26 @@ it writes carry its trace id.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
 from workerpool import constants as c
-from workerpool.context import JobContext
-from workerpool.envelope import Job
-from workerpool.listeners import Settled
 from workerpool.middleware import Middleware, Next
 from workerpool.outcome import Failed, Outcome, Rejected, Unavailable
+from workerpool.run import Run, Settled
 from workerpool.telemetry.propagation import extract
-from workerpool.telemetry.runs import PerRun
-
-
-@dataclass
-class _Open:
-    span: Span
-    error: str | None = None  # the run's own failure, for the span status
+from workerpool.text import safe_text
 
 
 class Tracing(Middleware):
-    """Spans for the jobs of one subscription; ``settled`` is its settle listener."""
+    """Spans for the jobs of one subscription: started in ``run``, ended in ``settled``."""
 
     def __init__(self, subscription: str, tracer_provider: TracerProvider | None = None) -> None:
         self._tracer = trace.get_tracer(c.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
         self._subscription = subscription
-        self._open: PerRun[_Open] = PerRun()
 
-    def run(self, job: Job, ctx: JobContext, call_next: Next) -> Outcome:
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        job = run.job
         span = self._tracer.start_span(
             job.name,
             context=extract(job.attributes),
@@ -51,34 +41,28 @@ class Tracing(Middleware):
                 c.SPAN_JOB_ID: job.job_id,
             },
         )
-        entry = _Open(span)
-        self._open.put(job, entry)
+        run.span = span
         try:
             with trace.use_span(span, end_on_exit=False):
-                outcome = call_next(job, ctx)
+                return call_next(run)
         except BaseException:
             # A middleware bug (handlers cannot raise through ``_invoke``): the span is done.
-            self._open.discard(job)
             span.end()
             raise
-        entry.error = _record(span, outcome)
-        return outcome
 
     def settled(self, event: Settled) -> None:
-        entry = self._open.pop(event)
-        if entry is None:
+        if event.run is None or not event.run.span.is_recording():
             return
-        entry.span.set_attribute(c.SPAN_OUTCOME, event.label)
+        span = event.run.span
+        span.set_attribute(c.SPAN_OUTCOME, event.label)
         if event.label in c.FAILED_LABELS:
-            description = entry.error or event.error_type or event.label
-            entry.span.set_status(Status(StatusCode.ERROR, description))
-        entry.span.end()
+            error = _record(span, event.run.outcome)
+            span.set_status(Status(StatusCode.ERROR, error or event.error_type or event.label))
+        span.end()
 
 
-def _record(span: Span, outcome: Outcome) -> str | None:
+def _record(span: Span, outcome: Outcome | None) -> str | None:
     """Record what the handler raised on the span; return its failure as a status text."""
-    if not span.is_recording():
-        return None  # the drain deadline settled it already
     match outcome:
         case Failed(error_type, message, exc) | Rejected(error_type, message, exc):
             if exc is not None:
@@ -86,9 +70,9 @@ def _record(span: Span, outcome: Outcome) -> str | None:
             else:
                 span.add_event(
                     "exception",
-                    {"exception.type": error_type, "exception.message": message},
+                    {"exception.type": error_type, "exception.message": safe_text(message)},
                 )
-            return f"{error_type}: {message}"
+            return safe_text(f"{error_type}: {message}")
         case Unavailable(reason):
             return reason
     return None

@@ -1,0 +1,233 @@
+"""Keeping idempotency claims alive: a run whose claim cannot be renewed stops before the
+claim can lapse, whatever the store does (pure logic: in-memory store behind a fault wrapper,
+in-process fakes for Pub/Sub)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from google.api_core import exceptions as gexc
+
+from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from tests.faults.store import FaultyStore
+from workerpool import JobContext, RetryableError
+from workerpool.backoff import Backoff
+from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore, StoreUnavailable
+from workerpool.idempotency.middleware import Idempotency
+from workerpool.processor import Processor, ProcessorSettings
+from workerpool.registry import Registry
+from workerpool.timers import Timers
+
+TTL = 0.6  # margin ttl/6 = 0.1 s, renewals every 0.2 s
+OWNER = "w1"
+
+# Every class of error a store call can fail with, as the backends raise them.
+STORE_ERRORS = [
+    StoreUnavailable("down"),
+    gexc.Aborted("contention"),
+    gexc.Cancelled("cancelled"),
+    gexc.Unauthenticated("token expired"),
+    gexc.PermissionDenied("no"),
+    ValueError("Cannot invoke RPC on closed channel!"),
+    sqlite3.DatabaseError("database disk image is malformed"),
+    RuntimeError("a bug in a backend"),
+]
+
+
+@pytest.fixture
+def timers() -> Iterator[Timers]:
+    running = Timers()
+    running.start()
+    yield running
+    running.close()
+
+
+class _Worker:
+    """A processor with the idempotency middleware on ``store``, and a job that runs until
+    cancelled (or ``seconds``), noting when its cancel came."""
+
+    def __init__(self, store: FaultyStore, timers: Timers, *, seconds: float = 10.0) -> None:
+        self.store = store
+        self.jobs = Registry()
+        self.cancelled_at: list[float] = []
+        self.started_at: list[float] = []
+
+        @self.jobs.job("t.long")
+        def long(ctx: JobContext, payload: dict[str, Any]) -> None:
+            self.started_at.append(time.monotonic())
+            if ctx.cancelled.wait(seconds):
+                self.cancelled_at.append(time.monotonic())
+
+        self.held_at_cancel: list[object] = []
+        self.healthy_at_cancel: list[bool] = []
+
+        @self.jobs.job("t.checks")
+        def checks(ctx: JobContext, payload: dict[str, Any]) -> None:
+            self.started_at.append(time.monotonic())
+            if ctx.cancelled.wait(seconds):
+                self.cancelled_at.append(time.monotonic())
+                # What another worker would get if it tried to start this job id now
+                self.held_at_cancel.append(store.inner.claim(ctx.job_id, "w2", "m-2", TTL))
+                self.healthy_at_cancel.append(self.idempotency.healthy)
+                raise RetryableError("cancelled")
+
+        self.acks = FakeAcks()
+        self.idempotency = Idempotency(store, OWNER, timers, ttl=TTL)
+        self.processor = Processor(
+            self.jobs,
+            self.acks,
+            FakeLeaser(),
+            FakeDeadLetters(),
+            [self.idempotency],
+            ProcessorSettings(Backoff(1.0, 10.0)),
+        )
+        self.idempotency.start()
+
+    def process(
+        self, job_id: str = "j1", message_id: str = "m-1", job: str = "t.long"
+    ) -> threading.Thread:
+        delivery = make_delivery(b"{}", {"job": job, "job_id": job_id}, message_id=message_id)
+        thread = threading.Thread(target=self.processor.process, args=(delivery,))
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.idempotency.close(timeout=5)
+
+
+@pytest.mark.parametrize("error", STORE_ERRORS, ids=lambda e: type(e).__name__)
+def test_a_run_whose_claim_cannot_be_renewed_stops_before_the_claim_can_lapse(
+    error: BaseException, timers: Timers
+) -> None:
+    # Given a job running under a claim of 0.6 s, and a store whose every renewal fails
+    store = FaultyStore(MemoryStore()).fail("renew", error)
+    worker = _Worker(store, timers)
+    try:
+        run = worker.process(job="t.checks")
+        # When the renewals keep failing
+        run.join(timeout=10)
+        # Then the run was cancelled before its claim could lapse, with time to stop, while
+        # nobody else could start the job id yet
+        [started], [cancelled] = worker.started_at, worker.cancelled_at
+        assert TTL / 2 < cancelled - started < TTL, cancelled - started
+        [held] = worker.held_at_cancel
+        assert isinstance(held, HeldElsewhere) and held.owner == OWNER
+        # and its message was handed back to come back once the claim has lapsed
+        assert worker.processor.stats == {"deferred": 1}
+        [(ack_id, delay)] = worker.acks.modacked
+        assert ack_id == "ack-m-1" and 0.9 <= delay <= 1.0 + TTL
+        assert not worker.acks.acked
+        # and once the claim has lapsed (or the failed run released it) another worker can
+        time.sleep(TTL)
+        assert store.inner.claim("j1", "w2", "m-2", TTL) == Claimed()
+        # and the worker said it was unhealthy meanwhile
+        assert worker.healthy_at_cancel == [False]
+    finally:
+        worker.close()
+
+
+def test_a_stalled_store_cannot_hold_a_run_past_its_claim(timers: Timers) -> None:
+    # Given a store whose renewals hang for 30 s
+    store = FaultyStore(MemoryStore()).stall("renew", 30)
+    worker = _Worker(store, timers)
+    try:
+        # When a job runs under a 0.6 s claim
+        run = worker.process()
+        run.join(timeout=10)
+        # Then it was still cancelled and handed back in time: the watch does not wait for the
+        # renewal call that hangs
+        [started], [cancelled] = worker.started_at, worker.cancelled_at
+        assert cancelled - started < TTL
+        assert worker.processor.stats == {"deferred": 1}
+    finally:
+        store.heal()
+        worker.close()
+
+
+def test_renewals_that_fail_for_a_while_then_recover_keep_the_run(timers: Timers) -> None:
+    # Given a job of 1.5 s under a 0.6 s claim, and renewals that fail half the time
+    store = FaultyStore(MemoryStore(), seed=7).fail(
+        "renew", StoreUnavailable("blip"), probability=0.5
+    )
+    worker = _Worker(store, timers, seconds=1.5)
+    try:
+        # When it runs, with the first failure healed after 0.3 s
+        run = worker.process()
+        time.sleep(0.3)
+        store.heal()
+        run.join(timeout=10)
+        # Then it ran to its end, renewed, and was recorded as done
+        assert worker.cancelled_at == []
+        assert worker.processor.stats == {"done": 1}
+        assert store.calls["renew"] >= 5
+        assert worker.idempotency.healthy
+    finally:
+        worker.close()
+
+
+def test_the_keeper_survives_an_unexpected_exception_and_carries_on(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job of 1.5 s under a 0.6 s claim, and a bug that breaks one renewal round
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers, seconds=1.5)
+    rounds = {"n": 0}
+    real = worker.idempotency._renew_all
+
+    def buggy() -> None:
+        rounds["n"] += 1
+        if rounds["n"] == 1:
+            raise KeyError("a bug in a renewal round")
+        real()
+
+    monkeypatch.setattr(worker.idempotency, "_renew_all", buggy)
+    try:
+        # When it runs
+        run = worker.process()
+        run.join(timeout=10)
+        # Then the keeper logged the bug, kept renewing, and the job finished uncancelled
+        assert rounds["n"] >= 3
+        assert worker.cancelled_at == []
+        assert worker.processor.stats == {"done": 1}
+        assert worker.idempotency.healthy
+    finally:
+        worker.close()
+
+
+def test_claims_of_interrupted_runs_are_released_in_one_call_off_the_drain_path(
+    timers: Timers,
+) -> None:
+    # Given 5 runs holding claims, and a store whose releases hang for 30 s
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers)
+    try:
+        runs = [worker.process(f"j{i}", f"m-{i}") for i in range(5)]
+        assert _wait(lambda: len(worker.started_at) == 5)
+        store.stall("release", 30)
+        # When the drain deadline interrupts them
+        started = time.monotonic()
+        assert worker.processor.interrupt_running() == 5
+        interrupted_in = time.monotonic() - started
+        for run in runs:
+            run.join(timeout=10)
+        # Then the hand-back did not wait for the store, and the releases went as one call
+        assert interrupted_in < 0.2
+        assert worker.processor.stats == {"drained": 5}
+        assert _wait(lambda: store.calls["release"] == 1)
+    finally:
+        store.heal()
+        worker.close()
+
+
+def _wait(condition: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

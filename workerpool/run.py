@@ -1,0 +1,63 @@
+"""One run of a job, as it travels down the middleware chain, and how a message left the pool.
+
+``Run`` is the one object every middleware gets (Temporal-interceptor style: an input object
+and a ``next``), so a field added here changes no middleware's signature. ``Settled`` is what
+every middleware hears once per message that leaves the pool, run or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from workerpool.constants import Label
+from workerpool.context import JobContext
+from workerpool.delivery import Delivery
+from workerpool.envelope import Job
+
+if TYPE_CHECKING:
+    from workerpool.outcome import Outcome
+
+
+@dataclass(eq=False)
+class Run:
+    job: Job
+    ctx: JobContext
+    delivery: Delivery
+    # Hands the message back now with the given outcome, while the handler may still run.
+    _hand_back: Callable[[Run, Outcome], bool] = field(repr=False)
+    started_at: float = field(default_factory=time.monotonic)
+    # The run's span while it is traced (the tracing middleware sets it), for log lines too.
+    span: Span = INVALID_SPAN
+    # What the chain returned, once it has.
+    outcome: Outcome | None = None
+
+    def hand_back(self, outcome: Outcome) -> bool:
+        """Cancel this run and settle its message now with ``outcome`` (a lost claim, say);
+        False if its message was already settled. The handler sees ``ctx.cancelled``."""
+        return self._hand_back(self, outcome)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How one message left the pool: its ``label``, and its run if it had one."""
+
+    label: Label
+    job: str
+    job_id: str
+    message_id: str
+    attempt: int
+    # The run, None for a message that never ran (bad input, given back unstarted).
+    run: Run | None = None
+    # Why it was dead-lettered (``error_type`` of the failure record), else "".
+    error_type: str = ""
+    settled_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from the start of its run to its settlement; None if it never ran."""
+        return None if self.run is None else self.settled_at - self.run.started_at
