@@ -73,6 +73,18 @@ for name in sys.argv[1:]:
     duckdb.connect().install_extension(str(next(root.rglob("*.duckdb_extension"))))
 """
 
+# ``local-bigquery serve``, but with V8 started first, in this main thread, with memory
+# protection keys off. The emulator starts V8 lazily in the job thread of the first JS UDF; on
+# a CPU with pkeys (pku), mini-racer >= 0.13 (V8 14) then segfaults the whole emulator when a
+# second UDF context is made on another job thread, i.e. as soon as two naps run at once.
+_SERVE = """
+import sys
+from py_mini_racer import init_mini_racer
+init_mini_racer(flags=("--single-threaded", "--no-memory-protection-keys"))
+from local_bigquery.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 
 def find_local_bigquery() -> Path | None:
     given = os.environ.get(EXECUTABLE_ENV)
@@ -122,8 +134,9 @@ def local_bigquery(executable: Path, project: str, timeout: float = 90.0) -> Ite
     log = data_dir / "emulator.log"
     port, grpc_port = _free_port(), _free_port()
     command = [
-        str(executable), "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--grpc-port", str(grpc_port), "--project", project, "--data-dir", str(data_dir / "data"),
+        str(executable.parent / "python"), "-c", _SERVE, "serve",
+        "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
+        "--project", project, "--data-dir", str(data_dir / "data"),
     ]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(
