@@ -29,6 +29,9 @@ class SleepRequest:
     # "retryable" or "permanent": raise that error (retryable: while attempt < fail_until).
     fail: Literal["retryable", "permanent"] | None = None
     fail_until: int = 0
+    # Sleep on regardless of ctx.cancelled, like a handler stuck in a call that cannot be
+    # interrupted (the tests use it to show a drain does not wait for it).
+    ignore_cancel: bool = False
 
 
 def _record(ctx: JobContext, started: float, outcome: str) -> None:
@@ -58,7 +61,11 @@ def _record_start(ctx: JobContext, started: float) -> None:
 def sleep(ctx: JobContext, request: SleepRequest) -> None:
     started = time.time()
     _record_start(ctx, started)
-    finished = ctx.sleep(request.seconds)
+    if request.ignore_cancel:
+        time.sleep(request.seconds)
+        finished = True
+    else:
+        finished = ctx.sleep(request.seconds)
     if request.fail == "permanent":
         _record(ctx, started, "permanent")
         raise PermanentError("asked to fail permanently")

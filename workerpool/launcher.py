@@ -23,6 +23,7 @@ from workerpool.admin import SubscriptionInfo, describe_subscription, subscripti
 from workerpool.backoff import Backoff
 from workerpool.clients import Clients
 from workerpool.config import Settings
+from workerpool.constants import Label
 from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
@@ -42,9 +43,11 @@ log = logging.getLogger(__name__)
 # After the drain deadline (or a second signal): the time the hand-backs, the claim releases,
 # the ack flush and closing the clients share, so the process exits within the platform's
 # grace period (drain_timeout + 1 s); a part that does not finish in time is left behind.
-GRACE = 0.8
-# Of that: how long messages whose failure record is still being published may finish.
-_RECORD_GRACE = 0.3
+GRACE = 0.6
+# Of that: what the sweep, the ack flush and closing need after the last pull came back.
+_AFTER_PULL = 0.3
+# How long messages whose failure record is still being published may finish.
+_RECORD_GRACE = 0.1
 
 
 class Phase(Enum):
@@ -113,7 +116,7 @@ class Launcher:
         )
         self._phase = Phase.NEW
         self._parts: _Parts | None = None
-        self._released = 0
+        self._released_before = 0  # messages released before the drain began
         self._lock = threading.Lock()  # orders start() against stop()
 
     @property
@@ -246,9 +249,10 @@ class Launcher:
         if self._parts is None:
             return 0
         first = not self._parts.pool.quieted
+        if first:
+            self._released_before = self._parts.processor.stats[Label.RELEASED]
         self._parts.puller.stop(timeout=0)
         released = self._parts.pool.quiet()
-        self._released += released
         if first or released:
             log.info("draining: stopped pulling, released %d waiting messages", released)
         return released
@@ -267,7 +271,7 @@ class Launcher:
         # A pull in flight is waited for (bounded by its 2 s deadline), so nothing it brings
         # is lost; anything it brings is given back at once.
         parts.puller.stop(timeout=max(0.0, deadline - time.monotonic()))
-        self._released += parts.pool.quiet()
+        parts.pool.quiet()
         running = parts.pool.running
         log.info("draining: waiting for %d running jobs", running)
         idle = self._wait_idle(parts.pool, deadline, abort)
@@ -276,12 +280,18 @@ class Launcher:
         if not idle:
             interrupted = parts.processor.interrupt_running()
             log.warning("draining: deadline passed, gave back %d running jobs", interrupted)
+        # A pull still in flight can bring back the very messages just given back (measured:
+        # lost for their whole ack deadline when the channel closed under it): wait for it,
+        # and give those back again, before the acks are flushed.
+        parts.puller.stop(timeout=max(0.0, end - _AFTER_PULL - time.monotonic()))
+        parts.pool.quiet()
         self._sweep(parts, min(end, time.monotonic() + _RECORD_GRACE))
-        flushed = parts.acks.close(timeout=max(0.0, end - 0.2 - time.monotonic()))
+        flushed = parts.acks.close(timeout=max(0.0, end - 0.15 - time.monotonic()))
         parts.leaser.stop(timeout=0)
         self._close(parts, end)
+        released = parts.processor.stats[Label.RELEASED] - self._released_before
         report = DrainReport(
-            self._released, max(0, running - interrupted), interrupted, time.monotonic() - started
+            released, max(0, running - interrupted), interrupted, time.monotonic() - started
         )
         log.info(
             "drained in %.1fs: %d released, %d finished, %d interrupted, acks flushed=%s",

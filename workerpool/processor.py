@@ -80,6 +80,12 @@ class _Subject:
     def of(cls, job: Job) -> _Subject:
         return cls(job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts)
 
+    @classmethod
+    def unstarted(cls, delivery: Delivery) -> _Subject:
+        """What a message that never started says it is (it may name any job, or none)."""
+        attempt = delivery.delivery_attempt or 0
+        return cls(delivery.attributes.get(c.ATTR_JOB, ""), job_id_of(delivery), attempt)
+
 
 class AttemptCounter:
     """Counts deliveries per message when Pub/Sub does not (no dead-letter policy).
@@ -277,24 +283,11 @@ class Processor:
         ``force``, at the very end of a drain, whatever is still held, even a message whose
         run is still publishing its failure record (that publish may yet succeed: a second
         record after its redelivery is better than a lost message)."""
-        outcome: Outcome = Interrupted() if force else NotStarted()
         taken = [d for d in deliveries if (d.force() if force else d.take())]
-        by_delay: dict[float, list[Delivery]] = defaultdict(list)
-        labels: dict[Delivery, Label] = {}
-        for delivery in taken:
-            self._leases.remove(delivery)
-            attempt = delivery.delivery_attempt or 0
-            action = decide(outcome, self._facts(_Subject("", "", attempt)))
-            assert isinstance(action, Nack)
-            by_delay[action.delay].append(delivery)
-            labels[delivery] = action.label
-        for delay, group in by_delay.items():
-            self._acks.modack([d.ack_id for d in group], delay)
-        for delivery in taken:
-            self._finish(
-                Settled(labels[delivery], delivery.attributes.get(c.ATTR_JOB, ""),
-                        job_id_of(delivery), delivery.message_id, delivery.delivery_attempt or 0)
-            )  # fmt: skip
+        self._nack_now(
+            [(d, _Subject.unstarted(d), None) for d in taken],
+            Interrupted() if force else NotStarted(),
+        )
         return len(taken)
 
     def interrupt_running(self) -> int:
@@ -312,28 +305,34 @@ class Processor:
         for run in runs:
             run.ctx.cancelled.set()
         taken = [run for run in runs if run.delivery.take()]
-        by_delay: dict[float, list[Run]] = defaultdict(list)
-        labels: dict[Run, Label] = {}
+        self._nack_now([(run.delivery, _Subject.of(run.job), run) for run in taken], outcome)
         for run in taken:
-            self._leases.remove(run.delivery)
-            action = decide(outcome, self._facts(_Subject.of(run.job)))
-            assert isinstance(action, Nack), f"{outcome!r} must give the message back"
-            by_delay[action.delay].append(run)
-            labels[run] = action.label
-        for delay, group in by_delay.items():  # one request for all of them
-            self._acks.modack([run.delivery.ack_id for run in group], delay)
-        for run in taken:
-            subject = _Subject.of(run.job)
-            self._finish(
-                Settled(labels[run], subject.job_name, subject.job_id, run.delivery.message_id,
-                        subject.attempt, run)
-            )  # fmt: skip
             for mw in self._middleware:
                 try:
                     mw.interrupted(run)
                 except Exception:
                     log.exception("%s.interrupted failed", type(mw).__name__)
         return len(taken)
+
+    def _nack_now(
+        self, taken: Sequence[tuple[Delivery, _Subject, Run | None]], outcome: Outcome
+    ) -> None:
+        """Settle messages already taken with ``outcome``, one request per delay for all."""
+        by_delay: dict[float, list[str]] = defaultdict(list)
+        labels = []
+        for delivery, subject, _ in taken:
+            self._leases.remove(delivery)
+            action = decide(outcome, self._facts(subject))
+            assert isinstance(action, Nack), f"{outcome!r} must give the message back"
+            by_delay[action.delay].append(delivery.ack_id)
+            labels.append(action.label)
+        for delay, ack_ids in by_delay.items():
+            self._acks.modack(ack_ids, delay)
+        for (delivery, subject, run), label in zip(taken, labels, strict=True):
+            self._finish(
+                Settled(label, subject.job_name, subject.job_id, delivery.message_id,
+                        subject.attempt, run)
+            )  # fmt: skip
 
 
 def _invoke(job: Job, ctx: JobContext) -> Outcome:

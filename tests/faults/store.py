@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from workerpool.idempotency import ClaimResult, IdempotencyStore
@@ -30,9 +30,17 @@ class _Fault:
 
 
 class FaultyStore(IdempotencyStore):
-    def __init__(self, inner: IdempotencyStore, *, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        inner: IdempotencyStore,
+        *,
+        seed: int | None = None,
+        active: Callable[[], bool] | None = None,
+    ) -> None:
+        """``active``: faults apply only while it returns True (default: always)."""
         super().__init__(retention=inner.retention, clock=inner._clock)
         self.inner = inner
+        self._active = active
         self._faults: dict[str, _Fault] = {}
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -57,6 +65,8 @@ class FaultyStore(IdempotencyStore):
         with self._lock:
             self.calls[method] += 1
             fault = self._faults.get(method)
+            if self._active is not None and not self._active():
+                fault = None
             fires = fault is not None and self._random.random() < fault.probability
             if fires and fault is not None and fault.error is not None:
                 self.failed[method] += 1

@@ -1,0 +1,230 @@
+"""Every background thread survives an unexpected exception, says so in ``healthy`` while it
+cannot do its work, and carries on (pure logic: fakes for Pub/Sub, no emulator)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from google.api_core import exceptions as gexc
+
+from tests.fakes import FakeAcks, make_delivery
+from workerpool.acks import Acknowledger
+from workerpool.delivery import Delivery
+from workerpool.lease import Leaser
+from workerpool.subscriber import Puller
+from workerpool.timers import Timers
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+class _FlakyClient:
+    """acknowledge/modify_ack_deadline fail with the queued errors first, then succeed."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.acked: list[str] = []
+        self.modacked: list[str] = []
+
+    def _maybe_fail(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+
+    def acknowledge(self, request: dict[str, Any], **options: Any) -> None:
+        self._maybe_fail()
+        self.acked.extend(request["ack_ids"])
+
+    def modify_ack_deadline(self, request: dict[str, Any], **options: Any) -> None:
+        self._maybe_fail()
+        self.modacked.extend(request["ack_ids"])
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("a bug"), ValueError("Cannot invoke RPC on closed channel!"),
+     gexc.PermissionDenied("no")],
+    ids=lambda e: type(e).__name__,
+)  # fmt: skip
+def test_the_ack_thread_survives_a_failed_request_and_sends_the_next(error: Exception) -> None:
+    # Given an acknowledger whose first request fails with an error outside its retry list
+    client = _FlakyClient(error)
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    acks.start()
+    try:
+        # When two acks are sent one after the other
+        first = acks.ack("a", confirm=True)
+        assert first is not None and first.result(timeout=5) is False
+        # Then it says so while it cannot send, and the next one goes through
+        assert acks.healthy is False
+        second = acks.ack("b", confirm=True)
+        assert second is not None and second.result(timeout=5) is True
+        assert acks.healthy is True and client.acked == ["b"]
+    finally:
+        assert acks.close(timeout=5)
+
+
+def test_the_ack_thread_survives_a_bug_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an acknowledger whose batch handling breaks once
+    client = _FlakyClient()
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    real, calls = acks._send, {"n": 0}
+
+    def broken_once(*args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("bug")
+        real(*args)
+
+    monkeypatch.setattr(acks, "_send", broken_once)
+    acks.start()
+    try:
+        # When two acks are sent
+        first = acks.ack("a", confirm=True)
+        assert first is not None and first.result(timeout=5) is False
+        second = acks.ack("b", confirm=True)
+        # Then the first is answered (not taken), nothing hangs, and the second is sent
+        assert second is not None and second.result(timeout=5) is True
+        assert client.acked == ["b"] and acks.flush(timeout=5)
+    finally:
+        acks.close(timeout=5)
+
+
+def test_a_retried_transient_failure_reports_only_the_ids_that_failed() -> None:
+    # Given an exactly-once subscription that refuses "b" for good and "c" transiently, then
+    # fails the retry of "c" with an outage
+    from google.rpc import error_details_pb2
+
+    info = error_details_pb2.ErrorInfo(reason="EXACTLY_ONCE_ACKID_FAILURE")
+    info.metadata.update({"b": "PERMANENT_FAILURE_INVALID_ACK_ID", "c": "TRANSIENT_FAILURE_X"})
+    client = _FlakyClient(
+        gexc.InvalidArgument("partly", details=[info]), *[gexc.ServiceUnavailable("down")] * 4
+    )
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.01)
+    acks.start()
+    try:
+        futures = {ack_id: acks.ack(ack_id, confirm=True) for ack_id in "abc"}
+        results = {a: f.result(timeout=10) for a, f in futures.items() if f is not None}
+    finally:
+        acks.close(timeout=5)
+    # Then "a", which went through in the first request, is reported as taken
+    assert results == {"a": True, "b": False, "c": False}
+
+
+def test_the_leaser_survives_an_exception_and_keeps_extending() -> None:
+    # Given a leaser whose acks raise on its first periodic extension, then recover
+    class Breaks(FakeAcks):
+        calls = 0
+
+        def extend(self, deliveries: list[Delivery], seconds: float) -> None:
+            self.calls += 1
+            if self.calls == 2:  # the first is the extension at receipt
+                raise RuntimeError("bug")
+            super().extend(deliveries, seconds)
+
+    acks = Breaks()
+    leaser = Leaser(acks, extension=0.03)  # extends every 10 ms
+    leaser.add([make_delivery(b"{}", {})])
+    leaser.start()
+    try:
+        # Then it keeps extending the held message, and is healthy again
+        assert _eventually(lambda: acks.calls >= 4)
+        assert _eventually(lambda: leaser.healthy)
+    finally:
+        leaser.stop(timeout=5)
+
+
+def test_the_leaser_says_it_is_unhealthy_while_extensions_fail() -> None:
+    class Fails(FakeAcks):
+        def extend(self, deliveries: list[Delivery], seconds: float) -> None:
+            if deliveries and self.extended:
+                raise RuntimeError("bug")
+            super().extend(deliveries, seconds)
+
+    leaser = Leaser(Fails(), extension=0.03)
+    leaser.add([make_delivery(b"{}", {})])
+    leaser.start()
+    try:
+        assert _eventually(lambda: not leaser.healthy)
+        assert leaser._thread is not None and leaser._thread.is_alive()
+    finally:
+        leaser.stop(timeout=5)
+
+
+def test_the_timer_thread_survives_a_failing_callback() -> None:
+    timers = Timers()
+    timers.start()
+    fired = threading.Event()
+    try:
+
+        def broken() -> None:
+            raise RuntimeError("bug")
+
+        timers.call_after(0.01, broken)
+        timers.call_after(0.02, fired.set)
+        assert fired.wait(5)
+    finally:
+        timers.close(timeout=5)
+
+
+def test_timers_fire_in_order_and_cancelled_ones_never_fire() -> None:
+    timers = Timers()
+    timers.start()
+    order: list[int] = []
+    try:
+        # Given 3,000 timers cancelled well before they are due, and three that are not
+        cancelled = [timers.call_after(60, lambda: order.append(-1)) for _ in range(3000)]
+        for timer in cancelled:
+            timer.cancel()
+        for i in (3, 1, 2):
+            timers.call_after(0.05 * i, lambda i=i: order.append(i))  # type: ignore[misc]
+        # Then the three fire in order of their times, and the cancelled ones are swept out
+        # of the heap by later scheduling instead of being kept until they are due
+        assert _eventually(lambda: len(order) == 3)
+        assert order == [1, 2, 3]
+        for _ in range(1024):
+            timers.call_after(60, lambda: None).cancel()
+        assert len(timers._heap) < 1024
+    finally:
+        timers.close(timeout=5)
+
+
+def test_the_pull_loop_survives_any_exception_and_reports_it_unhealthy() -> None:
+    # Given a pull loop whose client fails with errors of every kind, then answers
+    class Pool:
+        def wait_for_room(self, timeout: float) -> int:
+            return 1
+
+        def admit(self, deliveries: list[object]) -> None:
+            raise AssertionError("nothing was published")
+
+    class Client:
+        def __init__(self) -> None:
+            self.errors: list[BaseException] = [
+                RuntimeError("bug"), gexc.PermissionDenied("no"), ValueError("closed channel")
+            ]  # fmt: skip
+
+        def pull(self, **kwargs: Any) -> Any:
+            if self.errors:
+                raise self.errors.pop(0)
+
+            return SimpleNamespace(received_messages=[])
+
+    client = Client()
+    puller = Puller(client, "projects/p/subscriptions/s", Pool(), max_backoff=0.01)  # type: ignore[arg-type]
+    puller.start()
+    try:
+        # Then it keeps pulling, and is healthy again once a pull answers
+        assert _eventually(lambda: not client.errors and puller.healthy.is_set())
+    finally:
+        puller.stop(timeout=5)
