@@ -1,9 +1,9 @@
 """The local BigQuery emulator for the tests, and the statement seam the emulator needs.
 
 ``local_bigquery`` runs ``local-bigquery serve`` (through ``_SERVE``, which starts V8 first;
-local-bigquery 0.3.2 needs Python 3.13: it lives in its own venv, ``.bqemu-venv`` in the repo, made on first use by
-emulator/install-bigquery-emulator.sh) on a free port with a
-fresh data directory, in its own process group, and kills the group afterwards.
+local-bigquery 0.3.2 needs Python 3.13: it lives in its own venv, ``.bqemu-venv`` in the repo,
+made on first use by emulator/install-bigquery-emulator.sh) on a free port with a fresh data
+directory, in its own process group, and kills the group afterwards.
 ``BIGQUERY_EMULATOR_HOST`` set beforehand means "use that one instead".
 
 The emulator runs jobs in the background, keeps labels, answers 409 for a repeated job id and

@@ -114,6 +114,8 @@ def test_dockerfile_runs_workerpool_as_non_root_and_drains_on_sigterm() -> None:
     assert user and user[-1] not in ("USER root", "USER 0")
     assert 'ENTRYPOINT ["workerpool", "run"]' in lines  # exec form: signals reach the worker
     assert "STOPSIGNAL SIGTERM" in lines
+    # The malloc setting tests/test_hostile_emulator.py measured RSS with
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in text
     secret_words = ("GOOGLE_APPLICATION_CREDENTIALS", "key.json", "SECRET", "PASSWORD", "TOKEN")
     assert not any(word in text for word in secret_words)
 

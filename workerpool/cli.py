@@ -78,6 +78,9 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--max-outstanding", type=int, help="Jobs running at once, at most."),
     click.option("--prefetch", type=int, help="Messages held beyond max-outstanding."),
     click.option("--max-bytes", type=int, help="Bytes held at most."),
+    click.option(
+        "--max-payload-bytes", type=int, help="Bigger message data is dead-lettered as oversize."
+    ),
     click.option("--drain-timeout", type=float, help="Seconds running jobs get on SIGTERM."),
     click.option("--lease-extension", type=float, help="Seconds each lease extension adds."),
     click.option("--min-backoff", type=float, help="First retry delay, seconds."),

@@ -41,6 +41,9 @@ ERR_HANDLER_RETURNED_AWAITABLE: Final = "handler_returned_awaitable"
 
 # Pub/Sub limits.
 MAX_MESSAGE_BYTES: Final = 10 * 1024 * 1024
+# The largest publish request google-cloud-pubsub sends (its _SERVER_PUBLISH_MAX_BYTES, the
+# backend's limit); it refuses a bigger one with MessageTooLargeError before sending it.
+MAX_PUBLISH_REQUEST_BYTES: Final = 10_000_000
 MAX_ATTRIBUTES: Final = 100
 MAX_ATTRIBUTE_VALUE_BYTES: Final = 1024
 # The longest ack deadline, which also bounds a delay expressed as modify_ack_deadline.

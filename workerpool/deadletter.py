@@ -59,6 +59,54 @@ def failure_attributes(
     return {**kept, **added}
 
 
+def _field_size(length: int) -> int:
+    """Bytes of one length-delimited protobuf field: tag, varint length, payload."""
+    return 1 + max(1, (length.bit_length() + 6) // 7) + length
+
+
+def publish_request_size(topic: str, data: bytes, attributes: dict[str, str]) -> int:
+    """Bytes of the PublishRequest carrying this one message (as the client counts them)."""
+    entries = sum(
+        _field_size(_field_size(len(k.encode())) + _field_size(len(v.encode())))
+        for k, v in attributes.items()
+    )
+    return _field_size(len(topic.encode())) + _field_size(_field_size(len(data)) + entries)
+
+
+def fit_record(
+    topic: str, data: bytes, attributes: dict[str, str], limit: int = c.MAX_PUBLISH_REQUEST_BYTES
+) -> tuple[bytes, dict[str, str]]:
+    """The record, made to fit one publish request.
+
+    A message that was within Pub/Sub's limit can exceed it once the failure attributes are
+    added; refused, its record would never be written and the message never acked. If the
+    data fits beside the failure and priority attributes, other original attributes are left
+    out (last in key order first, as the 100-attribute limit drops them); else the data is cut
+    and every attribute kept. The error message says what was left out.
+    """
+    if publish_request_size(topic, data, attributes) <= limit:
+        return data, attributes
+    record = dict(attributes)
+    message = truncate_utf8(record.get(c.ATTR_ERROR_MESSAGE, ""), c.MAX_ATTRIBUTE_VALUE_BYTES - 160)
+    record[c.ATTR_ERROR_MESSAGE] = message + " " * 160  # room for the note below
+    ours = {*c.FAILURE_ATTRIBUTES, *_PRIORITY}
+    droppable = sorted((k for k in record if k not in ours), reverse=True)
+    dropped = 0
+    if publish_request_size(topic, data, {k: record[k] for k in record if k in ours}) <= limit:
+        while publish_request_size(topic, data, record) > limit:
+            del record[droppable[dropped]]
+            dropped += 1
+    cut = data  # else the data must be cut anyway: keep every attribute
+    excess = publish_request_size(topic, data, record) - limit
+    if excess > 0:
+        cut = data[: max(0, len(data) - excess)]
+    record[c.ATTR_ERROR_MESSAGE] = (
+        f"{message} [cut to fit one publish request: {dropped} original attributes dropped,"
+        f" data {len(data)} -> {len(cut)} bytes]"
+    )
+    return cut, record
+
+
 class DeadLetterPublisher:
     """Publishes failure records and waits for the server's confirmation."""
 
@@ -88,6 +136,7 @@ class DeadLetterPublisher:
             topic=self._source_topic,
             worker=self._worker,
         )
-        future = self._publisher.publish(self.topic, delivery.data, **attributes)
+        data, attributes = fit_record(self.topic, delivery.data, attributes)
+        future = self._publisher.publish(self.topic, data, **attributes)
         message_id: str = future.result(timeout=self._timeout)
         return message_id

@@ -17,7 +17,7 @@ from workerpool import constants as c
 from workerpool.delivery import Delivery
 from workerpool.payload import PayloadError, convert
 from workerpool.registry import JobSpec, Registry
-from workerpool.text import safe_text
+from workerpool.text import truncate_utf8
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,36 @@ def parse_json(data: bytes) -> Any:
     return json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
 
 
+class _Invalid(Exception):
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.message = message
+
+
+def _payload(spec: JobSpec, data: bytes) -> Any:
+    """What the handler gets from the message data; raises ``_Invalid`` saying why not."""
+    try:
+        value = parse_json(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _Invalid(c.ERR_NOT_JSON, f"payload is not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise _Invalid(c.ERR_NOT_JSON, "payload is JSON nested too deeply to parse") from None
+    if not isinstance(value, dict):
+        raise _Invalid(c.ERR_NOT_OBJECT, f"payload is JSON {type(value).__name__}, not an object")
+    if spec.payload is None:
+        return value
+    try:
+        return convert(spec.payload, value)
+    except PayloadError as exc:
+        raise _Invalid(c.ERR_INVALID_PAYLOAD, str(exc)) from None
+    except RecursionError:  # a recursive payload type, and JSON nested almost to the limit
+        raise _Invalid(c.ERR_INVALID_PAYLOAD, "payload is nested too deeply to convert") from None
+    except Exception as exc:  # a payload class the converter cannot handle: still a record
+        log.exception("job %s: converting its payload to %s failed", spec.name, spec.payload)
+        raise _Invalid(c.ERR_INVALID_PAYLOAD, f"payload conversion failed: {exc!r}") from None
+
+
 def job_id_of(delivery: Delivery) -> str:
     return delivery.attributes.get(c.ATTR_JOB_ID) or delivery.message_id
 
@@ -77,7 +107,9 @@ def decode(
     job_id = job_id_of(delivery)
 
     def reject(error_type: str, message: str) -> Rejection:
-        return Rejection(error_type, safe_text(message), name, job_id)
+        # Cut as the failure record will be: a hostile field name or value may be megabytes,
+        # and the processor logs this message too.
+        return Rejection(error_type, truncate_utf8(message), name, job_id)
 
     if len(delivery.data) > max_payload_bytes:
         return reject(
@@ -89,19 +121,9 @@ def decode(
     if spec is None:
         return reject(c.ERR_UNKNOWN_JOB, f"no job named {name!r} is registered")
     try:
-        data = parse_json(delivery.data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        return reject(c.ERR_NOT_JSON, f"payload is not UTF-8 JSON: {exc}")
-    except RecursionError:
-        return reject(c.ERR_NOT_JSON, "payload is JSON nested too deeply to parse")
-    if not isinstance(data, dict):
-        return reject(c.ERR_NOT_OBJECT, f"payload is JSON {type(data).__name__}, not an object")
-    payload: Any = data
-    if spec.payload is not None:
-        try:
-            payload = convert(spec.payload, data)
-        except PayloadError as exc:
-            return reject(c.ERR_INVALID_PAYLOAD, str(exc))
+        payload = _payload(spec, delivery.data)
+    except _Invalid as exc:
+        return reject(exc.error_type, exc.message)
     if c.ATTR_JOB_ID not in delivery.attributes:
         log.warning("message %s has no job_id attribute; using the message id", job_id)
     return Job(

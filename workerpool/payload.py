@@ -55,10 +55,16 @@ def _convert(tp: Any, value: object, path: str) -> Any:
             raise PayloadError(path, f"expected an object, got {_type_name(value)}")
         return {k: _convert(value_type, v, _join(path, f"[{k!r}]")) for k, v in value.items()}
     if origin is typing.Literal:
-        if value not in typing.get_args(tp):
+        if not any(_same_literal(value, v) for v in typing.get_args(tp)):
             raise PayloadError(path, f"expected one of {list(typing.get_args(tp))}, got {value!r}")
         return value
     return _convert_scalar(tp, value, path)
+
+
+def _same_literal(value: object, literal: object) -> bool:
+    # True == 1 and 1.0 == 1, yet neither is the literal 1 (nor 1 the literal True).
+    numeric = isinstance(literal, int | float) or isinstance(value, int | float)
+    return value == literal and (type(value) is type(literal) or not numeric)
 
 
 def _convert_union(tp: Any, value: object, path: str) -> Any:
@@ -79,7 +85,10 @@ def _convert_union(tp: Any, value: object, path: str) -> Any:
 def _convert_scalar(tp: Any, value: object, path: str) -> Any:
     # JSON has one number type: accept an int where a float is declared, never a bool for either.
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # JSON allows 4300 digits; a float holds about 308
+            raise PayloadError(path, "expected float, got an integer beyond its range") from None
     if tp in (int, float) and isinstance(value, bool):
         raise PayloadError(path, f"expected {tp.__name__}, got bool")
     if isinstance(tp, type) and isinstance(value, tp):
@@ -102,4 +111,9 @@ def _convert_dataclass(cls: type[Any], value: object, path: str) -> Any:
             kwargs[name] = _convert(hints[name], value[name], _join(path, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise PayloadError(_join(path, name), "required field is missing")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except PayloadError:
+        raise
+    except (TypeError, ValueError) as exc:  # the dataclass's own checks (``__post_init__``)
+        raise PayloadError(path, f"{type(exc).__name__}: {exc}") from None
