@@ -1,4 +1,8 @@
-"""Fixtures: one Pub/Sub emulator per session, fresh topics and subscriptions per test."""
+"""Fixtures: one Pub/Sub emulator per session, fresh topics and subscriptions per test.
+
+Every test that needs an emulator is marked ``emulator`` here, from what it uses, so
+``pytest -m "not emulator"`` is the fast unit tier without anyone marking tests by hand.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,21 @@ from tests.support import PubSubEnv
 from workerpool.testing import pubsub_emulator
 
 PROJECT = "workerpool-test"
+# Fixtures that start (or need) an emulator, directly or through the fixtures they use.
+EMULATOR_FIXTURES = frozenset({"emulator_host", "pubsub", "firestore_emulator", "bigquery_host"})
+# Parametrized backends that live on an emulator.
+EMULATOR_PARAMS = frozenset({"firestore"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            EMULATOR_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or EMULATOR_PARAMS & {value for value in params.values() if isinstance(value, str)}
+            or "_emulator" in item.path.stem  # starts an emulator process of its own
+        ):
+            item.add_marker(pytest.mark.emulator)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,19 @@ class FakeDeadLetters:
         return str(len(self.records))
 
 
+class FakeClock:
+    """A clock that tests advance instead of sleeping (wall-clock seconds by default)."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def make_delivery(
     data: bytes, attributes: dict[str, str], *, message_id: str = "m-1", attempt: int | None = 1
 ) -> Delivery:

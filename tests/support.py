@@ -171,32 +171,10 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
-def start_worker(
-    env: PubSubEnv, ledger: Path, *args: str, store: str = ""
-) -> subprocess.Popen[str]:
-    """A real ``workerpool run`` process on ``env``'s subscription, running jobs.demo.
-
-    Workers of one test share an SQLite idempotency store beside the ledger unless ``store``
-    names another."""
-    command = worker_command(env, ledger, *args, store=store)
-    environment = {
-        **os.environ,
-        "PUBSUB_EMULATOR_HOST": env.host,
-        "WORKERPOOL_DEMO_LEDGER": str(ledger),
-    }
-    return subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def read_ledger(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def worker_command(env: PubSubEnv, ledger: Path, *args: str, store: str = "") -> list[str]:
-    """The command line ``start_worker`` runs (same defaults)."""
+    """A ``workerpool run`` command on ``env``'s subscription, running jobs.demo. Workers of
+    one test share an SQLite idempotency store beside the ledger unless ``store`` names
+    another."""
     store = store or f"sqlite:///{ledger.parent / 'claims.db'}"
     return [
         sys.executable, "-m", "workerpool", "run",
@@ -287,9 +265,9 @@ def worker_processes() -> Iterator[list[WorkerProcess]]:
                 worker.kill()
 
 
-def read_ledger_lines(path: Path) -> list[dict[str, Any]]:
-    """``read_ledger`` for a ledger still being written: a last line without its newline yet
-    is left out rather than parsed half-written."""
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    """The ledger jobs.demo writes; for one still being written, a last line without its
+    newline yet is left out rather than parsed half-written."""
     if not path.exists():
         return []
     text = path.read_text()
@@ -300,7 +278,5 @@ def read_ledger_lines(path: Path) -> list[dict[str, Any]]:
 def ledger_events(path: Path, outcome: str, pid: int | None = None) -> list[dict[str, Any]]:
     """Ledger lines with ``outcome`` ("start", "done", "cancelled", ...), of ``pid`` if given."""
     return [
-        r
-        for r in read_ledger_lines(path)
-        if r["outcome"] == outcome and (pid is None or r["pid"] == pid)
+        r for r in read_ledger(path) if r["outcome"] == outcome and (pid is None or r["pid"] == pid)
     ]

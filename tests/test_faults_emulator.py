@@ -24,7 +24,7 @@ from tests.support import (
     WorkerProcess,
     http_get,
     ledger_events,
-    read_ledger_lines,
+    read_ledger,
     spawn_worker,
     wait_for,
     worker_processes,
@@ -273,7 +273,7 @@ def test_healthz_fails_while_claims_cannot_be_renewed_and_recovers(
 def _assert_never_two_at_once(ledger: Path) -> None:
     """No two runs of one job id overlap in time (from their start and end lines)."""
     runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for line in read_ledger_lines(ledger):
+    for line in read_ledger(ledger):
         if line["outcome"] != "start":
             runs[line["job_id"]].append((line["start"], line["end"]))
     for job_id, intervals in runs.items():

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.fakes import FakeClock
 from workerpool.emulator import LocalEmulator, free_port, gcloud_available
 from workerpool.idempotency import (
     Claimed,
@@ -34,19 +35,6 @@ RETENTION = 3600.0
 PROJECT = "workerpool-idempotency"
 JOB = "reports/2024-01-01"  # a "/" must not break backends that use the id as a key
 StoreFactory = Callable[[], IdempotencyStore]
-
-
-class FakeClock:
-    """Wall-clock stand-in that tests advance instead of sleeping."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture(scope="session")

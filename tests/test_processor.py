@@ -203,7 +203,8 @@ _bodies = st.one_of(
 )
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# tests/test_hostile_input.py holds the wide grammar; this keeps the processor's own shapes.
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=_bodies, attributes=_attributes, attempt=st.one_of(st.none(), st.integers(1, 9)))
 def test_random_messages_end_as_a_run_or_one_failure_record(
     body: bytes, attributes: dict[str, str], attempt: int | None

@@ -6,21 +6,21 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-from tests.support import PubSubEnv, read_ledger, start_worker, wait_for
+from tests.support import PubSubEnv, read_ledger, spawn_worker, wait_for, worker_processes
 
 
 def test_two_workers_share_a_backlog_without_hoarding(pubsub: PubSubEnv, tmp_path: Path) -> None:
     # Given 40 one-second jobs and two worker processes with max_outstanding=2 each
     pubsub.provision()
     ledger = tmp_path / "ledger.jsonl"
-    workers = [start_worker(pubsub, ledger, "--max-outstanding", "2") for _ in range(2)]
-    try:
+    with worker_processes() as workers:
+        for _ in range(2):
+            workers.append(spawn_worker(pubsub, ledger, "--max-outstanding", "2", starts=False))
         pubsub.publish_many("demo.sleep", [(f"job-{i}", {"seconds": 1.0}) for i in range(40)])
         # When they run until the backlog is done
         assert wait_for(lambda: len(read_ledger(ledger)) >= 40, timeout=90)
-    finally:
         for worker in workers:
-            worker.send_signal(signal.SIGTERM)
+            worker.signal(signal.SIGTERM)
         codes = [worker.wait(30) for worker in workers]
     runs = read_ledger(ledger)
     # Then every job ran once, each worker ran a fair share, and 4 slots were kept busy
