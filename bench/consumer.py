@@ -187,7 +187,7 @@ def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> 
     from workerpool.cli import main
     from workerpool.registry import registry
 
-    options = {"rate_limit": RATE_LIMIT} if args.rate_limit else {}
+    options: dict[str, Any] = {"rate_limit": RATE_LIMIT} if args.rate_limit else {}
 
     @registry.job(JOB, **options)
     def bench_job(ctx: Any, payload: Any) -> None:
@@ -256,13 +256,18 @@ async def _aio(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None
     loop = asyncio.get_running_loop()
     asked = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, asked.set)
-    stop.how = lambda: loop.call_soon_threadsafe(asked.set)
+
+    def ask() -> None:
+        loop.call_soon_threadsafe(asked.set)
+
+    stop.how = ask
 
     async def handler(message: SubscriberMessage) -> None:
-        await recorder.run_async(message.attributes["job_id"], args.seconds)
+        await recorder.run_async((message.attributes or {})["job_id"], args.seconds)
 
     async with aiohttp.ClientSession() as session:
-        client = SubscriberClient(session=session)
+        # Typed as its own Session wrapper; it takes an aiohttp session as its docs show.
+        client = SubscriberClient(session=session)  # type: ignore[arg-type]
         task = asyncio.create_task(
             subscribe(
                 f"projects/{args.project}/subscriptions/{args.subscription}",

@@ -154,7 +154,7 @@ def _timeout(count: int, seconds: float, n: int) -> float:
 
 def rate(report: dict[str, Any]) -> float:
     """Jobs per second from the first start to the last end."""
-    return float(report["finished"]) / (report["last_end"] - report["first_start"])
+    return float(report["finished"]) / float(report["last_end"] - report["first_start"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,7 @@ from workerpool import constants as c
 @dataclass(frozen=True)
 class Backoff:
     minimum: float = c.DEFAULT_MIN_BACKOFF
-    # A delay is a modify_ack_deadline, which Pub/Sub caps.
-    maximum: float = c.MAX_ACK_DEADLINE_SECONDS
+    maximum: float = c.DEFAULT_MAX_BACKOFF
     factor: float = 2.0
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:

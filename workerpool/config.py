@@ -27,17 +27,17 @@ class Settings:
     project: str = ""
     subscription: str = ""
     dead_letter_topic: str = ""
-    max_outstanding: int = 10
+    max_outstanding: int = c.DEFAULT_MAX_OUTSTANDING
     prefetch: int = c.DEFAULT_PREFETCH
-    max_bytes: int = 100 * 1024 * 1024
+    max_bytes: int = c.DEFAULT_MAX_HELD_BYTES
     max_payload_bytes: int = c.MAX_MESSAGE_BYTES
     drain_timeout: float = c.DEFAULT_DRAIN_TIMEOUT
-    lease_extension: float = 30.0
-    min_backoff: float = 2.0
-    max_backoff: float = 600.0
+    lease_extension: float = c.DEFAULT_LEASE_EXTENSION
+    min_backoff: float = c.DEFAULT_MIN_BACKOFF
+    max_backoff: float = c.DEFAULT_MAX_BACKOFF
     jobs: tuple[str, ...] = ()
     idempotency_store: str = "sqlite:///workerpool-idempotency.db"
-    claim_ttl: float = 60.0
+    claim_ttl: float = c.DEFAULT_CLAIM_TTL
     # Serve /metrics, /healthz and /readyz on this port; 0: nothing listens.
     metrics_port: int = 0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.

@@ -49,13 +49,16 @@ MAX_ATTRIBUTE_VALUE_BYTES: Final = 1024
 # The longest ack deadline, which also bounds a delay expressed as modify_ack_deadline.
 MAX_ACK_DEADLINE_SECONDS: Final = 600
 
-# Defaults.
+# Defaults of the worker's settings, used by Settings and by each part that has the setting.
+DEFAULT_MAX_OUTSTANDING: Final = 10
+DEFAULT_MAX_HELD_BYTES: Final = 100 * 1024 * 1024
 DEFAULT_MAX_ATTEMPTS: Final = 5
 DEFAULT_TIMEOUT_SECONDS: Final = 3600.0
 DEFAULT_PREFETCH: Final = 2
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 DEFAULT_LEASE_EXTENSION: Final = 30.0
 DEFAULT_MIN_BACKOFF: Final = 2.0
+DEFAULT_MAX_BACKOFF: Final = float(MAX_ACK_DEADLINE_SECONDS)
 DEFAULT_CLAIM_TTL: Final = 60.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
 

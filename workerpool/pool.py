@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from workerpool import constants as c
 from workerpool.delivery import Delivery
 from workerpool.interfaces import Leases
 from workerpool.processor import Processor
@@ -23,8 +24,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PoolLimits:
     max_outstanding: int
-    prefetch: int = 2
-    max_bytes: int = 100 * 1024 * 1024
+    prefetch: int = c.DEFAULT_PREFETCH
+    max_bytes: int = c.DEFAULT_MAX_HELD_BYTES
 
     def __post_init__(self) -> None:
         if self.max_outstanding < 1:
