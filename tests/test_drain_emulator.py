@@ -98,6 +98,9 @@ def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
         assert len(started_by_first) == 4, started_by_first
         assert done_by_first == started_by_first
         assert not ledger_events(ledger, "cancelled")
+        # and its last line says how many it released: the 2 it held beyond its 4 slots
+        [drained] = [line for line in first.output().splitlines() if "drained in" in line]
+        assert ": 2 released, 4 finished, 0 interrupted" in drained, drained
 
         # When the second worker runs the rest, and keeps pulling until a lost ack or release
         # of the first worker would have come back
