@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from google.cloud import pubsub_v1
-
 from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
-from workerpool.clients import Clients
+from workerpool.clients import Clients, publisher_client, subscriber_client
 from workerpool.config import Settings
 from workerpool.idempotency import IdempotencyStore
 from workerpool.launcher import Launcher
@@ -41,8 +39,9 @@ class PubSubEnv:
         self.topic = f"t-{suffix}"
         self.subscription = f"s-{suffix}"
         self.dead_letter_topic = f"dlq-{suffix}"
-        self.publisher = pubsub_v1.PublisherClient()
-        self.subscriber = pubsub_v1.SubscriberClient()
+        # Clients' channels: the library's emulator channel cannot receive over 4 MiB
+        self.publisher = publisher_client()
+        self.subscriber = subscriber_client()
 
     @property
     def topic_path(self) -> str:

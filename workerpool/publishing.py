@@ -49,9 +49,9 @@ def _publisher() -> Any:
     global _default_publisher
     with _default_lock:
         if _default_publisher is None:
-            from google.cloud.pubsub_v1 import PublisherClient
+            from workerpool.clients import publisher_client
 
-            _default_publisher = PublisherClient()
+            _default_publisher = publisher_client()
         return _default_publisher
 
 
