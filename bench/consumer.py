@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import resource
 import signal
@@ -184,8 +185,10 @@ class Stop:
 
 
 def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
-    from workerpool.cli import main
+    from workerpool.config import load_settings
     from workerpool.registry import registry
+    from workerpool.telemetry.logs import setup_logging
+    from workerpool.worker.service import serve
 
     options: dict[str, Any] = {"rate_limit": RATE_LIMIT} if args.rate_limit else {}
 
@@ -195,29 +198,27 @@ def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> 
 
     work = Path(tempfile.mkdtemp(prefix="bench-wp-"))
     bare = args.impl == "workerpool-bare"
+    flags: dict[str, Any] = {
+        "project": args.project,
+        "subscription": args.subscription,
+        "max_outstanding": args.n,
+        "prefetch": args.prefetch,
+        "drain_timeout": args.drain_timeout,
+    }
     if bare:
         os.environ["OTEL_SDK_DISABLED"] = "true"
-        store, extra = "none", ["--log-level", "warning"]
+        flags["idempotency_store"] = "none"
     else:
         os.environ["OTEL_TRACES_SAMPLER"] = "always_off"
-        store, extra = f"sqlite:///{work / 'idempotency.db'}", []
-    command = [
-        *extra,
-        "run",
-        f"--project={args.project}",
-        f"--subscription={args.subscription}",
-        f"--max-outstanding={args.n}",
-        f"--prefetch={args.prefetch}",
-        f"--drain-timeout={args.drain_timeout}",
-        f"--idempotency-store={store}",
-    ]
-    if not bare:
-        command.append(f"--metrics-port={args.metrics_port}")
+        flags["idempotency_store"] = f"sqlite:///{work / 'idempotency.db'}"
+        flags["metrics_port"] = args.metrics_port
     if args.rate_limit:
-        command.append(f"--rate-limit={RATE_LIMIT}={args.rate_limit}")
-    # ``workerpool run`` drains on SIGTERM: the last job sends one, as a deployment would.
+        flags["rate_limit"] = (f"{RATE_LIMIT}={args.rate_limit}",)
+    setup_logging(level=logging.WARNING if bare else logging.INFO)
+    # What ``workerpool run`` does, short of ending the process: the report is written after.
+    # It drains on SIGTERM: the last job sends one, as a deployment would.
     stop.how = lambda: os.kill(os.getpid(), signal.SIGTERM)
-    main(command, standalone_mode=False)
+    serve(load_settings(None, flags))
 
 
 def run_plain(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:

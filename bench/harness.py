@@ -23,9 +23,9 @@ from google.cloud import pubsub_v1
 from google.pubsub_v1 import PubsubMessage
 
 from bench.consumer import ACK_DEADLINE, JOB
-from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.constants import DEFAULT_PREFETCH
-from workerpool.emulator import free_port
+from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
+from workerpool.testing.emulator import free_port
 
 _PUBLISH_BATCH = 1000  # messages per Publish call
 

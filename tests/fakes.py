@@ -1,7 +1,7 @@
 """In-process fakes for pure-logic tests of the data path (no Pub/Sub involved).
 
-They have the shapes of ``workerpool.interfaces``, so the processor, pool and leaser take them
-without a ``type: ignore``.
+They have the shapes of ``workerpool.worker.interfaces``, so the processor, pool and leaser
+take them without a ``type: ignore``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from workerpool.deadletter import Failure
-from workerpool.delivery import Delivery
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.failures import Failure
 
 
 @dataclass

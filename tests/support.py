@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workerpool.admin import ProvisionRequest, provision, subscription_path, topic_path
-from workerpool.clients import Clients, publisher_client, subscriber_client
 from workerpool.config import Settings
 from workerpool.idempotency import IdempotencyStore
-from workerpool.launcher import Launcher
+from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.registry import Registry
 from workerpool.telemetry import Telemetry
+from workerpool.worker.clients import Clients, publisher_client, subscriber_client
+from workerpool.worker.launcher import Launcher
 
 
 @dataclass

@@ -18,9 +18,9 @@ from google.api_core import exceptions as gexc
 
 from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext
-from workerpool.clients import subscriber_client
-from workerpool.pool import Pool
 from workerpool.registry import Registry
+from workerpool.worker.clients import subscriber_client
+from workerpool.worker.pool import Pool
 
 BIG = 9_500_000  # bytes of message data: over gRPC's 4 MiB default, under Pub/Sub's 10 MB
 

@@ -16,12 +16,12 @@ from google.api_core import exceptions as gexc
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.faults.store import FaultyStore
 from workerpool import JobContext, RetryableError
-from workerpool.backoff import Backoff
 from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore, StoreUnavailable
 from workerpool.idempotency.middleware import Idempotency
-from workerpool.processor import Processor, ProcessorSettings
 from workerpool.registry import Registry
-from workerpool.timers import Timers
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.timers import Timers
 
 TTL = 0.6  # margin ttl/6 = 0.1 s, renewals every 0.2 s
 OWNER = "w1"

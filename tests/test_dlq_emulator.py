@@ -15,7 +15,7 @@ from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.cli import main
-from workerpool.dlq import FailureRecord, Replayer, peek
+from workerpool.ops.dlq import FailureRecord, Replayer, peek
 from workerpool.registry import Registry
 from workerpool.telemetry import Telemetry
 

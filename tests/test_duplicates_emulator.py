@@ -22,7 +22,7 @@ from tests.support import (
 )
 from tests.test_idempotency import PROJECT as FIRESTORE_PROJECT
 from tests.test_idempotency import firestore_emulator  # noqa: F401  (the session fixture)
-from workerpool.emulator import LocalEmulator
+from workerpool.testing.emulator import LocalEmulator
 
 JOBS = 200
 

@@ -7,8 +7,8 @@ import os
 import pytest
 from google.cloud import pubsub_v1
 
-from workerpool.emulator import LocalEmulator, gcloud_available
 from workerpool.testing import docker_engine_answers, pubsub_emulator
+from workerpool.testing.emulator import LocalEmulator, gcloud_available
 
 
 def _round_trip(host: str) -> bytes:

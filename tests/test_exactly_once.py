@@ -10,8 +10,8 @@ from google.rpc import error_details_pb2
 
 from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext
-from workerpool.acks import Acknowledger
 from workerpool.registry import Registry
+from workerpool.worker.acks import Acknowledger
 
 
 class _RefusingClient:

@@ -29,7 +29,7 @@ from tests.support import (
     wait_for,
     worker_processes,
 )
-from workerpool.emulator import free_port
+from workerpool.testing.emulator import free_port
 
 # What the platform allows beyond drain_timeout before its SIGKILL, and what we promise.
 BUDGET_MARGIN = 1.0

@@ -17,7 +17,7 @@ from tests.support import (
     worker_processes,
 )
 from workerpool import constants as c
-from workerpool.emulator import free_port
+from workerpool.testing.emulator import free_port
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

@@ -21,18 +21,18 @@ from tests import hostile
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.hostile import RUN, Case, Target, TypedJob
 from workerpool import constants as c
-from workerpool.backoff import Backoff
-from workerpool.deadletter import (
+from workerpool.registry import Registry
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import Job, Rejection, decode
+from workerpool.worker.failures import (
     DeadLetterPublisher,
     Failure,
     failure_attributes,
     publish_request_size,
 )
-from workerpool.delivery import Delivery
-from workerpool.envelope import Job, Rejection, decode
-from workerpool.processor import Processor, ProcessorSettings
-from workerpool.registry import Registry
-from workerpool.text import truncate_utf8
+from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.text import truncate_utf8
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
 LIMIT = 600_000  # max_payload_bytes of most tests: room for 100k levels of nesting
@@ -328,7 +328,7 @@ def test_a_converter_crash_is_a_failure_record_not_an_escape(
     jobs.job("t.local", payload=Outer)(lambda ctx, payload: runs.append(payload))
     h = harness(jobs=jobs, runs=runs)
     # When a message for it is processed
-    with caplog.at_level(logging.ERROR, logger="workerpool.envelope"):
+    with caplog.at_level(logging.ERROR, logger="workerpool.worker.envelope"):
         outcome = run_one(h, b'{"inner": {"value": 1}}', {"job": "t.local"})
     # Then it gets one invalid_payload record, and the log says what broke
     assert outcome == c.ERR_INVALID_PAYLOAD

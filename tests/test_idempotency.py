@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from tests.fakes import FakeClock
-from workerpool.emulator import LocalEmulator, free_port, gcloud_available
 from workerpool.idempotency import (
     Claimed,
     Done,
@@ -29,6 +28,7 @@ from workerpool.idempotency import (
     open_store,
 )
 from workerpool.idempotency import sqlite as sqlite_backend
+from workerpool.testing.emulator import LocalEmulator, free_port, gcloud_available
 
 TTL = 60.0
 RETENTION = 3600.0

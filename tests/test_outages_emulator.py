@@ -11,10 +11,10 @@ import pytest
 
 from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext
-from workerpool.emulator import LocalEmulator
 from workerpool.idempotency import StoreUnavailable
 from workerpool.idempotency.firestore import FirestoreStore
 from workerpool.registry import Registry
+from workerpool.testing.emulator import LocalEmulator
 
 
 class RecordingStore(FirestoreStore):
@@ -98,7 +98,7 @@ def test_worker_resumes_after_the_pubsub_emulator_restarts(
         env.provision()
         env.publish_many("t.quick", [(f"before-{i}", {}) for i in range(10)])
         with (
-            caplog.at_level(logging.WARNING, logger="workerpool.subscriber"),
+            caplog.at_level(logging.WARNING, logger="workerpool.worker.puller"),
             env.worker(jobs) as worker,
         ):
             assert wait_for(lambda: len(runs) == 10, timeout=30)

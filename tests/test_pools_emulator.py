@@ -11,8 +11,8 @@ from typing import Any
 from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext
 from workerpool.config import Settings
-from workerpool.launcher import Fleet
 from workerpool.registry import Registry
+from workerpool.worker.launcher import Fleet
 
 
 def test_a_flood_on_one_subscription_does_not_delay_the_other(pubsub: PubSubEnv) -> None:

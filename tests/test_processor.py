@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
-from workerpool.backoff import Backoff
 from workerpool.constants import Label
-from workerpool.deadletter import failure_attributes
-from workerpool.logs import CloudLoggingFormatter, TextFormatter
-from workerpool.middleware import TimeLimit
-from workerpool.outcome import (
+from workerpool.registry import Registry
+from workerpool.telemetry.logs import CloudLoggingFormatter, TextFormatter
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.failures import failure_attributes
+from workerpool.worker.middleware import TimeLimit
+from workerpool.worker.outcome import (
     Ack,
     AlreadyDone,
     DeadLetter,
@@ -40,9 +41,8 @@ from workerpool.outcome import (
     Unavailable,
     decide,
 )
-from workerpool.processor import Processor, ProcessorSettings
-from workerpool.registry import Registry
-from workerpool.timers import Timers
+from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
 

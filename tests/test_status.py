@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workerpool.status import MONITORING_URL, backlog_lines
+from workerpool.ops.status import MONITORING_URL, backlog_lines
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
 

@@ -31,18 +31,23 @@ from workerpool import constants as c
 from workerpool.cli import main
 from workerpool.constants import Label
 from workerpool.errors import ConfigError
-from workerpool.health import HealthServer
-from workerpool.lease import Leaser
-from workerpool.logs import CloudLoggingFormatter, TextFormatter, set_trace_project, setup_logging
-from workerpool.middleware import Middleware
-from workerpool.processor import Processor
 from workerpool.publishing import JobMessage
 from workerpool.ratelimit import LocalLimiters, parse_rate
 from workerpool.registry import Registry
-from workerpool.run import Settled
 from workerpool.telemetry import PrometheusReader, Telemetry, extract, inject
 from workerpool.telemetry.exporters import exporter_names, span_processors
+from workerpool.telemetry.health import HealthServer
+from workerpool.telemetry.logs import (
+    CloudLoggingFormatter,
+    TextFormatter,
+    set_trace_project,
+    setup_logging,
+)
 from workerpool.telemetry.prometheus import metric_name
+from workerpool.worker.lease import Leaser
+from workerpool.worker.middleware import Middleware
+from workerpool.worker.processor import Processor
+from workerpool.worker.run import Settled
 
 
 def _in_memory() -> tuple[InMemorySpanExporter, InMemoryMetricReader, Telemetry]:

@@ -13,11 +13,11 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from tests.fakes import FakeAcks, make_delivery
-from workerpool.acks import Acknowledger
-from workerpool.delivery import Delivery
-from workerpool.lease import Leaser
-from workerpool.subscriber import Puller
-from workerpool.timers import Timers
+from workerpool.worker.acks import Acknowledger
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.lease import Leaser
+from workerpool.worker.puller import Puller
+from workerpool.worker.timers import Timers
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:

@@ -4,35 +4,28 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import sys
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable
-from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
-from workerpool.admin import (
+from workerpool.config import load_settings
+from workerpool.errors import ConfigError
+from workerpool.ops.admin import (
     ProvisionRequest,
     describe_subscription,
     subscription_path,
     topic_path,
 )
-from workerpool.admin import provision as provision_resources
-from workerpool.clients import Clients
-from workerpool.config import load_settings
-from workerpool.errors import ConfigError
-from workerpool.health import HealthServer
-from workerpool.launcher import Fleet
-from workerpool.logs import set_trace_project, setup_logging
+from workerpool.ops.admin import provision as provision_resources
 from workerpool.publishing import JobMessage, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry
-from workerpool.telemetry import PrometheusReader, Telemetry, telemetry_from_env
 from workerpool.telemetry.exporters import publish_span
+from workerpool.telemetry.logs import setup_logging
+from workerpool.worker.clients import Clients
+from workerpool.worker.service import exit_now, serve
 
 
 class _Group(click.Group):
@@ -110,88 +103,14 @@ def _run_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-class _Signals:
-    """Signal handlers only record; the main thread acts. The second signal skips the wait."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.hurry = threading.Event()
-
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        (self.hurry if self.stop.is_set() else self.stop).set()
-
-
 @main.command()
 @_run_options
 def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
     _load_jobs(settings.jobs)
-    set_trace_project(settings.project)
-    scrape = PrometheusReader() if settings.metrics_port else None
-    telemetry = telemetry_from_env(extra_readers=[scrape] if scrape else [])
-    signals = _Signals()
-    signals.install()
-    fleet = Fleet(settings, telemetry=telemetry)
-    health = None
-    if settings.metrics_port:
-        health = HealthServer(
-            settings.metrics_port, healthy=fleet.healthy, ready=fleet.ready, metrics=scrape
-        ).start()
-    fleet.start()
-    while not signals.stop.wait(1.0):
-        pass
-    log = logging.getLogger("workerpool")
-    log.info("signal received: draining (%.0fs)", settings.drain_timeout)
-    deadline = time.monotonic() + settings.drain_timeout
-    _exit_at(deadline + _LAST_RESORT, code=1, why="the drain overran its budget")
-    fleet.stop(deadline, abort=signals.hurry)
-    # The last spans and metrics get what is left; an exporter that cannot reach its
-    # collector must not hold the exit.
-    finish = threading.Thread(target=_shutdown, args=(health, telemetry), daemon=True)
-    finish.start()
-    finish.join(max(0.0, deadline + _EXIT_BY - time.monotonic()))
-    if finish.is_alive():
-        log.warning("telemetry did not flush in time; exiting without it")
-    _exit(0)
-
-
-# After drain_timeout, the exit must come within a second (the platform's SIGKILL follows):
-# the drain takes GRACE of it, flushing telemetry the rest up to _EXIT_BY; what remains is
-# slack for a busy machine, and _LAST_RESORT ends the process whatever still runs.
-_EXIT_BY = 0.75
-_LAST_RESORT = 0.95
-
-
-def _shutdown(health: HealthServer | None, telemetry: Telemetry) -> None:
-    if health is not None:
-        health.stop()
-    telemetry.shutdown()
-
-
-def _exit(code: int) -> NoReturn:
-    """End the process now. Everything is flushed by then; the interpreter's own teardown of
-    the loaded libraries (gRPC, protobuf, OpenTelemetry) took 0.1-0.3 s more, measured, which a
-    10 s Cloud Run grace period cannot spare. atexit handlers do not run: close what a job
-    holds in a middleware's ``close``. The log flush is bounded too: a log pipe whose reader
-    has stalled must not hold the exit."""
-    flush = threading.Thread(target=logging.shutdown, daemon=True)
-    flush.start()
-    flush.join(0.05)
-    os._exit(code)
-
-
-def _exit_at(when: float, *, code: int, why: str) -> None:
-    def watch() -> None:
-        time.sleep(max(0.0, when - time.monotonic()))
-        logging.getLogger("workerpool").error("exiting now: %s", why)
-        _exit(code)
-
-    threading.Thread(target=watch, name="workerpool-exit-watch", daemon=True).start()
+    serve(settings)
+    exit_now(0)
 
 
 @main.command("jobs")
@@ -280,7 +199,7 @@ def publish(
 @click.option("--max-outstanding", type=click.IntRange(1, 256), default=4, show_default=True)
 def demo(count: int, max_outstanding: int) -> None:
     """Run the whole thing on the local emulator: provision, publish, run, drain, summarise."""
-    from workerpool.demo import run_demo
+    from workerpool.ops.demo import run_demo
 
     run_demo(count=count, max_outstanding=max_outstanding, echo=click.echo)
 
@@ -308,7 +227,7 @@ def _dlq_options(func: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
 def dlq_list(project: str, subscription: str, job_name: str | None, limit: int) -> None:
     """Show failure records as a table, leaving them on the subscription."""
-    from workerpool.dlq import peek, table
+    from workerpool.ops.dlq import peek, table
 
     clients = Clients()
     try:
@@ -330,7 +249,7 @@ def dlq_replay(
     project: str, subscription: str, job_name: str | None, limit: int | None, dry_run: bool
 ) -> None:
     """Republish failure records to their source topic; ack each once that is confirmed."""
-    from workerpool.dlq import Replayer
+    from workerpool.ops.dlq import Replayer
 
     clients = Clients()
     counts: Counter[str] = Counter()
@@ -361,7 +280,7 @@ def dlq_replay(
 @click.option("--subscription", required=True)
 def status(project: str, subscription: str) -> None:
     """Show a subscription's settings and, where Cloud Monitoring is reachable, its backlog."""
-    from workerpool.status import status_lines
+    from workerpool.ops.status import status_lines
 
     clients = Clients()
     try:

@@ -49,7 +49,7 @@ def _publisher() -> Any:
     global _default_publisher
     with _default_lock:
         if _default_publisher is None:
-            from workerpool.clients import publisher_client
+            from workerpool.worker.clients import publisher_client
 
             _default_publisher = publisher_client()
         return _default_publisher

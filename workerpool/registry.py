@@ -93,7 +93,7 @@ class Registry:
 def _check_options(name: str, options: dict[str, Any]) -> None:
     # Options beyond the core ones belong to middleware, each declaring what it reads.
     # Imported here: middleware modules import this one.
-    from workerpool.middleware import declared_options
+    from workerpool.worker.middleware import declared_options
 
     extra = declared_options()
     unknown = sorted(set(options) - extra)

@@ -21,11 +21,11 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 
-import workerpool.launcher
+import workerpool.worker.launcher
 from tests.faults.store import FaultyStore
-from workerpool.deadletter import DeadLetterPublisher, Failure
-from workerpool.delivery import Delivery
 from workerpool.idempotency import StoreError, StoreOpener, StoreUnavailable
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.failures import DeadLetterPublisher, Failure
 
 ENV = "WORKERPOOL_TEST_FAULTS"
 
@@ -60,7 +60,7 @@ def _faulty(opener: StoreOpener, faults: list[dict[str, Any]], when: str) -> Sto
 
 def _install(spec: dict[str, Any]) -> None:
     if spec.get("store"):
-        real = workerpool.launcher.store_opener
+        real = workerpool.worker.launcher.store_opener
 
         def store_opener(url: str, **kwargs: Any) -> StoreOpener | None:
             opener = real(url, **kwargs)
@@ -70,7 +70,7 @@ def _install(spec: dict[str, Any]) -> None:
                 else _faulty(opener, spec["store"], spec.get("while_file", ""))
             )
 
-        workerpool.launcher.store_opener = store_opener  # type: ignore[assignment]
+        workerpool.worker.launcher.store_opener = store_opener  # type: ignore[assignment]
     if spec.get("record_delay"):
         delay = float(spec["record_delay"])
         publish = DeadLetterPublisher.publish

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workerpool import constants as c
-from workerpool.envelope import Job
 from workerpool.idempotency.base import (
     Claimed,
     ClaimResult,
@@ -28,8 +27,9 @@ from workerpool.idempotency.base import (
     StoreError,
     StoreUnavailable,
 )
-from workerpool.middleware import Middleware, Next
-from workerpool.outcome import (
+from workerpool.worker.envelope import Job
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import (
     AlreadyDone,
     DuplicateOfRunning,
     LostClaim,
@@ -38,8 +38,8 @@ from workerpool.outcome import (
     Succeeded,
     Unavailable,
 )
-from workerpool.run import Run
-from workerpool.timers import Timer, Timers
+from workerpool.worker.run import Run
+from workerpool.worker.timers import Timer, Timers
 
 log = logging.getLogger(__name__)
 

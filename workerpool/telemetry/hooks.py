@@ -12,10 +12,10 @@ from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.trace import TracerProvider
 
-from workerpool.middleware import Middleware
 from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.metrics import Metrics
 from workerpool.telemetry.tracing import Tracing
+from workerpool.worker.middleware import Middleware
 
 
 class Telemetry:

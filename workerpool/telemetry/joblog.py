@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 
 from workerpool import constants as c
-from workerpool.logs import FIELDS, SPAN_CONTEXT
-from workerpool.middleware import Middleware, Next
-from workerpool.outcome import Outcome
-from workerpool.run import Run, Settled
+from workerpool.telemetry.logs import FIELDS, SPAN_CONTEXT
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import Outcome
+from workerpool.worker.run import Run, Settled
 
 log = logging.getLogger("workerpool.jobs")
 

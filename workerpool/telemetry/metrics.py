@@ -18,9 +18,9 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from workerpool import constants as c
-from workerpool.middleware import Middleware, Next
-from workerpool.outcome import Outcome
-from workerpool.run import Run, Settled
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import Outcome
+from workerpool.worker.run import Run, Settled
 
 # Histogram bucket bounds in seconds: from a quick job to an hours-long one.
 _SECONDS = (

@@ -12,11 +12,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
 from workerpool import constants as c
-from workerpool.middleware import Middleware, Next
-from workerpool.outcome import Failed, Outcome, Rejected, Unavailable
-from workerpool.run import Run, Settled
 from workerpool.telemetry.propagation import extract
-from workerpool.text import safe_text
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import Failed, Outcome, Rejected, Unavailable
+from workerpool.worker.run import Run, Settled
+from workerpool.worker.text import safe_text
 
 
 class Tracing(Middleware):

@@ -15,7 +15,7 @@ import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from workerpool.admin import SubscriptionInfo, describe_subscription
+from workerpool.ops.admin import SubscriptionInfo, describe_subscription
 
 EMULATOR_VARIABLE = "PUBSUB_EMULATOR_HOST"
 

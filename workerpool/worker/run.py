@@ -16,11 +16,11 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from workerpool.constants import Label
 from workerpool.context import JobContext
-from workerpool.delivery import Delivery
-from workerpool.envelope import Job
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import Job
 
 if TYPE_CHECKING:
-    from workerpool.outcome import Outcome
+    from workerpool.worker.outcome import Outcome
 
 
 @dataclass(eq=False)

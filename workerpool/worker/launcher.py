@@ -18,25 +18,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 
-from workerpool.acks import Acknowledger
-from workerpool.admin import SubscriptionInfo, describe_subscription, subscription_path, topic_path
-from workerpool.backoff import Backoff
-from workerpool.clients import Clients
 from workerpool.config import Settings
 from workerpool.constants import Label
-from workerpool.deadletter import DeadLetterPublisher, worker_identity
 from workerpool.errors import ConfigError
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
-from workerpool.lease import Leaser
-from workerpool.middleware import Middleware, RateLimit, TimeLimit
-from workerpool.pool import DrainReport, Pool, PoolLimits
-from workerpool.processor import Processor, ProcessorSettings
+from workerpool.ops.admin import (
+    SubscriptionInfo,
+    describe_subscription,
+    subscription_path,
+    topic_path,
+)
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
-from workerpool.subscriber import Puller
 from workerpool.telemetry import Telemetry
-from workerpool.timers import Timers
+from workerpool.worker.acks import Acknowledger
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.clients import Clients
+from workerpool.worker.failures import DeadLetterPublisher, worker_identity
+from workerpool.worker.lease import Leaser
+from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
+from workerpool.worker.pool import DrainReport, Pool, PoolLimits
+from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.puller import Puller
+from workerpool.worker.timers import Timers
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 
 from workerpool import constants as c
-from workerpool.delivery import Delivery
+from workerpool.worker.delivery import Delivery
 
 log = logging.getLogger(__name__)
 

@@ -20,16 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.backoff import Backoff
 from workerpool.constants import Label
 from workerpool.context import JobContext
-from workerpool.deadletter import Failure
-from workerpool.delivery import Delivery
-from workerpool.envelope import Job, Rejection, decode, job_id_of
 from workerpool.errors import Defer, PermanentError, RateLimitedError, RetryableError
-from workerpool.interfaces import Acks, FailureRecords, Leases
-from workerpool.middleware import Middleware, chain
-from workerpool.outcome import (
+from workerpool.ratelimit import RateLimiters
+from workerpool.registry import Registry
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import Job, Rejection, decode, job_id_of
+from workerpool.worker.failures import Failure
+from workerpool.worker.interfaces import Acks, FailureRecords, Leases
+from workerpool.worker.middleware import Middleware, chain
+from workerpool.worker.outcome import (
     Ack,
     DeadLetter,
     Deferred,
@@ -44,9 +46,7 @@ from workerpool.outcome import (
     Succeeded,
     decide,
 )
-from workerpool.ratelimit import RateLimiters
-from workerpool.registry import Registry
-from workerpool.run import Run, Settled
+from workerpool.worker.run import Run, Settled
 
 log = logging.getLogger(__name__)
 

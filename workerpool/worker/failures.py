@@ -1,4 +1,4 @@
-"""Failure records on the dead-letter topic.
+"""Writing failure records to the dead-letter topic (``workerpool.ops.dlq`` reads them).
 
 A record is the original message (data and attributes) plus attributes saying what failed,
 where it came from and who saw it, so ``dlq replay`` can send it back where it came from.
@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.delivery import Delivery
-from workerpool.text import truncate_utf8
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.text import truncate_utf8
 
 # Original attributes kept first when the 100-attribute limit forces a choice.
 _PRIORITY = (c.ATTR_JOB, c.ATTR_JOB_ID, c.ATTR_TRACEPARENT, c.ATTR_TRACESTATE)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol
 
-from workerpool.deadletter import Failure
-from workerpool.delivery import Delivery
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.failures import Failure
 
 
 class Acks(Protocol):

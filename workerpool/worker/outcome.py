@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workerpool import constants as c
-from workerpool.backoff import Backoff
 from workerpool.constants import Label
+from workerpool.worker.backoff import Backoff
 
 
 @dataclass(frozen=True)

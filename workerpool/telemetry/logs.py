@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from workerpool import constants as c
-from workerpool.text import safe_text
+from workerpool.worker.text import safe_text
 
 # Record attributes: structured fields, and the span a line belongs to when none is current.
 FIELDS = "fields"

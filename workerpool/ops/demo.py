@@ -9,13 +9,13 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
-from workerpool.admin import ProvisionRequest, provision, topic_path
-from workerpool.clients import Clients
 from workerpool.config import Settings
-from workerpool.emulator import LocalEmulator
-from workerpool.launcher import Launcher
+from workerpool.ops.admin import ProvisionRequest, provision, topic_path
 from workerpool.publishing import JobMessage, publish_many
 from workerpool.registry import load_entry_points
+from workerpool.testing.emulator import LocalEmulator
+from workerpool.worker.clients import Clients
+from workerpool.worker.launcher import Launcher
 
 PROJECT = "workerpool-demo"
 TOPIC, SUBSCRIPTION, DEAD_LETTER_TOPIC = "demo-jobs", "demo-jobs-sub", "demo-dead-letter"

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from workerpool.outcome import Interrupted, Outcome
 from workerpool.ratelimit.limiters import RateLimiters
-from workerpool.run import Run, Settled
-from workerpool.timers import Timers
+from workerpool.worker.outcome import Interrupted, Outcome
+from workerpool.worker.run import Run, Settled
+from workerpool.worker.timers import Timers
 
 Next = Callable[[Run], Outcome]
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 from workerpool import constants as c
-from workerpool.delivery import Delivery
-from workerpool.interfaces import Acks
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.interfaces import Acks
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 
-from workerpool.delivery import Delivery
-from workerpool.pool import Pool
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.pool import Pool
 
 log = logging.getLogger(__name__)
 

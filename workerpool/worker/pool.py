@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from workerpool import constants as c
-from workerpool.delivery import Delivery
-from workerpool.interfaces import Leases
-from workerpool.processor import Processor
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.interfaces import Leases
+from workerpool.worker.processor import Processor
 
 log = logging.getLogger(__name__)
 

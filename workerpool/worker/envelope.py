@@ -14,10 +14,10 @@ from datetime import datetime
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.delivery import Delivery
 from workerpool.payload import PayloadError, convert
 from workerpool.registry import JobSpec, Registry
-from workerpool.text import truncate_utf8
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.text import truncate_utf8
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Dead-letter tooling: look at failure records, and replay them where they came from.
+"""Reading failure records (``workerpool.worker.failures`` writes them): look at them, and
+replay them where they came from.
 
 ``peek`` pulls records and gives them back (``modify_ack_deadline(0)``) without consuming them;
 they are held until the listing ends, so each is seen once. ``replay`` republishes each record
@@ -22,7 +23,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 
 from workerpool import constants as c
-from workerpool.admin import subscription_path
+from workerpool.ops.admin import subscription_path
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""Emulator selection for tests: ``PUBSUB_EMULATOR_HOST`` if set; else testcontainers when a
-Docker engine answers; else the installed gcloud emulator as a local process group."""
+"""Test harness: emulator selection for tests (``PUBSUB_EMULATOR_HOST`` if set; else
+testcontainers when a Docker engine answers; else the installed gcloud emulator as a local
+process group), and ``emulator``, which starts and stops the gcloud emulators."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 
-from workerpool.emulator import LocalEmulator
+from workerpool.testing.emulator import LocalEmulator
 
 EMULATOR_IMAGE = "gcr.io/google.com/cloudsdktool/google-cloud-cli:emulators"
 
