@@ -34,6 +34,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, help="report file (full run: BENCHMARKS.md)")
     parser.add_argument("--project", default="workerpool-bench")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        metavar="REF",
+        help="also run the workerpool of this git revision beside this one (before/after)",
+    )
     return parser.parse_args(argv)
 
 
@@ -57,7 +63,7 @@ def main(argv: list[str]) -> int:
         os.environ["PUBSUB_EMULATOR_HOST"] = host
         log(f"Pub/Sub emulator: {how}")
         bench = Bench(args.project, Path(tempfile.mkdtemp(prefix="workerpool-bench-")))
-        ctx = Context(bench, plan, log)
+        ctx = Context(bench, plan, log, baseline=args.baseline)
         try:
             with bench.resources("warm") as res:
                 ids = set(bench.publish(res, WARM_UP))

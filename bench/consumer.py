@@ -7,10 +7,13 @@ too, so CPU time and RSS are the process's own.
 
 Implementations:
 
-* ``workerpool``: the real ``workerpool run`` command with its default middleware (the SQLite
+* ``workerpool``: what ``workerpool run`` runs, with its default middleware (the SQLite
   idempotency store, metrics with a Prometheus reader, job log lines, tracing sampled off).
-* ``workerpool-bare``: the same command with everything off (no store, OpenTelemetry disabled,
-  log level warning).
+* ``workerpool-bare``: the same with everything off (no store, OpenTelemetry disabled, log
+  level warning); ``workerpool-store``, ``-telemetry`` and ``-logs``: one of those parts on.
+* ``IMPL@REF`` (a workerpool one): the same, run by the workerpool of git revision REF
+  (``bench.harness`` puts that tree first on the path): the "before" of a change, measured in
+  the same run as its "after".
 * ``plain``: google-cloud-pubsub's ``subscribe()`` with ``FlowControl(max_messages=N)`` and a
   ``ThreadScheduler`` of N threads; the callback runs the job, then ``ack()``.
 * ``aio``: gcloud-aio-pubsub's ``subscribe()``: one producer pulling up to N messages at a
@@ -184,11 +187,17 @@ class Stop:
 # ---------------------------------------------------------------------------------------------
 
 
+# The default middleware, by the part of it each implementation switches on.
+PARTS = ("store", "telemetry", "logs")
+WORKERPOOL_PARTS = {
+    "workerpool": frozenset(PARTS),
+    "workerpool-bare": frozenset(),
+    **{f"workerpool-{part}": frozenset({part}) for part in PARTS},
+}
+
+
 def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
-    from workerpool.config import load_settings
     from workerpool.registry import registry
-    from workerpool.telemetry.logs import setup_logging
-    from workerpool.worker.service import serve
 
     options: dict[str, Any] = {"rate_limit": RATE_LIMIT} if args.rate_limit else {}
 
@@ -196,28 +205,43 @@ def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> 
     def bench_job(ctx: Any, payload: Any) -> None:
         recorder.run(ctx.job_id, args.seconds)
 
+    parts = WORKERPOOL_PARTS[args.impl.partition("@")[0]]
     work = Path(tempfile.mkdtemp(prefix="bench-wp-"))
-    bare = args.impl == "workerpool-bare"
     flags: dict[str, Any] = {
         "project": args.project,
         "subscription": args.subscription,
         "max_outstanding": args.n,
         "prefetch": args.prefetch,
         "drain_timeout": args.drain_timeout,
+        "idempotency_store": f"sqlite:///{work / 'idempotency.db'}" if "store" in parts else "none",
     }
-    if bare:
-        os.environ["OTEL_SDK_DISABLED"] = "true"
-        flags["idempotency_store"] = "none"
-    else:
+    if "telemetry" in parts:
         os.environ["OTEL_TRACES_SAMPLER"] = "always_off"
-        flags["idempotency_store"] = f"sqlite:///{work / 'idempotency.db'}"
         flags["metrics_port"] = args.metrics_port
+    else:
+        os.environ["OTEL_SDK_DISABLED"] = "true"
     if args.rate_limit:
         flags["rate_limit"] = (f"{RATE_LIMIT}={args.rate_limit}",)
-    setup_logging(level=logging.WARNING if bare else logging.INFO)
-    # What ``workerpool run`` does, short of ending the process: the report is written after.
-    # It drains on SIGTERM: the last job sends one, as a deployment would.
+    # ``workerpool run`` drains on SIGTERM: the last job sends one, as a deployment would.
     stop.how = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    serve_until_drained(flags, logging.INFO if "logs" in parts else logging.WARNING)
+
+
+def serve_until_drained(flags: dict[str, Any], log_level: int) -> None:
+    """What ``workerpool run`` does, short of ending the process (the report comes after)."""
+    try:
+        from workerpool.config import load_settings
+        from workerpool.telemetry.logs import setup_logging
+        from workerpool.worker.service import serve
+    except ImportError:  # a baseline from before workerpool.worker.service: its CLI returns
+        from workerpool.cli import main
+
+        level = "info" if log_level == logging.INFO else "warning"
+        argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if k != "rate_limit"]
+        argv += [f"--rate-limit={v}" for v in flags.get("rate_limit", ())]
+        main(["--log-level", level, "run", *argv], standalone_mode=False)
+        return
+    setup_logging(level=log_level)
     serve(load_settings(None, flags))
 
 
@@ -290,17 +314,23 @@ async def _aio(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Recorder, Stop], None]] = {
-    "workerpool": run_workerpool,
-    "workerpool-bare": run_workerpool,
+    **dict.fromkeys(WORKERPOOL_PARTS, run_workerpool),
     "plain": run_plain,
     "aio": run_aio,
 }
 IMPLS = tuple(RUNNERS)
 
 
+def runner(impl: str) -> Callable[[argparse.Namespace, Recorder, Stop], None]:
+    name, at, ref = impl.partition("@")
+    if name not in RUNNERS or (at and not (ref and name in WORKERPOOL_PARTS)):
+        raise SystemExit(f"unknown implementation {impl!r}: one of {', '.join(IMPLS)}[@REF]")
+    return RUNNERS[name]
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.consumer", description=__doc__)
-    parser.add_argument("impl", choices=IMPLS)
+    parser.add_argument("impl", help=f"one of {', '.join(IMPLS)}; a workerpool one may add @REF")
     parser.add_argument("--project", required=True)
     parser.add_argument("--subscription", required=True)
     parser.add_argument("--n", type=int, required=True, help="jobs running at once, at most")
@@ -328,7 +358,7 @@ def main(argv: list[str]) -> None:
         )
         sampler.start()
     try:
-        RUNNERS[args.impl](args, recorder, stop)
+        runner(args.impl)(args, recorder, stop)
     finally:
         sampling.set()
         report.max_rss_kib = peak_rss_kib()

@@ -28,6 +28,7 @@ from workerpool.ops.admin import ProvisionRequest, provision, subscription_path,
 from workerpool.testing.emulator import free_port
 
 _PUBLISH_BATCH = 1000  # messages per Publish call
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,24 @@ class Bench:
         self.admin = pubsub_v1.SubscriberClient()
         # The observer is a client of its own, never a consumer's.
         self.observer = pubsub_v1.SubscriberClient()
+
+    def tree(self, ref: str) -> Path:
+        """A directory for ``PYTHONPATH`` where ``workerpool`` (and the job plugins) are git
+        revision ``ref``'s and ``bench`` is this one: the same consumer, the old worker."""
+        tree = self.workdir / f"ref-{ref}"
+        if not tree.exists():
+            source = tree / "source"
+            source.mkdir(parents=True)
+            archive = subprocess.run(
+                ["git", "-C", str(ROOT), "archive", ref, "workerpool", "jobs"],
+                capture_output=True,
+                check=True,
+            )
+            subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+            for name in ("workerpool", "jobs"):
+                (tree / name).symlink_to(source / name)
+            (tree / "bench").symlink_to(ROOT / "bench")
+        return tree
 
     def close(self) -> None:
         self.observer.close()
@@ -241,13 +260,15 @@ class Consumer:
         self.first_start_at = 0.0  # the consumer's own clock reading; monotonic is system-wide
         self.exited = threading.Event()
         self.exited_at = 0.0
+        _, at, ref = impl.partition("@")
+        path = bench.tree(ref) if at else ROOT
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 command,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 cwd=bench.workdir,
-                env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+                env={**os.environ, "PYTHONPATH": str(path)},
                 text=True,
             )
         Consumer.running.add(self)

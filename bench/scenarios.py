@@ -32,6 +32,8 @@ class Plan:
     soak_n: int
     rates: tuple[float, ...]
     rate_seconds: float
+    # The default middleware part by part: (N, backlog, job seconds) runs.
+    parts_runs: tuple[tuple[int, int, float], ...] = ((64, 2_000, 0.05), (100, 10_000, 0.0))
     impls: tuple[str, ...] = ("workerpool", "plain", "aio")
     deviations: tuple[str, ...] = ()  # sizes that differ from issue 7's, and why
 
@@ -74,6 +76,7 @@ QUICK = Plan(
     soak_n=100,
     rates=(10.0, 100.0),
     rate_seconds=1.5,
+    parts_runs=((64, 320, 0.05), (100, 2_000, 0.0)),
     deviations=("--quick: fewer sizes, every size small, each figure one run",),
 )
 
@@ -121,6 +124,16 @@ class Context:
     # For the plot: running jobs over time per implementation, N = 8, from its last run.
     running_n8: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     anomalies: list[str] = field(default_factory=list)
+    # A git revision whose workerpool runs beside this one's (``IMPL@REF``): before and after.
+    baseline: str = ""
+
+    def with_baseline(self, impls: Iterable[str]) -> tuple[str, ...]:
+        """``impls``, and the baseline's run of each workerpool one, side by side."""
+        impls = tuple(impls)
+        if not self.baseline:
+            return impls
+        old = (f"{impl}@{self.baseline}" for impl in impls if impl.startswith("workerpool"))
+        return (*impls, *old)
 
     def table(self, scenario: str, description: str) -> Table:
         table = Table(scenario, description)
@@ -176,7 +189,7 @@ def throughput(ctx: Context) -> None:
             table.row("CPU per 1,000 messages", "s", "lower"),
             table.row("peak RSS", "MiB", "lower"),
         )
-        for run, impl in rotations(plan.impls_and_bare, plan.runs):
+        for run, impl in rotations(ctx.with_baseline(plan.impls_and_bare), plan.runs):
             with ctx.bench.resources(f"tp{n}") as res:
                 ctx.bench.publish(res, count)
                 report = Consumer(ctx.bench, impl, res, n=n, expect=count).wait(
@@ -211,7 +224,7 @@ def utilisation(ctx: Context) -> None:
         peak = table.row("highest simultaneous running jobs", "jobs", "")
         mean = table.row("mean running / N while the backlog lasts", "", "higher")
         ideal = table.row("throughput / ideal", "", "higher")
-        for run, impl in rotations(plan.impls_and_bare, plan.runs):
+        for run, impl in rotations(ctx.with_baseline(plan.impls_and_bare), plan.runs):
             with ctx.bench.resources(f"ut{n}") as res:
                 ctx.bench.publish(res, backlog)
                 consumer = Consumer(
@@ -400,10 +413,57 @@ def rate_limits(ctx: Context) -> None:
         ctx.log(f"rate {declared:g}/s: {achieved.median('workerpool')}")
 
 
+# ---------------------------------------------------------------------------------------------
+# 6. The default middleware, part by part
+# ---------------------------------------------------------------------------------------------
+
+PART_IMPLS = (
+    "workerpool-bare", "workerpool-store", "workerpool-telemetry", "workerpool-logs", "workerpool",
+)  # fmt: skip
+
+
+def parts(ctx: Context) -> None:
+    for n, backlog, seconds in ctx.plan.parts_runs:
+        kind = f"{seconds * 1000:g} ms jobs" if seconds else "no-op jobs"
+        table = ctx.table(
+            f"6. Parts, N = {n}, {kind}",
+            f"A backlog of {backlog:,} {kind}, with nothing on (bare), one part of the default "
+            "middleware on (the SQLite store; tracing sampled off and metrics; the job log "
+            "lines), or all of them (workerpool). CPU: user + system seconds of the consumer "
+            "process from its first job to its last, per job."
+            + (
+                f" `@{ctx.baseline}`: the same, by the workerpool of that revision."
+                if ctx.baseline
+                else ""
+            ),
+        )
+        cpu = table.row("CPU per job", "ms", "lower")
+        rate_row = table.row("throughput", "msg/s", "higher")
+        mean = table.row("mean running / N while the backlog lasts", "", "higher")
+        for run, impl in rotations(ctx.with_baseline(PART_IMPLS), ctx.plan.runs):
+            with ctx.bench.resources(f"pt{n}") as res:
+                ctx.bench.publish(res, backlog)
+                report = Consumer(
+                    ctx.bench, impl, res, n=n, expect=backlog, seconds=seconds, sample_ms=10
+                ).wait(_timeout(backlog, seconds, n))
+            if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", (cpu, rate_row)):
+                continue
+            cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / backlog * 1000)
+            rate_row.add(impl, rate(report))
+            window = [
+                r
+                for at, r in report["samples"]
+                if report["first_start"] <= at <= report["last_start"]
+            ]
+            mean.add(impl, statistics.fmean(window) / n if window else math.nan)
+            ctx.log(f"parts N={n} {impl}: {cpu.values[impl][-1]:.3f} ms CPU per job")
+
+
 SCENARIOS: dict[str, Callable[[Context], None]] = {
     "throughput": throughput,
     "utilisation": utilisation,
     "drain": drain,
     "soak": soak,
     "rate": rate_limits,
+    "parts": parts,
 }

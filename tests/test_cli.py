@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,20 @@ def test_bad_config_exits_2_naming_the_setting(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"workerpool: error: max_outstanding (from {config}) must be int, got 'lots'"
     ]
+
+
+def test_a_job_module_with_an_async_handler_exits_2_with_one_line(tmp_path: Path) -> None:
+    # Given a job module whose handler is an async def
+    (tmp_path / "asyncjobs.py").write_text(
+        "from workerpool import job\n\n@job('t.async')\nasync def handle(ctx, payload):\n    pass\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # When a worker is started with it
+    result = _cli("run", "--project", "p", "--subscription", "s", "--jobs", "asyncjobs", env=env)
+    # Then it refuses to start, before pulling anything, in one line that says why
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("workerpool: error: --jobs asyncjobs: job 't.async': handle is an async")
 
 
 def test_publish_then_cli_lists_jobs(pubsub: PubSubEnv, tmp_path: Path) -> None:

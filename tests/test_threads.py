@@ -6,16 +6,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.fakes import FakeAcks, make_delivery
+from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from tests.support import http_get
+from workerpool.registry import Registry
+from workerpool.telemetry.health import HealthServer
+from workerpool.worker import processor as processor_module
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.lease import Leaser
+from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
 from workerpool.worker.timers import Timers
 
@@ -228,3 +234,44 @@ def test_the_pull_loop_survives_any_exception_and_reports_it_unhealthy() -> None
         assert _eventually(lambda: not client.errors and puller.healthy.is_set())
     finally:
         puller.stop(timeout=5)
+
+
+def test_the_health_server_survives_a_failing_check() -> None:
+    # Given a health server whose liveness check raises once, then answers
+    calls = {"n": 0}
+
+    def healthy() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in a check")
+        return True
+
+    server = HealthServer(0, healthy=healthy, ready=lambda: False, host="127.0.0.1").start()
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        # Then the failing check is a 500, and the server keeps answering
+        assert http_get(url + "/healthz")[0] == 500
+        assert http_get(url + "/healthz")[0] == 200
+        assert http_get(url + "/readyz")[0] == 503
+    finally:
+        server.stop()
+
+
+def test_an_exactly_once_ack_that_is_never_answered_is_counted_not_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given an exactly-once subscription whose ack confirmation never comes
+    class Silent(FakeAcks):
+        def ack(self, ack_id: str, *, confirm: bool = False) -> Future[bool] | None:
+            super().ack(ack_id)
+            return Future()  # never resolved
+
+    monkeypatch.setattr(processor_module, "_ACK_CONFIRM_TIMEOUT", 0.05)
+    jobs = Registry()
+    jobs.job("t.ok")(lambda ctx, payload: None)
+    processor = Processor(
+        jobs, Silent(), FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(exactly_once=True)
+    )
+    # When a job succeeds, Then its outcome is counted as ack_failed instead of raising
+    processor.process(make_delivery(b"{}", {"job": "t.ok"}))
+    assert processor.stats == {"ack_failed": 1}

@@ -53,8 +53,9 @@ class Metrics(Middleware):
         self._finished = meter.create_counter(
             c.METRIC_JOBS_FINISHED,
             unit="{job}",
-            description="Deliveries settled, by job and outcome (done, retried, dead_lettered, "
-            "deferred, drained, duplicate, ack_failed).",
+            description="Messages that left the pool, by job and outcome ("
+            + ", ".join(c.Label)
+            + ").",
         )
         self._duration = meter.create_histogram(
             c.METRIC_JOB_DURATION,
