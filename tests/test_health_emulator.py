@@ -37,13 +37,17 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
 def test_console_exporter_prints_job_spans_and_logs_are_json(
     pubsub: PubSubEnv, tmp_path: Path
 ) -> None:
-    # Given a worker process with OTEL_TRACES_EXPORTER=console, its stderr not a terminal
+    # Given a worker process with OTEL_TRACES_EXPORTER=console and debug logs, its stderr not
+    # a terminal
     pubsub.provision()
     ledger = tmp_path / "ledger.jsonl"
     with worker_processes() as workers:
-        worker = spawn_worker(
-            pubsub, ledger, extra_env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "w1"}
-        )
+        environment = {
+            "OTEL_TRACES_EXPORTER": "console",
+            "OTEL_SERVICE_NAME": "w1",
+            "WORKERPOOL_LOG_LEVEL": "debug",
+        }
+        worker = spawn_worker(pubsub, ledger, extra_env=environment)
         workers.append(worker)
         # When it runs a job published with a trace context, and one whose payload is private
         pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="traced-1", traceparent=TRACEPARENT)
@@ -59,11 +63,13 @@ def test_console_exporter_prints_job_spans_and_logs_are_json(
     assert f'"trace_id": "0x{TRACE_ID}"' in output
     assert '"workerpool.outcome": "done"' in output and '"workerpool.job_id": "traced-1"' in output
     assert '"service.name": "w1"' in output
-    # And the log lines are JSON in the Cloud Logging shape: a start and an end line per job
+    # And the log lines are JSON in the Cloud Logging shape: the line of how the job ended at
+    # INFO, and (at debug level only) a start line
     entries = _json_lines(output)
     job_lines = [e for e in entries if e.get("logger") == "workerpool.jobs"]
     start, end = [e for e in job_lines if e.get("job_id") == "traced-1"]
-    assert start["severity"] == "INFO" and start["message"] == "job demo.sleep started"
+    assert start["severity"] == "DEBUG" and start["message"] == "job demo.sleep started"
+    assert end["severity"] == "INFO" and end["message"].startswith("job demo.sleep done in ")
     assert {k: end[k] for k in ("job", "job_id", "attempt", "outcome")} == {
         "job": "demo.sleep", "job_id": "traced-1", "attempt": 1, "outcome": "done",
     }  # fmt: skip
@@ -118,3 +124,8 @@ def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
         assert worker.wait(30) == 0, worker.output()
         assert http_get(base + "/healthz")[0] == 0
     assert {r["job_id"] for r in ledger_events(ledger, "cancelled")} == {"long-1"}
+    # At the default level, one log line per job: how it ended
+    job_lines = [e for e in _json_lines(worker.output()) if e.get("logger") == "workerpool.jobs"]
+    assert sorted((e["job_id"], e["outcome"]) for e in job_lines) == [
+        ("long-1", "drained"), ("quick-1", "done"),
+    ]  # fmt: skip

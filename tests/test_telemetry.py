@@ -445,10 +445,12 @@ def test_job_log_lines_carry_the_run_and_never_the_payload(
 
     pubsub.publish("t.private", {"email": "someone@example.com"}, job_id="p-1")
     # When it runs
-    with caplog.at_level(logging.INFO), pubsub.worker(jobs, telemetry=telemetry) as worker:
+    with caplog.at_level(logging.DEBUG), pubsub.worker(jobs, telemetry=telemetry) as worker:
         assert wait_for(lambda: worker.processor.stats["done"] == 1, timeout=30)
-    # Then one start and one end line carry the run's fields, and the payload is nowhere
+    # Then one start line (debug) and one end line (info) carry the run's fields, and the
+    # payload is nowhere
     lines = [r for r in caplog.records if r.name == "workerpool.jobs"]
+    assert [r.levelno for r in lines] == [logging.DEBUG, logging.INFO]
     start, end = [r.fields for r in lines]
     assert start == {"job": "t.private", "job_id": "p-1", "message_id": start["message_id"],
                      "attempt": 1}  # fmt: skip

@@ -12,6 +12,42 @@ from typing import Any
 from workerpool.errors import Defer
 from workerpool.ratelimit.limiters import RateLimiters, UnknownLimiter
 
+_WAITING = threading.Lock()  # guards the lazy creation of every Flag's event
+
+
+class Flag:
+    """``threading.Event``'s ``set``/``is_set``/``wait``, made cheap to create: the event and
+    its lock exist only once someone waits. Two of these per run made creating a run's context
+    the largest cost of a no-op job (an Event is a Condition and two locks)."""
+
+    __slots__ = ("_event", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        # Written before the event is read: a waiter that creates the event after this read
+        # finds the flag set (see wait).
+        self._set = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        event = self._event
+        if event is None:
+            with _WAITING:
+                if self._event is None:
+                    self._event = threading.Event()
+                    if self._set:
+                        self._event.set()
+                event = self._event
+        return event.wait(timeout)
+
 
 @dataclass
 class JobContext:
@@ -28,9 +64,9 @@ class JobContext:
     delivery_attempt: int
     publish_time: datetime | None
     draining: threading.Event
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: Flag = field(default_factory=Flag)
     # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
-    timed_out: threading.Event = field(default_factory=threading.Event)
+    timed_out: Flag = field(default_factory=Flag)
     # The job's section of the config file (``[jobs."NAME"]``), empty if there is none.
     config: Mapping[str, Any] = field(default_factory=dict)
     limiters: RateLimiters | None = field(default=None, repr=False)

@@ -14,6 +14,10 @@ from typing import Any, cast
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
     DELETE,
+    Claimed,
+    ClaimResult,
+    Done,
+    HeldElsewhere,
     IdempotencyStore,
     Mutation,
     Record,
@@ -106,6 +110,90 @@ class SqliteStore(IdempotencyStore):
             except BaseException:
                 self._conn.close()
                 raise
+
+    # --- claim and complete: one statement each when no batch is being committed -----------
+    #
+    # The two calls every job makes. A lone caller (the commit lock is free and nothing is
+    # queued) runs one UPSERT in autocommit instead of a batch transaction's four statements
+    # (BEGIN, SELECT, INSERT, COMMIT): each statement gives up the GIL and must win it back.
+    # The WHERE clauses are base.IdempotencyStore's rules for these two calls, in SQL; the
+    # parametrized backend suite holds both forms to the same behaviour.
+
+    _CLAIM = (
+        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, NULL, ?4 + ?6)"
+        " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
+        " message_id = excluded.message_id, until = excluded.until, completed_at = NULL,"
+        " expire_at = excluded.expire_at"
+        " WHERE (completed_at IS NULL AND until <= ?5)"
+        " OR (completed_at IS NOT NULL AND completed_at + ?6 <= ?5)"
+        " RETURNING 1"
+    )
+    _COMPLETE = (
+        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, ?4, ?4 + ?5)"
+        " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
+        " message_id = excluded.message_id, until = excluded.until,"
+        " completed_at = excluded.completed_at, expire_at = excluded.expire_at"
+        " WHERE NOT (completed_at IS NOT NULL AND completed_at + ?5 > ?4)"
+    )
+
+    def claim(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
+        alone = self._guarded(
+            lambda: self._alone(lambda: self._claim_now(job_id, owner, message_id, ttl))
+        )
+        return super().claim(job_id, owner, message_id, ttl) if alone is None else alone
+
+    def complete(self, job_id: str, owner: str, message_id: str) -> None:
+        if not self._guarded(
+            lambda: self._alone(lambda: self._complete_now(job_id, owner, message_id))
+        ):
+            super().complete(job_id, owner, message_id)
+
+    def _alone(self, call: Callable[[], T]) -> T | None:
+        """``call()`` with the connection to itself; None when a batch has it, or is queued
+        (then the caller joins the batches)."""
+        if not self._commit_lock.acquire(blocking=False):
+            return None
+        try:
+            with self._queue_lock:
+                if self._closed:
+                    raise StoreUnavailable("SQLite idempotency store: closed")
+                if self._queue:
+                    return None
+            with _translated():
+                result = call()
+                self._since_purge += 1
+                if self._since_purge >= _PURGE_EVERY:
+                    self._purge()
+                    self._since_purge = 0
+                return result
+        finally:
+            self._commit_lock.release()
+
+    def _claim_now(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
+        now = self._clock()
+        won = self._conn.execute(
+            self._CLAIM, (job_id, owner, message_id, now + ttl, now, self.retention)
+        ).fetchone()
+        if won:
+            return Claimed()
+        row = self._conn.execute(
+            "SELECT owner, message_id, until, completed_at FROM idempotency WHERE job_id = ?",
+            (job_id,),
+        ).fetchone()
+        if row is None:  # released between the two statements: claim it after all
+            return self._claim_now(job_id, owner, message_id, ttl)
+        record = Record(*row)
+        if record.completed_at is not None:
+            return Done(record.completed_at)
+        return HeldElsewhere(record.owner, record.message_id, record.until)
+
+    def _complete_now(self, job_id: str, owner: str, message_id: str) -> bool:
+        self._conn.execute(
+            self._COMPLETE, (job_id, owner, message_id, self._clock(), self.retention)
+        )
+        return True
+
+    # --- everything else: group commit ---------------------------------------------------
 
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
         return self._mutate_many([(job_id, mutation)])[0]

@@ -139,20 +139,23 @@ def telemetry_from_env(
     """Providers from ``OTEL_*`` (plus ``extra_readers``, e.g. the ``/metrics`` reader).
 
     With ``install`` they also become OpenTelemetry's global providers, so spans and metrics
-    that job handlers make through the OpenTelemetry API go to the same exporters. A tracer
-    provider is made even without exporters: job spans then still link log lines to the
-    publisher's trace. Call ``Telemetry.shutdown()`` at exit to flush.
+    that job handlers make through the OpenTelemetry API go to the same exporters. Without a
+    trace exporter no job span is made, but the publisher's trace context is still made
+    current, so log lines link to its trace. Call ``Telemetry.shutdown()`` at exit to flush.
     """
     if disabled(env):
         return Telemetry()
-    traces = tracer_provider(span_processors(env))
+    processors = span_processors(env)
+    traces = tracer_provider(processors)
     meters = MeterProvider(
         resource=resource(), metric_readers=[*metric_readers(env), *extra_readers]
     )
     if install:
         trace.set_tracer_provider(traces)
         metrics.set_meter_provider(meters)
-    return Telemetry(tracer_provider=traces, meter_provider=meters, owned=True)
+    return Telemetry(
+        tracer_provider=traces, meter_provider=meters, owned=True, spans_exported=bool(processors)
+    )
 
 
 @contextlib.contextmanager

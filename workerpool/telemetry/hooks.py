@@ -10,6 +10,7 @@ from __future__ import annotations
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import TracerProvider
 
 from workerpool.telemetry.joblog import JobLog
@@ -33,16 +34,21 @@ class Telemetry:
         meter_provider: MeterProvider | None = None,
         job_logs: bool = True,
         owned: bool = False,
+        spans_exported: bool = True,
     ) -> None:
-        """``owned``: ``shutdown()`` shuts the providers down too (flushing exporters)."""
+        """``owned``: ``shutdown()`` shuts the providers down too (flushing exporters).
+        ``spans_exported``: False when no exporter takes the tracer provider's spans (then job
+        spans are not made at all; log lines still carry the publisher's trace)."""
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
+        self._record_spans = spans_exported and not _never_samples(tracer_provider)
         self.metrics = Metrics(meter_provider)
         self._job_log = JobLog() if job_logs else None
         self._owned = owned
 
     def middleware(self, subscription: str) -> list[Middleware]:
-        chain: list[Middleware] = [Tracing(subscription, self.tracer_provider), self.metrics]
+        tracing = Tracing(subscription, self.tracer_provider, record=self._record_spans)
+        chain: list[Middleware] = [tracing, self.metrics]
         if self._job_log is not None:
             chain.append(self._job_log)
         return chain
@@ -55,3 +61,9 @@ class Telemetry:
             self.tracer_provider.shutdown()
         if isinstance(self.meter_provider, SdkMeterProvider):
             self.meter_provider.shutdown()
+
+
+def _never_samples(provider: TracerProvider | None) -> bool:
+    """``OTEL_TRACES_SAMPLER=always_off``: the SDK would make a span per job only to drop it."""
+    sampler = getattr(provider, "sampler", None)
+    return sampler is not None and sampler.get_description() == ALWAYS_OFF.get_description()

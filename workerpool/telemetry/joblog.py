@@ -1,8 +1,10 @@
-"""One structured log line when a job run starts and one when its delivery is settled.
+"""One structured log line per job, when its message leaves the pool (INFO; a warning when
+the run failed); with DEBUG on, one more when a run starts.
 
-Fields: job, job_id, message_id, attempt; the end line adds duration (seconds) and outcome
-(and error_type when dead-lettered). Payloads are never logged: they may hold personal data.
-The end line carries the run's trace although its span is no longer current by then.
+Fields: job, job_id, message_id, attempt, duration (seconds), outcome, and error_type when
+dead-lettered. Payloads are never logged: they may hold personal data. The line carries the
+run's trace although its span is no longer current by then. Nothing is formatted for a level
+that is off: two lines a job, always formatted, were most of the job log's cost.
 """
 
 from __future__ import annotations
@@ -19,20 +21,24 @@ log = logging.getLogger("workerpool.jobs")
 
 
 class JobLog(Middleware):
-    """The start line (``run``) and the end line (``settled``)."""
+    """The start line (``run``, DEBUG) and the line of how it ended (``settled``)."""
 
     def run(self, run: Run, call_next: Next) -> Outcome:
-        job = run.job
-        fields = {
-            c.LOG_JOB: job.name,
-            c.LOG_JOB_ID: job.job_id,
-            c.LOG_MESSAGE_ID: job.message_id,
-            c.LOG_ATTEMPT: job.delivery_attempt,
-        }
-        log.info("job %s started", job.name, extra={FIELDS: fields})
+        if log.isEnabledFor(logging.DEBUG):
+            job = run.job
+            fields = {
+                c.LOG_JOB: job.name,
+                c.LOG_JOB_ID: job.job_id,
+                c.LOG_MESSAGE_ID: job.message_id,
+                c.LOG_ATTEMPT: job.delivery_attempt,
+            }
+            log.debug("job %s started", job.name, extra={FIELDS: fields})
         return call_next(run)
 
     def settled(self, event: Settled) -> None:
+        level = logging.WARNING if event.label in c.FAILED_LABELS else logging.INFO
+        if not log.isEnabledFor(level):
+            return
         duration = event.duration
         fields: dict[str, object] = {
             c.LOG_JOB: event.job,
@@ -44,14 +50,17 @@ class JobLog(Middleware):
         }
         if event.error_type:
             fields[c.LOG_ERROR_TYPE] = event.error_type
-        level = logging.WARNING if event.label in c.FAILED_LABELS else logging.INFO
         took = "" if duration is None else f" in {duration:.3f}s"
         span = event.run.span.get_span_context() if event.run is not None else None
-        log.log(
-            level,
-            "job %s %s%s",
-            event.job or "?",
-            event.label,
-            took,
-            extra={FIELDS: fields, SPAN_CONTEXT: span},
+        # makeRecord + handle, not log.log: its source is always this line, so the stack walk
+        # that finds the caller (a tenth of the line's cost) is left out.
+        args = (event.job or "?", event.label, took)
+        extra = {FIELDS: fields, SPAN_CONTEXT: span}
+        record = log.makeRecord(
+            log.name, level, __file__, _SETTLED_LINE, "job %s %s%s", args, None, "settled", extra
         )
+        log.handle(record)
+
+
+# Where the end lines say they come from (Cloud Logging's sourceLocation).
+_SETTLED_LINE = JobLog.settled.__code__.co_firstlineno

@@ -51,6 +51,8 @@ def setup_logging(
         json_lines = wanted == "json" if wanted in ("json", "text") else not _isatty(stream)
     handler = logging.StreamHandler(stream)
     handler.setFormatter(CloudLoggingFormatter() if json_lines else TextFormatter())
+    # Neither format shows the thread or the process: do not look them up for every record.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
     if _installed is not None:
         root.removeHandler(_installed)

@@ -22,12 +22,24 @@ from workerpool.worker.text import safe_text
 class Tracing(Middleware):
     """Spans for the jobs of one subscription: started in ``run``, ended in ``settled``."""
 
-    def __init__(self, subscription: str, tracer_provider: TracerProvider | None = None) -> None:
+    def __init__(
+        self,
+        subscription: str,
+        tracer_provider: TracerProvider | None = None,
+        *,
+        record: bool = True,
+    ) -> None:
+        """With ``record`` False (no exporter, or a sampler that drops everything) no span is
+        made: the publisher's context is only made current, so log lines and the handler's
+        own spans still belong to its trace."""
         self._tracer = trace.get_tracer(c.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
         self._subscription = subscription
+        self._record = record
 
     def run(self, run: Run, call_next: Next) -> Outcome:
         job = run.job
+        if not self._record:
+            return self._in_publishers_context(run, call_next)
         span = self._tracer.start_span(
             job.name,
             context=extract(job.attributes),
@@ -49,6 +61,13 @@ class Tracing(Middleware):
             # A middleware bug (handlers cannot raise through ``_invoke``): the span is done.
             span.end()
             raise
+
+    def _in_publishers_context(self, run: Run, call_next: Next) -> Outcome:
+        if c.ATTR_TRACEPARENT not in run.job.attributes:
+            return call_next(run)
+        run.span = trace.get_current_span(extract(run.job.attributes))
+        with trace.use_span(run.span, end_on_exit=False):
+            return call_next(run)
 
     def settled(self, event: Settled) -> None:
         if event.run is None or not event.run.span.is_recording():

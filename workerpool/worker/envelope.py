@@ -56,10 +56,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# One decoder for every message: json.loads with hooks builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def parse_json(data: bytes) -> Any:
     """Strict RFC 8259: NaN, Infinity and numbers beyond a float's range are errors, not
     values a handler has to guard against."""
-    return json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+    return _DECODER.decode(data.decode("utf-8"))
 
 
 class _Invalid(Exception):

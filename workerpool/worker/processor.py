@@ -10,11 +10,12 @@ its label in ``stats`` and is told to every middleware's ``settled``, once.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from workerpool.errors import Defer, PermanentError, RateLimitedError, Retryable
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
 from workerpool.worker.backoff import Backoff
+from workerpool.worker.counts import Counts
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job, Rejection, decode, job_id_of
 from workerpool.worker.failures import Failure
@@ -134,7 +136,7 @@ class Processor:
         self._stopping = False  # the drain deadline passed: nothing starts any more
         self._lock = threading.Lock()
         self.draining = threading.Event()
-        self.stats: Counter[str] = Counter()
+        self._counts: Counts[str] = Counts()
 
     def process(self, delivery: Delivery) -> None:
         attempt = self._attempts.attempt(delivery)
@@ -172,9 +174,7 @@ class Processor:
             draining=self.draining,
             config=self._settings.job_config.get(job.name, {}),
             limiters=self._limiters,
-            logger=logging.LoggerAdapter(
-                logging.getLogger(f"workerpool.job.{job.name}"), {"job_id": job.job_id}
-            ),
+            logger=logging.LoggerAdapter(_job_logger(job.name), {"job_id": job.job_id}),
         )
         run = Run(job, ctx, delivery, self._hand_back)
         with self._lock:
@@ -267,9 +267,13 @@ class Processor:
             log.error("ack of message %s was refused by Pub/Sub", delivery.message_id)
         return took
 
+    @property
+    def stats(self) -> Counts[str]:
+        """How many messages left under each label (``constants.Label``), live."""
+        return self._counts
+
     def _finish(self, event: Settled) -> None:
-        with self._lock:
-            self.stats[event.label] += 1
+        self._counts.add(event.label)
         for mw in self._middleware:
             try:
                 mw.settled(event)
@@ -333,6 +337,11 @@ class Processor:
                 Settled(label, subject.job_name, subject.job_id, delivery.message_id,
                         subject.attempt, run)
             )  # fmt: skip
+
+
+@functools.cache
+def _job_logger(name: str) -> logging.Logger:
+    return logging.getLogger(f"workerpool.job.{name}")
 
 
 def _invoke(job: Job, ctx: JobContext) -> Outcome:
