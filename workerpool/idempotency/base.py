@@ -106,6 +106,10 @@ class IdempotencyStore(ABC):
         return record.completed_at + self.retention > now
 
     def claim(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
+        mutation = self._claiming(owner, message_id, ttl)
+        return self._guarded(lambda: self._mutate(job_id, mutation))
+
+    def _claiming(self, owner: str, message_id: str, ttl: float) -> Mutation[ClaimResult]:
         def mutation(record: Record | None, now: float) -> tuple[ClaimResult, Change]:
             if record is None or not self._is_live(record, now):
                 return Claimed(), Record(owner, message_id, until=now + ttl)
@@ -113,7 +117,7 @@ class IdempotencyStore(ABC):
                 return Done(record.completed_at), None
             return HeldElsewhere(record.owner, record.message_id, record.until), None
 
-        return self._guarded(lambda: self._mutate(job_id, mutation))
+        return mutation
 
     def renew(self, job_id: str, owner: str, message_id: str, ttl: float) -> bool:
         return self.renew_many([(job_id, message_id)], owner, ttl)[0]
@@ -134,12 +138,16 @@ class IdempotencyStore(ABC):
         return self._guarded(lambda: self._mutate_many(items))
 
     def complete(self, job_id: str, owner: str, message_id: str) -> None:
+        mutation = self._completing(owner, message_id)
+        self._guarded(lambda: self._mutate(job_id, mutation))
+
+    def _completing(self, owner: str, message_id: str) -> Mutation[None]:
         def mutation(record: Record | None, now: float) -> tuple[None, Change]:
             if record and record.completed_at is not None and self._is_live(record, now):
                 return None, None  # keep the first completion
             return None, Record(owner, message_id, until=now, completed_at=now)
 
-        self._guarded(lambda: self._mutate(job_id, mutation))
+        return mutation
 
     def release(self, job_id: str, owner: str, message_id: str) -> None:
         self.release_many([(job_id, message_id)], owner)

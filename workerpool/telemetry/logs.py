@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -49,13 +51,14 @@ def setup_logging(
     if json_lines is None:
         wanted = os.environ.get(ENV_LOG_FORMAT, "").strip().lower()
         json_lines = wanted == "json" if wanted in ("json", "text") else not _isatty(stream)
-    handler = logging.StreamHandler(stream)
+    handler = BackgroundHandler(stream)
     handler.setFormatter(CloudLoggingFormatter() if json_lines else TextFormatter())
     # Neither format shows the thread or the process: do not look them up for every record.
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
     if _installed is not None:
         root.removeHandler(_installed)
+        _installed.close()
     root.addHandler(handler)
     root.setLevel(level)
     _installed = handler
@@ -67,6 +70,83 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+class BackgroundHandler(logging.Handler):
+    """Formats and writes records on a thread of its own, as many lines per write as have
+    queued meanwhile. A slot thread only queues its record: a write to stderr gives up the
+    GIL, and in a process of a hundred slot threads winning it back cost more than the line
+    (measured: a job log line was 0.2 ms of CPU at N = 100). What must be read where the
+    record is made is fixed before it is queued: its message, its traceback, the current span.
+    ``flush`` waits until what is queued is written; ``close`` (``logging.shutdown``) too."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self.stream = stream
+        self._queue: queue.SimpleQueue[logging.LogRecord | threading.Event] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.message = record.getMessage()
+        record.msg, record.args = record.message, None  # arguments may change after this
+        if record.exc_info:
+            record.exc_text = _PLAIN.formatException(record.exc_info)
+            record.exc_info = None  # its traceback holds the caller's frames
+        if getattr(record, SPAN_CONTEXT, None) is None:
+            setattr(record, SPAN_CONTEXT, trace.get_current_span().get_span_context())
+        if self._thread is None:
+            self._start()
+        self._queue.put(record)
+
+    def _start(self) -> None:
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._write, name="workerpool-logs", daemon=True
+                )
+                self._thread.start()
+
+    def flush(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            written = threading.Event()
+            self._queue.put(written)
+            written.wait(5.0)
+
+    def close(self) -> None:
+        self.flush()
+        super().close()
+
+    def _write(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            records = [item for item in batch if isinstance(item, logging.LogRecord)]
+            if records:
+                self._write_lines(records)
+            for item in batch:
+                if isinstance(item, threading.Event):
+                    item.set()
+
+    def _write_lines(self, records: list[logging.LogRecord]) -> None:
+        lines = []
+        for record in records:
+            try:
+                lines.append(self.format(record))
+            except Exception:
+                self.handleError(record)
+        try:
+            self.stream.write("".join(line + "\n" for line in lines))
+            self.stream.flush()
+        except Exception:  # a closed or broken stream: logging must never stop the worker
+            self.handleError(records[-1])
+
+
+_PLAIN = logging.Formatter()
 
 
 def _span_context(record: logging.LogRecord) -> SpanContext | None:
@@ -88,8 +168,10 @@ class CloudLoggingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
-        if record.exc_info:
-            message += "\n" + self.formatException(record.exc_info)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            message += "\n" + record.exc_text
         entry: dict[str, Any] = {
             "severity": record.levelname if record.levelno else "DEFAULT",
             "message": message,

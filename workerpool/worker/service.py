@@ -88,7 +88,7 @@ def exit_now(code: int) -> NoReturn:
     has stalled must not hold the exit."""
     flush = threading.Thread(target=logging.shutdown, daemon=True)
     flush.start()
-    flush.join(0.05)
+    flush.join(0.1)
     os._exit(code)
 
 
