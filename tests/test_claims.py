@@ -231,3 +231,60 @@ def _wait(condition: Any, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_a_late_renewal_reply_never_releases_a_newer_claim_of_the_same_message(
+    timers: Timers,
+) -> None:
+    # Given a run whose renewal hangs in the store
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers)
+    failing, second_running = threading.Event(), threading.Event()
+
+    @worker.jobs.job("t.twice")
+    def twice(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if not failing.is_set():
+            failing.set()
+            ctx.cancelled.wait(0.5)
+            raise RetryableError("first run fails")
+        second_running.set()
+        ctx.cancelled.wait(3)
+
+    try:
+        store.stall("renew", 30)
+        first = worker.process(job="t.twice")
+        assert _wait(lambda: store.calls["renew"] >= 1)  # a renewal is in flight, stalled
+        first.join(timeout=10)  # the first run failed and released its claim
+        # When the same message is claimed again here, and then the stalled reply comes back
+        second = worker.process(job="t.twice")
+        assert second_running.wait(10)
+        store.heal()
+        time.sleep(TTL)  # keeper rounds after the reply
+        # Then the newer claim is still held: nobody else could start the job id
+        held = store.inner.claim("j1", "w2", "m-2", TTL)
+        assert isinstance(held, HeldElsewhere) and held.owner == OWNER
+        second.join(timeout=10)
+    finally:
+        store.heal()
+        worker.close()
+
+
+def test_a_run_handed_back_while_its_claim_is_made_never_starts(timers: Timers) -> None:
+    # Given a claim call that hangs in the store
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers)
+    store.stall("claim", 30)
+    try:
+        run = worker.process()
+        assert _wait(lambda: store.calls["claim"] == 1)
+        # When the drain deadline hands the run back, and then the claim comes through
+        assert worker.processor.interrupt_running() == 1
+        store.heal()
+        run.join(timeout=10)
+        # Then its handler never started, and the claim was let go at once
+        assert worker.started_at == []
+        assert worker.processor.stats == {"drained": 1}
+        assert store.inner.claim("j1", "w2", "m-2", TTL) == Claimed()
+    finally:
+        store.heal()
+        worker.close()

@@ -214,6 +214,38 @@ def test_renew_failures_never_lead_to_two_runs_of_one_job_at_once(
     _assert_never_two_at_once(ledger)
 
 
+def test_a_duplicate_never_runs_beside_a_run_whose_claim_cannot_be_renewed(
+    pubsub: PubSubEnv, tmp_path: Path
+) -> None:
+    # Given a worker whose claim renewals always fail, running a 10 s job under a 3 s claim,
+    # and a second, healthy worker sharing its store
+    pubsub.provision(retry_policy=False, ack_deadline=10)
+    ledger = tmp_path / "ledger.jsonl"
+    broken = _faults(store=[{"method": "renew", "error": "PermissionDenied"}])
+    args = ("--max-outstanding", "4", "--claim-ttl", "3", "--jobs", "tests.faults.inject")
+    with worker_processes() as workers:
+        first = spawn_worker(pubsub, ledger, *args, extra_env=broken)
+        workers.append(first)
+        pubsub.publish("demo.sleep", {"seconds": 10}, job_id="dup")
+        _running(ledger, 1)
+        second = spawn_worker(pubsub, ledger, *args)
+        workers.append(second)
+        assert wait_for(second.ready, timeout=60), second.output()
+        # When a duplicate of the job is published after the first run's claim could have
+        # lapsed
+        time.sleep(4)
+        pubsub.publish("demo.sleep", {"seconds": 10}, job_id="dup")
+        # Then the job runs to its end once, and never beside the first run
+        assert wait_for(lambda: ledger_events(ledger, "done"), timeout=60), second.output()
+        for worker in workers:
+            _drain(worker, 25)
+    assert [r["job_id"] for r in ledger_events(ledger, "done")] == ["dup"]
+    # (the broken worker may get the duplicate too: each of its runs stopped in time)
+    cancelled = ledger_events(ledger, "cancelled", first.pid)
+    assert cancelled and all(r["end"] - r["start"] < 3.0 for r in cancelled), cancelled
+    _assert_never_two_at_once(ledger)
+
+
 def test_a_slow_failure_record_keeps_its_message_leased_until_it_is_written(
     pubsub: PubSubEnv, tmp_path: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from tests.support import PubSubEnv, wait_for
 from workerpool import JobContext
 from workerpool.registry import Registry
+from workerpool.worker.launcher import Launcher, Phase
+from workerpool.worker.pool import DrainReport
 
 
 class Tracker:
@@ -65,3 +68,24 @@ def test_running_handlers_never_exceed_and_reach_n(pubsub: PubSubEnv, n: int) ->
     assert peak_from_intervals(tracker.intervals) == n
     assert sorted(tracker.done) == sorted(f"job-{i}" for i in range(total))
     assert held_peak == n + 2
+
+
+def test_a_launcher_stopped_twice_closes_everything_it_opened_once(
+    pubsub: PubSubEnv, tmp_path: Path
+) -> None:
+    # Given a started launcher with the SQLite store (its threads: slots, pull loop, acks,
+    # leases, timers, claims)
+    pubsub.provision()
+    before = {t.name for t in threading.enumerate()}
+    settings = pubsub.settings(idempotency_store=f"sqlite:///{tmp_path / 'claims.db'}")
+    launcher = Launcher(settings, jobs=Registry()).start()
+    assert launcher.phase is Phase.RUNNING
+    assert {t.name for t in threading.enumerate()} - before
+    # When it is stopped twice
+    first = launcher.stop(time.monotonic() + 5)
+    second = launcher.stop(time.monotonic() + 5)
+    # Then the second stop does nothing, and every thread it started has ended
+    assert second == DrainReport(0, 0, 0, 0.0) and first.interrupted == 0
+    assert wait_for(lambda: {t.name for t in threading.enumerate()} <= before, timeout=5), {
+        t.name for t in threading.enumerate()
+    } - before

@@ -415,11 +415,13 @@ def test_log_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
     level = root.level
     try:
         tty, pipe = Tty(), io.StringIO()
-        assert isinstance(setup_logging(stream=tty).formatter, TextFormatter)
+        handler = setup_logging(stream=tty)
+        assert isinstance(handler.formatter, TextFormatter)
         logging.getLogger("workerpool.jobs").info(
             "job t.x done in 0.500s",
             extra={"fields": {"job": "t.x", "duration": 0.5, "outcome": "done"}},
         )
+        handler.flush()  # lines are written by a thread of the handler's own
         assert "INFO workerpool.jobs: job t.x done in 0.500s  job=t.x duration=0.500" in (
             tty.getvalue()
         )
@@ -429,6 +431,36 @@ def test_log_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
     finally:
         root.removeHandler(setup_logging(stream=io.StringIO()))
         root.setLevel(level)
+
+
+def test_a_bad_log_call_never_raises_and_other_handlers_see_the_record_as_logged() -> None:
+    # Given the worker's log handler and another handler beside it
+    root, level = logging.getLogger(), logging.getLogger().level
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    other = Keep()
+    stream = io.StringIO()
+    try:
+        handler = setup_logging(stream=stream)
+        root.addHandler(other)
+        # When a line is logged whose arguments do not fit its format, and a good one
+        logging.raiseExceptions = False  # handleError would print the error to stderr
+        logging.getLogger("t").info("%d items", "many")
+        logging.getLogger("t").info("%s items", "some")
+        handler.flush()
+    finally:
+        logging.raiseExceptions = True
+        root.removeHandler(other)
+        root.removeHandler(setup_logging(stream=io.StringIO()))
+        root.setLevel(level)
+    # Then the call did not raise, the good line was written, and the other handler got the
+    # records untouched
+    assert "some items" in stream.getvalue()
+    assert [(r.msg, r.args) for r in seen] == [("%d items", ("many",)), ("%s items", ("some",))]
 
 
 def test_job_log_lines_carry_the_run_and_never_the_payload(

@@ -32,6 +32,7 @@ from workerpool.worker.middleware import Middleware, Next
 from workerpool.worker.outcome import (
     AlreadyDone,
     DuplicateOfRunning,
+    Interrupted,
     LostClaim,
     Outcome,
     RedeliveredWhileRunning,
@@ -127,6 +128,11 @@ class Idempotency(Middleware):
                 return DuplicateOfRunning()
             case Claimed():
                 pass
+        if run.delivery.settled:
+            # Handed back (the drain deadline) while the claim was being made: never start
+            # it, and do not leave the claim to hold the job id until it expires.
+            self._release(job)
+            return Interrupted()
         held = self._hold(run, key, sent + self._ttl)
         try:
             outcome = call_next(run)
@@ -250,8 +256,10 @@ class Idempotency(Middleware):
     def _extend(self, claim: _Claim, expires: float) -> None:
         with self._lock:
             if self._claims.get(claim.key) is not claim:
-                # Given up (or ended) while the renewal was in flight: it must not linger.
-                self._releases.append(claim.key)
+                # Ended, or given up, while the renewal was in flight. Not released: the same
+                # message may have been claimed here again meanwhile, under the same key, and
+                # a release would delete that live claim. A given-up claim that was renewed
+                # so lingers until it expires; its message is deferred until then.
                 return
             claim.watch.cancel()
             claim.expires = expires

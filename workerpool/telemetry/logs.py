@@ -10,6 +10,7 @@ formats show them. A line written while a span is active (or naming one with
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -88,16 +89,21 @@ class BackgroundHandler(logging.Handler):
         self._starting = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
-        record.message = record.getMessage()
-        record.msg, record.args = record.message, None  # arguments may change after this
-        if record.exc_info:
-            record.exc_text = _PLAIN.formatException(record.exc_info)
-            record.exc_info = None  # its traceback holds the caller's frames
-        if getattr(record, SPAN_CONTEXT, None) is None:
-            setattr(record, SPAN_CONTEXT, trace.get_current_span().get_span_context())
+        try:
+            queued = copy.copy(record)  # other handlers see the record as it was logged
+            queued.message = queued.getMessage()
+            queued.msg, queued.args = queued.message, None  # arguments may change after this
+            if queued.exc_info:
+                queued.exc_text = _PLAIN.formatException(queued.exc_info)
+                queued.exc_info = None  # its traceback holds the caller's frames
+            if getattr(queued, SPAN_CONTEXT, None) is None:
+                setattr(queued, SPAN_CONTEXT, trace.get_current_span().get_span_context())
+        except Exception:  # a bad log call must not raise where it was made
+            self.handleError(record)
+            return
         if self._thread is None:
             self._start()
-        self._queue.put(record)
+        self._queue.put(queued)
 
     def _start(self) -> None:
         with self._starting:

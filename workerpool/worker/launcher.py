@@ -417,10 +417,13 @@ class Fleet:
             for pool in settings.pool_settings()
         ]
 
-    def start(self) -> Fleet:
+    def start(self, abort: threading.Event | None = None) -> Fleet:
+        """Start the pools one after another, none once ``abort`` is set (a signal came)."""
         started: list[Launcher] = []
         try:
             for launcher in self.launchers:
+                if abort is not None and abort.is_set():
+                    break
                 started.append(launcher.start())
         except BaseException:
             for launcher in started:

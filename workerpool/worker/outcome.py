@@ -181,6 +181,8 @@ def decide(outcome: Outcome, facts: Facts) -> Action:
             return Nack(0.0, Label.DRAINED)
         case LostClaim(after):
             # Not a failure: come back once the claim has lapsed, so nobody runs it meanwhile.
+            # (With a retry policy the nack is 0 as every nack there is, and the policy spaces
+            # it; back before the claim lapsed, it is deferred once more.)
             return _later(after, Label.DEFERRED, facts)
         case NotStarted():
             # Another worker can start it now.

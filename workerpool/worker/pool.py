@@ -137,8 +137,9 @@ class Pool:
                 self._running += 1
             try:
                 self._processor.process(delivery)
-            except (Exception, SystemExit):  # the processor maps handler errors; a bug guard
+            except BaseException:  # the processor maps handler errors; this guards the slot
                 log.exception("%s: processing %s failed", self.name, delivery.message_id)
+                self._processor.give_back([delivery])  # if nothing settled it: now
             finally:
                 self._leases.remove(delivery)
                 with self._cond:

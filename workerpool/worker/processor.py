@@ -132,7 +132,7 @@ class Processor:
         self._chain = chain(self._middleware, self._start_handler)
         self._settings = settings
         self._attempts = AttemptCounter()
-        self._running: set[Run] = set()
+        self._running: dict[Delivery, Run] = {}  # started, until settled
         self._stopping = False  # the drain deadline passed: nothing starts any more
         self._lock = threading.Lock()
         self.draining = threading.Event()
@@ -155,14 +155,15 @@ class Processor:
             self._settle(delivery, Interrupted(), _Subject.of(decoded))
             return
         try:
-            run.outcome = self._chain(run)
-        except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
-            log.exception("job %s: the middleware chain raised", decoded.name)
-            run.outcome = Failed(type(exc).__name__, str(exc), exc)
+            try:
+                run.outcome = self._chain(run)
+            except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
+                log.exception("job %s: the middleware chain raised", decoded.name)
+                run.outcome = Failed(type(exc).__name__, str(exc), exc)
+            self._settle(delivery, run.outcome, _Subject.of(decoded), run)
         finally:
-            with self._lock:
-                self._running.discard(run)
-        self._settle(delivery, run.outcome, _Subject.of(decoded), run)
+            with self._lock:  # only now: the end of a drain may still give it back
+                self._running.pop(delivery, None)
 
     def _begin(self, job: Job, delivery: Delivery) -> Run | None:
         ctx = JobContext(
@@ -180,12 +181,14 @@ class Processor:
         with self._lock:
             if self._stopping:
                 return None  # dequeued just as the drain deadline passed: never start it
-            self._running.add(run)
+            self._running[delivery] = run
         return run
 
     def _start_handler(self, run: Run) -> Outcome:
         """Innermost step. The lease follows the job's own timeout, however long, and stops
         soon after it; it starts counting here, after any wait for a rate-limit token."""
+        if run.delivery.settled:
+            return Interrupted()  # handed back while a middleware waited: never start it
         run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
         return _invoke(run.job, run.ctx)
 
@@ -288,10 +291,13 @@ class Processor:
         run is still publishing its failure record (that publish may yet succeed: a second
         record after its redelivery is better than a lost message)."""
         taken = [d for d in deliveries if (d.force() if force else d.take())]
+        with self._lock:
+            runs = [self._running.get(d) for d in taken]
         self._nack_now(
-            [(d, _Subject.unstarted(d), None) for d in taken],
+            [(d, _Subject.of(run.job) if run else _Subject.unstarted(d), run)
+             for d, run in zip(taken, runs, strict=True)],
             Interrupted() if force else NotStarted(),
-        )
+        )  # fmt: skip
         return len(taken)
 
     def interrupt_running(self) -> int:
@@ -299,7 +305,7 @@ class Processor:
         nothing starts from here on."""
         with self._lock:
             self._stopping = True
-            running = list(self._running)
+            running = list(self._running.values())
         return self._hand_back_all(running, Interrupted())
 
     def _hand_back(self, run: Run, outcome: Outcome) -> bool:
@@ -358,7 +364,7 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
         return Failed(type(exc).__name__, str(exc), exc)
     except RetryableError as exc:
         return Failed(type(exc).__name__, str(exc), exc)
-    except (Exception, SystemExit) as exc:  # a handler's sys.exit() must not end the slot
+    except BaseException as exc:  # sys.exit(), a stray CancelledError: never end the slot
         ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
         return Failed(type(exc).__name__, str(exc), exc)
     if inspect.isawaitable(result) or inspect.isgenerator(result):

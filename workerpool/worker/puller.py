@@ -99,4 +99,8 @@ class Puller:
             if response.received_messages:
                 # admit() gives back at once anything beyond the bound, including all of it
                 # once the pool is quiet.
-                self._pool.admit([to_delivery(r) for r in response.received_messages])
+                try:
+                    self._pool.admit([to_delivery(r) for r in response.received_messages])
+                except Exception:  # a bug; what was not admitted comes back after its lease
+                    log.exception("admitting %d messages failed", len(response.received_messages))
+                    self.healthy.clear()

@@ -36,12 +36,15 @@ class Signals:
     def __init__(self) -> None:
         self.stop = threading.Event()
         self.hurry = threading.Event()
+        self.at = 0.0  # monotonic time of the first signal: the drain's deadline counts from it
 
     def install(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.stop.is_set():
+            self.at = time.monotonic()
         (self.hurry if self.stop.is_set() else self.stop).set()
 
 
@@ -58,11 +61,11 @@ def serve(settings: Settings) -> None:
         health = HealthServer(
             settings.metrics_port, healthy=fleet.healthy, ready=fleet.ready, metrics=scrape
         ).start()
-    fleet.start()
+    fleet.start(abort=signals.stop)  # a signal while pools start: start no more of them
     while not signals.stop.wait(1.0):
         pass
     log.info("signal received: draining (%.0fs)", settings.drain_timeout)
-    deadline = time.monotonic() + settings.drain_timeout
+    deadline = signals.at + settings.drain_timeout  # counted from the signal, as the platform does
     _exit_at(deadline + LAST_RESORT, code=1, why="the drain overran its budget")
     fleet.stop(deadline, abort=signals.hurry)
     # The last spans and metrics get what is left; an exporter that cannot reach its

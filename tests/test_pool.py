@@ -1,0 +1,165 @@
+"""The pool's bound, admission and hand-back, with typed fakes (pure logic, no Pub/Sub)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool import JobContext
+from workerpool.config import Settings
+from workerpool.registry import Registry
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.launcher import Launcher, Phase
+from workerpool.worker.pool import DrainReport, Pool, PoolLimits
+from workerpool.worker.processor import Processor, ProcessorSettings
+
+
+class _Gate:
+    """A job that records how many run at once and waits until it is let go."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
+        self.started = 0
+        self.release = threading.Event()
+
+    def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None:
+        with self.lock:
+            self.running += 1
+            self.started += 1
+            self.peak = max(self.peak, self.running)
+        self.release.wait(10)
+        with self.lock:
+            self.running -= 1
+
+
+def _pool(n: int, prefetch: int) -> tuple[Pool, _Gate, FakeAcks, Processor]:
+    jobs, gate, acks = Registry(), _Gate(), FakeAcks()
+    jobs.job("t.gate")(gate)
+    leases = FakeLeaser()
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
+    pool = Pool(processor, leases, PoolLimits(n, prefetch))
+    pool.start()
+    return pool, gate, acks, processor
+
+
+def _deliveries(count: int, start: int = 0) -> list[Delivery]:
+    return [
+        make_delivery(b"{}", {"job": "t.gate", "job_id": f"j{i}"}, message_id=f"m{i}")
+        for i in range(start, start + count)
+    ]
+
+
+def _eventually(condition: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_never_more_than_n_run_and_the_rest_wait_within_the_bound() -> None:
+    # Given a pool of 4 slots and a prefetch of 2
+    pool, gate, acks, processor = _pool(4, 2)
+    try:
+        # When it is asked for room, Then it has N + prefetch, and admits that many
+        assert pool.wait_for_room(0) == 6
+        pool.admit(_deliveries(6))
+        assert _eventually(lambda: gate.running == 4)
+        assert pool.held == 6 and pool.wait_for_room(0) == 0
+        # And anything beyond the bound is given back at once, counted as released
+        pool.admit(_deliveries(3, start=6))
+        assert sorted(a for a, _ in acks.modacked) == ["ack-m6", "ack-m7", "ack-m8"]
+        assert processor.stats == {"released": 3}
+        # When the jobs are let go, Then all 6 ran, never more than 4 at once
+        gate.release.set()
+        assert _eventually(lambda: acks.acked and len(acks.acked) == 6)
+        assert gate.peak == 4 and gate.started == 6
+        assert pool.wait_idle(time.monotonic() + 5)
+        assert processor.stats == {"released": 3, "done": 6}
+    finally:
+        gate.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+def test_quiet_gives_back_what_has_not_started_and_lets_the_rest_finish() -> None:
+    # Given 2 slots busy and 2 messages waiting
+    pool, gate, acks, processor = _pool(2, 2)
+    try:
+        pool.admit(_deliveries(4))
+        assert _eventually(lambda: gate.running == 2)
+        # When the pool goes quiet
+        released = pool.quiet()
+        # Then the 2 waiting are given back at once (deadline 0), and nothing is admitted
+        assert released == 2
+        assert sorted(acks.modacked) == [("ack-m2", 0.0), ("ack-m3", 0.0)]
+        assert pool.wait_for_room(0) == 0
+        pool.admit(_deliveries(1, start=9))
+        assert ("ack-m9", 0.0) in acks.modacked
+        # And the 2 running finish and are acked
+        gate.release.set()
+        assert pool.wait_idle(time.monotonic() + 5)
+        assert sorted(acks.acked) == ["ack-m0", "ack-m1"]
+        assert gate.started == 2 and processor.stats == {"released": 3, "done": 2}
+    finally:
+        gate.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+def test_join_does_not_wait_past_its_deadline_for_a_stuck_handler() -> None:
+    # Given a slot whose handler ignores everything for 10 s
+    pool, gate, _, _ = _pool(1, 0)
+    pool.admit(_deliveries(1))
+    assert _eventually(lambda: gate.running == 1)
+    # When the pool is joined with a 0.2 s deadline, Then it returns by then, saying so
+    started = time.monotonic()
+    assert pool.join(started + 0.2) is False
+    assert time.monotonic() - started < 1.0
+    gate.release.set()
+
+
+def test_a_launcher_stopped_before_it_started_opened_nothing_and_cannot_start() -> None:
+    # Given a launcher that was never started (it opens nothing until start)
+    settings = Settings(project="p", subscription="s", idempotency_store="memory://").validate()
+    before = {t.name for t in threading.enumerate()}
+    launcher = Launcher(settings)
+    # When it is stopped, twice, Then each stop is an empty report and no thread was started
+    assert launcher.stop(time.monotonic()) == DrainReport(0, 0, 0, 0.0)
+    assert launcher.stop(time.monotonic()) == DrainReport(0, 0, 0, 0.0)
+    assert {t.name for t in threading.enumerate()} == before
+    assert launcher.phase is Phase.STOPPED
+    # And it cannot be started any more
+    with pytest.raises(RuntimeError, match="stopped"):
+        launcher.start()
+
+
+def test_a_handler_raising_a_base_exception_is_a_failure_and_its_slot_carries_on() -> None:
+    # Given one slot, and a job that raises CancelledError (a BaseException) once
+    jobs, ran = Registry(), []
+
+    @jobs.job("t.odd")
+    def odd(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ran.append(ctx.job_id)
+        if len(ran) == 1:
+            raise asyncio.CancelledError
+
+    acks, leases = FakeAcks(), FakeLeaser()
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
+    pool = Pool(processor, leases, PoolLimits(1, 1))
+    pool.start()
+    try:
+        # When two messages run on it
+        pool.admit([make_delivery(b"{}", {"job": "t.odd", "job_id": f"j{i}"}, message_id=f"m{i}")
+                    for i in range(2)])  # fmt: skip
+        # Then the first is retried, not lost, and the same slot runs the second
+        assert _eventually(lambda: processor.stats == {"retried": 1, "done": 1})
+        assert ran == ["j0", "j1"] and acks.acked == ["ack-m1"]
+    finally:
+        assert pool.join(time.monotonic() + 5)
