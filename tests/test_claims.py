@@ -15,6 +15,7 @@ from google.api_core import exceptions as gexc
 
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.faults.store import FaultyStore
+from tests.support import wait_for
 from workerpool import JobContext, RetryableError
 from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore, StoreUnavailable
 from workerpool.idempotency.middleware import Idempotency
@@ -207,7 +208,7 @@ def test_claims_of_interrupted_runs_are_released_in_one_call_off_the_drain_path(
     worker = _Worker(store, timers)
     try:
         runs = [worker.process(f"j{i}", f"m-{i}") for i in range(5)]
-        assert _wait(lambda: len(worker.started_at) == 5)
+        assert wait_for(lambda: len(worker.started_at) == 5, timeout=10, interval=0.005)
         store.stall("release", 30)
         # When the drain deadline interrupts them
         started = time.monotonic()
@@ -218,19 +219,10 @@ def test_claims_of_interrupted_runs_are_released_in_one_call_off_the_drain_path(
         # Then the hand-back did not wait for the store, and the releases went as one call
         assert interrupted_in < 0.2
         assert worker.processor.stats == {"drained": 5}
-        assert _wait(lambda: store.calls["release"] == 1)
+        assert wait_for(lambda: store.calls["release"] == 1, timeout=10, interval=0.005)
     finally:
         store.heal()
         worker.close()
-
-
-def _wait(condition: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_late_renewal_reply_never_releases_a_newer_claim_of_the_same_message(
@@ -253,7 +245,8 @@ def test_a_late_renewal_reply_never_releases_a_newer_claim_of_the_same_message(
     try:
         store.stall("renew", 30)
         first = worker.process(job="t.twice")
-        assert _wait(lambda: store.calls["renew"] >= 1)  # a renewal is in flight, stalled
+        # a renewal is in flight, stalled
+        assert wait_for(lambda: store.calls["renew"] >= 1, timeout=10, interval=0.005)
         first.join(timeout=10)  # the first run failed and released its claim
         # When the same message is claimed again here, and then the stalled reply comes back
         second = worker.process(job="t.twice")
@@ -276,7 +269,7 @@ def test_a_run_handed_back_while_its_claim_is_made_never_starts(timers: Timers) 
     store.stall("claim", 30)
     try:
         run = worker.process()
-        assert _wait(lambda: store.calls["claim"] == 1)
+        assert wait_for(lambda: store.calls["claim"] == 1, timeout=10, interval=0.005)
         # When the drain deadline hands the run back, and then the claim comes through
         assert worker.processor.interrupt_running() == 1
         store.heal()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.config import Settings
 from workerpool.registry import Registry
@@ -56,15 +57,6 @@ def _deliveries(count: int, start: int = 0) -> list[Delivery]:
     ]
 
 
-def _eventually(condition: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_never_more_than_n_run_and_the_rest_wait_within_the_bound() -> None:
     # Given a pool of 4 slots and a prefetch of 2
     pool, gate, acks, processor = _pool(4, 2)
@@ -72,7 +64,7 @@ def test_never_more_than_n_run_and_the_rest_wait_within_the_bound() -> None:
         # When it is asked for room, Then it has N + prefetch, and admits that many
         assert pool.wait_for_room(0) == 6
         pool.admit(_deliveries(6))
-        assert _eventually(lambda: gate.running == 4)
+        assert wait_for(lambda: gate.running == 4, timeout=10, interval=0.005)
         assert pool.held == 6 and pool.wait_for_room(0) == 0
         # And anything beyond the bound is given back at once, counted as released
         pool.admit(_deliveries(3, start=6))
@@ -80,7 +72,7 @@ def test_never_more_than_n_run_and_the_rest_wait_within_the_bound() -> None:
         assert processor.stats == {"released": 3}
         # When the jobs are let go, Then all 6 ran, never more than 4 at once
         gate.release.set()
-        assert _eventually(lambda: acks.acked and len(acks.acked) == 6)
+        assert wait_for(lambda: acks.acked and len(acks.acked) == 6, timeout=10, interval=0.005)
         assert gate.peak == 4 and gate.started == 6
         assert pool.wait_idle(time.monotonic() + 5)
         assert processor.stats == {"released": 3, "done": 6}
@@ -94,7 +86,7 @@ def test_quiet_gives_back_what_has_not_started_and_lets_the_rest_finish() -> Non
     pool, gate, acks, processor = _pool(2, 2)
     try:
         pool.admit(_deliveries(4))
-        assert _eventually(lambda: gate.running == 2)
+        assert wait_for(lambda: gate.running == 2, timeout=10, interval=0.005)
         # When the pool goes quiet
         released = pool.quiet()
         # Then the 2 waiting are given back at once (deadline 0), and nothing is admitted
@@ -117,7 +109,7 @@ def test_join_does_not_wait_past_its_deadline_for_a_stuck_handler() -> None:
     # Given a slot whose handler ignores everything for 10 s
     pool, gate, _, _ = _pool(1, 0)
     pool.admit(_deliveries(1))
-    assert _eventually(lambda: gate.running == 1)
+    assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
     # When the pool is joined with a 0.2 s deadline, Then it returns by then, saying so
     started = time.monotonic()
     assert pool.join(started + 0.2) is False
@@ -159,7 +151,9 @@ def test_a_handler_raising_a_base_exception_is_a_failure_and_its_slot_carries_on
         pool.admit([make_delivery(b"{}", {"job": "t.odd", "job_id": f"j{i}"}, message_id=f"m{i}")
                     for i in range(2)])  # fmt: skip
         # Then the first is retried, not lost, and the same slot runs the second
-        assert _eventually(lambda: processor.stats == {"retried": 1, "done": 1})
+        assert wait_for(
+            lambda: processor.stats == {"retried": 1, "done": 1}, timeout=10, interval=0.005
+        )
         assert ran == ["j0", "j1"] and acks.acked == ["ack-m1"]
     finally:
         assert pool.join(time.monotonic() + 5)

@@ -4,8 +4,6 @@ cannot do its work, and carries on (pure logic: fakes for Pub/Sub, no emulator).
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +12,7 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
-from tests.support import http_get
+from tests.support import http_get, wait_for
 from workerpool.registry import Registry
 from workerpool.telemetry.health import HealthServer
 from workerpool.worker import processor as processor_module
@@ -24,15 +22,6 @@ from workerpool.worker.lease import Leaser
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
 from workerpool.worker.timers import Timers
-
-
-def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 class _FlakyClient:
@@ -144,8 +133,8 @@ def test_the_leaser_survives_an_exception_and_keeps_extending() -> None:
     leaser.start()
     try:
         # Then it keeps extending the held message, and is healthy again
-        assert _eventually(lambda: acks.calls >= 4)
-        assert _eventually(lambda: leaser.healthy)
+        assert wait_for(lambda: acks.calls >= 4, timeout=10, interval=0.005)
+        assert wait_for(lambda: leaser.healthy, timeout=10, interval=0.005)
     finally:
         leaser.stop(timeout=5)
 
@@ -161,7 +150,7 @@ def test_the_leaser_says_it_is_unhealthy_while_extensions_fail() -> None:
     leaser.add([make_delivery(b"{}", {})])
     leaser.start()
     try:
-        assert _eventually(lambda: not leaser.healthy)
+        assert wait_for(lambda: not leaser.healthy, timeout=10, interval=0.005)
         assert leaser._thread is not None and leaser._thread.is_alive()
     finally:
         leaser.stop(timeout=5)
@@ -196,7 +185,7 @@ def test_timers_fire_in_order_and_cancelled_ones_never_fire() -> None:
             timers.call_after(0.05 * i, lambda i=i: order.append(i))  # type: ignore[misc]
         # Then the three fire in order of their times, and the cancelled ones are swept out
         # of the heap by later scheduling instead of being kept until they are due
-        assert _eventually(lambda: len(order) == 3)
+        assert wait_for(lambda: len(order) == 3, timeout=10, interval=0.005)
         assert order == [1, 2, 3]
         for _ in range(1024):
             timers.call_after(60, lambda: None).cancel()
@@ -231,7 +220,9 @@ def test_the_pull_loop_survives_any_exception_and_reports_it_unhealthy() -> None
     puller.start()
     try:
         # Then it keeps pulling, and is healthy again once a pull answers
-        assert _eventually(lambda: not client.errors and puller.healthy.is_set())
+        assert wait_for(
+            lambda: not client.errors and puller.healthy.is_set(), timeout=10, interval=0.005
+        )
     finally:
         puller.stop(timeout=5)
 
