@@ -64,10 +64,11 @@ def test_bad_config_exits_2_naming_the_setting(tmp_path: Path) -> None:
     ]
 
 
-def test_a_job_module_with_an_async_handler_exits_2_with_one_line(tmp_path: Path) -> None:
-    # Given a job module whose handler is an async def
+def test_a_job_module_with_a_generator_handler_exits_2_with_one_line(tmp_path: Path) -> None:
+    # Given a job module whose handler yields (its call would never run its body)
     (tmp_path / "asyncjobs.py").write_text(
-        "from workerpool import job\n\n@job('t.async')\nasync def handle(ctx, payload):\n    pass\n"
+        "from workerpool import job\n\n"
+        "@job('t.async')\nasync def handle(ctx, payload):\n    yield\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # When a worker is started with it
@@ -75,7 +76,9 @@ def test_a_job_module_with_an_async_handler_exits_2_with_one_line(tmp_path: Path
     # Then it refuses to start, before pulling anything, in one line that says why
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("workerpool: error: --jobs asyncjobs: job 't.async': handle is an async")
+    assert line.startswith(
+        "workerpool: error: --jobs asyncjobs: job 't.async': handle is a generator"
+    )
 
 
 def test_publish_then_cli_lists_jobs(pubsub: PubSubEnv, tmp_path: Path) -> None:

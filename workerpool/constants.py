@@ -38,6 +38,8 @@ ERR_PERMANENT: Final = "permanent_error"
 ERR_ATTEMPTS_EXHAUSTED: Final = "attempts_exhausted"
 # A handler returned a coroutine or generator instead of running its body.
 ERR_HANDLER_RETURNED_AWAITABLE: Final = "handler_returned_awaitable"
+# The job ran past its own ``timeout`` and ended by being cancelled (an async job's task).
+ERR_TIMED_OUT: Final = "timed_out"
 
 # Pub/Sub limits.
 MAX_MESSAGE_BYTES: Final = 10 * 1024 * 1024
@@ -54,6 +56,10 @@ DEFAULT_MAX_OUTSTANDING: Final = 10
 DEFAULT_MAX_HELD_BYTES: Final = 100 * 1024 * 1024
 DEFAULT_MAX_ATTEMPTS: Final = 5
 DEFAULT_TIMEOUT_SECONDS: Final = 3600.0
+# An async handler that holds the event loop this long (a blocking call in an ``async def``)
+# is logged by name: asyncio debug mode's slow-callback figure is 0.1 s, but that mode costs
+# every task; half a second is surely a blocking call, not a busy loop.
+LOOP_BLOCKED_AFTER_SECONDS: Final = 0.5
 DEFAULT_PREFETCH: Final = 2
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 DEFAULT_LEASE_EXTENSION: Final = 30.0

@@ -1,10 +1,12 @@
-"""What a handler knows about the run it is in."""
+"""What a handler knows about the run it is in: ``JobContext`` for a plain ``def`` handler,
+``AsyncJobContext`` (the same, with ``sleep`` and ``acquire`` to ``await``) for ``async def``."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -18,24 +20,69 @@ _WAITING = threading.Lock()  # guards the lazy creation of every Flag's event
 class Flag:
     """``threading.Event``'s ``set``/``is_set``/``wait``, made cheap to create: the event and
     its lock exist only once someone waits. Two of these per run made creating a run's context
-    the largest cost of a no-op job (an Event is a Condition and two locks)."""
+    the largest cost of a no-op job (an Event is a Condition and two locks).
 
-    __slots__ = ("_event", "_set")
+    A flag can be awaited too (``await ctx.draining``), and ``until`` waits for it with a
+    timeout, from a coroutine on any event loop, without blocking it."""
+
+    __slots__ = ("_callbacks", "_event", "_set")
 
     def __init__(self) -> None:
         self._set = False
         self._event: threading.Event | None = None
+        self._callbacks: dict[object, Callable[[], object]] | None = None
 
     def is_set(self) -> bool:
         return self._set
 
     def set(self) -> None:
-        # Written before the event is read: a waiter that creates the event after this read
-        # finds the flag set (see wait).
+        # Written before the event and the callbacks are read: a waiter that arrives after
+        # these reads finds the flag set (see wait and when_set).
         self._set = True
         event = self._event
         if event is not None:
             event.set()
+        if self._callbacks is not None:
+            with _WAITING:
+                callbacks, self._callbacks = self._callbacks, None
+            for callback in (callbacks or {}).values():
+                callback()
+
+    def when_set(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` once when the flag is set (now, if it is), from the thread that
+        sets it; return a function that forgets it, for a waiter that stops waiting first."""
+        key = object()
+        with _WAITING:
+            if not self._set:
+                if self._callbacks is None:
+                    self._callbacks = {}
+                self._callbacks[key] = callback
+                return lambda: self._forget(key)
+        callback()
+        return _nothing
+
+    def _forget(self, key: object) -> None:
+        with _WAITING:
+            if self._callbacks is not None:
+                self._callbacks.pop(key, None)
+
+    async def until(self, timeout: float | None = None) -> bool:
+        """``wait`` for a coroutine: True once set, False after ``timeout`` seconds."""
+        if self._set:
+            return True
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        forget = self.when_set(lambda: call_soon(loop, lambda: _wake(woken)))
+        try:
+            await asyncio.wait_for(woken, timeout)
+        except TimeoutError:
+            return False
+        finally:
+            forget()
+        return True
+
+    def __await__(self) -> Generator[object, None, bool]:
+        return self.until().__await__()
 
     def wait(self, timeout: float | None = None) -> bool:
         event = self._event
@@ -49,13 +96,33 @@ class Flag:
         return event.wait(timeout)
 
 
+def _nothing() -> None:
+    pass
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
+    """Schedule ``callback`` on ``loop`` from any thread; False once the loop has closed
+    (nobody waits on it any more)."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
 @dataclass
-class JobContext:
-    """Passed to every handler as its first argument.
+class RunContext:
+    """What every handler's context holds, sync or async.
 
     ``draining`` is set when the worker starts draining: finish soon or give up cleanly.
     ``cancelled`` is set at the drain deadline or when the job passes its own ``timeout``:
-    stop now; the message will be redelivered (drain) or retried (timeout).
+    stop now; the message will be redelivered (drain) or retried (timeout). Both can be
+    checked (``is_set()``), waited for (``wait``) or, in an ``async def`` handler, awaited.
     """
 
     job: str
@@ -63,7 +130,7 @@ class JobContext:
     message_id: str
     delivery_attempt: int
     publish_time: datetime | None
-    draining: threading.Event
+    draining: Flag
     cancelled: Flag = field(default_factory=Flag)
     # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
     timed_out: Flag = field(default_factory=Flag)
@@ -74,22 +141,50 @@ class JobContext:
         default_factory=lambda: logging.getLogger("workerpool.job")
     )
 
-    def acquire(self, limiter: str, tokens: float = 1.0) -> float:
-        """Wait for ``tokens`` from the declared rate limit ``limiter`` (one per outbound call,
-        say); return the seconds waited. The lease stays extended meanwhile. Raises ``Defer``
-        (the message is given back at once, not counted as a failure) if the pool drains."""
-        if self.limiters is None:
-            raise UnknownLimiter(f"no rate limit named {limiter!r} is declared")
-        waited = self.limiters.acquire(limiter, tokens, self.draining)
-        if waited is None:
-            raise Defer("the pool is draining; gave up waiting for a rate-limit token", delay=0)
-        return waited
-
     def throttled(self, limiter: str, retry_after: float | None = None) -> None:
         """Tell ``limiter`` the upstream answered "too many requests": it slows down."""
         if self.limiters is not None:
             self.limiters.throttled(limiter, retry_after)
 
+    def _declared(self, limiter: str) -> RateLimiters:
+        if self.limiters is None:
+            raise UnknownLimiter(f"no rate limit named {limiter!r} is declared")
+        return self.limiters
+
+
+_DRAINED = "the pool is draining; gave up waiting for a rate-limit token"
+
+
+@dataclass
+class JobContext(RunContext):
+    """Passed to every plain ``def`` handler as its first argument."""
+
+    def acquire(self, limiter: str, tokens: float = 1.0) -> float:
+        """Wait for ``tokens`` from the declared rate limit ``limiter`` (one per outbound call,
+        say); return the seconds waited. The lease stays extended meanwhile. Raises ``Defer``
+        (the message is given back at once, not counted as a failure) if the pool drains."""
+        waited = self._declared(limiter).acquire(limiter, tokens, self.draining)
+        if waited is None:
+            raise Defer(_DRAINED, delay=0)
+        return waited
+
     def sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return False early if the run is cancelled."""
         return not self.cancelled.wait(seconds)
+
+
+@dataclass
+class AsyncJobContext(RunContext):
+    """Passed to every ``async def`` handler: ``JobContext``'s waits, to ``await``. The
+    run's task is cancelled when ``cancelled`` is set (``CancelledError`` at its next await)."""
+
+    async def acquire(self, limiter: str, tokens: float = 1.0) -> float:
+        """``JobContext.acquire``, waiting on the event loop instead of blocking it."""
+        waited = await self._declared(limiter).acquire_async(limiter, tokens, self.draining)
+        if waited is None:
+            raise Defer(_DRAINED, delay=0)
+        return waited
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; return False early if the run is cancelled."""
+        return not await self.cancelled.until(seconds)

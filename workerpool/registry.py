@@ -32,6 +32,8 @@ class JobSpec:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     payload: type[Any] | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    # An ``async def`` handler: it runs as a task on the pool's event loop.
+    is_async: bool = False
 
 
 class Registry:
@@ -83,8 +85,12 @@ class Registry:
             raise TypeError(f"job {name!r}: payload must be a dataclass, got {payload!r}")
 
         def register(handler: Handler) -> Handler:
-            _check_handler(name, handler)
-            self.add(JobSpec(name, handler, float(timeout), max_attempts, payload, dict(options)))
+            is_async = _check_handler(name, handler)
+            self.add(
+                JobSpec(
+                    name, handler, float(timeout), max_attempts, payload, dict(options), is_async
+                )
+            )
             return handler
 
         return register
@@ -102,23 +108,20 @@ def _check_options(name: str, options: dict[str, Any]) -> None:
         raise TypeError(f"job {name!r}: unknown option(s) {', '.join(unknown)} (known: {known})")
 
 
-def _check_handler(name: str, handler: Handler) -> None:
-    """A handler whose call only builds a coroutine or generator would be acked as done
-    without its body ever running: refuse it here, where the mistake is made."""
+def _check_handler(name: str, handler: Handler) -> bool:
+    """True for an ``async def`` handler (or an object whose ``__call__`` is one). A handler
+    whose call only builds a generator would be acked as done without its body ever running:
+    refuse it here, where the mistake is made."""
     if not callable(handler):
         raise TypeError(f"job {name!r}: the handler must be callable, got {handler!r}")
     call = getattr(handler, "__call__", None)  # noqa: B004 - an object's async __call__
     for target in (handler, call):
-        if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
-            raise TypeError(
-                f"job {name!r}: {_name_of(handler)} is an async function; async handlers are "
-                "not supported yet: write it as a plain def (the worker runs it in a thread)"
-            )
-        if inspect.isgeneratorfunction(target):
+        if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
             raise TypeError(
                 f"job {name!r}: {_name_of(handler)} is a generator function (it yields), so "
                 "calling it would not run its body; return instead of yielding"
             )
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
 
 
 def _name_of(handler: Handler) -> str:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from workerpool.ratelimit.bucket import RateSpec, TokenBucket
+
+if TYPE_CHECKING:
+    from workerpool.context import Flag
 
 
 class UnknownLimiter(KeyError):
@@ -18,9 +22,34 @@ class RateLimiters(ABC):
     out the same reservations across replicas."""
 
     @abstractmethod
-    def acquire(self, name: str, tokens: float, abort: threading.Event) -> float | None:
+    def reserve(self, name: str, tokens: float) -> float:
+        """Take ``tokens`` of ``name`` now; return the seconds to wait before using them."""
+
+    @abstractmethod
+    def refund(self, name: str, tokens: float) -> None:
+        """Give back a reservation its waiter did not use."""
+
+    def waited(self, name: str, seconds: float) -> None:  # noqa: B027 - a hook, may do nothing
+        """A waiter got its tokens of ``name`` after ``seconds``."""
+
+    def acquire(self, name: str, tokens: float, abort: Flag | threading.Event) -> float | None:
         """Wait for ``tokens`` of ``name``; return the seconds waited, or None if ``abort``
         was set first (the reservation is then given back)."""
+        wait = self.reserve(name, tokens)
+        if wait > 0 and abort.wait(wait):
+            self.refund(name, tokens)
+            return None
+        self.waited(name, wait)
+        return wait
+
+    async def acquire_async(self, name: str, tokens: float, abort: Flag) -> float | None:
+        """``acquire`` for a coroutine: waits without blocking its event loop."""
+        wait = self.reserve(name, tokens)
+        if wait > 0 and await abort.until(wait):
+            self.refund(name, tokens)
+            return None
+        self.waited(name, wait)
+        return wait
 
     @abstractmethod
     def throttled(self, name: str, retry_after: float | None = None) -> None:
@@ -46,15 +75,15 @@ class LocalLimiters(RateLimiters):
         except KeyError:
             raise UnknownLimiter(f"no rate limit named {name!r} is declared") from None
 
-    def acquire(self, name: str, tokens: float, abort: threading.Event) -> float | None:
-        bucket = self.bucket(name)
-        wait = bucket.reserve(tokens)
-        if wait > 0 and abort.wait(wait):
-            bucket.refund(tokens)
-            return None
+    def reserve(self, name: str, tokens: float) -> float:
+        return self.bucket(name).reserve(tokens)
+
+    def refund(self, name: str, tokens: float) -> None:
+        self.bucket(name).refund(tokens)
+
+    def waited(self, name: str, seconds: float) -> None:
         if self._on_wait:
-            self._on_wait(name, wait)
-        return wait
+            self._on_wait(name, seconds)
 
     def throttled(self, name: str, retry_after: float | None = None) -> None:
         self.bucket(name).throttled(retry_after)

@@ -33,6 +33,7 @@ from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
 from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
+from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.clients import Clients
 from workerpool.worker.failures import DeadLetterPublisher, worker_identity
@@ -68,6 +69,7 @@ class _Parts:
     info: SubscriptionInfo
     clients: Clients
     timers: Timers
+    loop: EventLoop
     acks: Acknowledger
     leaser: Leaser
     middleware: list[Middleware]
@@ -174,6 +176,7 @@ class Launcher:
                 f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
             )
         timers = Timers()
+        loop = EventLoop()
         middleware = self._middleware(timers)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
@@ -201,10 +204,13 @@ class Launcher:
                 job_config=s.job_config,
             ),
             limiters=self._limiters,
+            loop=loop,
         )
         pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes))
         puller = Puller(clients.subscriber, self.subscription, pool)
-        return _Parts(info, clients, timers, acks, leaser, middleware, processor, pool, puller)
+        return _Parts(
+            info, clients, timers, loop, acks, leaser, middleware, processor, pool, puller
+        )
 
     def _middleware(self, timers: Timers) -> list[Middleware]:
         idempotency: list[Middleware] = []
@@ -332,6 +338,7 @@ class Launcher:
         steps: list[tuple[str, Callable[[], object]]] = [
             *((type(mw).__name__, _closer(mw, end)) for mw in parts.middleware),
             ("slots", lambda: parts.pool.join(end - 0.1)),
+            ("event loop", lambda: parts.loop.close(max(0.0, end - 0.1 - time.monotonic()))),
             ("timers", lambda: parts.timers.close(max(0.0, end - 0.1 - time.monotonic()))),
             ("clients", parts.clients.close),
         ]

@@ -10,6 +10,7 @@ its label in ``stats`` and is told to every middleware's ``settled``, once.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -22,10 +23,11 @@ from typing import Any
 
 from workerpool import constants as c
 from workerpool.constants import Label
-from workerpool.context import JobContext
+from workerpool.context import AsyncJobContext, Flag, JobContext, RunContext
 from workerpool.errors import Defer, PermanentError, RateLimitedError, RetryableError
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
+from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.counts import Counts
 from workerpool.worker.delivery import Delivery
@@ -122,8 +124,12 @@ class Processor:
         middleware: Sequence[Middleware] = (),
         settings: ProcessorSettings = ProcessorSettings(),
         limiters: RateLimiters | None = None,
+        loop: EventLoop | None = None,
     ) -> None:
+        """``loop`` runs the ``async def`` handlers (default: one of its own, whose thread
+        starts with the first async run)."""
         self._registry = registry
+        self._loop = loop or EventLoop()
         self._limiters = limiters
         self._acks = acks
         self._leases = leases
@@ -135,7 +141,7 @@ class Processor:
         self._running: dict[Delivery, Run] = {}  # started, until settled
         self._stopping = False  # the drain deadline passed: nothing starts any more
         self._lock = threading.Lock()
-        self.draining = threading.Event()
+        self.draining = Flag()
         self._counts: Counts[str] = Counts()
 
     def process(self, delivery: Delivery) -> None:
@@ -166,7 +172,8 @@ class Processor:
                 self._running.pop(delivery, None)
 
     def _begin(self, job: Job, delivery: Delivery) -> Run | None:
-        ctx = JobContext(
+        context = AsyncJobContext if job.spec.is_async else JobContext
+        ctx = context(
             job=job.name,
             job_id=job.job_id,
             message_id=job.message_id,
@@ -190,7 +197,7 @@ class Processor:
         if run.delivery.settled:
             return Interrupted()  # handed back while a middleware waited: never start it
         run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
-        return _invoke(run.job, run.ctx)
+        return _invoke(run.job, run.ctx, self._loop)
 
     def _settle(
         self, delivery: Delivery, outcome: Outcome, subject: _Subject, run: Run | None = None
@@ -350,10 +357,14 @@ def _job_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"workerpool.job.{name}")
 
 
-def _invoke(job: Job, ctx: JobContext) -> Outcome:
-    """Call the handler and name what happened; nothing it raises escapes."""
+def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
+    """Call the handler (an async one as a task on ``loop``, waiting for it) and name what
+    happened; nothing it raises escapes."""
     try:
-        result = job.spec.handler(ctx, job.payload)
+        if job.spec.is_async:
+            result = loop.run(job.spec.handler, ctx, job.payload)
+        else:
+            result = job.spec.handler(ctx, job.payload)
     except PermanentError as exc:
         return Rejected(exc.error_type, str(exc) or type(exc).__name__, exc)
     except Defer as exc:
@@ -365,17 +376,23 @@ def _invoke(job: Job, ctx: JobContext) -> Outcome:
     except RetryableError as exc:
         return Failed(type(exc).__name__, str(exc), exc)
     except BaseException as exc:  # sys.exit(), a stray CancelledError: never end the slot
+        if isinstance(exc, asyncio.CancelledError) and ctx.timed_out.is_set():
+            timeout = f"ran past its timeout of {job.spec.timeout:g} s and was cancelled"
+            return Failed(c.ERR_TIMED_OUT, timeout, exc)
+        if isinstance(exc, asyncio.CancelledError) and ctx.cancelled.is_set():
+            return Failed(type(exc).__name__, "cancelled: its message was handed back", exc)
         ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
         return Failed(type(exc).__name__, str(exc), exc)
     if inspect.isawaitable(result) or inspect.isgenerator(result):
-        # Registration refuses async and generator functions; a handler can still return a
-        # coroutine (a lambda around one, say). Its body never ran: never call that done.
+        # Registration refuses generator functions and knows async ones; a plain def can
+        # still return a coroutine (a lambda around one, say). Its body never ran: never
+        # call that done.
         close = getattr(result, "close", None)
         if close is not None:
             close()  # no "coroutine was never awaited" warning at garbage collection
         return Rejected(
             c.ERR_HANDLER_RETURNED_AWAITABLE,
-            f"handler returned {type(result).__name__} instead of running: async handlers "
-            "are not supported yet",
+            f"handler returned {type(result).__name__} instead of running: declare it with "
+            "async def, so the worker awaits it",
         )
     return Succeeded()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from workerpool.constants import Label
-from workerpool.context import JobContext
+from workerpool.context import RunContext
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class Run:
     job: Job
-    ctx: JobContext
+    ctx: RunContext
     delivery: Delivery
     # Hands the message back now with the given outcome, while the handler may still run.
     _hand_back: Callable[[Run, Outcome], bool] = field(repr=False)

@@ -1,0 +1,150 @@
+"""The event loop that runs a pool's ``async def`` handlers.
+
+A slot thread still carries every run, sync or async, through the middleware, so the pool's
+one bound counts both kinds and the claim, rate-limit, tracing and timeout code is one code.
+At the innermost step an async handler's coroutine becomes a task on this loop and the slot
+thread waits for it: blocking store and gRPC calls stay on slot threads, never on the loop.
+The task starts in a copy of the slot thread's context, so the run's span is current inside
+the coroutine; setting ``ctx.cancelled`` cancels the task. A watchdog names the job whose
+handler holds the loop (``time.sleep`` in an ``async def``), since that stalls every other
+async run. The loop's thread starts with the first async run, so a worker without async jobs
+has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from workerpool import constants as c
+from workerpool.context import RunContext, call_soon
+
+log = logging.getLogger(__name__)
+
+AsyncHandler = Callable[[RunContext, Any], Coroutine[Any, Any, Any]]
+
+
+class EventLoop:
+    def __init__(self, *, blocked_after: float = c.LOOP_BLOCKED_AFTER_SECONDS) -> None:
+        self._blocked_after = blocked_after
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._beat = time.monotonic()
+        self._stop_watching = threading.Event()
+
+    def run(self, handler: AsyncHandler, ctx: RunContext, payload: Any) -> Any:
+        """Run ``handler(ctx, payload)`` to its end as a task; the calling thread waits and
+        gets its result or its exception (``CancelledError`` once it was cancelled)."""
+        loop = self._started()
+        context = contextvars.copy_context()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(self._begin, loop, handler, ctx, payload, context, done)
+        return done.result()
+
+    def _begin(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        handler: AsyncHandler,
+        ctx: RunContext,
+        payload: Any,
+        context: contextvars.Context,
+        done: concurrent.futures.Future[Any],
+    ) -> None:
+        try:
+            coroutine = context.run(handler, ctx, payload)
+            task = loop.create_task(coroutine, name=f"{ctx.job} {ctx.job_id}", context=context)
+        except BaseException as exc:  # the call itself raised, or returned no coroutine
+            done.set_exception(exc)
+            return
+        forget = ctx.cancelled.when_set(lambda: call_soon(loop, task.cancel))
+
+        def finished(task: asyncio.Task[Any]) -> None:
+            forget()
+            if task.cancelled():
+                done.set_exception(asyncio.CancelledError())
+            elif (exc := task.exception()) is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(task.result())
+
+        task.add_done_callback(finished)
+
+    def _started(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is not None:
+            return loop
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the event loop for async jobs is closed")
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._serve, args=(loop,), name="workerpool-loop", daemon=True
+                )
+                self._thread.start()
+                threading.Thread(
+                    target=self._watch, args=(loop,), name="workerpool-loop-watch", daemon=True
+                ).start()
+                self._loop = loop
+            return self._loop
+
+    def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+        loop.close()  # from here, a late run or heartbeat is refused, never left waiting
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every quarter of ``blocked_after``, ask the loop for a heartbeat; when none came for
+        ``blocked_after``, whatever task is running now is the one holding the loop."""
+        reported: asyncio.Task[Any] | None = None
+        while not self._stop_watching.wait(self._blocked_after / 4):
+            if not call_soon(loop, self._heartbeat):
+                return
+            stalled = time.monotonic() - self._beat
+            if stalled < self._blocked_after:
+                reported = None
+                continue
+            task = asyncio.current_task(loop)
+            if task is None or task is reported:
+                continue
+            reported = task
+            log.warning(
+                "async job %s has held the event loop for %.1f s: every other async run waits. "
+                "It makes a blocking call; await instead (asyncio.to_thread for blocking "
+                "libraries), or write the job as a plain def",
+                task.get_name(),
+                stalled,
+            )
+
+    def _heartbeat(self) -> None:
+        self._beat = time.monotonic()
+
+    def close(self, timeout: float) -> None:
+        """Cancel what still runs on the loop and stop it, waiting up to ``timeout``."""
+        with self._lock:
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        self._stop_watching.set()
+        if loop is None or thread is None:
+            return
+        if call_soon(loop, lambda: loop.create_task(_stop(loop, timeout))):
+            thread.join(timeout)
+
+
+async def _stop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    tasks = [task for task in asyncio.all_tasks(loop) if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        # A handler that catches CancelledError and goes on is left behind, as a sync handler
+        # that ignores ctx.cancelled keeps its thread: its message was handed back already.
+        await asyncio.wait(tasks, timeout=timeout)
+    loop.stop()
