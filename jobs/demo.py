@@ -1,4 +1,5 @@
-"""Jobs for the demo and the tests: sleep for a while, fail on demand.
+"""Jobs for the demo and the tests: sleep for a while (``demo.sleep``, or ``demo.async_sleep``
+as an ``async def``), fail on demand.
 
 If ``WORKERPOOL_DEMO_LEDGER`` names a file, every run appends one JSON line to it (job id,
 message id, attempt, pid, start and end times), which is how the tests check from outside a
@@ -11,6 +12,7 @@ no ``end``) when it begins, so tests can see what is running now; it is off by d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -18,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from workerpool import JobContext, PermanentError, RetryableError, job
+from workerpool import AsyncJobContext, JobContext, PermanentError, RetryableError, job
+from workerpool.context import RunContext
 
 _ledger_lock = threading.Lock()
 
@@ -30,11 +33,11 @@ class SleepRequest:
     fail: Literal["retryable", "permanent"] | None = None
     fail_until: int = 0
     # Sleep on regardless of ctx.cancelled, like a handler stuck in a call that cannot be
-    # interrupted (the tests use it to show a drain does not wait for it).
+    # interrupted (the tests use it to show a drain does not wait for it). demo.sleep only.
     ignore_cancel: bool = False
 
 
-def _record(ctx: JobContext, started: float, outcome: str) -> None:
+def _record(ctx: RunContext, started: float, outcome: str) -> None:
     path = os.environ.get("WORKERPOOL_DEMO_LEDGER")
     if not path:
         return
@@ -52,7 +55,7 @@ def _record(ctx: JobContext, started: float, outcome: str) -> None:
         ledger.write(json.dumps(entry) + "\n")
 
 
-def _record_start(ctx: JobContext, started: float) -> None:
+def _record_start(ctx: RunContext, started: float) -> None:
     if os.environ.get("WORKERPOOL_DEMO_LEDGER_STARTS") == "1":
         _record(ctx, started, "start")
 
@@ -66,6 +69,24 @@ def sleep(ctx: JobContext, request: SleepRequest) -> None:
         finished = True
     else:
         finished = ctx.sleep(request.seconds)
+    _end(ctx, request, started, finished)
+
+
+@job("demo.async_sleep", timeout=600, payload=SleepRequest)
+async def async_sleep(ctx: AsyncJobContext, request: SleepRequest) -> None:
+    """``demo.sleep`` as an ``async def``: a cancel (drain deadline, timeout) ends its sleep
+    with ``CancelledError``, which it records and lets through."""
+    started = time.time()
+    _record_start(ctx, started)
+    try:
+        await asyncio.sleep(request.seconds)
+    except asyncio.CancelledError:
+        _record(ctx, started, "cancelled")
+        raise
+    _end(ctx, request, started, finished=True)
+
+
+def _end(ctx: RunContext, request: SleepRequest, started: float, finished: bool) -> None:
     if request.fail == "permanent":
         _record(ctx, started, "permanent")
         raise PermanentError("asked to fail permanently")

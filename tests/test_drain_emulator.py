@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from google.api_core import exceptions as gexc
 
 from tests.support import (
@@ -22,6 +23,8 @@ from tests.support import (
 EXIT_MARGIN = 3.0
 # --lease-extension where a test needs a lapsed lease to come back soon (10 s is the minimum).
 LEASE = 10.0
+# The same sleep job as a plain def and as an async def: both must drain alike.
+SLEEP_JOBS = pytest.mark.parametrize("sleep_job", ["demo.sleep", "demo.async_sleep"])
 
 
 def _exit_after(worker: WorkerProcess, sent: float, timeout: float) -> tuple[int, float]:
@@ -46,8 +49,9 @@ def _pull_job_ids(pubsub: PubSubEnv, expected: int, timeout: float) -> tuple[set
     return seen, time.monotonic() - started
 
 
+@SLEEP_JOBS
 def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub: PubSubEnv, tmp_path: Path, sleep_job: str
 ) -> None:
     # Given 40 three-second jobs, an ack deadline of 60 s, and one worker running 4 at a time.
     # Its leases are 10 s, so a lost ack or release would come back within this test; and the
@@ -67,7 +71,7 @@ def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
             str(LEASE),
         )
         workers.append(first)
-        pubsub.publish_many("demo.sleep", [(job_id, {"seconds": 3}) for job_id in job_ids])
+        pubsub.publish_many(sleep_job, [(job_id, {"seconds": 3}) for job_id in job_ids])
         assert wait_for(lambda: ledger_events(ledger, "start"), timeout=30), first.output()
         first_start = min(r["start"] for r in ledger_events(ledger, "start"))
 
@@ -140,7 +144,12 @@ LONG_JOBS = ("long-0", "long-1")
 
 
 def _running_two_long_jobs(
-    pubsub: PubSubEnv, ledger: Path, workers: list[WorkerProcess], *, drain_timeout: float
+    pubsub: PubSubEnv,
+    ledger: Path,
+    workers: list[WorkerProcess],
+    *,
+    drain_timeout: float,
+    sleep_job: str = "demo.sleep",
 ) -> WorkerProcess:
     """A worker (ack deadline 60 s) that has started two 60-second jobs."""
     pubsub.provision(ack_deadline=60)
@@ -148,20 +157,23 @@ def _running_two_long_jobs(
         pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", str(drain_timeout)
     )
     workers.append(worker)
-    pubsub.publish_many("demo.sleep", [(job_id, {"seconds": 60}) for job_id in LONG_JOBS])
+    pubsub.publish_many(sleep_job, [(job_id, {"seconds": 60}) for job_id in LONG_JOBS])
     assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
     return worker
 
 
+@SLEEP_JOBS
 def test_drain_deadline_cancels_running_jobs_and_gives_them_back_at_once(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub: PubSubEnv, tmp_path: Path, sleep_job: str
 ) -> None:
     # Given two 60-second jobs running on a worker with a 3 s drain timeout (ack deadline 60 s),
     # and a second, idle worker on the same subscription
     ledger = tmp_path / "ledger.jsonl"
     job_ids = set(LONG_JOBS)
     with worker_processes() as workers:
-        first = _running_two_long_jobs(pubsub, ledger, workers, drain_timeout=3)
+        first = _running_two_long_jobs(
+            pubsub, ledger, workers, drain_timeout=3, sleep_job=sleep_job
+        )
         second = spawn_worker(pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", "1")
         workers.append(second)
         assert wait_for(second.ready, timeout=30), second.output()

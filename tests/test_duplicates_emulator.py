@@ -54,9 +54,12 @@ def _tails(ledger: Path, workers: list[WorkerProcess]) -> str:
     return f"{len(done)}/{JOBS} jobs done\n{logs}"
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "firestore"])
+@pytest.mark.parametrize(
+    ("kind", "sleep_job"),
+    [("sqlite", "demo.sleep"), ("firestore", "demo.sleep"), ("sqlite", "demo.async_sleep")],
+)
 def test_each_duplicated_job_runs_once_across_two_workers(
-    kind: str, pubsub: PubSubEnv, tmp_path: Path, request: pytest.FixtureRequest
+    kind: str, sleep_job: str, pubsub: PubSubEnv, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     # Given 200 job ids each published twice (half back to back, half a whole pass apart), and
     # two worker processes running 8 jobs at a time over one shared idempotency store
@@ -78,7 +81,7 @@ def test_each_duplicated_job_runs_once_across_two_workers(
 
         # When both consume the 400 messages
         began = time.monotonic()
-        pubsub.publish_many("demo.sleep", [(j, {"seconds": 0.05}) for j in messages])
+        pubsub.publish_many(sleep_job, [(j, {"seconds": 0.05}) for j in messages])
         all_done = wait_for(lambda: len(ledger_events(ledger, "done")) >= JOBS, timeout=120)
         assert all_done, _tails(ledger, workers)
         took = time.monotonic() - began
@@ -96,7 +99,7 @@ def test_each_duplicated_job_runs_once_across_two_workers(
     per_worker = Counter(r["pid"] for r in ledger_events(ledger, "done"))
     twice = {job_id: n for job_id, n in starts.items() if n > 1}
     print(
-        f"\n{kind}: {len(messages)} messages, {sum(starts.values())} runs, "
+        f"\n{kind}, {sleep_job}: {len(messages)} messages, {sum(starts.values())} runs, "
         f"{len(messages) - sum(starts.values())} duplicates dropped, {len(twice)} ids run twice, "
         f"runs per worker {[per_worker[p] for p in pids]}, {took:.1f}s"
     )
