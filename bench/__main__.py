@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.consumer import IMPLS
 from bench.harness import Bench, Collector, Consumer
 from bench.report import table_markdown, targets, write
 from bench.scenarios import FULL, QUICK, SCENARIOS, Context
@@ -33,6 +34,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, help="runs per implementation (default 3, quick 1)")
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, help="report file (full run: BENCHMARKS.md)")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        choices=IMPLS,
+        help="the implementations to compare (default: the plan's; e.g. add workerpool-async)",
+    )
     parser.add_argument("--project", default="workerpool-bench")
     parser.add_argument(
         "--baseline",
@@ -52,6 +59,8 @@ def main(argv: list[str]) -> int:
         if args.runs < 1:
             raise SystemExit("--runs must be at least 1")
         plan = type(plan)(**{**vars(plan), "runs": args.runs})
+    if args.impls:
+        plan = type(plan)(**{**vars(plan), "impls": args.impls, "impls_and_bare": args.impls})
     out = args.out or (None if args.quick else ROOT / "BENCHMARKS.md")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began, t0 = dt.datetime.now(dt.UTC), time.monotonic()

@@ -11,6 +11,8 @@ Implementations:
   idempotency store, metrics with a Prometheus reader, job log lines, tracing sampled off).
 * ``workerpool-bare``: the same with everything off (no store, OpenTelemetry disabled, log
   level warning); ``workerpool-store``, ``-telemetry`` and ``-logs``: one of those parts on.
+* ``workerpool-async`` and ``workerpool-async-bare``: the same two, with the job an
+  ``async def`` (``await asyncio.sleep``) on the pool's event loop.
 * ``IMPL@REF`` (a workerpool one): the same, run by the workerpool of git revision REF
   (``bench.harness`` puts that tree first on the path): the "before" of a change, measured in
   the same run as its "after".
@@ -193,7 +195,11 @@ WORKERPOOL_PARTS = {
     "workerpool": frozenset(PARTS),
     "workerpool-bare": frozenset(),
     **{f"workerpool-{part}": frozenset({part}) for part in PARTS},
+    "workerpool-async": frozenset(PARTS),
+    "workerpool-async-bare": frozenset(),
 }
+# The ones whose job is an ``async def`` (a baseline from before async jobs cannot run them).
+ASYNC_IMPLS = frozenset({"workerpool-async", "workerpool-async-bare"})
 
 
 def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> None:
@@ -201,11 +207,20 @@ def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> 
 
     options: dict[str, Any] = {"rate_limit": RATE_LIMIT} if args.rate_limit else {}
 
-    @registry.job(JOB, **options)
-    def bench_job(ctx: Any, payload: Any) -> None:
-        recorder.run(ctx.job_id, args.seconds)
+    name = args.impl.partition("@")[0]
+    if name in ASYNC_IMPLS:
 
-    parts = WORKERPOOL_PARTS[args.impl.partition("@")[0]]
+        @registry.job(JOB, **options)
+        async def bench_async_job(ctx: Any, payload: Any) -> None:
+            await recorder.run_async(ctx.job_id, args.seconds)
+
+    else:
+
+        @registry.job(JOB, **options)
+        def bench_job(ctx: Any, payload: Any) -> None:
+            recorder.run(ctx.job_id, args.seconds)
+
+    parts = WORKERPOOL_PARTS[name]
     work = Path(tempfile.mkdtemp(prefix="bench-wp-"))
     flags: dict[str, Any] = {
         "project": args.project,

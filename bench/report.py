@@ -152,6 +152,7 @@ def targets(ctx: Context) -> list[str]:
             low = min(mean.values["workerpool"])
             add(f"mean utilisation >= 0.97, N = {n}", f"lowest run {fmt(low)}", low >= 0.97)
     _defaults_targets(ctx, add)
+    _async_targets(ctx, add)
     over = find(ctx, drain, "exit after the signal minus")
     if over and over.values.get("workerpool"):
         most = max(over.values["workerpool"])
@@ -183,6 +184,26 @@ def _defaults_targets(ctx: Context, add: Any) -> None:
                 f"{fmt(value)} s (bare {fmt(bare or math.nan)}, plain {fmt(plain or math.nan)})"
             )
             add("CPU per 1,000 no-op jobs <= 0.20 s, N = 100", beside, value <= 0.20)
+
+
+def _async_targets(ctx: Context, add: Any) -> None:
+    """Async jobs: bare beside gcloud-aio-pubsub, the defaults beside the plain client, and
+    the slots kept busy by 50 ms ``asyncio.sleep`` jobs (only when async ones were run)."""
+    for n in ctx.plan.throughput_counts:
+        row = find(ctx, f"1. Throughput, N = {n}", "throughput")
+        if row is None:
+            continue
+        if n == 100 and row.median("workerpool-async-bare") and row.median("aio"):
+            r = ratio(row, "workerpool-async-bare", "aio")
+            add("async bare / aio >= 1.0, N = 100", r, float(r) >= 1)
+        if n >= 10 and row.median("workerpool-async") and row.median("plain"):
+            r = ratio(row, "workerpool-async", "plain")
+            add(f"async defaults / plain >= 1.0, N = {n}", r, float(r) >= 1)
+    mean = find(ctx, "2. Slot utilisation, N = 64", "mean running")
+    for impl in ("workerpool-async", "workerpool-async-bare"):
+        if mean and mean.values.get(impl):
+            low = min(mean.values[impl])
+            add(f"{impl} mean utilisation >= 0.97, N = 64", f"lowest run {fmt(low)}", low >= 0.97)
 
 
 def versions() -> Iterable[str]:

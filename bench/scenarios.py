@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.consumer import ASYNC_IMPLS
 from bench.harness import Bench, Collector, Consumer
 from bench.ratelimit_accuracy import busiest, measure
 
@@ -132,7 +133,11 @@ class Context:
         impls = tuple(impls)
         if not self.baseline:
             return impls
-        old = (f"{impl}@{self.baseline}" for impl in impls if impl.startswith("workerpool"))
+        old = (
+            f"{impl}@{self.baseline}"
+            for impl in impls
+            if impl.startswith("workerpool") and impl not in ASYNC_IMPLS
+        )
         return (*impls, *old)
 
     def table(self, scenario: str, description: str) -> Table:

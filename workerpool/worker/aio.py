@@ -14,7 +14,7 @@ has none.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextvars
 import logging
 import threading
@@ -39,47 +39,58 @@ class EventLoop:
         self._closed = False
         self._beat = time.monotonic()
         self._stop_watching = threading.Event()
+        self._inbox: collections.deque[_Submission] = collections.deque()
+        self._wake_pending = False
+        self._stopped = False  # the loop ran its last callback
 
     def run(self, handler: AsyncHandler, ctx: RunContext, payload: Any) -> Any:
         """Run ``handler(ctx, payload)`` to its end as a task; the calling thread waits and
         gets its result or its exception (``CancelledError`` once it was cancelled)."""
         loop = self._started()
-        context = contextvars.copy_context()
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        loop.call_soon_threadsafe(self._begin, loop, handler, ctx, payload, context, done)
-        return done.result()
+        submitted = _Submission(handler, ctx, payload, contextvars.copy_context())
+        self._inbox.append(submitted)
+        if self._stopped:  # after the loop's last look at the inbox: nobody else will
+            self._refuse_inbox()
+        # One wake-up of the loop for all the runs submitted before it drains the inbox: a
+        # cross-thread wake-up is most of what an async run costs beyond a sync one.
+        elif not self._wake_pending:
+            self._wake_pending = True
+            call_soon(loop, self._drain)
+        return submitted.result()
 
-    def _begin(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        handler: AsyncHandler,
-        ctx: RunContext,
-        payload: Any,
-        context: contextvars.Context,
-        done: concurrent.futures.Future[Any],
-    ) -> None:
+    def _drain(self) -> None:
+        self._wake_pending = False  # first: a run submitted from here on wakes the loop again
+        loop = self._loop
+        assert loop is not None
+        while self._inbox:
+            self._begin(loop, self._inbox.popleft())
+
+    def _begin(self, loop: asyncio.AbstractEventLoop, submitted: _Submission) -> None:
+        ctx = submitted.ctx
         try:
-            coroutine = context.run(handler, ctx, payload)
-            task = loop.create_task(coroutine, name=f"{ctx.job} {ctx.job_id}", context=context)
+            coroutine = submitted.context.run(submitted.handler, ctx, submitted.payload)
+            task = loop.create_task(
+                coroutine, name=f"{ctx.job} {ctx.job_id}", context=submitted.context
+            )
         except BaseException as exc:  # the call itself raised, or returned no coroutine
-            done.set_exception(exc)
+            submitted.fail(exc)
             return
         forget = ctx.cancelled.when_set(lambda: call_soon(loop, task.cancel))
 
         def finished(task: asyncio.Task[Any]) -> None:
             forget()
             if task.cancelled():
-                done.set_exception(asyncio.CancelledError())
+                submitted.fail(asyncio.CancelledError())
             elif (exc := task.exception()) is not None:
-                done.set_exception(exc)
+                submitted.fail(exc)
             else:
-                done.set_result(task.result())
+                submitted.succeed(task.result())
 
         task.add_done_callback(finished)
 
     def _started(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
-        if loop is not None:
+        if loop is not None and not self._closed:
             return loop
         with self._lock:
             if self._closed:
@@ -99,7 +110,17 @@ class EventLoop:
     def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         asyncio.set_event_loop(loop)
         loop.run_forever()
-        loop.close()  # from here, a late run or heartbeat is refused, never left waiting
+        loop.close()  # from here, a heartbeat is refused
+        self._stopped = True  # before the last look: a run submitted after it refuses itself
+        self._refuse_inbox()
+
+    def _refuse_inbox(self) -> None:
+        while True:
+            try:
+                submitted = self._inbox.popleft()
+            except IndexError:
+                return
+            submitted.fail(RuntimeError("the event loop for async jobs is closed"))
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Every quarter of ``blocked_after``, ask the loop for a heartbeat; when none came for
@@ -137,6 +158,36 @@ class EventLoop:
             return
         if call_soon(loop, lambda: loop.create_task(_stop(loop, timeout))):
             thread.join(timeout)
+
+
+class _Submission:
+    """One run handed to the loop, and how the slot thread that handed it waits for its end:
+    a lock held until then (lighter than a Future, which is a Condition and its lock)."""
+
+    __slots__ = ("_done", "_error", "_value", "context", "ctx", "handler", "payload")
+
+    def __init__(
+        self, handler: AsyncHandler, ctx: RunContext, payload: Any, context: contextvars.Context
+    ) -> None:
+        self.handler, self.ctx, self.payload, self.context = handler, ctx, payload, context
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Lock()
+        self._done.acquire()
+
+    def succeed(self, value: Any) -> None:
+        self._value = value
+        self._done.release()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.release()
+
+    def result(self) -> Any:
+        self._done.acquire()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 async def _stop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
