@@ -21,7 +21,6 @@ import fnmatch
 import ipaddress
 import socket
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -37,6 +36,21 @@ _METADATA_HOSTS = {"metadata.google.internal", "metadata", "metadata.goog"}
 _FORBIDDEN_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
 
+@dataclass(frozen=True)
+class HttpConfig:
+    """``[jobs."http.delivery"]``, checked when the worker starts (``@job(config=...)``)."""
+
+    allowed_hosts: list[str] = field(default_factory=list)
+    limiters: dict[str, str] = field(default_factory=dict)
+    allow_loopback: bool = False
+    allow_private: bool = False
+    timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+
 @dataclass
 class HttpRequest:
     url: str
@@ -50,7 +64,7 @@ def _refuse(message: str) -> PermanentError:
     return PermanentError(message, error_type="http.refused")
 
 
-def _check_destination(url: str, config: Mapping[str, Any]) -> str:
+def _check_destination(url: str, config: HttpConfig) -> str:
     """Return the host if ``url`` may be fetched under ``config``; raise PermanentError."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
@@ -58,8 +72,7 @@ def _check_destination(url: str, config: Mapping[str, Any]) -> str:
     host = (parts.hostname or "").lower().rstrip(".")
     if not host or parts.username or parts.password:
         raise _refuse("url needs a host and no credentials")
-    allowed = config.get("allowed_hosts", [])
-    if not any(fnmatch.fnmatchcase(host, pattern.lower()) for pattern in allowed):
+    if not any(fnmatch.fnmatchcase(host, pattern.lower()) for pattern in config.allowed_hosts):
         raise _refuse(f"host {host!r} is not in allowed_hosts")
     if host in _METADATA_HOSTS:
         raise _refuse(f"host {host!r} is the metadata server")
@@ -73,13 +86,13 @@ def _check_destination(url: str, config: Mapping[str, Any]) -> str:
 
 
 def _check_address(
-    address: ipaddress.IPv4Address | ipaddress.IPv6Address, host: str, config: Mapping[str, Any]
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address, host: str, config: HttpConfig
 ) -> None:
     if address.is_link_local or address.is_multicast or address.is_unspecified:
         raise _refuse(f"host {host!r} resolves to {address}, which is never allowed")
-    if address.is_loopback and not config.get("allow_loopback", False):
+    if address.is_loopback and not config.allow_loopback:
         raise _refuse(f"host {host!r} resolves to loopback {address}")
-    if address.is_private and not address.is_loopback and not config.get("allow_private", False):
+    if address.is_private and not address.is_loopback and not config.allow_private:
         raise _refuse(f"host {host!r} resolves to private address {address}")
 
 
@@ -124,16 +137,17 @@ def _session() -> requests.Session:
     return session
 
 
-@job("http.delivery", timeout=120, max_attempts=8, payload=HttpRequest)
+@job("http.delivery", timeout=120, max_attempts=8, payload=HttpRequest, config=HttpConfig)
 def deliver(ctx: JobContext, request: HttpRequest) -> None:
-    host = _check_destination(request.url, ctx.config)
+    config: HttpConfig = ctx.config
+    host = _check_destination(request.url, config)
     bad_headers = sorted(h for h in request.headers if h.lower() in _FORBIDDEN_HEADERS)
     if bad_headers:
         raise PermanentError(f"header {bad_headers[0]} may not be set", error_type="http.refused")
-    limiter = request.limiter or ctx.config.get("limiters", {}).get(host)
+    limiter = request.limiter or config.limiters.get(host)
     if limiter:
         ctx.acquire(limiter)
-    timeout = float(ctx.config.get("timeout", 10))
+    timeout = config.timeout
     try:
         response = _session().request(
             request.method,

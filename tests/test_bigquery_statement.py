@@ -30,11 +30,14 @@ from jobs.bigquery_reverse_etl.launch import (
     job_labels,
     label_value,
 )
-from jobs.bigquery_reverse_etl.payload import INVALID_PAYLOAD, PluginConfig
+from jobs.bigquery_reverse_etl.payload import INVALID_PAYLOAD, JOB_NAME, PluginConfig
 from jobs.bigquery_reverse_etl.statement import build_query, quote_identifier, quote_string
 from tests.bigquery_fixture import EXAMPLE_PAYLOAD
 from workerpool import Defer, JobContext, PermanentError, RetryableError
+from workerpool.context import Flag
+from workerpool.errors import ConfigError
 from workerpool.payload import PayloadError, convert
+from workerpool.registry import Registry, registry
 
 PROJECT = "my-project"
 
@@ -336,12 +339,21 @@ def test_api_errors_are_classified(exc: Exception, kind: type, error_type: str |
 
 
 def test_config_defaults_and_mistakes() -> None:
-    assert PluginConfig.from_mapping({}) == PluginConfig()
-    config = PluginConfig.from_mapping({"project": PROJECT, "max_concurrent_exports": 4})
+    # Given the plugin registered, When its section is converted as a worker does at start
+    jobs = Registry()
+    jobs.add(registry.get(JOB_NAME))  # type: ignore[arg-type]
+    assert jobs.configs({})[JOB_NAME] == PluginConfig()
+    config = jobs.configs({JOB_NAME: {"project": PROJECT, "max_concurrent_exports": 4}})[JOB_NAME]
     assert (config.project, config.location, config.max_concurrent_exports) == (PROJECT, "US", 4)
-    for bad in ({"max_concurrent_exports": "2"}, {"max_concurrent": 2}, {"location": "U S"}):
-        with pytest.raises(RetryableError, match=r'^config \[jobs\."bigquery\.reverse_etl"\]'):
-            PluginConfig.from_mapping(bad)
+    # Then each mistake stops the worker with the setting named
+    for bad, says in [
+        ({"max_concurrent_exports": "2"}, "max_concurrent_exports: expected int, got str"),
+        ({"max_concurrent": 2}, "max_concurrent: unexpected field"),
+        ({"location": "U S"}, "the section: ValueError: location 'U S' is not valid"),
+    ]:
+        with pytest.raises(ConfigError) as stopped:
+            jobs.configs({JOB_NAME: bad})
+        assert str(stopped.value) == f'[jobs."{JOB_NAME}"] {says}'
 
 
 # --- Launch and wait, against a fake client -----------------------------------------------------
@@ -400,7 +412,7 @@ class FakeClient:
 def _ctx(job_id: str = "seg-1", **config: Any) -> JobContext:
     settings = {"project": PROJECT, "poll_min_seconds": 0.01, "poll_max_seconds": 0.02, **config}
     return JobContext(
-        "bigquery.reverse_etl", job_id, "m-1", 1, None, threading.Event(), config=settings
+        "bigquery.reverse_etl", job_id, "m-1", 1, None, Flag(), config=PluginConfig(**settings)
     )
 
 

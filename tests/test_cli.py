@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from tests.support import PubSubEnv
@@ -62,6 +63,60 @@ def test_bad_config_exits_2_naming_the_setting(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"workerpool: error: max_outstanding (from {config}) must be int, got 'lots'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("section", "says"),
+    [
+        (
+            '[jobs."http.delivery"]\nallowed_host = ["a.example"]\n',
+            '[jobs."http.delivery"] allowed_host: unexpected field',
+        ),
+        (
+            '[jobs."http.delivery"]\ntimeout = "10"\n',
+            '[jobs."http.delivery"] timeout: expected float, got str',
+        ),
+        (
+            '[jobs."bigquery.reverse_etl"]\nmax_concurrent_exports = 0\n',
+            '[jobs."bigquery.reverse_etl"] the section: ValueError: max_concurrent_exports and '
+            "max_export_attempts must be >= 1",
+        ),
+        (
+            '[jobs."http.delivry"]\nallowed_hosts = []\n',
+            '[jobs."http.delivry"]: no job of that name is registered',
+        ),
+    ],
+    ids=["unknown-key", "wrong-type", "bad-value", "unknown-job"],
+)
+def test_a_mistake_in_a_jobs_config_section_exits_2_before_connecting(
+    tmp_path: Path, section: str, says: str
+) -> None:
+    # Given a config file with a mistake in a plugin's section, and no Pub/Sub to connect to
+    config = tmp_path / "workerpool.toml"
+    config.write_text(section)
+    # When a worker starts with it
+    result = _cli("run", "--config", str(config), "--project", "p", "--subscription", "s",
+                  env=_nowhere(tmp_path))  # fmt: skip
+    # Then it exits 2 with one line naming the setting, before it tries to connect
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"workerpool: error: {says}"]
+
+
+def test_a_worker_without_credentials_exits_2_with_one_line(tmp_path: Path) -> None:
+    # Given no emulator and no Google Cloud credentials, When a worker starts
+    result = _cli("run", "--project", "p", "--subscription", "s", env=_nowhere(tmp_path))
+    # Then it says what is missing in one line, not a traceback
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("workerpool: error: no Google Cloud credentials found")
+
+
+def _nowhere(tmp_path: Path) -> dict[str, str]:
+    """An environment with no emulator and no credentials to be found (not even gcloud's)."""
+    env = {k: v for k, v in os.environ.items() if k != "PUBSUB_EMULATOR_HOST"}
+    env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "no-such-key.json")
+    env["CLOUDSDK_CONFIG"] = str(tmp_path / "gcloud")
+    return env
 
 
 def test_a_job_module_with_a_generator_handler_exits_2_with_one_line(tmp_path: Path) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import requests
 
-from jobs.http_delivery import _check_destination, _classify
+from jobs.http_delivery import HttpConfig, _check_destination, _classify
 from workerpool import PermanentError, RetryableError
 from workerpool.errors import RateLimitedError
 
-CONFIG = {"allowed_hosts": ["127.0.0.1", "localhost", "169.254.169.254", "*.internal"]}
+CONFIG = HttpConfig(allowed_hosts=["127.0.0.1", "localhost", "169.254.169.254", "*.internal"])
 
 
 @pytest.mark.parametrize(
@@ -32,7 +34,7 @@ def test_refused_destinations(url: str, why: str) -> None:
 
 
 def test_loopback_only_when_explicitly_allowed_and_link_local_never() -> None:
-    allowing = {**CONFIG, "allow_loopback": True, "allow_private": True}
+    allowing = dataclasses.replace(CONFIG, allow_loopback=True, allow_private=True)
     assert _check_destination("http://127.0.0.1:9/x", allowing) == "127.0.0.1"
     with pytest.raises(PermanentError, match="never allowed"):
         _check_destination("http://169.254.169.254/", allowing)

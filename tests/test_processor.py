@@ -17,6 +17,7 @@ from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.constants import Label
+from workerpool.errors import ConfigError
 from workerpool.registry import Registry
 from workerpool.telemetry.logs import CloudLoggingFormatter, TextFormatter
 from workerpool.worker.backoff import Backoff
@@ -359,3 +360,25 @@ def test_log_lines_with_lone_surrogates_are_written() -> None:
         line = formatter.format(record)
         assert "\\ud800" in line
         line.encode("utf-8")
+
+
+def test_job_config_sections_are_converted_once_and_mistakes_named() -> None:
+    # Given a job with a config dataclass and one without
+    @dataclass(frozen=True)
+    class Limits:
+        hosts: list[str]
+        timeout: float = 10.0
+
+    jobs = Registry()
+    jobs.job("t.typed", config=Limits)(lambda ctx, payload: None)
+    jobs.job("t.plain")(lambda ctx, payload: None)
+    # When their sections are converted, Then the typed one is its dataclass, the other as is
+    configs = jobs.configs({"t.typed": {"hosts": ["a"], "timeout": 5}, "t.plain": {"x": 1}})
+    assert configs == {"t.typed": Limits(["a"], 5.0), "t.plain": {"x": 1}}
+    # And a missing required setting, a wrong type and a non-dataclass config are named
+    with pytest.raises(ConfigError, match=r'^\[jobs."t.typed"\] hosts: required field is missing$'):
+        jobs.configs({})
+    with pytest.raises(ConfigError, match=r"hosts\[0\]: expected str, got int$"):
+        jobs.configs({"t.typed": {"hosts": [1]}})
+    with pytest.raises(TypeError, match="config must be a dataclass"):
+        jobs.job("t.bad", config=dict)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -134,8 +134,9 @@ class RunContext:
     cancelled: Flag = field(default_factory=Flag)
     # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
     timed_out: Flag = field(default_factory=Flag)
-    # The job's section of the config file (``[jobs."NAME"]``), empty if there is none.
-    config: Mapping[str, Any] = field(default_factory=dict)
+    # The job's section of the config file (``[jobs."NAME"]``): an instance of the job's
+    # ``config`` dataclass if it declares one, else the section as it is (empty if none).
+    config: Any = field(default_factory=dict)
     limiters: RateLimiters | None = field(default=None, repr=False)
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")

@@ -11,13 +11,14 @@ import importlib
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
 from workerpool.constants import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_SECONDS, ENTRY_POINT_GROUP
 from workerpool.errors import ConfigError
+from workerpool.payload import PayloadError, convert
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class JobSpec:
     options: dict[str, Any] = field(default_factory=dict)
     # An ``async def`` handler: it runs as a task on the pool's event loop.
     is_async: bool = False
+    # The dataclass its ``[jobs."NAME"]`` section is converted to when the worker starts.
+    config: type[Any] | None = None
 
 
 class Registry:
@@ -59,6 +62,28 @@ class Registry:
     def specs(self) -> list[JobSpec]:
         return [self._jobs[name] for name in self.names()]
 
+    def configs(self, sections: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        """Each job's ``[jobs."NAME"]`` section, converted to its ``config`` dataclass (a job
+        without one gets its section as it is); ``ConfigError`` naming the first setting that
+        is unknown or of the wrong type, or a section that names no job, so a typo stops the
+        worker at start instead of failing every message."""
+        unknown = sorted(set(sections) - set(self._jobs))
+        if unknown:
+            raise ConfigError(f'[jobs."{unknown[0]}"]: no job of that name is registered')
+        configs: dict[str, Any] = {}
+        for spec in self.specs():
+            section = sections.get(spec.name, {})
+            if spec.config is None:
+                configs[spec.name] = section
+                continue
+            try:
+                configs[spec.name] = convert(spec.config, dict(section))
+            except PayloadError as exc:
+                setting = exc.path or "the section"
+                problem = str(exc).removeprefix(f"{exc.path or 'payload'}: ")
+                raise ConfigError(f'[jobs."{spec.name}"] {setting}: {problem}') from None
+        return configs
+
     def job(
         self,
         name: str,
@@ -66,13 +91,16 @@ class Registry:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         payload: type[Any] | None = None,
+        config: type[Any] | None = None,
         **options: Any,
     ) -> Callable[[Handler], Handler]:
         """Register ``handler(ctx, payload)`` as the job ``name``.
 
         ``timeout`` (seconds) bounds one run and its lease; ``max_attempts`` counts deliveries
         before the failure is recorded on the dead-letter topic; ``payload`` is an optional
-        dataclass the JSON object is converted to (a mismatch is a permanent error).
+        dataclass the JSON object is converted to (a mismatch is a permanent error);
+        ``config`` an optional dataclass the job's ``[jobs."NAME"]`` section is converted to
+        once, when the worker starts (a mismatch stops it), and handed over as ``ctx.config``.
         """
         _check_options(name, options)
         if not name:
@@ -81,16 +109,18 @@ class Registry:
             raise ValueError(f"job {name!r}: timeout must be positive, got {timeout}")
         if max_attempts < 1:
             raise ValueError(f"job {name!r}: max_attempts must be at least 1, got {max_attempts}")
-        if payload is not None and not dataclasses.is_dataclass(payload):
-            raise TypeError(f"job {name!r}: payload must be a dataclass, got {payload!r}")
+        for option, value in (("payload", payload), ("config", config)):
+            if value is not None and not dataclasses.is_dataclass(value):
+                raise TypeError(f"job {name!r}: {option} must be a dataclass, got {value!r}")
 
         def register(handler: Handler) -> Handler:
             is_async = _check_handler(name, handler)
             self.add(
                 JobSpec(
-                    name, handler, float(timeout), max_attempts, payload, dict(options), is_async
+                    name, handler, float(timeout), max_attempts, payload, dict(options),
+                    is_async=is_async, config=config,
                 )
-            )
+            )  # fmt: skip
             return handler
 
         return register

@@ -36,13 +36,19 @@ client_factory: Callable[[str | None, str], bigquery.Client] = make_client
 
 def run_export(ctx: JobContext, request: ExportRequest, *, timeout: float = JOB_TIMEOUT) -> None:
     """The handler's body; ``timeout`` is the one the job was registered with."""
-    config = PluginConfig.from_mapping(ctx.config)
+    config: PluginConfig = ctx.config
     query = query_builder(request, config.project)  # validates: PermanentError naming a field
     location = request.location or config.location
     client = client_factory(config.project, location)
     Export(client, config, ctx, query, location, request.labels, timeout).run()
 
 
-@job(JOB_NAME, timeout=JOB_TIMEOUT, max_attempts=MAX_ATTEMPTS, payload=ExportRequest)
+@job(
+    JOB_NAME,
+    timeout=JOB_TIMEOUT,
+    max_attempts=MAX_ATTEMPTS,
+    payload=ExportRequest,
+    config=PluginConfig,
+)
 def reverse_etl(ctx: JobContext, request: ExportRequest) -> None:
     run_export(ctx, request, timeout=JOB_TIMEOUT)

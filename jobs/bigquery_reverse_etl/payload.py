@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
 
-from workerpool import PermanentError, RetryableError
+from workerpool import PermanentError
 
 # The config section's name and the job's name are the same: [jobs."bigquery.reverse_etl"].
 JOB_NAME = "bigquery.reverse_etl"
@@ -268,17 +267,10 @@ def validate(request: ExportRequest, default_project: str | None) -> None:
 
 
 # --- The plugin's config section ----------------------------------------------------------------
-_CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
-    "str | None": str,
-    "str": str,
-    "int": int,
-    "float": (int, float),
-}
-
-
 @dataclass(frozen=True)
 class PluginConfig:
-    """``[jobs."bigquery.reverse_etl"]``: set by the operator, never by a message."""
+    """``[jobs."bigquery.reverse_etl"]``: set by the operator, never by a message; checked when
+    the worker starts (``@job(config=...)``), so a mistake stops it with the setting named."""
 
     project: str | None = None  # where the BigQuery jobs run (default: the client's project)
     location: str = "US"
@@ -288,29 +280,12 @@ class PluginConfig:
     poll_max_seconds: float = 60.0  # ... up to this
     max_export_attempts: int = 3  # BigQuery jobs per message that may fail retryably
 
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> PluginConfig:
-        """Config problems are the operator's to fix: a ``RetryableError`` (the message waits
-        for a fixed deployment) whose text names the setting."""
-        where = f'[jobs."{JOB_NAME}"]'
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in raw.items():
-            if key not in known:
-                raise RetryableError(f"config {where}: unknown setting {key!r}")
-            kind = _CONFIG_TYPES[str(known[key].type)]
-            if isinstance(value, bool) or not isinstance(value, kind):
-                raise RetryableError(f"config {where}: {key} has the wrong type: {value!r}")
-            values[key] = float(raw[key]) if kind == (int, float) else value
-        config = cls(**values)
-        if config.project is not None and not PROJECT.fullmatch(config.project):
-            raise RetryableError(f"config {where}: project {config.project!r} is not valid")
-        if not LOCATION.fullmatch(config.location):
-            raise RetryableError(f"config {where}: location {config.location!r} is not valid")
-        if config.max_concurrent_exports < 1 or config.max_export_attempts < 1:
-            raise RetryableError(
-                f"config {where}: max_concurrent_exports and max_export_attempts must be >= 1"
-            )
-        if not 0 < config.poll_min_seconds <= config.poll_max_seconds or config.defer_seconds < 0:
-            raise RetryableError(f"config {where}: bad poll_min/poll_max/defer_seconds")
-        return config
+    def __post_init__(self) -> None:
+        if self.project is not None and not PROJECT.fullmatch(self.project):
+            raise ValueError(f"project {self.project!r} is not valid")
+        if not LOCATION.fullmatch(self.location):
+            raise ValueError(f"location {self.location!r} is not valid")
+        if self.max_concurrent_exports < 1 or self.max_export_attempts < 1:
+            raise ValueError("max_concurrent_exports and max_export_attempts must be >= 1")
+        if not 0 < self.poll_min_seconds <= self.poll_max_seconds or self.defer_seconds < 0:
+            raise ValueError("bad poll_min_seconds, poll_max_seconds or defer_seconds")

@@ -13,10 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
+
+from google.auth.exceptions import DefaultCredentialsError
 
 from workerpool.config import Settings
 from workerpool.constants import Label
@@ -153,9 +156,11 @@ class Launcher:
         with self._lock:
             if self._phase is not Phase.NEW:
                 raise RuntimeError(f"cannot start a launcher that is {self._phase.value}")
-            clients = self._clients or Clients()
+            # A typo in a job's config section stops the worker here, before any connection.
+            job_config = self._jobs.configs(self.settings.job_config)
+            clients = self._clients or _connect()
             try:
-                self._parts = self._build(clients)
+                self._parts = self._build(clients, job_config)
             except BaseException:
                 clients.close()
                 raise
@@ -163,7 +168,7 @@ class Launcher:
             self._phase = Phase.RUNNING
         return self
 
-    def _build(self, clients: Clients) -> _Parts:
+    def _build(self, clients: Clients, job_config: Mapping[str, Any]) -> _Parts:
         s = self.settings
         info = describe_subscription(clients.subscriber, self.subscription)
         dead_letter_topic = (
@@ -201,7 +206,7 @@ class Launcher:
                 s.max_payload_bytes,
                 retry_policy=info.has_retry_policy,
                 exactly_once=info.exactly_once,
-                job_config=s.job_config,
+                job_config=job_config,
             ),
             limiters=self._limiters,
             loop=loop,
@@ -379,6 +384,16 @@ class Launcher:
             and self._parts is not None
             and not self._parts.pool.quieted
         )
+
+
+def _connect() -> Clients:
+    try:
+        return Clients()
+    except DefaultCredentialsError:
+        raise ConfigError(
+            "no Google Cloud credentials found: run with a service account, set "
+            "GOOGLE_APPLICATION_CREDENTIALS, or set PUBSUB_EMULATOR_HOST to use an emulator"
+        ) from None
 
 
 def _opener(url: str) -> StoreOpener | None:

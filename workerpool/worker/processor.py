@@ -63,8 +63,9 @@ class ProcessorSettings:
     retry_policy: bool = False
     # The subscription delivers exactly once: an ack can be refused, so wait for its result.
     exactly_once: bool = False
-    # Each job's own section of the config file, ``[jobs."NAME"]``, handed to it as ctx.config.
-    job_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Each job's own section of the config file, ``[jobs."NAME"]``, handed to it as ctx.config
+    # (converted to the job's ``config`` dataclass, if it declares one: ``Registry.configs``).
+    job_config: Mapping[str, Any] = field(default_factory=dict)
 
 
 # How long a worker thread waits to learn whether an exactly-once ack took.
