@@ -31,10 +31,10 @@ from typing import Any
 
 import httpx
 
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool import AsyncJobContext, PermanentError, RetryableError
 from workerpool.errors import RateLimitedError
 from workerpool.registry import Registry, registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.processor import Processor, ProcessorSettings
 

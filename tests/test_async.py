@@ -16,7 +16,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.support import wait_for
 from workerpool import AsyncJobContext, Defer, PermanentError, RetryableError
 from workerpool import constants as c
@@ -24,6 +23,7 @@ from workerpool.context import Flag
 from workerpool.ratelimit import LocalLimiters, RateSpec
 from workerpool.registry import Registry
 from workerpool.telemetry import Telemetry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.middleware import Middleware, TimeLimit

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.faults.store import FaultyStore
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
 from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore, StoreUnavailable
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.timers import Timers

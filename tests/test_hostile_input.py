@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import hostile
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.hostile import RUN, Case, Target, TypedJob
 from workerpool import constants as c
 from workerpool.registry import Registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job, Rejection, decode

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.config import Settings
 from workerpool.registry import Registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.launcher import Launcher, Phase
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.constants import Label
 from workerpool.errors import ConfigError
 from workerpool.registry import Registry
 from workerpool.telemetry.logs import CloudLoggingFormatter, TextFormatter
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import failure_attributes
 from workerpool.worker.middleware import TimeLimit

@@ -24,7 +24,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import workerpool
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.support import PubSubEnv, http_get, wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
@@ -44,6 +43,7 @@ from workerpool.telemetry.logs import (
     setup_logging,
 )
 from workerpool.telemetry.prometheus import metric_name
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.processor import Processor

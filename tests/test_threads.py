@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from tests.support import http_get, wait_for
 from workerpool.registry import Registry
 from workerpool.telemetry.health import HealthServer
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker import processor as processor_module
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.delivery import Delivery

@@ -1,6 +1,7 @@
-"""Test harness: emulator selection for tests (``PUBSUB_EMULATOR_HOST`` if set; else
-testcontainers when a Docker engine answers; else the installed gcloud emulator as a local
-process group), and ``emulator``, which starts and stops the gcloud emulators."""
+"""The test kit: ``run_job`` runs one job in a unit test as a worker would (``jobs``), with
+fakes for Pub/Sub (``fakes``); ``pubsub_emulator`` finds an emulator for tests
+(``PUBSUB_EMULATOR_HOST`` if set; else testcontainers when a Docker engine answers; else the
+installed gcloud emulator as a local process group, ``emulator``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import subprocess
 from collections.abc import Iterator
 
 from workerpool.testing.emulator import LocalEmulator
+from workerpool.testing.jobs import JobResult, run_job
+
+__all__ = ["JobResult", "LocalEmulator", "pubsub_emulator", "run_job"]
 
 EMULATOR_IMAGE = "gcr.io/google.com/cloudsdktool/google-cloud-cli:emulators"
 
