@@ -16,7 +16,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY workerpool ./workerpool
 COPY jobs ./jobs
-RUN pip install . && chown -R workerpool:workerpool /app
+RUN pip install ".[bigquery,firestore]" && chown -R workerpool:workerpool /app
 
 USER workerpool
 # Kubernetes and Cloud Run send SIGTERM; the worker drains on it and exits 0.

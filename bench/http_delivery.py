@@ -42,12 +42,11 @@ _client: httpx.AsyncClient | None = None
 
 
 async def deliver_async(ctx: AsyncJobContext, request: Any) -> None:
-    """The candidate: ``jobs.http_delivery.deliver`` with httpx.AsyncClient."""
-    from jobs.http_delivery import _FORBIDDEN_HEADERS, _check_destination
-
+    """The candidate: ``workerpool_jobs.http_delivery.deliver`` with httpx.AsyncClient."""
+    plugin = importlib.import_module("workerpool_jobs.http_delivery")
     global _client
-    host = _check_destination(request.url, ctx.config)  # a numeric host: no DNS wait here
-    if any(h.lower() in _FORBIDDEN_HEADERS for h in request.headers):
+    host = plugin._check_destination(request.url, ctx.config)  # a numeric host: no DNS wait
+    if any(h.lower() in plugin._FORBIDDEN_HEADERS for h in request.headers):
         raise PermanentError("header may not be set", error_type="http.refused")
     if _client is None:
         _client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=None))
@@ -96,7 +95,7 @@ def _cpu() -> float:
 
 def _measure(variant: str, port: int, n: int, count: int) -> tuple[float, float]:
     """(deliveries per second, CPU seconds per 1,000) of ``count`` deliveries, N at a time."""
-    importlib.import_module("jobs.http_delivery")  # registers http.delivery
+    importlib.import_module("workerpool_jobs.http_delivery")  # registers http.delivery
     spec = registry.get("http.delivery")
     assert spec is not None
     jobs = Registry()

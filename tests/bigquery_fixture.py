@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jobs.bigquery_reverse_etl as plugin
-from jobs.bigquery_reverse_etl import ExportRequest, Query
-from jobs.bigquery_reverse_etl.statement import build_query
+import workerpool_jobs.bigquery_reverse_etl as plugin
+from workerpool_jobs.bigquery_reverse_etl import ExportRequest, Query
+from workerpool_jobs.bigquery_reverse_etl.statement import build_query
 
 # The example, with names that pass the real rules (project ids are 6-30 characters,
 # Bigtable instance ids 6-33: the "p" and "i" are rejected, see below).

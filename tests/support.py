@@ -1,4 +1,6 @@
-"""Test helpers around the emulator: fresh resources, publishing, reading dead letters."""
+"""The project's own test helpers: real worker processes and their ledgers, polling, HTTP
+probes (fresh Pub/Sub resources and in-process workers are the test kit's:
+``workerpool.testing.pubsub``, through the pytest plugin's fixtures)."""
 
 from __future__ import annotations
 
@@ -16,137 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workerpool.config import Settings
-from workerpool.idempotency import IdempotencyStore
-from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
-from workerpool.registry import Registry
-from workerpool.telemetry import Telemetry
-from workerpool.worker.clients import Clients, publisher_client, subscriber_client
-from workerpool.worker.launcher import Launcher
-
-
-@dataclass
-class Record:
-    data: bytes
-    attributes: dict[str, str]
-
-
-class PubSubEnv:
-    def __init__(self, project: str, host: str, test_name: str) -> None:
-        self.project = project
-        self.host = host
-        suffix = uuid.uuid4().hex[:8]
-        self.topic = f"t-{suffix}"
-        self.subscription = f"s-{suffix}"
-        self.dead_letter_topic = f"dlq-{suffix}"
-        # Clients' channels: the library's emulator channel cannot receive over 4 MiB
-        self.publisher = publisher_client()
-        self.subscriber = subscriber_client()
-
-    @property
-    def topic_path(self) -> str:
-        return topic_path(self.project, self.topic)
-
-    @property
-    def subscription_path(self) -> str:
-        return subscription_path(self.project, self.subscription)
-
-    @property
-    def dead_letter_subscription_path(self) -> str:
-        return subscription_path(self.project, f"{self.dead_letter_topic}-sub")
-
-    def provision(self, **overrides: Any) -> None:
-        request = {
-            "project": self.project,
-            "topic": self.topic,
-            "subscription": self.subscription,
-            "dead_letter_topic": self.dead_letter_topic,
-            "ack_deadline": 10,
-            "max_delivery_attempts": 20,
-            "min_backoff": 1,
-            "max_backoff": 10,
-            **overrides,
-        }
-        provision(self.publisher, self.subscriber, ProvisionRequest(**request))
-
-    def publish(self, job: str, data: Any = None, *, job_id: str = "", **attributes: str) -> str:
-        body = json.dumps({} if data is None else data).encode()
-        return self.publish_raw(
-            body, {"job": job, **({"job_id": job_id} if job_id else {}), **attributes}
-        )
-
-    def publish_raw(self, data: bytes, attributes: dict[str, str]) -> str:
-        message_id: str = self.publisher.publish(self.topic_path, data, **attributes).result(30)
-        return message_id
-
-    def publish_many(self, job: str, payloads: list[tuple[str, Any]]) -> None:
-        futures = [
-            self.publisher.publish(
-                self.topic_path, json.dumps(data).encode(), job=job, job_id=job_id
-            )
-            for job_id, data in payloads
-        ]
-        for future in futures:
-            future.result(30)
-
-    def dead_letters(self, expected: int, timeout: float = 30.0) -> list[Record]:
-        """Pull and ack failure records until ``expected`` arrived or ``timeout`` passed."""
-        records: list[Record] = []
-        deadline = time.monotonic() + timeout
-        while len(records) < expected and time.monotonic() < deadline:
-            response = self.subscriber.pull(
-                request={"subscription": self.dead_letter_subscription_path, "max_messages": 100},
-                timeout=10,
-            )
-            if not response.received_messages:
-                time.sleep(0.2)
-                continue
-            self.subscriber.acknowledge(
-                request={
-                    "subscription": self.dead_letter_subscription_path,
-                    "ack_ids": [m.ack_id for m in response.received_messages],
-                }
-            )
-            records.extend(
-                Record(bytes(m.message.data), dict(m.message.attributes))
-                for m in response.received_messages
-            )
-        return records
-
-    def settings(self, **overrides: Any) -> Settings:
-        values: dict[str, Any] = {
-            "project": self.project,
-            "subscription": self.subscription,
-            "max_outstanding": 4,
-            "min_backoff": 1.0,
-            "max_backoff": 10.0,
-            "drain_timeout": 10.0,
-            "idempotency_store": "memory://",
-            **overrides,
-        }
-        return Settings(**values).validate()
-
-    @contextlib.contextmanager
-    def worker(
-        self,
-        jobs: Registry,
-        *,
-        store: IdempotencyStore | None = None,
-        telemetry: Telemetry | None = None,
-        **overrides: Any,
-    ) -> Iterator[Launcher]:
-        settings = self.settings(**overrides)
-        launcher = Launcher(
-            settings, jobs=jobs, clients=Clients(), store=store, telemetry=telemetry
-        ).start()
-        try:
-            yield launcher
-        finally:
-            launcher.stop(time.monotonic() + launcher.settings.drain_timeout)
-
-    def close(self) -> None:
-        self.subscriber.close()
-        self.publisher.stop()
+from workerpool.testing.pubsub import PubSubResources
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -170,16 +42,16 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
-def worker_command(env: PubSubEnv, ledger: Path, *args: str, store: str = "") -> list[str]:
-    """A ``workerpool run`` command on ``env``'s subscription, running jobs.demo. Workers of
-    one test share an SQLite idempotency store beside the ledger unless ``store`` names
-    another."""
+def worker_command(env: PubSubResources, ledger: Path, *args: str, store: str = "") -> list[str]:
+    """A ``workerpool run`` command on ``env``'s subscription, running workerpool_jobs.demo.
+    Workers of one test share an SQLite idempotency store beside the ledger unless ``store``
+    names another."""
     store = store or f"sqlite:///{ledger.parent / 'claims.db'}"
     return [
         sys.executable, "-m", "workerpool", "run",
         "--project", env.project,
         "--subscription", env.subscription,
-        "--jobs", "jobs.demo",
+        "--jobs", "workerpool_jobs.demo",
         "--min-backoff", "1",
         "--idempotency-store", store,
         *args,
@@ -224,7 +96,7 @@ class WorkerProcess:
 
 
 def spawn_worker(
-    env: PubSubEnv,
+    env: PubSubResources,
     ledger: Path,
     *args: str,
     store: str = "",
@@ -232,7 +104,8 @@ def spawn_worker(
     starts: bool = True,
 ) -> WorkerProcess:
     """Like ``start_worker``, but the output goes to a log file beside the ledger, ``extra_env``
-    is added to the environment, and (``starts``) jobs.demo also writes "start" ledger lines."""
+    is added to the environment, and (``starts``) workerpool_jobs.demo also writes "start"
+    ledger lines."""
     log = ledger.parent / f"worker-{uuid.uuid4().hex[:8]}.log"
     environment = {
         **os.environ,
@@ -265,8 +138,8 @@ def worker_processes() -> Iterator[list[WorkerProcess]]:
 
 
 def read_ledger(path: Path) -> list[dict[str, Any]]:
-    """The ledger jobs.demo writes; for one still being written, a last line without its
-    newline yet is left out rather than parsed half-written."""
+    """The ledger workerpool_jobs.demo writes; for one still being written, a last line without
+    its newline yet is left out rather than parsed half-written."""
     if not path.exists():
         return []
     text = path.read_text()

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.support import PubSubEnv, ledger_events, spawn_worker, wait_for, worker_processes
+from tests.support import ledger_events, spawn_worker, wait_for, worker_processes
 from workerpool import AsyncJobContext, RetryableError
 from workerpool import constants as c
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 
 
 def _peak(runs: list[dict[str, Any]]) -> int:
@@ -36,18 +37,18 @@ def _both_kinds_ran_at_once(runs: list[dict[str, Any]]) -> bool:
 
 
 def _drain_worker(
-    pubsub: PubSubEnv, tmp_path: Path, n: int, messages: dict[str, list[str]]
+    pubsub_resources: PubSubResources, tmp_path: Path, n: int, messages: dict[str, list[str]]
 ) -> list[dict[str, Any]]:
     """Run ``messages`` ({job name: job ids}, 0.3 s each) on one ``workerpool run`` process
     with ``--max-outstanding n``; return the ledger's finished runs."""
-    pubsub.provision(ack_deadline=60)
+    pubsub_resources.provision(ack_deadline=60)
     ledger = tmp_path / "ledger.jsonl"
     total = sum(len(ids) for ids in messages.values())
     with worker_processes() as workers:
-        worker = spawn_worker(pubsub, ledger, "--max-outstanding", str(n), starts=False)
+        worker = spawn_worker(pubsub_resources, ledger, "--max-outstanding", str(n), starts=False)
         workers.append(worker)
         for job, job_ids in messages.items():
-            pubsub.publish_many(job, [(job_id, {"seconds": 0.3}) for job_id in job_ids])
+            pubsub_resources.publish_many(job, [(job_id, {"seconds": 0.3}) for job_id in job_ids])
         all_done = wait_for(lambda: len(ledger_events(ledger, "done")) >= total, timeout=120)
         assert all_done, worker.output()[-3000:]
         worker.signal(signal.SIGTERM)
@@ -57,11 +58,11 @@ def _drain_worker(
 
 @pytest.mark.parametrize("n", [1, 8, 64])
 def test_async_jobs_in_a_real_worker_never_exceed_and_reach_n(
-    pubsub: PubSubEnv, tmp_path: Path, n: int
+    pubsub_resources: PubSubResources, tmp_path: Path, n: int
 ) -> None:
     # Given a backlog of 4 x N async jobs of 0.3 s, When one worker process runs them
     job_ids = [f"async-{i}" for i in range(4 * n)]
-    runs = _drain_worker(pubsub, tmp_path, n, {"demo.async_sleep": job_ids})
+    runs = _drain_worker(pubsub_resources, tmp_path, n, {"demo.async_sleep": job_ids})
     # Then N ran at once at the peak, never more, and each job ran once
     print(f"\nN={n}: peak {_peak(runs)} async runs at once")
     assert _peak(runs) == n
@@ -71,7 +72,7 @@ def test_async_jobs_in_a_real_worker_never_exceed_and_reach_n(
 
 
 def test_a_mixed_pool_counts_sync_and_async_runs_under_one_bound(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given 30 sync and 30 async jobs of 0.3 s on one subscription
     messages = {
@@ -79,7 +80,7 @@ def test_a_mixed_pool_counts_sync_and_async_runs_under_one_bound(
         "demo.async_sleep": [f"async-{i}" for i in range(30)],
     }
     # When one worker with 6 slots runs them
-    runs = _drain_worker(pubsub, tmp_path, 6, messages)
+    runs = _drain_worker(pubsub_resources, tmp_path, 6, messages)
     # Then never more than 6 ran at once, sync and async together, and both kinds overlapped
     print(f"\nmixed pool of 6: peak {_peak(runs)} runs at once")
     assert _peak(runs) == 6
@@ -88,10 +89,10 @@ def test_a_mixed_pool_counts_sync_and_async_runs_under_one_bound(
 
 
 def test_an_async_job_past_its_timeout_gets_cancelled_error_and_is_retried(
-    pubsub: PubSubEnv,
+    pubsub_resources: PubSubResources,
 ) -> None:
     # Given an async job with a 1 s timeout whose first attempt would sleep for 60 s
-    pubsub.provision()
+    pubsub_resources.provision()
     jobs, seen = Registry(), []
     lock = threading.Lock()
 
@@ -106,9 +107,9 @@ def test_an_async_job_past_its_timeout_gets_cancelled_error_and_is_retried(
         with lock:
             seen.append((ctx.delivery_attempt, "done", ctx.timed_out.is_set()))
 
-    pubsub.publish("t.async_slow", {}, job_id="slow-1")
+    pubsub_resources.publish("t.async_slow", {}, job_id="slow-1")
     # When a worker runs it
-    with pubsub.worker(jobs, max_outstanding=2, min_backoff=1.0) as worker:
+    with pubsub_resources.worker(jobs, max_outstanding=2, min_backoff=1.0) as worker:
         assert wait_for(lambda: len(seen) == 2, timeout=60), seen
         stats = dict(worker.processor.stats)
     # Then CancelledError reached it at its timeout, and the retry ran to the end
@@ -118,10 +119,10 @@ def test_an_async_job_past_its_timeout_gets_cancelled_error_and_is_retried(
 
 @pytest.mark.parametrize("retry_policy", [True, False], ids=["retry-policy", "no-retry-policy"])
 def test_an_async_job_that_raises_is_retried_then_dead_lettered(
-    pubsub: PubSubEnv, retry_policy: bool
+    pubsub_resources: PubSubResources, retry_policy: bool
 ) -> None:
     # Given an async job that always raises RetryableError after an await, max_attempts=3
-    pubsub.provision(retry_policy=retry_policy)
+    pubsub_resources.provision(retry_policy=retry_policy)
     jobs, attempts = Registry(), []
 
     @jobs.job("t.async_flaky", max_attempts=3)
@@ -131,10 +132,10 @@ def test_an_async_job_that_raises_is_retried_then_dead_lettered(
         raise RetryableError("upstream said no")
 
     for i in range(3):
-        pubsub.publish("t.async_flaky", {}, job_id=f"flaky-{i}")
+        pubsub_resources.publish("t.async_flaky", {}, job_id=f"flaky-{i}")
     # When a worker runs them
-    with pubsub.worker(jobs, max_outstanding=3, min_backoff=1.0, max_backoff=4.0):
-        records = pubsub.dead_letters(expected=3, timeout=60)
+    with pubsub_resources.worker(jobs, max_outstanding=3, min_backoff=1.0, max_backoff=4.0):
+        records = pubsub_resources.dead_letters(expected=3, timeout=60)
     # Then each was delivered 3 times, then recorded once on the dead-letter topic
     assert sorted(attempts) == sorted((f"flaky-{i}", a) for i in range(3) for a in (1, 2, 3))
     assert sorted(r.attributes[c.ATTR_JOB_ID] for r in records) == ["flaky-0", "flaky-1", "flaky-2"]

@@ -13,7 +13,7 @@ from bench.harness import Bench, Consumer
 from bench.ratelimit_accuracy import busiest
 from bench.report import draw, markdown, targets
 from bench.scenarios import FULL, Context, held, rotations
-from tests.conftest import PROJECT
+from workerpool.pytest_plugin import PROJECT
 
 
 def test_rotations_change_who_goes_first() -> None:
@@ -30,7 +30,7 @@ def test_busiest_window_counts_events_less_than_a_window_apart() -> None:
 
 
 @pytest.fixture
-def bench(emulator_host: str, tmp_path: Path) -> Bench:
+def bench(pubsub_emulator: str, tmp_path: Path) -> Bench:
     return Bench(PROJECT, tmp_path)
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 from workerpool.worker.clients import subscriber_client
 from workerpool.worker.pool import Pool
 
@@ -55,13 +56,16 @@ class Runs:
             return sum(self.counts.values())
 
 
-def dead_letter_count(pubsub: PubSubEnv) -> int:
+def dead_letter_count(pubsub_resources: PubSubResources) -> int:
     """Messages waiting on the dead-letter subscription (pulled with a channel that can
-    receive a 9.5 MB failure record, which PubSubEnv's own subscriber cannot)."""
+    receive a 9.5 MB failure record, which PubSubResources's own subscriber cannot)."""
     subscriber = subscriber_client()
     try:
         response = subscriber.pull(
-            request={"subscription": pubsub.dead_letter_subscription_path, "max_messages": 100},
+            request={
+                "subscription": pubsub_resources.dead_letter_subscription_path,
+                "max_messages": 100,
+            },
             timeout=1,
             retry=None,
         )
@@ -72,13 +76,13 @@ def dead_letter_count(pubsub: PubSubEnv) -> int:
         subscriber.close()
 
 
-def test_a_9_5_mb_message_runs_through_a_worker(pubsub: PubSubEnv) -> None:
+def test_a_9_5_mb_message_runs_through_a_worker(pubsub_resources: PubSubResources) -> None:
     # Given one 9.5 MB job (the publisher's default channel sends without a cap)
-    pubsub.provision()
+    pubsub_resources.provision()
     runs = Runs()
-    pubsub.publish("t.big", big_payload("one"), job_id="big-1")
+    pubsub_resources.publish("t.big", big_payload("one"), job_id="big-1")
     # When a worker with the default 10 MiB payload limit runs it
-    with pubsub.worker(runs.registry()) as worker:
+    with pubsub_resources.worker(runs.registry()) as worker:
         assert wait_for(lambda: worker.processor.stats["done"] >= 1, timeout=30), dict(
             worker.processor.stats
         )
@@ -87,20 +91,20 @@ def test_a_9_5_mb_message_runs_through_a_worker(pubsub: PubSubEnv) -> None:
     assert runs.counts == {"big-1": 1}
     assert runs.sizes["big-1"] > 9_400_000
     assert stats == {"done": 1}
-    assert dead_letter_count(pubsub) == 0
+    assert dead_letter_count(pubsub_resources) == 0
 
 
 def test_a_batch_mixing_big_and_small_messages_loses_none(
-    pubsub: PubSubEnv, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given two 9.5 MB jobs among 20 small ones, all waiting before the worker starts
-    pubsub.provision()
+    pubsub_resources.provision()
     runs = Runs()
     payloads = [(f"small-{i}", {"tag": f"small-{i}", "blob": "y" * 100}) for i in range(10)]
     payloads.append(("big-1", big_payload("big-1")))
     payloads += [(f"small-{i}", {"tag": f"small-{i}", "blob": "y" * 100}) for i in range(10, 20)]
     payloads.append(("big-2", big_payload("big-2")))
-    pubsub.publish_many("t.big", payloads)
+    pubsub_resources.publish_many("t.big", payloads)
     batches: list[tuple[int, int]] = []  # (messages, of which big) per pull the pool admitted
     admit = Pool.admit
 
@@ -111,7 +115,7 @@ def test_a_batch_mixing_big_and_small_messages_loses_none(
     monkeypatch.setattr(Pool, "admit", recording_admit)
     # When a worker with room for all of them pulls them
     started = time.monotonic()
-    with pubsub.worker(runs.registry(), max_outstanding=32) as worker:
+    with pubsub_resources.worker(runs.registry(), max_outstanding=32) as worker:
         assert wait_for(lambda: worker.processor.stats["done"] >= 22, timeout=30), (
             dict(worker.processor.stats),
             batches,
@@ -126,4 +130,4 @@ def test_a_batch_mixing_big_and_small_messages_loses_none(
     assert runs.counts == {job_id: 1 for job_id, _ in payloads}
     assert runs.sizes["big-1"] > 9_400_000 and runs.sizes["big-2"] > 9_400_000
     assert stats == {"done": 22}
-    assert dead_letter_count(pubsub) == 0
+    assert dead_letter_count(pubsub_resources) == 0

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import workerpool_jobs.bigquery_reverse_etl as plugin
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import bigquery
-
-import jobs.bigquery_reverse_etl as plugin
-from jobs.bigquery_reverse_etl import JOB_NAME, ExportRequest, run_export
-from jobs.bigquery_reverse_etl.launch import (
+from workerpool_jobs.bigquery_reverse_etl import JOB_NAME, ExportRequest, run_export
+from workerpool_jobs.bigquery_reverse_etl.launch import (
     EMULATOR_ENV,
     JOB_ID_PREFIX,
     JOB_LABEL_VALUE,
@@ -35,6 +34,8 @@ from jobs.bigquery_reverse_etl.launch import (
     label_value,
     make_client,
 )
+from workerpool_jobs.bigquery_reverse_etl.payload import PluginConfig
+
 from tests.bigquery_fixture import (
     EXAMPLE_PAYLOAD,
     NAP_ENV,
@@ -42,10 +43,11 @@ from tests.bigquery_fixture import (
     local_bigquery,
     nap_query,
 )
-from tests.support import PubSubEnv, WorkerProcess, spawn_worker, wait_for, worker_processes
+from tests.support import WorkerProcess, spawn_worker, wait_for, worker_processes
 from workerpool import JobContext
 from workerpool import constants as c
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 
 EMULATOR_PROJECT = "workerpool-bq"
 PAYLOAD = {k: v for k, v in EXAMPLE_PAYLOAD.items() if k != "location"}
@@ -107,7 +109,13 @@ def registry(timeout: float = plugin.JOB_TIMEOUT) -> Registry:
     """The plugin's handler in a registry of the test's own (timeout as given)."""
     jobs = Registry()
 
-    @jobs.job(JOB_NAME, timeout=timeout, max_attempts=plugin.MAX_ATTEMPTS, payload=ExportRequest)
+    @jobs.job(
+        JOB_NAME,
+        timeout=timeout,
+        max_attempts=plugin.MAX_ATTEMPTS,
+        payload=ExportRequest,
+        config=PluginConfig,
+    )
     def handler(ctx: JobContext, request: ExportRequest) -> None:
         run_export(ctx, request, timeout=timeout)
 
@@ -139,23 +147,26 @@ def running_exports(client: bigquery.Client) -> int:
 
 
 def test_a_message_runs_one_bigquery_job_and_its_job_id_again_starts_none(
-    pubsub: PubSubEnv, bigquery_host: str, project: str, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources,
+    bigquery_host: str,
+    project: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given a worker whose exports nap for a second
-    pubsub.provision()
+    pubsub_resources.provision()
     monkeypatch.setattr(plugin, "query_builder", nap_query(1.0))
     client, job_id = client_for(bigquery_host, project), "segments-2026-11-30"
     config = {JOB_NAME: plugin_config(project)}
-    with pubsub.worker(registry(), job_config=config) as worker:
+    with pubsub_resources.worker(registry(), job_config=config) as worker:
         # When a message runs, and the same job id is published again after it completed
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id=job_id)
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id=job_id)
         assert wait_for(lambda: worker.processor.stats["done"] == 1, timeout=30)
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id=job_id)
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id=job_id)
         assert wait_for(lambda: worker.processor.stats["duplicate"] == 1, timeout=30)
         first_stats = dict(worker.processor.stats)
     # ... and once more to a worker whose idempotency store never saw it (a fresh memory://)
-    with pubsub.worker(registry(), job_config=config) as fresh:
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id=job_id)
+    with pubsub_resources.worker(registry(), job_config=config) as fresh:
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id=job_id)
         assert wait_for(lambda: fresh.processor.stats["done"] == 1, timeout=30)
 
     # Then exactly one BigQuery job ran, under the id derived from the job id, with our labels
@@ -175,14 +186,16 @@ def test_a_message_runs_one_bigquery_job_and_its_job_id_again_starts_none(
 
 
 def test_invalid_query_ends_in_one_failure_record_with_bigquerys_reason(
-    pubsub: PubSubEnv, bigquery_host: str, project: str
+    pubsub_resources: PubSubResources, bigquery_host: str, project: str
 ) -> None:
     # Given the real statement, which the emulator refuses (no Bigtable export there)
-    pubsub.provision()
+    pubsub_resources.provision()
     client = client_for(bigquery_host, project)
-    with pubsub.worker(registry(), job_config={JOB_NAME: plugin_config(project)}) as worker:
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id="bad-export")
-        records = pubsub.dead_letters(expected=1, timeout=30)
+    with pubsub_resources.worker(
+        registry(), job_config={JOB_NAME: plugin_config(project)}
+    ) as worker:
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id="bad-export")
+        records = pubsub_resources.dead_letters(expected=1, timeout=30)
         time.sleep(1.0)  # (a retry would have run by now)
         stats = dict(worker.processor.stats)
     # Then one failure record carries BigQuery's reason and message, from the first delivery
@@ -228,18 +241,23 @@ class _RateLimitedFirstAttempts:
 
 
 def test_rate_limit_exceeded_is_retried_as_a_new_attempt(
-    pubsub: PubSubEnv, bigquery_host: str, project: str, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources,
+    bigquery_host: str,
+    project: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given BigQuery answering the first attempt of a job with rateLimitExceeded (simulated on
     # top of the emulator's real jobs: see _Job)
-    pubsub.provision()
+    pubsub_resources.provision()
     monkeypatch.setattr(plugin, "query_builder", nap_query(0.5))
     monkeypatch.setattr(
         plugin, "client_factory", lambda p, loc: _RateLimitedFirstAttempts(make_client(p, loc))
     )
     client = client_for(bigquery_host, project)
-    with pubsub.worker(registry(), job_config={JOB_NAME: plugin_config(project)}) as worker:
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id="busy-day")
+    with pubsub_resources.worker(
+        registry(), job_config={JOB_NAME: plugin_config(project)}
+    ) as worker:
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id="busy-day")
         assert wait_for(lambda: worker.processor.stats["done"] == 1, timeout=60)
         stats = dict(worker.processor.stats)
     # Then the message was retried once, and the retry ran attempt 2 under its own id
@@ -250,16 +268,19 @@ def test_rate_limit_exceeded_is_retried_as_a_new_attempt(
 
 
 def test_the_jobs_own_timeout_cancels_the_bigquery_job_and_retries(
-    pubsub: PubSubEnv, bigquery_host: str, project: str, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources,
+    bigquery_host: str,
+    project: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given a 2 s job timeout, exports that would take 4 s, and one BigQuery attempt allowed
-    pubsub.provision()
+    pubsub_resources.provision()
     monkeypatch.setattr(plugin, "query_builder", nap_query(4.0))
     client = client_for(bigquery_host, project)
     config = {JOB_NAME: plugin_config(project, max_export_attempts=1)}
-    with pubsub.worker(registry(timeout=2.0), job_config=config):
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id="too-slow")
-        records = pubsub.dead_letters(expected=1, timeout=60)
+    with pubsub_resources.worker(registry(timeout=2.0), job_config=config):
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id="too-slow")
+        records = pubsub_resources.dead_letters(expected=1, timeout=60)
     # Then the BigQuery job was cancelled at the timeout, the message retried, and the retry,
     # finding the cancelled attempt was the last allowed, recorded the failure
     job = client.get_job(job_ids("too-slow")(1))
@@ -271,10 +292,13 @@ def test_the_jobs_own_timeout_cancels_the_bigquery_job_and_retries(
 
 
 def test_the_cap_keeps_at_most_two_exports_running_with_six_messages_and_six_slots(
-    pubsub: PubSubEnv, bigquery_host: str, project: str, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources,
+    bigquery_host: str,
+    project: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given 6 pool slots, 6 messages, exports of 3 s, and the cap at 2
-    pubsub.provision(max_delivery_attempts=50)
+    pubsub_resources.provision(max_delivery_attempts=50)
     monkeypatch.setattr(plugin, "query_builder", nap_query(3.0))
     client = client_for(bigquery_host, project)
     samples: list[int] = []
@@ -287,9 +311,9 @@ def test_the_cap_keeps_at_most_two_exports_running_with_six_messages_and_six_slo
     sampler = threading.Thread(target=sample, daemon=True)
     config = {JOB_NAME: plugin_config(project, max_concurrent_exports=2)}
     started = time.monotonic()
-    with pubsub.worker(registry(), max_outstanding=6, job_config=config) as worker:
+    with pubsub_resources.worker(registry(), max_outstanding=6, job_config=config) as worker:
         sampler.start()
-        pubsub.publish_many(JOB_NAME, [(f"segment-{i}", PAYLOAD) for i in range(6)])
+        pubsub_resources.publish_many(JOB_NAME, [(f"segment-{i}", PAYLOAD) for i in range(6)])
         assert wait_for(lambda: worker.processor.stats["done"] == 6, timeout=90)
         stats = dict(worker.processor.stats)
     elapsed = time.monotonic() - started
@@ -310,7 +334,7 @@ def test_the_cap_keeps_at_most_two_exports_running_with_six_messages_and_six_slo
 
 
 def _bigquery_worker(
-    pubsub: PubSubEnv, tmp_path: Path, host: str, project: str, nap: float
+    pubsub_resources: PubSubResources, tmp_path: Path, host: str, project: str, nap: float
 ) -> WorkerProcess:
     """A real ``workerpool run`` process with the plugin, its config, and exports that nap."""
     config = tmp_path / "workerpool.toml"
@@ -319,7 +343,7 @@ def _bigquery_worker(
         f'[jobs."{JOB_NAME}"]\n' + "".join(f"{k} = {v!r}\n" for k, v in settings.items())
     )
     return spawn_worker(
-        pubsub,
+        pubsub_resources,
         tmp_path / "ledger.jsonl",
         "--jobs", "tests.bigquery_fixture",
         "--config", str(config),
@@ -330,16 +354,16 @@ def _bigquery_worker(
 
 
 def test_sigterm_leaves_the_bigquery_job_running_and_the_next_worker_reattaches(
-    pubsub: PubSubEnv, bigquery_host: str, project: str, tmp_path: Path
+    pubsub_resources: PubSubResources, bigquery_host: str, project: str, tmp_path: Path
 ) -> None:
     # Given a worker process running an export that takes 8 s
-    pubsub.provision(ack_deadline=60, min_backoff=1)
+    pubsub_resources.provision(ack_deadline=60, min_backoff=1)
     client, job_id = client_for(bigquery_host, project), "segments-sigterm"
     bq_job_id = job_ids(job_id)(1)
     with worker_processes() as workers:
-        first = _bigquery_worker(pubsub, tmp_path, bigquery_host, project, nap=8.0)
+        first = _bigquery_worker(pubsub_resources, tmp_path, bigquery_host, project, nap=8.0)
         workers.append(first)
-        pubsub.publish(JOB_NAME, PAYLOAD, job_id=job_id)
+        pubsub_resources.publish(JOB_NAME, PAYLOAD, job_id=job_id)
 
         def state() -> str | None:
             jobs = [job for job in client.list_jobs() if job.job_id == bq_job_id]
@@ -363,7 +387,7 @@ def test_sigterm_leaves_the_bigquery_job_running_and_the_next_worker_reattaches(
 
         # When a second worker starts, it re-attaches and acks when the job is DONE
         launched = time.monotonic()
-        second = _bigquery_worker(pubsub, tmp_path, bigquery_host, project, nap=8.0)
+        second = _bigquery_worker(pubsub_resources, tmp_path, bigquery_host, project, nap=8.0)
         workers.append(second)
         assert wait_for(lambda: "attached to BigQuery job" in second.output(), timeout=30)
         attached_after = time.monotonic() - launched
@@ -382,7 +406,7 @@ def test_sigterm_leaves_the_bigquery_job_running_and_the_next_worker_reattaches(
     assert first.output().count("started BigQuery job") == 1
     assert "started BigQuery job" not in second.output()
     # And the message was acked: nothing comes back on the subscription
-    response = pubsub.subscriber.pull(
-        request={"subscription": pubsub.subscription_path, "max_messages": 10}, timeout=5
+    response = pubsub_resources.subscriber.pull(
+        request={"subscription": pubsub_resources.subscription_path, "max_messages": 10}, timeout=5
     )
     assert not response.received_messages

@@ -19,9 +19,8 @@ from google.api_core import exceptions as gexc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlglot import exp
-
-from jobs.bigquery_reverse_etl import ExportRequest, run_export
-from jobs.bigquery_reverse_etl.launch import (
+from workerpool_jobs.bigquery_reverse_etl import ExportRequest, run_export
+from workerpool_jobs.bigquery_reverse_etl.launch import (
     JOB_LABEL_VALUE,
     LABEL_JOB,
     api_failure,
@@ -30,8 +29,13 @@ from jobs.bigquery_reverse_etl.launch import (
     job_labels,
     label_value,
 )
-from jobs.bigquery_reverse_etl.payload import INVALID_PAYLOAD, JOB_NAME, PluginConfig
-from jobs.bigquery_reverse_etl.statement import build_query, quote_identifier, quote_string
+from workerpool_jobs.bigquery_reverse_etl.payload import INVALID_PAYLOAD, JOB_NAME, PluginConfig
+from workerpool_jobs.bigquery_reverse_etl.statement import (
+    build_query,
+    quote_identifier,
+    quote_string,
+)
+
 from tests.bigquery_fixture import EXAMPLE_PAYLOAD
 from workerpool import Defer, JobContext, PermanentError, RetryableError
 from workerpool.context import Flag
@@ -419,7 +423,9 @@ def _ctx(job_id: str = "seg-1", **config: Any) -> JobContext:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClient:
     client = FakeClient()
-    monkeypatch.setattr("jobs.bigquery_reverse_etl.client_factory", lambda p, loc: client)
+    monkeypatch.setattr(
+        "workerpool_jobs.bigquery_reverse_etl.client_factory", lambda p, loc: client
+    )
     return client
 
 

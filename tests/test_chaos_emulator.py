@@ -11,14 +11,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tests.support import (
-    PubSubEnv,
-    WorkerProcess,
-    ledger_events,
-    spawn_worker,
-    wait_for,
-    worker_processes,
-)
+from tests.support import WorkerProcess, ledger_events, spawn_worker, wait_for, worker_processes
+from workerpool.testing.pubsub import PubSubResources
 
 JOBS = 1000
 KILLS = 5
@@ -27,13 +21,13 @@ WORKER_ARGS = ("--max-outstanding", "2", "--claim-ttl", "10", "--lease-extension
 
 
 def test_sigkilled_workers_lose_no_job_and_repeat_only_killed_runs(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given 1,000 short jobs, two workers sharing an SQLite store, 10 s claims and ack deadlines
     seed = random.randrange(1_000_000)
     rng = random.Random(seed)
     print(f"\nseed {seed}")
-    pubsub.provision(ack_deadline=10)
+    pubsub_resources.provision(ack_deadline=10)
     ledger = tmp_path / "ledger.jsonl"
     job_ids = [f"job-{i}" for i in range(JOBS)]
     killed_at: dict[int, float] = {}
@@ -41,7 +35,7 @@ def test_sigkilled_workers_lose_no_job_and_repeat_only_killed_runs(
     with worker_processes() as workers:
 
         def spawn() -> WorkerProcess:
-            workers.append(spawn_worker(pubsub, ledger, *WORKER_ARGS))
+            workers.append(spawn_worker(pubsub_resources, ledger, *WORKER_ARGS))
             return workers[-1]
 
         steady = spawn()
@@ -49,7 +43,7 @@ def test_sigkilled_workers_lose_no_job_and_repeat_only_killed_runs(
         # the bug test_a_worker_waits_for_a_busy_new_sqlite_store_instead_of_crashing shows)
         assert wait_for(steady.ready, timeout=30), steady.output()
         victim = spawn()
-        pubsub.publish_many(
+        pubsub_resources.publish_many(
             "demo.sleep", [(j, {"seconds": round(rng.uniform(0.02, 0.05), 3)}) for j in job_ids]
         )
 

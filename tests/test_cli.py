@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.support import PubSubEnv
 from workerpool.cli import main
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
+from workerpool.testing.pubsub import PubSubResources
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -28,10 +28,11 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
-def test_provision_twice_succeeds_and_says_what_existed(pubsub: PubSubEnv) -> None:
+def test_provision_twice_succeeds_and_says_what_existed(pubsub_resources: PubSubResources) -> None:
     args = [
-        "provision", "--project", pubsub.project, "--topic", pubsub.topic,
-        "--subscription", pubsub.subscription, "--dead-letter-topic", pubsub.dead_letter_topic,
+        "provision", "--project", pubsub_resources.project, "--topic", pubsub_resources.topic,
+        "--subscription", pubsub_resources.subscription,
+        "--dead-letter-topic", pubsub_resources.dead_letter_topic,
         "--ack-deadline", "30", "--max-delivery-attempts", "7", "--min-backoff", "5",
     ]  # fmt: skip
     first = CliRunner().invoke(main, args)
@@ -39,19 +40,23 @@ def test_provision_twice_succeeds_and_says_what_existed(pubsub: PubSubEnv) -> No
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     assert first.output.count("created") == 4 and "exists" not in first.output
     assert second.output.count("exists") == 4 and "created" not in second.output
-    sub = pubsub.subscriber.get_subscription(subscription=pubsub.subscription_path)
+    sub = pubsub_resources.subscriber.get_subscription(
+        subscription=pubsub_resources.subscription_path
+    )
     assert sub.ack_deadline_seconds == 30
     assert sub.dead_letter_policy.max_delivery_attempts == 7
     assert sub.retry_policy.minimum_backoff.total_seconds() == 5
 
 
-def test_run_with_missing_subscription_exits_2_with_one_line(pubsub: PubSubEnv) -> None:
-    result = _cli("run", "--project", pubsub.project, "--subscription", "no-such-sub")
+def test_run_with_missing_subscription_exits_2_with_one_line(
+    pubsub_resources: PubSubResources,
+) -> None:
+    result = _cli("run", "--project", pubsub_resources.project, "--subscription", "no-such-sub")
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        f"workerpool: error: subscription projects/{pubsub.project}/subscriptions/no-such-sub "
-        "does not exist"
+        f"workerpool: error: subscription projects/{pubsub_resources.project}/subscriptions/"
+        "no-such-sub does not exist"
     ]
 
 
@@ -136,20 +141,22 @@ def test_a_job_module_with_a_generator_handler_exits_2_with_one_line(tmp_path: P
     )
 
 
-def test_publish_then_cli_lists_jobs(pubsub: PubSubEnv, tmp_path: Path) -> None:
-    pubsub.provision()
+def test_publish_then_cli_lists_jobs(pubsub_resources: PubSubResources, tmp_path: Path) -> None:
+    pubsub_resources.provision()
     jsonl = tmp_path / "jobs.jsonl"
     jsonl.write_text(
         '{"job": "demo.sleep", "job_id": "a", "data": {"seconds": 0}}\n'
         '{"job": "demo.echo", "job_id": "b", "data": {}}\n'
     )
     runner = CliRunner()
-    target = ["publish", "--project", pubsub.project, "--topic", pubsub.topic]
+    target = ["publish", "--project", pubsub_resources.project, "--topic", pubsub_resources.topic]
     many = runner.invoke(main, [*target, "--file", str(jsonl)])
     one = runner.invoke(main, [*target, "--job", "demo.echo", "--job-id", "c", "--data", '{"k":1}'])
     assert many.exit_code == 0 and "published 2 job(s)" in many.output
     assert one.exit_code == 0 and "published 1 job(s)" in one.output
-    received = pubsub.subscriber.pull(subscription=pubsub.subscription_path, max_messages=10)
+    received = pubsub_resources.subscriber.pull(
+        subscription=pubsub_resources.subscription_path, max_messages=10
+    )
     got = {m.message.attributes["job_id"]: m.message for m in received.received_messages}
     assert sorted(got) == ["a", "b", "c"]
     assert got["c"].attributes["job"] == "demo.echo" and got["c"].data == b'{"k":1}'

@@ -11,13 +11,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.cli import main
 from workerpool.ops.dlq import FailureRecord, Replayer, peek
 from workerpool.registry import Registry
 from workerpool.telemetry import Telemetry
+from workerpool.testing.pubsub import PubSubResources
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -34,10 +35,12 @@ def _rows(output: str) -> list[list[str]]:
     return [re.split(r"\s{2,}", line.strip()) for line in lines]
 
 
-def test_dead_letters_are_listed_replayed_processed_and_gone(pubsub: PubSubEnv) -> None:
+def test_dead_letters_are_listed_replayed_processed_and_gone(
+    pubsub_resources: PubSubResources,
+) -> None:
     # Given jobs that fail for real while a dependency is broken: 3 permanently, 2 by
     # exhausting their attempts; all published with a trace context
-    pubsub.provision()
+    pubsub_resources.provision()
     broken = threading.Event()
     broken.set()
     jobs, done = Registry(), []
@@ -61,15 +64,17 @@ def test_dead_letters_are_listed_replayed_processed_and_gone(pubsub: PubSubEnv) 
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     for i in range(3):
-        pubsub.publish(
+        pubsub_resources.publish(
             "t.fragile", {"bucket": f"b{i}"}, job_id=f"fragile-{i}", traceparent=TRACEPARENT
         )
     for i in range(2):
-        pubsub.publish("t.flaky", {}, job_id=f"flaky-{i}", traceparent=TRACEPARENT)
-    dlq = f"{pubsub.dead_letter_topic}-sub"
-    target = ["--project", pubsub.project, "--subscription", dlq]
+        pubsub_resources.publish("t.flaky", {}, job_id=f"flaky-{i}", traceparent=TRACEPARENT)
+    dlq = f"{pubsub_resources.dead_letter_topic}-sub"
+    target = ["--project", pubsub_resources.project, "--subscription", dlq]
 
-    with pubsub.worker(jobs, telemetry=Telemetry(tracer_provider=tracer_provider)) as worker:
+    with pubsub_resources.worker(
+        jobs, telemetry=Telemetry(tracer_provider=tracer_provider)
+    ) as worker:
         assert wait_for(lambda: worker.processor.stats["dead_lettered"] == 5, timeout=60)
 
         # When the dead-letter subscription is listed, twice
@@ -116,36 +121,47 @@ def test_dead_letters_are_listed_replayed_processed_and_gone(pubsub: PubSubEnv) 
     # And the dead-letter subscription is empty
     code, after = _cli("dlq", "list", *target)
     assert code == 0 and "0 record(s) on" in after and not _rows(after)
-    response = pubsub.subscriber.pull(
-        request={"subscription": pubsub.dead_letter_subscription_path, "max_messages": 10},
+    response = pubsub_resources.subscriber.pull(
+        request={
+            "subscription": pubsub_resources.dead_letter_subscription_path,
+            "max_messages": 10,
+        },
         timeout=5,
     )
     assert not response.received_messages
 
 
-def test_replay_strips_failure_attributes_and_honours_limit_and_job(pubsub: PubSubEnv) -> None:
+def test_replay_strips_failure_attributes_and_honours_limit_and_job(
+    pubsub_resources: PubSubResources,
+) -> None:
     # Given failure records on a dead-letter subscription (published as a worker would)
-    pubsub.provision()
-    dlq_topic = f"projects/{pubsub.project}/topics/{pubsub.dead_letter_topic}"
+    pubsub_resources.provision()
+    dlq_topic = f"projects/{pubsub_resources.project}/topics/{pubsub_resources.dead_letter_topic}"
     failure = {
         c.ATTR_ERROR_TYPE: "permanent_error",
         c.ATTR_ERROR_MESSAGE: "no",
         c.ATTR_DELIVERY_ATTEMPT: "1",
-        c.ATTR_SOURCE_SUBSCRIPTION: pubsub.subscription_path,
-        c.ATTR_SOURCE_TOPIC: pubsub.topic_path,
+        c.ATTR_SOURCE_SUBSCRIPTION: pubsub_resources.subscription_path,
+        c.ATTR_SOURCE_TOPIC: pubsub_resources.topic_path,
         c.ATTR_WORKER: "w",
         c.ATTR_FAILED_AT: "2026-11-30T00:00:00.000+00:00",
     }
     for i, job in enumerate(("t.a", "t.b", "t.a", "t.a")):
         attributes = {"job": job, "job_id": f"{job}-{i}", "traceparent": TRACEPARENT, "extra": "x"}
-        pubsub.publisher.publish(dlq_topic, b'{"k": 1}', **attributes, **failure).result(30)
+        pubsub_resources.publisher.publish(dlq_topic, b'{"k": 1}', **attributes, **failure).result(
+            30
+        )
     # When two records of t.a are replayed
-    replayer = Replayer(pubsub.subscriber, pubsub.publisher, pubsub.dead_letter_subscription_path)
+    replayer = Replayer(
+        pubsub_resources.subscriber,
+        pubsub_resources.publisher,
+        pubsub_resources.dead_letter_subscription_path,
+    )
     results = list(replayer.replay(job="t.a", limit=2))
     # Then exactly those two are on the source subscription, with the original attributes only
     assert [r.status for r in results] == ["replayed", "replayed"]
-    received = pubsub.subscriber.pull(
-        request={"subscription": pubsub.subscription_path, "max_messages": 10}, timeout=10
+    received = pubsub_resources.subscriber.pull(
+        request={"subscription": pubsub_resources.subscription_path, "max_messages": 10}, timeout=10
     ).received_messages
     assert len(received) == 2
     for message in received:
@@ -157,7 +173,7 @@ def test_replay_strips_failure_attributes_and_honours_limit_and_job(pubsub: PubS
         }
         assert message.message.data == b'{"k": 1}'
     # And the other two records are still there
-    left = peek(pubsub.subscriber, pubsub.dead_letter_subscription_path)
+    left = peek(pubsub_resources.subscriber, pubsub_resources.dead_letter_subscription_path)
     assert sorted(r.job for r in left) == ["t.a", "t.b"]
 
 
@@ -185,26 +201,33 @@ def test_records_forwarded_by_the_dead_letter_policy_are_understood() -> None:
 
 
 def test_status_shows_settings_and_says_monitoring_is_unavailable_on_the_emulator(
-    pubsub: PubSubEnv,
+    pubsub_resources: PubSubResources,
 ) -> None:
-    pubsub.provision(ack_deadline=30, max_delivery_attempts=7, min_backoff=2, max_backoff=20)
+    pubsub_resources.provision(
+        ack_deadline=30, max_delivery_attempts=7, min_backoff=2, max_backoff=20
+    )
     code, output = _cli(
-        "status", "--project", pubsub.project, "--subscription", pubsub.subscription
+        "status",
+        "--project",
+        pubsub_resources.project,
+        "--subscription",
+        pubsub_resources.subscription,
     )
     assert code == 0, output
     fields = dict(line.split(": ", 1) for line in output.splitlines())
     fields = {key.strip(): value.strip() for key, value in fields.items()}
-    assert fields["subscription"] == pubsub.subscription_path
-    assert fields["topic"] == pubsub.topic_path
+    assert fields["subscription"] == pubsub_resources.subscription_path
+    assert fields["topic"] == pubsub_resources.topic_path
     assert fields["ack deadline"] == "30s"
     assert fields["retry policy"] == "backoff 2s .. 20s"
     assert fields["dead-letter policy"] == (
-        f"projects/{pubsub.project}/topics/{pubsub.dead_letter_topic} after 7 delivery attempts"
+        f"projects/{pubsub_resources.project}/topics/{pubsub_resources.dead_letter_topic} "
+        "after 7 delivery attempts"
     )
     assert fields["filter"] == "none" and fields["exactly-once delivery"] == "disabled"
     assert fields["backlog, oldest unacked age"].startswith("unavailable on the emulator")
     missing = CliRunner().invoke(
-        main, ["status", "--project", pubsub.project, "--subscription", "nope"]
+        main, ["status", "--project", pubsub_resources.project, "--subscription", "nope"]
     )
     assert missing.exit_code == 2
     assert "subscription projects/workerpool-test/subscriptions/nope does not exist" in (

@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.support import (
-    PubSubEnv,
-    WorkerProcess,
-    ledger_events,
-    spawn_worker,
-    wait_for,
-    worker_processes,
-)
+from tests.support import WorkerProcess, ledger_events, spawn_worker, wait_for, worker_processes
+from workerpool.testing.pubsub import PubSubResources
 
 # A drained worker must also flush its acks and close its clients before it exits.
 EXIT_MARGIN = 3.0
@@ -33,14 +27,16 @@ def _exit_after(worker: WorkerProcess, sent: float, timeout: float) -> tuple[int
     return code, time.monotonic() - sent
 
 
-def _pull_job_ids(pubsub: PubSubEnv, expected: int, timeout: float) -> tuple[set[str], float]:
+def _pull_job_ids(
+    pubsub_resources: PubSubResources, expected: int, timeout: float
+) -> tuple[set[str], float]:
     """Pull (without acking) until ``expected`` distinct job ids came; return them and when."""
     started = time.monotonic()
     seen: set[str] = set()
     while len(seen) < expected and time.monotonic() - started < timeout:
         try:
-            response = pubsub.subscriber.pull(
-                request={"subscription": pubsub.subscription_path, "max_messages": 10},
+            response = pubsub_resources.subscriber.pull(
+                request={"subscription": pubsub_resources.subscription_path, "max_messages": 10},
                 timeout=3,
             )
         except gexc.DeadlineExceeded:  # an idle pull
@@ -51,17 +47,17 @@ def _pull_job_ids(pubsub: PubSubEnv, expected: int, timeout: float) -> tuple[set
 
 @SLEEP_JOBS
 def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
-    pubsub: PubSubEnv, tmp_path: Path, sleep_job: str
+    pubsub_resources: PubSubResources, tmp_path: Path, sleep_job: str
 ) -> None:
     # Given 40 three-second jobs, an ack deadline of 60 s, and one worker running 4 at a time.
     # Its leases are 10 s, so a lost ack or release would come back within this test; and the
     # second worker gets its own idempotency store, so such a message would visibly run again.
-    pubsub.provision(ack_deadline=60)
+    pubsub_resources.provision(ack_deadline=60)
     ledger = tmp_path / "ledger.jsonl"
     job_ids = [f"job-{i}" for i in range(40)]
     with worker_processes() as workers:
         first = spawn_worker(
-            pubsub,
+            pubsub_resources,
             ledger,
             "--max-outstanding",
             "4",
@@ -71,7 +67,7 @@ def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
             str(LEASE),
         )
         workers.append(first)
-        pubsub.publish_many(sleep_job, [(job_id, {"seconds": 3}) for job_id in job_ids])
+        pubsub_resources.publish_many(sleep_job, [(job_id, {"seconds": 3}) for job_id in job_ids])
         assert wait_for(lambda: ledger_events(ledger, "start"), timeout=30), first.output()
         first_start = min(r["start"] for r in ledger_events(ledger, "start"))
 
@@ -81,7 +77,7 @@ def test_sigterm_finishes_running_jobs_and_hands_the_rest_over_at_once(
         signalled_at = time.time()
         sent = first.signal(signal.SIGTERM)
         second = spawn_worker(
-            pubsub,
+            pubsub_resources,
             ledger,
             "--max-outstanding",
             "40",
@@ -144,7 +140,7 @@ LONG_JOBS = ("long-0", "long-1")
 
 
 def _running_two_long_jobs(
-    pubsub: PubSubEnv,
+    pubsub_resources: PubSubResources,
     ledger: Path,
     workers: list[WorkerProcess],
     *,
@@ -152,19 +148,19 @@ def _running_two_long_jobs(
     sleep_job: str = "demo.sleep",
 ) -> WorkerProcess:
     """A worker (ack deadline 60 s) that has started two 60-second jobs."""
-    pubsub.provision(ack_deadline=60)
+    pubsub_resources.provision(ack_deadline=60)
     worker = spawn_worker(
-        pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", str(drain_timeout)
+        pubsub_resources, ledger, "--max-outstanding", "2", "--drain-timeout", str(drain_timeout)
     )
     workers.append(worker)
-    pubsub.publish_many(sleep_job, [(job_id, {"seconds": 60}) for job_id in LONG_JOBS])
+    pubsub_resources.publish_many(sleep_job, [(job_id, {"seconds": 60}) for job_id in LONG_JOBS])
     assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
     return worker
 
 
 @SLEEP_JOBS
 def test_drain_deadline_cancels_running_jobs_and_gives_them_back_at_once(
-    pubsub: PubSubEnv, tmp_path: Path, sleep_job: str
+    pubsub_resources: PubSubResources, tmp_path: Path, sleep_job: str
 ) -> None:
     # Given two 60-second jobs running on a worker with a 3 s drain timeout (ack deadline 60 s),
     # and a second, idle worker on the same subscription
@@ -172,9 +168,11 @@ def test_drain_deadline_cancels_running_jobs_and_gives_them_back_at_once(
     job_ids = set(LONG_JOBS)
     with worker_processes() as workers:
         first = _running_two_long_jobs(
-            pubsub, ledger, workers, drain_timeout=3, sleep_job=sleep_job
+            pubsub_resources, ledger, workers, drain_timeout=3, sleep_job=sleep_job
         )
-        second = spawn_worker(pubsub, ledger, "--max-outstanding", "2", "--drain-timeout", "1")
+        second = spawn_worker(
+            pubsub_resources, ledger, "--max-outstanding", "2", "--drain-timeout", "1"
+        )
         workers.append(second)
         assert wait_for(second.ready, timeout=30), second.output()
 
@@ -208,12 +206,14 @@ def test_drain_deadline_cancels_running_jobs_and_gives_them_back_at_once(
         assert second_code == 0, second.output()
 
 
-def test_a_second_signal_skips_the_drain_wait(pubsub: PubSubEnv, tmp_path: Path) -> None:
+def test_a_second_signal_skips_the_drain_wait(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
     # Given two 60-second jobs running on a worker with a 30 s drain timeout
     ledger = tmp_path / "ledger.jsonl"
     job_ids = set(LONG_JOBS)
     with worker_processes() as workers:
-        worker = _running_two_long_jobs(pubsub, ledger, workers, drain_timeout=30)
+        worker = _running_two_long_jobs(pubsub_resources, ledger, workers, drain_timeout=30)
 
         # When it gets SIGTERM, and SIGTERM again one second later
         worker.signal(signal.SIGTERM)
@@ -228,6 +228,6 @@ def test_a_second_signal_skips_the_drain_wait(pubsub: PubSubEnv, tmp_path: Path)
     assert exit_after < EXIT_MARGIN + 3.0, worker.output()
     # And the cancelled jobs were given back: they are on the subscription again at once
     assert {r["job_id"] for r in ledger_events(ledger, "cancelled")} == job_ids
-    back, after = _pull_job_ids(pubsub, len(job_ids), timeout=20)
+    back, after = _pull_job_ids(pubsub_resources, len(job_ids), timeout=20)
     print(f"both jobs were back on the subscription {after:.2f}s after the exit")
     assert back == job_ids

@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.support import (
-    PubSubEnv,
-    WorkerProcess,
-    ledger_events,
-    spawn_worker,
-    wait_for,
-    worker_processes,
-)
+from tests.support import WorkerProcess, ledger_events, spawn_worker, wait_for, worker_processes
 from tests.test_idempotency import PROJECT as FIRESTORE_PROJECT
 from tests.test_idempotency import firestore_emulator  # noqa: F401  (the session fixture)
 from workerpool.testing.emulator import LocalEmulator
+from workerpool.testing.pubsub import PubSubResources
 
 JOBS = 200
 
@@ -36,11 +30,12 @@ def _store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[s
     return f"firestore://{FIRESTORE_PROJECT}/{collection}", {emulator.env_var: emulator.host}
 
 
-def _leftovers(pubsub: PubSubEnv) -> list[str]:
+def _leftovers(pubsub_resources: PubSubResources) -> list[str]:
     """Job ids still on the subscription (nothing should be: every copy was acked)."""
     try:
-        response = pubsub.subscriber.pull(
-            request={"subscription": pubsub.subscription_path, "max_messages": 100}, timeout=3
+        response = pubsub_resources.subscriber.pull(
+            request={"subscription": pubsub_resources.subscription_path, "max_messages": 100},
+            timeout=3,
         )
     except gexc.DeadlineExceeded:
         return []
@@ -59,11 +54,15 @@ def _tails(ledger: Path, workers: list[WorkerProcess]) -> str:
     [("sqlite", "demo.sleep"), ("firestore", "demo.sleep"), ("sqlite", "demo.async_sleep")],
 )
 def test_each_duplicated_job_runs_once_across_two_workers(
-    kind: str, sleep_job: str, pubsub: PubSubEnv, tmp_path: Path, request: pytest.FixtureRequest
+    kind: str,
+    sleep_job: str,
+    pubsub_resources: PubSubResources,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     # Given 200 job ids each published twice (half back to back, half a whole pass apart), and
     # two worker processes running 8 jobs at a time over one shared idempotency store
-    pubsub.provision()
+    pubsub_resources.provision()
     store, extra_env = _store(kind, request, tmp_path)
     ledger = tmp_path / "ledger.jsonl"
     job_ids = [f"job-{i}" for i in range(JOBS)]
@@ -74,14 +73,14 @@ def test_each_duplicated_job_runs_once_across_two_workers(
         # the bug test_a_worker_waits_for_a_busy_new_sqlite_store_instead_of_crashing shows)
         for _ in range(2):
             worker = spawn_worker(
-                pubsub, ledger, "--max-outstanding", "8", store=store, extra_env=extra_env
+                pubsub_resources, ledger, "--max-outstanding", "8", store=store, extra_env=extra_env
             )
             workers.append(worker)
             assert wait_for(worker.ready, timeout=60), worker.output()
 
         # When both consume the 400 messages
         began = time.monotonic()
-        pubsub.publish_many(sleep_job, [(j, {"seconds": 0.05}) for j in messages])
+        pubsub_resources.publish_many(sleep_job, [(j, {"seconds": 0.05}) for j in messages])
         all_done = wait_for(lambda: len(ledger_events(ledger, "done")) >= JOBS, timeout=120)
         assert all_done, _tails(ledger, workers)
         took = time.monotonic() - began
@@ -108,16 +107,16 @@ def test_each_duplicated_job_runs_once_across_two_workers(
     assert set(done.values()) == {1}
     # And both workers took part, every copy was acked, and both exited cleanly
     assert all(per_worker[p] > 0 for p in pids), per_worker
-    assert _leftovers(pubsub) == []
+    assert _leftovers(pubsub_resources) == []
     assert codes == [0, 0], outputs
 
 
 def test_a_worker_waits_for_a_busy_new_sqlite_store_instead_of_crashing(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given a new SQLite store that another process is writing to for 3 s (as a second worker
     # does while it sets up the same new store, when both start at the same moment)
-    pubsub.provision()
+    pubsub_resources.provision()
     ledger = tmp_path / "ledger.jsonl"
     path = tmp_path / "new-claims.db"
     other = sqlite3.connect(path, isolation_level=None)
@@ -125,11 +124,11 @@ def test_a_worker_waits_for_a_busy_new_sqlite_store_instead_of_crashing(
         other.execute("BEGIN IMMEDIATE")
         # When a worker starts on that store
         with worker_processes() as workers:
-            worker = spawn_worker(pubsub, ledger, store=f"sqlite:///{path}")
+            worker = spawn_worker(pubsub_resources, ledger, store=f"sqlite:///{path}")
             workers.append(worker)
             time.sleep(3.0)
             other.execute("COMMIT")
-            pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="after-the-lock")
+            pubsub_resources.publish("demo.sleep", {"seconds": 0.1}, job_id="after-the-lock")
             wait_for(lambda: ledger_events(ledger, "done") or not worker.alive(), timeout=30)
             ran = bool(ledger_events(ledger, "done"))
             alive = worker.alive()

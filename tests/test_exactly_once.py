@@ -8,9 +8,10 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.rpc import error_details_pb2
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 from workerpool.worker.acks import Acknowledger
 
 
@@ -49,11 +50,11 @@ def test_refused_ack_ids_resolve_false_and_transient_ones_are_retried() -> None:
 
 
 def test_job_outliving_its_lease_on_exactly_once_subscription_is_not_counted_done(
-    pubsub: PubSubEnv,
+    pubsub_resources: PubSubResources,
 ) -> None:
     # Given an exactly-once subscription and a job that ignores its 1 s timeout for 25 s,
     # so its lease (timeout + one 10 s extension) lapses and the message is redelivered
-    pubsub.provision(exactly_once=True, ack_deadline=10, retry_policy=False)
+    pubsub_resources.provision(exactly_once=True, ack_deadline=10, retry_policy=False)
     jobs, runs = Registry(), []
 
     @jobs.job("t.stubborn", timeout=1)
@@ -65,10 +66,12 @@ def test_job_outliving_its_lease_on_exactly_once_subscription_is_not_counted_don
     def quick(ctx: JobContext, payload: dict[str, Any]) -> None:
         runs.append(ctx.message_id)
 
-    pubsub.publish("t.quick", {}, job_id="quick-1")
-    pubsub.publish("t.stubborn", {}, job_id="stubborn-1")
+    pubsub_resources.publish("t.quick", {}, job_id="quick-1")
+    pubsub_resources.publish("t.stubborn", {}, job_id="stubborn-1")
     # When a worker runs them with room for the redelivered copy
-    with pubsub.worker(jobs, max_outstanding=2, lease_extension=10, min_backoff=1) as worker:
+    with pubsub_resources.worker(
+        jobs, max_outstanding=2, lease_extension=10, min_backoff=1
+    ) as worker:
         stats = worker.processor.stats
         assert wait_for(lambda: stats["ack_failed"] == 1, timeout=60), dict(stats)
         # Then the copy was deferred while the first run held the claim, and acked after it

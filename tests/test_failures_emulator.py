@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 
 
 @dataclass
@@ -21,9 +22,11 @@ class _Typed:
     size: int
 
 
-def test_each_poison_case_yields_one_failure_record_on_first_delivery(pubsub: PubSubEnv) -> None:
+def test_each_poison_case_yields_one_failure_record_on_first_delivery(
+    pubsub_resources: PubSubResources,
+) -> None:
     # Given a subscription with both poison messages and good jobs
-    pubsub.provision()
+    pubsub_resources.provision()
     jobs, done = Registry(), []
 
     @jobs.job("t.ok")
@@ -48,12 +51,12 @@ def test_each_poison_case_yields_one_failure_record_on_first_delivery(pubsub: Pu
         c.ERR_PERMANENT: (b"{}", {"job": "t.permanent", "job_id": "p7"}),
     }
     for i in range(10):
-        pubsub.publish("t.ok", {}, job_id=f"good-{i}")
+        pubsub_resources.publish("t.ok", {}, job_id=f"good-{i}")
     for data, attributes in poison.values():
-        pubsub.publish_raw(data, attributes)
+        pubsub_resources.publish_raw(data, attributes)
     # When a worker runs them
-    with pubsub.worker(jobs, max_payload_bytes=2048) as worker:
-        records = pubsub.dead_letters(expected=len(poison), timeout=30)
+    with pubsub_resources.worker(jobs, max_payload_bytes=2048) as worker:
+        records = pubsub_resources.dead_letters(expected=len(poison), timeout=30)
         assert wait_for(lambda: len(done) == 10, timeout=30)
         stats = dict(worker.processor.stats)
     # Then each poison case has exactly one record with its error type, from delivery 1
@@ -63,8 +66,8 @@ def test_each_poison_case_yields_one_failure_record_on_first_delivery(pubsub: Pu
         record = by_type[error_type]
         assert record.data == data
         assert record.attributes[c.ATTR_DELIVERY_ATTEMPT] == "1"
-        assert record.attributes[c.ATTR_SOURCE_SUBSCRIPTION] == pubsub.subscription_path
-        assert record.attributes[c.ATTR_SOURCE_TOPIC] == pubsub.topic_path
+        assert record.attributes[c.ATTR_SOURCE_SUBSCRIPTION] == pubsub_resources.subscription_path
+        assert record.attributes[c.ATTR_SOURCE_TOPIC] == pubsub_resources.topic_path
         assert record.attributes[c.ATTR_JOB_ID] == attributes["job_id"]
         for key in (c.ATTR_ERROR_MESSAGE, c.ATTR_WORKER, c.ATTR_FAILED_AT):
             assert record.attributes[key]
@@ -78,10 +81,10 @@ def test_each_poison_case_yields_one_failure_record_on_first_delivery(pubsub: Pu
 
 @pytest.mark.parametrize("retry_policy", [True, False], ids=["retry-policy", "no-retry-policy"])
 def test_retryable_failure_backs_off_then_dead_letters(
-    pubsub: PubSubEnv, retry_policy: bool
+    pubsub_resources: PubSubResources, retry_policy: bool
 ) -> None:
     # Given a job that always raises RetryableError, max_attempts=4, backoff from 1 s
-    pubsub.provision(retry_policy=retry_policy)
+    pubsub_resources.provision(retry_policy=retry_policy)
     jobs, seen = Registry(), []
     lock = threading.Lock()
 
@@ -93,9 +96,9 @@ def test_retryable_failure_backs_off_then_dead_letters(
 
     # Six at once, since a batch is what the emulator mishandled with a retry policy
     for i in range(6):
-        pubsub.publish("t.flaky", {}, job_id=f"flaky-{i}")
-    with pubsub.worker(jobs, max_outstanding=6, min_backoff=1.0, max_backoff=8.0):
-        records = pubsub.dead_letters(expected=6, timeout=60)
+        pubsub_resources.publish("t.flaky", {}, job_id=f"flaky-{i}")
+    with pubsub_resources.worker(jobs, max_outstanding=6, min_backoff=1.0, max_backoff=8.0):
+        records = pubsub_resources.dead_letters(expected=6, timeout=60)
     # Then each was delivered exactly 4 times, with growing gaps, then dead-lettered
     assert len(records) == 6
     assert {r.attributes[c.ATTR_ERROR_TYPE] for r in records} == {c.ERR_ATTEMPTS_EXHAUSTED}

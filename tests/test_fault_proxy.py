@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from tests.faults import FaultProxy, Mode
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -203,10 +204,10 @@ def test_close_joins_within_a_second_with_connections_open_and_stalled(echo: str
 
 
 def test_a_worker_survives_a_stall_then_a_cut_and_runs_every_job_once(
-    pubsub: PubSubEnv, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a worker pulling through the proxy, and 40 jobs of 0.1 s
-    pubsub.provision()
+    pubsub_resources.provision()
     jobs, runs, lock = Registry(), Counter[str](), threading.Lock()
 
     @jobs.job("t.work")
@@ -216,10 +217,10 @@ def test_a_worker_survives_a_stall_then_a_cut_and_runs_every_job_once(
             runs[ctx.job_id] += 1
 
     expected = {f"job-{i}": 1 for i in range(40)}
-    with FaultProxy(pubsub.host) as proxy:
+    with FaultProxy(pubsub_resources.host) as proxy:
         monkeypatch.setenv("PUBSUB_EMULATOR_HOST", proxy.address)
-        with pubsub.worker(jobs, max_outstanding=4) as worker:
-            pubsub.publish_many("t.work", [(job_id, {}) for job_id in expected])
+        with pubsub_resources.worker(jobs, max_outstanding=4) as worker:
+            pubsub_resources.publish_many("t.work", [(job_id, {}) for job_id in expected])
             assert wait_for(lambda: sum(runs.values()) >= 8, timeout=30), runs
             # When the proxy stalls for 3 s, then cuts every connection
             proxy.stall()

@@ -8,16 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support import (
-    PubSubEnv,
-    http_get,
-    ledger_events,
-    spawn_worker,
-    wait_for,
-    worker_processes,
-)
+from tests.support import http_get, ledger_events, spawn_worker, wait_for, worker_processes
 from workerpool import constants as c
 from workerpool.testing.emulator import free_port
+from workerpool.testing.pubsub import PubSubResources
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -35,11 +29,11 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
 
 
 def test_console_exporter_prints_job_spans_and_logs_are_json(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given a worker process with OTEL_TRACES_EXPORTER=console and debug logs, its stderr not
     # a terminal
-    pubsub.provision()
+    pubsub_resources.provision()
     ledger = tmp_path / "ledger.jsonl"
     with worker_processes() as workers:
         environment = {
@@ -47,11 +41,13 @@ def test_console_exporter_prints_job_spans_and_logs_are_json(
             "OTEL_SERVICE_NAME": "w1",
             "WORKERPOOL_LOG_LEVEL": "debug",
         }
-        worker = spawn_worker(pubsub, ledger, extra_env=environment)
+        worker = spawn_worker(pubsub_resources, ledger, extra_env=environment)
         workers.append(worker)
         # When it runs a job published with a trace context, and one whose payload is private
-        pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="traced-1", traceparent=TRACEPARENT)
-        pubsub.publish("demo.echo", {"note": "PRIVATE-VALUE"}, job_id="echo-1")
+        pubsub_resources.publish(
+            "demo.sleep", {"seconds": 0.1}, job_id="traced-1", traceparent=TRACEPARENT
+        )
+        pubsub_resources.publish("demo.echo", {"note": "PRIVATE-VALUE"}, job_id="echo-1")
         assert wait_for(lambda: len(ledger_events(ledger, "done")) == 1, timeout=30)
         assert wait_for(lambda: "job demo.echo done" in worker.output(), timeout=30)
         worker.signal(signal.SIGTERM)
@@ -74,31 +70,31 @@ def test_console_exporter_prints_job_spans_and_logs_are_json(
         "job": "demo.sleep", "job_id": "traced-1", "attempt": 1, "outcome": "done",
     }  # fmt: skip
     assert end["duration"] >= 0.1 and end["message_id"] == start["message_id"]
-    trace_field = f"projects/{pubsub.project}/traces/{TRACE_ID}"
+    trace_field = f"projects/{pubsub_resources.project}/traces/{TRACE_ID}"
     assert start[c.LOG_TRACE] == trace_field and end[c.LOG_TRACE] == trace_field
     # ... and the payload is in no log line
     assert "PRIVATE-VALUE" not in output
 
 
 def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given a worker with --metrics-port that has finished one job and runs a long one
-    pubsub.provision(ack_deadline=60)
+    pubsub_resources.provision(ack_deadline=60)
     ledger = tmp_path / "ledger.jsonl"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with worker_processes() as workers:
         worker = spawn_worker(
-            pubsub, ledger, "--metrics-port", str(port), "--drain-timeout", "4",
+            pubsub_resources, ledger, "--metrics-port", str(port), "--drain-timeout", "4",
             "--max-outstanding", "2",
         )  # fmt: skip
         workers.append(worker)
         assert wait_for(lambda: http_get(base + "/healthz")[0] == 200, timeout=30), worker.output()
         assert http_get(base + "/readyz") == (200, "ready\n")  # started, so ready
-        pubsub.publish("demo.sleep", {"seconds": 0.1}, job_id="quick-1")
+        pubsub_resources.publish("demo.sleep", {"seconds": 0.1}, job_id="quick-1")
         assert wait_for(lambda: len(ledger_events(ledger, "done")) == 1, timeout=30)
-        pubsub.publish("demo.sleep", {"seconds": 60}, job_id="long-1")
+        pubsub_resources.publish("demo.sleep", {"seconds": 60}, job_id="long-1")
         assert wait_for(lambda: len(ledger_events(ledger, "start")) == 2, timeout=30)
 
         # When /metrics is scraped
@@ -108,8 +104,8 @@ def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
         lines = text.splitlines()
         assert 'workerpool_jobs_finished_total{job="demo.sleep",outcome="done"} 1' in lines, text
         assert 'workerpool_jobs_started_total{job="demo.sleep"} 2' in lines
-        assert f'workerpool_pool_in_flight{{pool="{pubsub.subscription}"}} 1' in lines
-        assert f'workerpool_pool_limit{{pool="{pubsub.subscription}"}} 2' in lines
+        assert f'workerpool_pool_in_flight{{pool="{pubsub_resources.subscription}"}} 1' in lines
+        assert f'workerpool_pool_limit{{pool="{pubsub_resources.subscription}"}} 2' in lines
         assert "# TYPE workerpool_job_duration_seconds histogram" in lines
 
         # When it gets SIGTERM while the long job runs (the drain lasts its 4 s timeout)

@@ -23,8 +23,9 @@ from google.api_core import exceptions as gexc
 
 from tests import hostile
 from tests.hostile import RUN, Case, Target, TypedJob
-from tests.support import PubSubEnv, read_ledger, spawn_worker, wait_for, worker_processes
+from tests.support import read_ledger, spawn_worker, wait_for, worker_processes
 from workerpool import constants as c
+from workerpool.testing.pubsub import PubSubResources
 
 pytestmark = pytest.mark.emulator
 
@@ -162,7 +163,7 @@ class RssSampler:
         return window[len(window) // 2]
 
 
-def pull_records(env: PubSubEnv, records: list[Any]) -> int:
+def pull_records(env: PubSubResources, records: list[Any]) -> int:
     """Pull and ack what the dead-letter subscription has now (small batches: some records
     carry a ~1 MB message); return how many came."""
     try:
@@ -185,7 +186,7 @@ def pull_records(env: PubSubEnv, records: list[Any]) -> int:
     return len(received)
 
 
-def publish_all(env: PubSubEnv, cases: list[Case]) -> dict[str, int]:
+def publish_all(env: PubSubResources, cases: list[Case]) -> dict[str, int]:
     """Publish every case with its index in the ``case`` attribute; message id -> index."""
     message_ids: dict[str, int] = {}
     for start in range(0, len(cases), 1000):
@@ -199,19 +200,19 @@ def publish_all(env: PubSubEnv, cases: list[Case]) -> dict[str, int]:
 
 
 def test_ten_thousand_hostile_messages_through_one_worker(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given one real worker (32 slots, max_payload_bytes 1 MB) and 10,000 messages: 6,000
     # plain valid jobs, 4,000 from the hostile grammar (about a third of them valid too)
     cases = workload()
     runs = [i for i, case in enumerate(cases) if case.expected == RUN]
     failures = {i: case.expected for i, case in enumerate(cases) if case.expected != RUN}
-    pubsub.provision(ack_deadline=60)
+    pubsub_resources.provision(ack_deadline=60)
     ledger = tmp_path / "ledger.jsonl"
     began = time.monotonic()
     with worker_processes() as workers:
         worker = spawn_worker(
-            pubsub, ledger, "--max-outstanding", "32", starts=False,
+            pubsub_resources, ledger, "--max-outstanding", "32", starts=False,
             extra_env=WORKER_ENV,
         )  # fmt: skip
         workers.append(worker)
@@ -220,19 +221,19 @@ def test_ten_thousand_hostile_messages_through_one_worker(
         log = LogTail(worker.log)
 
         # When they are all published, and the worker is left to settle them
-        message_ids = publish_all(pubsub, cases)
+        message_ids = publish_all(pubsub_resources, cases)
         published = time.monotonic()
         records: list[dict[str, str]] = []
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and worker.alive():
-            pulled = pull_records(pubsub, records)
+            pulled = pull_records(pubsub_resources, records)
             log.read()
             rss.settled = len(log.ends)
             if len(log.ends) >= TOTAL and len(records) >= len(failures) and not pulled:
                 break
         settled_at = time.monotonic()
         time.sleep(2)  # anything more (a duplicate record, a second run) would show by now
-        while pull_records(pubsub, records):
+        while pull_records(pubsub_resources, records):
             pass
         log.read()
         rss.stop()

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 import requests
+from workerpool_jobs.http_delivery import HttpConfig, _check_destination, _classify
 
-from jobs.http_delivery import HttpConfig, _check_destination, _classify
 from workerpool import PermanentError, RetryableError
 from workerpool.errors import RateLimitedError
 

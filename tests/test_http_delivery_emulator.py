@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import PubSubEnv, spawn_worker, wait_for, worker_processes
+from tests.support import spawn_worker, wait_for, worker_processes
+from workerpool.testing.pubsub import PubSubResources
 
 
 @dataclass
@@ -41,14 +42,16 @@ def upstream() -> Iterator[Upstream]:
 
 
 def _run_worker(
-    pubsub: PubSubEnv, tmp_path: Path, upstream: Upstream, config: str
+    pubsub_resources: PubSubResources, tmp_path: Path, upstream: Upstream, config: str
 ) -> tuple[int, int]:
     """300 deliveries through a real `workerpool run` process with 50 slots, in a process of
     its own as in production (this test process has run many others); returns how many were
     dead-lettered and the worker's exit code."""
-    pubsub.provision(retry_policy=False)
+    pubsub_resources.provision(retry_policy=False)
     url = f"http://127.0.0.1:{upstream.port}/menus"
-    pubsub.publish_many("http.delivery", [(f"menu-{i}", {"url": url}) for i in range(300)])
+    pubsub_resources.publish_many(
+        "http.delivery", [(f"menu-{i}", {"url": url}) for i in range(300)]
+    )
     config_file = tmp_path / "workerpool.toml"
     config_file.write_text(
         "[worker]\nmax_outstanding = 50\nmax_backoff = 2\n"
@@ -58,13 +61,17 @@ def _run_worker(
     dead_lettered = 0
     with worker_processes() as workers:
         worker = spawn_worker(
-            pubsub, tmp_path / "ledger.jsonl", "--config", str(config_file), store="memory://"
+            pubsub_resources,
+            tmp_path / "ledger.jsonl",
+            "--config",
+            str(config_file),
+            store="memory://",
         )
         workers.append(worker)
         deadline = time.monotonic() + 120
         while len(upstream.stats()[0]) + dead_lettered < 300 and time.monotonic() < deadline:
             if not wait_for(lambda: len(upstream.stats()[0]) == 300, timeout=2, interval=0.5):
-                dead_lettered += len(pubsub.dead_letters(expected=1, timeout=1))
+                dead_lettered += len(pubsub_resources.dead_letters(expected=1, timeout=1))
         worker.signal(signal.SIGTERM)
         code = worker.process.wait(30)
     assert len(upstream.stats()[0]) + dead_lettered == 300, worker.output()[-2000:]
@@ -72,10 +79,10 @@ def _run_worker(
 
 
 def test_fifty_slots_without_a_limiter_hit_the_upstream_limit(
-    pubsub: PubSubEnv, upstream: Upstream, tmp_path: Path
+    pubsub_resources: PubSubResources, upstream: Upstream, tmp_path: Path
 ) -> None:
     # Given 300 deliveries and 50 slots, no rate limit declared
-    dead_lettered, code = _run_worker(pubsub, tmp_path, upstream, "")
+    dead_lettered, code = _run_worker(pubsub_resources, tmp_path, upstream, "")
     # Then the upstream refused many requests; retried jobs got through or ran out of attempts
     _, refused = upstream.stats()
     print(f"no limiter: {refused} responses 429, {dead_lettered} out of attempts")
@@ -84,11 +91,11 @@ def test_fifty_slots_without_a_limiter_hit_the_upstream_limit(
 
 
 def test_declared_rate_gets_zero_429s_and_takes_rate_time(
-    pubsub: PubSubEnv, upstream: Upstream, tmp_path: Path
+    pubsub_resources: PubSubResources, upstream: Upstream, tmp_path: Path
 ) -> None:
     # Given the same 300 deliveries and 50 slots, with partner = 20/s (burst 1) declared
     limiter = 'limiters = {"127.0.0.1" = "partner"}\n[rate_limits]\npartner = "20/s:1"\n'
-    dead_lettered, code = _run_worker(pubsub, tmp_path, upstream, limiter)
+    dead_lettered, code = _run_worker(pubsub_resources, tmp_path, upstream, limiter)
     # Then no 429 at all, and the run takes 300 / 20 s within 10%
     ok, refused = upstream.stats()
     span = ok[-1] - ok[0]

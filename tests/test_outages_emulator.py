@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.idempotency import StoreUnavailable
 from workerpool.idempotency.firestore import FirestoreStore
 from workerpool.registry import Registry
 from workerpool.testing.emulator import LocalEmulator
+from workerpool.testing.pubsub import PubSubResources
 
 
 class RecordingStore(FirestoreStore):
@@ -46,10 +47,10 @@ class RecordingStore(FirestoreStore):
 
 
 def test_store_outage_neither_acks_unrecorded_jobs_nor_loses_any(
-    pubsub: PubSubEnv, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a worker whose idempotency store is a Firestore emulator, and 60 jobs of 0.3 s
-    pubsub.provision(retry_policy=False)
+    pubsub_resources.provision(retry_policy=False)
     firestore = LocalEmulator("firestore", project="outage").start()
     monkeypatch.setenv(firestore.env_var, firestore.host)
     store = RecordingStore("outage", "claims", timeout=2.0)
@@ -60,9 +61,9 @@ def test_store_outage_neither_acks_unrecorded_jobs_nor_loses_any(
         time.sleep(0.3)
         runs.append(ctx.job_id)
 
-    pubsub.publish_many("t.work", [(f"job-{i}", {}) for i in range(60)])
+    pubsub_resources.publish_many("t.work", [(f"job-{i}", {}) for i in range(60)])
     try:
-        with pubsub.worker(
+        with pubsub_resources.worker(
             jobs, store=store, max_outstanding=4, max_backoff=4.0, claim_ttl=10.0
         ) as worker:
             assert wait_for(lambda: len(runs) >= 8, timeout=30)
@@ -86,12 +87,14 @@ def test_store_outage_neither_acks_unrecorded_jobs_nor_loses_any(
 
 
 def test_worker_resumes_after_the_pubsub_emulator_restarts(
-    pubsub: PubSubEnv, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    pubsub_resources: PubSubResources,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Given a worker on an emulator of its own
-    emulator = LocalEmulator("pubsub", project=pubsub.project).start()
+    emulator = LocalEmulator("pubsub", project=pubsub_resources.project).start()
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", emulator.host)
-    env = PubSubEnv(pubsub.project, emulator.host, "restart")
+    env = PubSubResources(pubsub_resources.project, emulator.host)
     jobs, runs = Registry(), []
     jobs.job("t.quick")(lambda ctx, payload: runs.append(ctx.job_id))
     try:

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 from workerpool.worker.launcher import Launcher, Phase
 from workerpool.worker.pool import DrainReport
 
@@ -48,9 +49,11 @@ def peak_from_intervals(intervals: list[tuple[float, float]]) -> int:
 
 
 @pytest.mark.parametrize("n", [1, 8])
-def test_running_handlers_never_exceed_and_reach_n(pubsub: PubSubEnv, n: int) -> None:
+def test_running_handlers_never_exceed_and_reach_n(
+    pubsub_resources: PubSubResources, n: int
+) -> None:
     # Given a backlog of 10 x N short jobs
-    pubsub.provision()
+    pubsub_resources.provision()
     jobs, tracker = Registry(), Tracker()
 
     @jobs.job("t.short")
@@ -58,9 +61,9 @@ def test_running_handlers_never_exceed_and_reach_n(pubsub: PubSubEnv, n: int) ->
         tracker.run(ctx, 0.05)
 
     total = 10 * n
-    pubsub.publish_many("t.short", [(f"job-{i}", {}) for i in range(total)])
+    pubsub_resources.publish_many("t.short", [(f"job-{i}", {}) for i in range(total)])
     # When a worker with max_outstanding=N drains it
-    with pubsub.worker(jobs, max_outstanding=n) as worker:
+    with pubsub_resources.worker(jobs, max_outstanding=n) as worker:
         assert wait_for(lambda: len(tracker.done) >= total, timeout=60)
         held_peak = worker.pool.limits.max_held
     # Then the peak of simultaneous handlers is exactly N, by counter and by timestamps
@@ -71,13 +74,13 @@ def test_running_handlers_never_exceed_and_reach_n(pubsub: PubSubEnv, n: int) ->
 
 
 def test_a_launcher_stopped_twice_closes_everything_it_opened_once(
-    pubsub: PubSubEnv, tmp_path: Path
+    pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given a started launcher with the SQLite store (its threads: slots, pull loop, acks,
     # leases, timers, claims)
-    pubsub.provision()
+    pubsub_resources.provision()
     before = {t.name for t in threading.enumerate()}
-    settings = pubsub.settings(idempotency_store=f"sqlite:///{tmp_path / 'claims.db'}")
+    settings = pubsub_resources.settings(idempotency_store=f"sqlite:///{tmp_path / 'claims.db'}")
     launcher = Launcher(settings, jobs=Registry()).start()
     assert launcher.phase is Phase.RUNNING
     assert {t.name for t in threading.enumerate()} - before

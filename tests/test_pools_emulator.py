@@ -8,16 +8,22 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.config import Settings
 from workerpool.registry import Registry
+from workerpool.testing.pubsub import PubSubResources
 from workerpool.worker.launcher import Fleet
 
 
-def test_a_flood_on_one_subscription_does_not_delay_the_other(pubsub: PubSubEnv) -> None:
+def test_a_flood_on_one_subscription_does_not_delay_the_other(
+    pubsub_resources: PubSubResources,
+) -> None:
     # Given two subscriptions, heavy (bound 2) flooded with 200 jobs, light (bound 4)
-    heavy, light = pubsub, PubSubEnv(pubsub.project, pubsub.host, "light")
+    heavy, light = (
+        pubsub_resources,
+        PubSubResources(pubsub_resources.project, pubsub_resources.host),
+    )
     heavy.provision()
     light.provision()
     jobs, lock = Registry(), threading.Lock()
@@ -44,7 +50,7 @@ def test_a_flood_on_one_subscription_does_not_delay_the_other(pubsub: PubSubEnv)
 
     heavy.publish_many("t.heavy", [(f"h-{i}", {}) for i in range(200)])
     settings = Settings(
-        project=pubsub.project,
+        project=pubsub_resources.project,
         idempotency_store="memory://",
         pools=(
             {"subscription": heavy.subscription, "max_outstanding": 2},

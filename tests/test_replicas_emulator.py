@@ -6,17 +6,24 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-from tests.support import PubSubEnv, read_ledger, spawn_worker, wait_for, worker_processes
+from tests.support import read_ledger, spawn_worker, wait_for, worker_processes
+from workerpool.testing.pubsub import PubSubResources
 
 
-def test_two_workers_share_a_backlog_without_hoarding(pubsub: PubSubEnv, tmp_path: Path) -> None:
+def test_two_workers_share_a_backlog_without_hoarding(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
     # Given 40 one-second jobs and two worker processes with max_outstanding=2 each
-    pubsub.provision()
+    pubsub_resources.provision()
     ledger = tmp_path / "ledger.jsonl"
     with worker_processes() as workers:
         for _ in range(2):
-            workers.append(spawn_worker(pubsub, ledger, "--max-outstanding", "2", starts=False))
-        pubsub.publish_many("demo.sleep", [(f"job-{i}", {"seconds": 1.0}) for i in range(40)])
+            workers.append(
+                spawn_worker(pubsub_resources, ledger, "--max-outstanding", "2", starts=False)
+            )
+        pubsub_resources.publish_many(
+            "demo.sleep", [(f"job-{i}", {"seconds": 1.0}) for i in range(40)]
+        )
         # When they run until the backlog is done
         assert wait_for(lambda: len(read_ledger(ledger)) >= 40, timeout=90)
         for worker in workers:

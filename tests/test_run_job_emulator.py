@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.support import PubSubEnv, wait_for
+from tests.support import wait_for
 from workerpool import AsyncJobContext, Defer, JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.constants import Label
 from workerpool.registry import Registry
 from workerpool.testing import run_job
+from workerpool.testing.pubsub import PubSubResources
 
 
 @dataclass
@@ -95,17 +96,17 @@ def _body(payload: Any) -> bytes:
     ids=[f"{job}-{label}" + (f"-{e}" if e else "") for job, _, label, e in ROWS],
 )
 def test_run_job_says_what_a_real_worker_does(
-    pubsub: PubSubEnv, job: str, payload: Any, label: Label, error_type: str | None
+    pubsub_resources: PubSubResources, job: str, payload: Any, label: Label, error_type: str | None
 ) -> None:
     # Given a job, When run_job runs it (the drain deadline 0.3 s in, for the long one)
     cancel_after = 0.3 if job == "kit.long" else None
     predicted = run_job(job, data=_body(payload), jobs=JOBS, cancel_after=cancel_after)
     # and a worker on the emulator gets the same message (drained 0.3 s in, for the long one)
-    pubsub.provision()
+    pubsub_resources.provision()
     STARTED.clear()
-    pubsub.publish_raw(_body(payload), {"job": job, "job_id": "row-1"})
+    pubsub_resources.publish_raw(_body(payload), {"job": job, "job_id": "row-1"})
     # (retries 10 s apart: a retried message must not run again before the worker stops)
-    with pubsub.worker(
+    with pubsub_resources.worker(
         JOBS, max_outstanding=1, drain_timeout=0.3, min_backoff=10.0, max_backoff=20.0
     ) as worker:
         if job == "kit.long":
@@ -113,7 +114,7 @@ def test_run_job_says_what_a_real_worker_does(
         else:
             assert wait_for(lambda: sum(worker.processor.stats.values()) >= 1, timeout=30)
     stats = dict(worker.processor.stats)
-    records = pubsub.dead_letters(expected=1, timeout=5) if error_type else []
+    records = pubsub_resources.dead_letters(expected=1, timeout=5) if error_type else []
     # Then both took the same way out, with the same failure record
     assert (predicted.label, predicted.error_type) == (label, error_type)
     # (a message given back comes back soon: a second copy pulled as the worker drained is

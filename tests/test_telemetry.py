@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import workerpool
-from tests.support import PubSubEnv, http_get, wait_for
+from tests.support import http_get, wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.cli import main
@@ -44,6 +44,7 @@ from workerpool.telemetry.logs import (
 )
 from workerpool.telemetry.prometheus import metric_name
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.testing.pubsub import PubSubResources
 from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.processor import Processor
@@ -78,10 +79,10 @@ def _points(data: MetricsData | None, name: str) -> dict[tuple[tuple[str, Any], 
 # --- traces ----------------------------------------------------------------------------------
 
 
-def test_job_spans_are_children_of_the_publishers_span(pubsub: PubSubEnv) -> None:
+def test_job_spans_are_children_of_the_publishers_span(pubsub_resources: PubSubResources) -> None:
     # Given jobs published with workerpool.publish inside a publisher's span: one that
     # succeeds, one that fails permanently, one that raises an unexpected exception
-    pubsub.provision()
+    pubsub_resources.provision()
     spans, _, telemetry = _in_memory()
     jobs = Registry()
 
@@ -99,15 +100,25 @@ def test_job_spans_are_children_of_the_publishers_span(pubsub: PubSubEnv) -> Non
 
     publisher_tracer = TracerProvider().get_tracer("publisher")
     with publisher_tracer.start_as_current_span("upload") as parent:
-        workerpool.publish(pubsub.topic, "t.ok", {"n": 1}, job_id="ok-1", project=pubsub.project)
+        workerpool.publish(
+            pubsub_resources.topic,
+            "t.ok",
+            {"n": 1},
+            job_id="ok-1",
+            project=pubsub_resources.project,
+        )
         for name in ("t.broken", "t.crash"):
             workerpool.publish(
-                pubsub.topic_path, name, {}, job_id=f"{name}-1", publisher=pubsub.publisher
+                pubsub_resources.topic_path,
+                name,
+                {},
+                job_id=f"{name}-1",
+                publisher=pubsub_resources.publisher,
             )
-    pubsub.publish("t.ok", {}, job_id="untraced-1")  # no trace context: a root span
+    pubsub_resources.publish("t.ok", {}, job_id="untraced-1")  # no trace context: a root span
 
     # When a worker runs them
-    with pubsub.worker(jobs, telemetry=telemetry) as worker:
+    with pubsub_resources.worker(jobs, telemetry=telemetry) as worker:
         assert wait_for(lambda: sum(worker.processor.stats.values()) == 4, timeout=30)
 
     # Then each run has one span named after its job, in the publisher's trace, its child
@@ -123,7 +134,7 @@ def test_job_spans_are_children_of_the_publishers_span(pubsub: PubSubEnv) -> Non
         assert span.kind is SpanKind.CONSUMER
         assert span.attributes is not None
         assert span.attributes[c.SPAN_MESSAGING_SYSTEM] == "gcp_pubsub"
-        assert span.attributes[c.SPAN_MESSAGING_DESTINATION] == pubsub.subscription_path
+        assert span.attributes[c.SPAN_MESSAGING_DESTINATION] == pubsub_resources.subscription_path
         assert span.attributes[c.SPAN_MESSAGING_MESSAGE_ID]
         assert span.attributes[c.SPAN_DELIVERY_ATTEMPT] == 1
     ok_span = by_job["ok-1"]
@@ -167,9 +178,9 @@ def test_publishing_injects_the_current_trace_context_and_keeps_a_given_one() ->
 # --- metrics ---------------------------------------------------------------------------------
 
 
-def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub: PubSubEnv) -> None:
+def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub_resources: PubSubResources) -> None:
     # Given 20 jobs: 12 that succeed, 4 that fail once then succeed, 4 that fail permanently
-    pubsub.provision()
+    pubsub_resources.provision()
     _, reader, telemetry = _in_memory()
     jobs = Registry()
 
@@ -186,12 +197,12 @@ def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub: PubSubEnv) -> No
     def broken(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise PermanentError("never")
 
-    pubsub.publish_many("t.ok", [(f"ok-{i}", {}) for i in range(12)])
-    pubsub.publish_many("t.flaky", [(f"flaky-{i}", {}) for i in range(4)])
-    pubsub.publish_many("t.broken", [(f"broken-{i}", {}) for i in range(4)])
+    pubsub_resources.publish_many("t.ok", [(f"ok-{i}", {}) for i in range(12)])
+    pubsub_resources.publish_many("t.flaky", [(f"flaky-{i}", {}) for i in range(4)])
+    pubsub_resources.publish_many("t.broken", [(f"broken-{i}", {}) for i in range(4)])
 
     # When a pool of 4 runs them all
-    with pubsub.worker(jobs, max_outstanding=4, telemetry=telemetry) as worker:
+    with pubsub_resources.worker(jobs, max_outstanding=4, telemetry=telemetry) as worker:
         stats = worker.processor.stats
         assert wait_for(lambda: stats["done"] + stats["dead_lettered"] == 20, timeout=60)
         gauges = reader.get_metrics_data()
@@ -220,7 +231,7 @@ def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub: PubSubEnv) -> No
     assert _points(data, c.METRIC_JOB_DURATION) == finished
     assert sum(_points(data, c.METRIC_QUEUE_LATENCY).values()) == 24
     # ... the pool's in-flight gauge and its limit, and one drain
-    pool = (("pool", pubsub.subscription),)
+    pool = (("pool", pubsub_resources.subscription),)
     assert 0 <= _points(gauges, c.METRIC_IN_FLIGHT)[pool] <= 4
     assert _points(gauges, c.METRIC_POOL_LIMIT) == {pool: 4}
     assert _points(data, c.METRIC_DRAIN_DURATION) == {pool: 1}
@@ -464,10 +475,10 @@ def test_a_bad_log_call_never_raises_and_other_handlers_see_the_record_as_logged
 
 
 def test_job_log_lines_carry_the_run_and_never_the_payload(
-    pubsub: PubSubEnv, caplog: pytest.LogCaptureFixture
+    pubsub_resources: PubSubResources, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given a job whose payload holds something private
-    pubsub.provision()
+    pubsub_resources.provision()
     _, _, telemetry = _in_memory()
     jobs = Registry()
 
@@ -475,9 +486,12 @@ def test_job_log_lines_carry_the_run_and_never_the_payload(
     def private(ctx: JobContext, payload: dict[str, Any]) -> None:
         ctx.logger.info("handled")
 
-    pubsub.publish("t.private", {"email": "someone@example.com"}, job_id="p-1")
+    pubsub_resources.publish("t.private", {"email": "someone@example.com"}, job_id="p-1")
     # When it runs
-    with caplog.at_level(logging.DEBUG), pubsub.worker(jobs, telemetry=telemetry) as worker:
+    with (
+        caplog.at_level(logging.DEBUG),
+        pubsub_resources.worker(jobs, telemetry=telemetry) as worker,
+    ):
         assert wait_for(lambda: worker.processor.stats["done"] == 1, timeout=30)
     # Then one start line (debug) and one end line (info) carry the run's fields, and the
     # payload is nowhere
@@ -497,21 +511,29 @@ def test_job_log_lines_carry_the_run_and_never_the_payload(
 
 
 def test_cli_publish_passes_the_trace_context_on(
-    pubsub: PubSubEnv, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a traced script's context in TRACEPARENT
-    pubsub.provision()
+    pubsub_resources.provision()
     given = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     monkeypatch.setenv("TRACEPARENT", given)
-    publish = ["publish", "--project", pubsub.project, "--topic", pubsub.topic, "--job", "t.x"]
+    publish = [
+        "publish",
+        "--project",
+        pubsub_resources.project,
+        "--topic",
+        pubsub_resources.topic,
+        "--job",
+        "t.x",
+    ]
     runner = CliRunner()
     # When jobs are published without a trace exporter, then with one
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     assert runner.invoke(main, [*publish, "--job-id", "plain", "--data", "{}"]).exit_code == 0
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     assert runner.invoke(main, [*publish, "--job-id", "spanned", "--data", "{}"]).exit_code == 0
-    received = pubsub.subscriber.pull(
-        request={"subscription": pubsub.subscription_path, "max_messages": 10}, timeout=10
+    received = pubsub_resources.subscriber.pull(
+        request={"subscription": pubsub_resources.subscription_path, "max_messages": 10}, timeout=10
     ).received_messages
     parents = {
         m.message.attributes["job_id"]: m.message.attributes["traceparent"] for m in received

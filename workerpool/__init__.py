@@ -1,9 +1,16 @@
-"""workerpool: run jobs from a Pub/Sub pull subscription as a bounded, well-behaved pool."""
+"""workerpool: run jobs from a Pub/Sub pull subscription as a bounded, well-behaved pool.
 
-from workerpool.context import AsyncJobContext, JobContext
-from workerpool.errors import ConfigError, Defer, PermanentError, RetryableError
+What a job needs (``job``, the contexts, the errors, ``publish``) and what a middleware needs
+(``Middleware``, the ``Run`` it wraps, the ``Settled`` it hears); the test kit is
+``workerpool.testing`` (``run_job``).
+"""
+
+from workerpool.context import AsyncJobContext, JobContext, RunContext
+from workerpool.errors import ConfigError, Defer, PermanentError, RateLimitedError, RetryableError
 from workerpool.publishing import publish_job as publish
 from workerpool.registry import JobSpec, job, registry
+from workerpool.worker.middleware import Middleware
+from workerpool.worker.run import Run, Settled
 
 __all__ = [
     "AsyncJobContext",
@@ -11,8 +18,13 @@ __all__ = [
     "Defer",
     "JobContext",
     "JobSpec",
+    "Middleware",
     "PermanentError",
+    "RateLimitedError",
     "RetryableError",
+    "Run",
+    "RunContext",
+    "Settled",
     "job",
     "publish",
     "registry",

@@ -14,12 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from google.cloud import bigquery
+try:
+    from google.cloud import bigquery
+except ImportError as missing:  # an extra: the core does not need it
+    raise ImportError(
+        "the BigQuery reverse-ETL job needs google-cloud-bigquery: "
+        "pip install 'workerpool[bigquery]'"
+    ) from missing
 
-from jobs.bigquery_reverse_etl.launch import Export, make_client
-from jobs.bigquery_reverse_etl.payload import JOB_NAME, ExportRequest, PluginConfig
-from jobs.bigquery_reverse_etl.statement import Query, build_query
 from workerpool import JobContext, job
+
+from .launch import Export, make_client
+from .payload import JOB_NAME, ExportRequest, PluginConfig
+from .statement import Query, build_query
 
 __all__ = ["JOB_NAME", "JOB_TIMEOUT", "ExportRequest", "Query", "reverse_etl", "run_export"]
 

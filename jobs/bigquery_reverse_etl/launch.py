@@ -32,9 +32,10 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import bigquery
 from google.cloud.bigquery.retry import DEFAULT_RETRY
 
-from jobs.bigquery_reverse_etl.payload import JOB_NAME, PluginConfig
-from jobs.bigquery_reverse_etl.statement import Query
 from workerpool import Defer, JobContext, PermanentError, RetryableError
+
+from .payload import JOB_NAME, PluginConfig
+from .statement import Query
 
 log = logging.getLogger(__name__)
 

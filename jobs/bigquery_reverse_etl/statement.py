@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from google.cloud import bigquery
 
-from jobs.bigquery_reverse_etl.payload import ExportRequest, Source, parse_table, validate
+from .payload import ExportRequest, Source, parse_table, validate
 
 # The name the query gives a CSV (or other file) source through table_definitions.
 TEMP_TABLE = "temp_source"

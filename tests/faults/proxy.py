@@ -1,6 +1,6 @@
 """A TCP proxy that stalls, drops or cuts connections on command (stdlib only).
 
-    with FaultProxy(emulator_host) as proxy:
+    with FaultProxy(pubsub_emulator) as proxy:
         monkeypatch.setenv("PUBSUB_EMULATOR_HOST", proxy.address)  # before the worker starts
         proxy.stall()    # connections stay open; nothing moves either way (a black hole)
         proxy.forward()  # bytes flow again, what was buffered first

@@ -12,8 +12,16 @@ from collections.abc import Iterator
 
 from workerpool.testing.emulator import LocalEmulator
 from workerpool.testing.jobs import JobResult, run_job
+from workerpool.testing.pubsub import PubSubResources, wait_settled
 
-__all__ = ["JobResult", "LocalEmulator", "pubsub_emulator", "run_job"]
+__all__ = [
+    "JobResult",
+    "LocalEmulator",
+    "PubSubResources",
+    "pubsub_emulator",
+    "run_job",
+    "wait_settled",
+]
 
 EMULATOR_IMAGE = "gcr.io/google.com/cloudsdktool/google-cloud-cli:emulators"
 
