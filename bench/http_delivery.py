@@ -93,7 +93,7 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _measure(variant: str, port: int, n: int, count: int) -> tuple[float, float]:
+def _measure(variant: str, port: int, n: int, count: int, loop: EventLoop) -> tuple[float, float]:
     """(deliveries per second, CPU seconds per 1,000) of ``count`` deliveries, N at a time."""
     importlib.import_module("workerpool_jobs.http_delivery")  # registers http.delivery
     spec = registry.get("http.delivery")
@@ -103,7 +103,6 @@ def _measure(variant: str, port: int, n: int, count: int) -> tuple[float, float]
         jobs.add(spec)
     else:
         jobs.job("http.delivery", payload=spec.payload, config=spec.config)(deliver_async)
-    loop = EventLoop()
     acks = FakeAcks()
     config = jobs.configs(
         {"http.delivery": {"allowed_hosts": ["127.0.0.1"], "allow_loopback": True}}
@@ -130,7 +129,6 @@ def _measure(variant: str, port: int, n: int, count: int) -> tuple[float, float]
     for slot in slots:
         slot.join()
     took, used = time.perf_counter() - began, _cpu() - cpu
-    loop.close(2.0)
     done = processor.stats.get("done", 0)
     if done != per_slot * n:
         raise RuntimeError(f"{variant}: {done} of {per_slot * n} delivered: {processor.stats}")
@@ -158,10 +156,13 @@ def main(argv: list[str]) -> None:
         [sys.executable, "-m", "bench.http_delivery", "--serve", str(args.port)],
         stdout=subprocess.PIPE,
     )
+    # One loop for every run, as a worker process has: the async client is bound to it.
+    loop = EventLoop()
     try:
         assert server.stdout is not None and server.stdout.readline() == b"serving\n"
-        _report(args, lambda variant, n: _measure(variant, args.port, n, args.count))
+        _report(args, lambda variant, n: _measure(variant, args.port, n, args.count, loop))
     finally:
+        loop.close(2.0)
         server.terminate()
         server.wait(10)
 

@@ -295,3 +295,26 @@ def test_a_closed_loop_refuses_runs_instead_of_leaving_them_waiting(loop: EventL
 
 def _context() -> AsyncJobContext:
     return AsyncJobContext("t.tick", "tick", "tick", 1, None, Flag())
+
+
+def test_the_pools_of_a_process_share_one_loop_until_the_last_lets_go() -> None:
+    # Given two pools taking the process's loop
+    first, second = EventLoop.shared(), EventLoop.shared()
+    assert first is second
+
+    async def where() -> int:
+        return id(asyncio.get_running_loop())
+
+    jobs_loop = first.run(lambda ctx, payload: where(), _context(), None)
+    # When one lets go, Then the other still runs on the same loop
+    first.release(1.0)
+    assert second.run(lambda ctx, payload: where(), _context(), None) == jobs_loop
+    # And when the last lets go, it is closed, and the next pool gets a new one
+    second.release(1.0)
+    with pytest.raises(RuntimeError, match="closed"):
+        second.run(lambda ctx, payload: where(), _context(), None)
+    third = EventLoop.shared()
+    try:
+        assert third is not first
+    finally:
+        third.release(1.0)

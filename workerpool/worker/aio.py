@@ -8,7 +8,9 @@ The task starts in a copy of the slot thread's context, so the run's span is cur
 the coroutine; setting ``ctx.cancelled`` cancels the task. A watchdog names the job whose
 handler holds the loop (``time.sleep`` in an ``async def``), since that stalls every other
 async run. The loop's thread starts with the first async run, so a worker without async jobs
-has none.
+has none. The pools of one process share one loop (``EventLoop.shared``), so an async client
+a job module keeps for the process (an ``httpx.AsyncClient``) is bound to the loop every
+async job runs on.
 """
 
 from __future__ import annotations
@@ -31,6 +33,32 @@ AsyncHandler = Callable[[RunContext, Any], Coroutine[Any, Any, Any]]
 
 
 class EventLoop:
+    _shared: EventLoop | None = None
+    _users = 0
+    _sharing = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> EventLoop:
+        """The process's loop, for one more user (a pool); ``release`` when done with it. The
+        last user's release closes it; the next user after that gets a new one."""
+        with cls._sharing:
+            if cls._shared is None:
+                cls._shared = cls()
+            cls._users += 1
+            return cls._shared
+
+    def release(self, timeout: float) -> None:
+        """One user of the shared loop is done; the last one closes it (within ``timeout``).
+        A loop that is not the shared one is simply closed."""
+        cls = type(self)
+        with cls._sharing:
+            if cls._shared is self:
+                cls._users -= 1
+                if cls._users > 0:
+                    return
+                cls._shared = None
+        self.close(timeout)
+
     def __init__(self, *, blocked_after: float = c.LOOP_BLOCKED_AFTER_SECONDS) -> None:
         self._blocked_after = blocked_after
         self._loop: asyncio.AbstractEventLoop | None = None

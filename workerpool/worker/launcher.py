@@ -181,7 +181,6 @@ class Launcher:
                 f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
             )
         timers = Timers()
-        loop = EventLoop()
         middleware = self._middleware(timers)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
@@ -195,6 +194,7 @@ class Launcher:
             source_topic=info.topic,
             worker=self.worker_id,
         )
+        loop = EventLoop.shared()  # last: nothing after it raises, so it is always released
         processor = Processor(
             self._jobs,
             acks,
@@ -343,7 +343,7 @@ class Launcher:
         steps: list[tuple[str, Callable[[], object]]] = [
             *((type(mw).__name__, _closer(mw, end)) for mw in parts.middleware),
             ("slots", lambda: parts.pool.join(end - 0.1)),
-            ("event loop", lambda: parts.loop.close(max(0.0, end - 0.1 - time.monotonic()))),
+            ("event loop", lambda: parts.loop.release(max(0.0, end - 0.1 - time.monotonic()))),
             ("timers", lambda: parts.timers.close(max(0.0, end - 0.1 - time.monotonic()))),
             ("clients", parts.clients.close),
         ]
