@@ -119,10 +119,9 @@ def test_an_async_job_past_its_timeout_gets_cancelled_error_and_is_retried(
 
     processor, acks, _ = build(jobs, loop, [TimeLimit(timers)])
     # When it runs
-    started = time.monotonic()
     processor.process(make_delivery(b"{}", {"job": "t.slow"}))
     # Then CancelledError reached the handler at its timeout, and the message is retried
-    assert seen == [True] and time.monotonic() - started < 5
+    assert seen == [True]
     assert processor.stats == {"retried": 1} and acks.acked == []
     [(_, delay)] = acks.modacked
     assert delay > 0  # a retry with backoff, not an immediate redelivery
@@ -271,9 +270,8 @@ def test_an_async_rate_limit_wait_gives_up_when_the_pool_drains(loop: EventLoop)
     processor, acks, _ = build(jobs, loop, limiters=limiters)
     threading.Timer(0.2, processor.draining.set).start()
     # When a run waits for a token and the pool drains, Then it is deferred at once
-    started = time.monotonic()
     processor.process(make_delivery(b"{}", {"job": "t.calls"}))
-    assert processor.stats == {"deferred": 1} and time.monotonic() - started < 5
+    assert processor.stats == {"deferred": 1}
     assert acks.modacked == [("ack-m-1", 0)]
 
 

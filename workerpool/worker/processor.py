@@ -320,9 +320,11 @@ class Processor:
         return self._hand_back_all([run], outcome) == 1
 
     def _hand_back_all(self, runs: Sequence[Run], outcome: Outcome) -> int:
+        # Take first, then cancel: a cancelled handler (an async one's task at once) may end
+        # and settle its own message before a take made after the cancel.
+        taken = [run for run in runs if run.delivery.take()]
         for run in runs:
             run.ctx.cancelled.set()
-        taken = [run for run in runs if run.delivery.take()]
         self._nack_now([(run.delivery, _Subject.of(run.job), run) for run in taken], outcome)
         for run in taken:
             for mw in self._middleware:
