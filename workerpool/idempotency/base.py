@@ -13,7 +13,11 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Final, Literal, TypeGuard, TypeVar
 
+from workerpool.stores import StoreError, StoreUnavailable
+
 DEFAULT_RETENTION: Final = 7 * 24 * 3600.0  # Pub/Sub's longest message retention
+
+__all__ = ["StoreError", "StoreUnavailable"]  # re-exported: where callers found them first
 
 T = TypeVar("T")
 
@@ -40,16 +44,6 @@ class HeldElsewhere:
 
 
 ClaimResult = Claimed | Done | HeldElsewhere
-
-
-class StoreError(Exception):
-    """The store could not do what was asked, and trying again soon will not help
-    (permission denied, a corrupt file, a bug). The caller neither runs nor acks. Every
-    failure of a store call is a ``StoreError``: nothing else escapes one."""
-
-
-class StoreUnavailable(StoreError):
-    """The backend could not be reached, was busy or timed out: try again later."""
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 from workerpool.idempotency.base import (
@@ -26,6 +24,7 @@ from workerpool.idempotency.base import (
     StoreUnavailable,
     T,
 )
+from workerpool.stores.sqlite import connect, translated
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -38,6 +37,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
 );
 CREATE INDEX IF NOT EXISTS idempotency_expire_at ON idempotency (expire_at);
 """
+_LABEL = "idempotency store"
 _PURGE_EVERY = 1000  # mutations between purges; the expire_at index keeps each purge cheap
 # One batch's upsert binds 6 values per record: stay under SQLite's historical limit of 999.
 _MAX_BATCH = 999 // 6
@@ -105,31 +105,14 @@ class SqliteStore(IdempotencyStore):
         busy_timeout: float = 5.0,
     ) -> None:
         super().__init__(retention=retention, clock=clock)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._queue: list[_Request] = []
         self._queue_lock = threading.Lock()  # guards _queue and _closed
         self._commit_lock = threading.Lock()  # held by the leader: it alone uses _conn
         self._closed = False
         self._since_purge = 0
-        with _translated():
-            # isolation_level=None: we issue BEGIN IMMEDIATE ourselves instead of the module's
-            # deferred BEGIN, which would take the write lock only at the first write and
-            # could then fail with "database is locked" mid-transaction.
-            self._conn = sqlite3.connect(
-                path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-            )
+        self._conn = connect(path, busy_timeout, _LABEL)
+        with translated(_LABEL):
             try:
-                if _enable_wal(self._conn, busy_timeout):
-                    # NORMAL syncs the WAL at checkpoints, not at every COMMIT (FULL): even
-                    # with group commit, FULL did 25-30% fewer claim+complete pairs/s at 100
-                    # threads, and 4x fewer next to a CPU-bound thread (the fsync hands it the
-                    # GIL). A commit still survives any process crash, SIGKILL included: it
-                    # is in the OS's cache. Only an OS crash or power loss can roll back the
-                    # last commits (never corrupt the file), and every worker on the host dies
-                    # with them. At worst a job completed just before then runs once more, as
-                    # any job that host was running may, or any of its messages that another
-                    # host's worker (another store) gets.
-                    self._conn.execute("PRAGMA synchronous=NORMAL")
                 self._conn.executescript(_SCHEMA)
                 self._purge()
             except BaseException:
@@ -192,7 +175,7 @@ class SqliteStore(IdempotencyStore):
                     raise StoreUnavailable("SQLite idempotency store: closed")
                 if self._queue:
                     return None
-            with _translated():
+            with translated(_LABEL):
                 result = call()
                 self._since_purge += 1
                 if self._since_purge >= _PURGE_EVERY:
@@ -428,30 +411,3 @@ class SqliteStore(IdempotencyStore):
 
 def _marks(count: int) -> str:
     return ", ".join(["?"] * count)
-
-
-@contextmanager
-def _translated() -> Iterator[None]:
-    # OperationalError is SQLite's class for environmental failures: locked/busy past the
-    # busy timeout, I/O errors, a file that cannot be opened: worth trying again later.
-    try:
-        yield
-    except sqlite3.OperationalError as exc:
-        raise StoreUnavailable(f"SQLite idempotency store: {exc}") from exc
-    except sqlite3.Error as exc:  # not a database, corrupt, read-only: not soon better
-        raise StoreError(f"SQLite idempotency store: {exc}") from exc
-
-
-def _enable_wal(conn: sqlite3.Connection, busy_timeout: float) -> bool:
-    """Switch to WAL, waiting out other processes doing the same to a new file: SQLite
-    answers "database is locked" to this pragma at once instead of honouring the busy timeout
-    (two workers opening a fresh store together failed 35 times in 80). False if the file
-    system cannot do WAL (SQLite then keeps the old journal mode without an error)."""
-    deadline = time.monotonic() + busy_timeout
-    while True:
-        try:
-            return bool(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal")
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.05)
