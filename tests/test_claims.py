@@ -178,7 +178,7 @@ def test_the_keeper_survives_an_unexpected_exception_and_carries_on(
     store = FaultyStore(MemoryStore())
     worker = _Worker(store, timers, seconds=1.5)
     rounds = {"n": 0}
-    real = worker.idempotency._renew_all
+    real = worker.idempotency.keeper._renew_all
 
     def buggy() -> None:
         rounds["n"] += 1
@@ -186,7 +186,7 @@ def test_the_keeper_survives_an_unexpected_exception_and_carries_on(
             raise KeyError("a bug in a renewal round")
         real()
 
-    monkeypatch.setattr(worker.idempotency, "_renew_all", buggy)
+    monkeypatch.setattr(worker.idempotency.keeper, "_renew_all", buggy)
     try:
         # When it runs
         run = worker.process()

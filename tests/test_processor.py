@@ -32,7 +32,7 @@ from workerpool.worker.outcome import (
     Facts,
     Failed,
     Interrupted,
-    LostClaim,
+    LostLease,
     Nack,
     NotStarted,
     RecordFailed,
@@ -81,7 +81,7 @@ def test_decision_table() -> None:
         Rejected("not_json", "x"): DeadLetter("not_json", "x"),
         Interrupted(): Nack(0.0, Label.DRAINED),
         NotStarted(): Nack(0.0, Label.RELEASED),
-        LostClaim(after=12.5): Nack(12.5, Label.DEFERRED),
+        LostLease(after=12.5): Nack(12.5, Label.DEFERRED),
     }
     for outcome, action in table.items():
         assert decide(outcome, _facts()) == action
@@ -107,7 +107,7 @@ def test_with_a_retry_policy_every_nack_is_immediate_and_pub_sub_spaces_them() -
         RecordFailed("down"),
         RedeliveredWhileRunning(),
         Deferred("later", 30.0),
-        LostClaim(after=20.0),
+        LostLease(after=20.0),
     ):
         action = decide(outcome, policy)
         assert isinstance(action, Nack) and action.delay == 0.0, outcome

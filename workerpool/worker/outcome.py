@@ -69,9 +69,10 @@ class Interrupted:
 
 
 @dataclass(frozen=True)
-class LostClaim:
-    """The run's idempotency claim could not be renewed: the run was cancelled and handed
-    back before the claim could lapse; the message returns once it has (``after`` seconds)."""
+class LostLease:
+    """A lease the run holds (its idempotency claim, a concurrency slot) could not be renewed:
+    the run was cancelled and handed back before the lease could lapse; the message returns
+    once it has (``after`` seconds)."""
 
     after: float
 
@@ -104,7 +105,7 @@ Outcome = (
     | RedeliveredWhileRunning
     | Deferred
     | Interrupted
-    | LostClaim
+    | LostLease
     | NotStarted
     | Unavailable
     | RecordFailed
@@ -179,8 +180,8 @@ def decide(outcome: Outcome, facts: Facts) -> Action:
         case Interrupted():
             # Give it to another worker now; the handler has seen ctx.cancelled.
             return Nack(0.0, Label.DRAINED)
-        case LostClaim(after):
-            # Not a failure: come back once the claim has lapsed, so nobody runs it meanwhile.
+        case LostLease(after):
+            # Not a failure: come back once the lease has lapsed, so nobody runs it meanwhile.
             # (With a retry policy the nack is 0 as every nack there is, and the policy spaces
             # it; back before the claim lapsed, it is deferred once more.)
             return _later(after, Label.DEFERRED, facts)

@@ -1,0 +1,217 @@
+"""Keeps the store leases of running runs alive: idempotency claims, concurrency slots.
+
+A lease is short (``ttl``) and renewed, all of a keeper's leases in one store call, every
+``ttl / 3`` by the keeper's thread, so a lease whose holder died expires soon. A run whose
+lease cannot be renewed (the store is down, refuses us, or is stalled) is handed back before
+the lease can lapse: a watch timer per lease, independent of the store call that may hang,
+cancels the run and nacks its message to come back once the lease has lapsed, so a lease
+never has two holders. Leases of interrupted runs are released by the keeper's thread, all in
+one call, off the drain's path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from workerpool.stores import StoreError
+from workerpool.worker.outcome import LostLease
+from workerpool.worker.run import Run
+from workerpool.worker.timers import Timer, Timers
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+# While renewals fail, try again this often (seconds) rather than every ttl / 3.
+_RETRY_EVERY = 2.0
+
+
+@dataclass(eq=False)
+class Held(Generic[K]):
+    run: Run
+    key: K
+    expires: float  # our clock: the lease may lapse from then on (measured from the request)
+    watch: Timer
+
+
+class LeaseKeeper(Generic[K]):
+    """``renew(keys)`` says, per key, whether the lease is still ours (one store call);
+    ``release(keys)`` gives leases up; ``close_store`` runs last on the keeper's thread.
+    ``what`` names the leases in log lines ("claim", "slot")."""
+
+    def __init__(
+        self,
+        what: str,
+        timers: Timers,
+        ttl: float,
+        renew: Callable[[Sequence[K]], list[bool]],
+        release: Callable[[Sequence[K]], None],
+        close_store: Callable[[], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._what = what
+        self._timers = timers
+        self.ttl = ttl
+        self._renew = renew
+        self._release = release
+        self._close_store = close_store
+        self._clock = clock
+        # Hand a run back this long before its lease could lapse: time for its handler to
+        # see ctx.cancelled and stop, and for the nack to reach Pub/Sub.
+        self._margin = min(ttl / 6, 10.0)
+        self._held: dict[K, Held[K]] = {}
+        self._releases: list[K] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._renewing = True  # the last renewal round reached the store
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._keep, name=f"workerpool-{self._what}s", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._renewing and self._thread is not None and self._thread.is_alive()
+
+    def hold(self, run: Run, key: K, sent: float) -> Held[K]:
+        """Keep the lease ``key``, taken by a request sent at ``sent`` (our clock), alive
+        while ``run`` runs."""
+        expires = sent + self.ttl
+        held = Held(run, key, expires, self._watch(key, expires))
+        with self._lock:
+            self._held[key] = held
+        return held
+
+    def let_go(self, held: Held[K]) -> None:
+        """Stop renewing (the caller releases or completes the lease itself)."""
+        held.watch.cancel()
+        with self._lock:
+            if self._held.get(held.key) is held:
+                del self._held[held.key]
+
+    def interrupted(self, key: K) -> None:
+        """The run holding ``key`` was handed back: release its lease soon, off this thread."""
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is None:
+                return
+            held.watch.cancel()
+            self._releases.append(key)
+        self._wake.set()
+
+    # --- on the timer thread -------------------------------------------------------------
+
+    def _watch(self, key: K, expires: float) -> Timer:
+        return self._timers.call_at(expires - self._margin, lambda: self._lapsing(key))
+
+    def _lapsing(self, key: K) -> None:
+        """The lease may lapse soon and was not renewed in time."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or self._clock() < held.expires - self._margin:
+                return  # ended, or renewed meanwhile
+            del self._held[key]  # given up: nobody renews or releases it from now on
+        # Off the timer thread: a middleware's interrupted() may call its own store.
+        threading.Thread(
+            target=self._give_up, args=(held,), name=f"workerpool-{self._what}-lost", daemon=True
+        ).start()
+
+    def _give_up(self, held: Held[K]) -> None:
+        remaining = max(0.0, held.expires - self._clock())
+        log.error(
+            "%s for job %s could not be renewed: cancelling its run and handing its message "
+            "back %.1fs before the %s can lapse",
+            self._what,
+            held.run.job.job_id,
+            remaining,
+            self._what,
+        )
+        held.run.hand_back(LostLease(after=remaining + 1.0))
+
+    # --- on the keeper's thread ----------------------------------------------------------
+
+    def _keep(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.ttl / 3 if self._renewing else min(self.ttl / 3, _RETRY_EVERY))
+            self._wake.clear()
+            try:
+                self._release_interrupted()
+                if not self._stop.is_set():
+                    self._renew_all()
+            except Exception:  # not a StoreError (those are handled): a bug; keep going
+                log.exception("keeping %ss alive failed; trying again", self._what)
+                self._renewing = False
+        try:
+            self._release_interrupted()
+            self._close_store()
+        except Exception:
+            log.exception("closing the %s store failed", self._what)
+
+    def _renew_all(self) -> None:
+        with self._lock:
+            held = list(self._held.values())
+        if not held:
+            self._renewing = True
+            return
+        sent = self._clock()
+        try:
+            ours = self._renew([h.key for h in held])
+        except StoreError as exc:
+            log.warning("%d %ss not renewed: %s", len(held), self._what, exc)
+            self._renewing = False
+            return
+        self._renewing = True
+        for lease, still_ours in zip(held, ours, strict=True):
+            if still_ours:
+                self._extend(lease, sent + self.ttl)
+            else:
+                # Someone took over (our renewals lapsed): stop rather than share the lease.
+                log.warning(
+                    "%s for job %s was taken over; cancelling its run",
+                    self._what,
+                    lease.run.job.job_id,
+                )
+                lease.run.ctx.cancelled.set()
+
+    def _extend(self, lease: Held[K], expires: float) -> None:
+        with self._lock:
+            if self._held.get(lease.key) is not lease:
+                # Ended, or given up, while the renewal was in flight. Not released: the same
+                # key may have been taken here again meanwhile, and a release would delete
+                # that live lease. A given-up lease that was renewed so lingers until it
+                # expires.
+                return
+            lease.watch.cancel()
+            lease.expires = expires
+            lease.watch = self._watch(lease.key, expires)
+
+    def _release_interrupted(self) -> None:
+        with self._lock:
+            keys, self._releases = self._releases, []
+        if not keys:
+            return
+        try:
+            self._release(keys)
+        except StoreError as exc:
+            log.warning("%d %ss not released (%s); they expire", len(keys), self._what, exc)
+
+    def close(self, timeout: float) -> None:
+        """Release the interrupted runs' leases and close the store, within ``timeout``;
+        what does not make it is left to expire."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is None:
+            self._close_store()
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("%s store still busy at the deadline; its leases will expire", self._what)
