@@ -9,7 +9,15 @@ fast unit tier without anyone marking tests by hand.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+
+from workerpool.testing.emulator import LocalEmulator, gcloud_available
+
+# The project the Firestore emulator's stores live in (idempotency claims, slots).
+FIRESTORE_PROJECT = "workerpool-idempotency"
 
 # The project's own fixtures that start (or need) another emulator than Pub/Sub's.
 EMULATOR_FIXTURES = frozenset({"firestore_emulator", "bigquery_host"})
@@ -26,3 +34,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             or "_emulator" in item.path.stem  # starts an emulator process of its own
         ):
             item.add_marker(pytest.mark.emulator)
+
+
+@pytest.fixture(scope="session")
+def firestore_emulator() -> Iterator[LocalEmulator]:
+    """One Firestore emulator per session; each test uses collections of its own."""
+    if not gcloud_available():
+        reason = "gcloud CLI not installed: Firestore emulator unavailable"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with LocalEmulator(kind="firestore", project=FIRESTORE_PROJECT) as emulator:
+        yield emulator

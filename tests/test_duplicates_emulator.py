@@ -14,7 +14,6 @@ from google.api_core import exceptions as gexc
 
 from tests.support import WorkerProcess, ledger_events, spawn_worker, wait_for, worker_processes
 from tests.test_idempotency import PROJECT as FIRESTORE_PROJECT
-from tests.test_idempotency import firestore_emulator  # noqa: F401  (the session fixture)
 from workerpool.testing.emulator import LocalEmulator
 from workerpool.testing.pubsub import PubSubResources
 

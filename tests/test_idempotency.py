@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import random
 import sqlite3
 import threading
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import FIRESTORE_PROJECT as PROJECT
 from tests.fakes import FakeClock
 from workerpool.idempotency import (
     Claimed,
@@ -28,24 +28,12 @@ from workerpool.idempotency import (
     open_store,
 )
 from workerpool.idempotency import sqlite as sqlite_backend
-from workerpool.testing.emulator import LocalEmulator, free_port, gcloud_available
+from workerpool.testing.emulator import LocalEmulator, free_port
 
 TTL = 60.0
 RETENTION = 3600.0
-PROJECT = "workerpool-idempotency"
 JOB = "reports/2024-01-01"  # a "/" must not break backends that use the id as a key
 StoreFactory = Callable[[], IdempotencyStore]
-
-
-@pytest.fixture(scope="session")
-def firestore_emulator() -> Iterator[LocalEmulator]:
-    if not gcloud_available():
-        reason = "gcloud CLI not installed: Firestore emulator unavailable"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    with LocalEmulator(kind="firestore", project=PROJECT) as emulator:
-        yield emulator
 
 
 @pytest.fixture
@@ -463,7 +451,7 @@ def test_open_store_by_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     ],
 )
 def test_open_store_rejects_unknown_urls(url: str) -> None:
-    with pytest.raises(ValueError, match="unsupported idempotency store URL") as caught:
+    with pytest.raises(ValueError, match="unsupported store URL") as caught:
         open_store(url)
     assert repr(url) in str(caught.value) and "\n" not in str(caught.value)
 

@@ -94,6 +94,16 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
         multiple=True,
         help="Declare a rate limit NAME=RATE/s[:BURST] (repeatable), e.g. partner=20/s:5.",
     ),
+    click.option(
+        "--concurrency",
+        multiple=True,
+        help="Declare a fleet-wide limit KEY=LIMIT (repeatable), e.g. bigquery-exports=2, "
+        "or per key of a prefix: 'partner:*=1'.",
+    ),
+    click.option("--slot-ttl", type=float, help="Seconds a concurrency slot lives unless renewed."),
+    click.option(
+        "--slot-wait", type=float, help="Seconds a job waits for a free slot before deferring."
+    ),
 ]
 
 

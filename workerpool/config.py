@@ -38,12 +38,18 @@ class Settings:
     jobs: tuple[str, ...] = ()
     idempotency_store: str = "sqlite:///workerpool-idempotency.db"
     claim_ttl: float = c.DEFAULT_CLAIM_TTL
+    # Concurrency slots: a dead holder's slot frees after slot_ttl; a run waits up to
+    # slot_wait for one, then defers its message.
+    slot_ttl: float = c.DEFAULT_SLOT_TTL
+    slot_wait: float = c.DEFAULT_SLOT_WAIT
     # Serve /metrics, /healthz and /readyz on this port; 0: nothing listens.
     metrics_port: int = 0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.
     job_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # ``[rate_limits]`` NAME = "RATE/s:BURST", shared by every pool of the process.
     rate_limits: Mapping[str, RateSpec] = field(default_factory=dict)
+    # ``[concurrency]`` KEY = LIMIT (or "PREFIX*" = LIMIT, per key): slots shared by the fleet.
+    concurrency: Mapping[str, int] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
 
@@ -54,11 +60,12 @@ class Settings:
             "max_payload_bytes",
             "lease_extension",
             "claim_ttl",
+            "slot_ttl",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("prefetch", "drain_timeout", "min_backoff"):
+        for name in ("prefetch", "drain_timeout", "min_backoff", "slot_wait"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 10 <= self.lease_extension <= 600:
@@ -88,7 +95,7 @@ def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _coerce(k, v, f"pools[{index}]") for k, v in pool.items()}
 
 
-_STRUCTURED = ("job_config", "rate_limits", "pools")
+_STRUCTURED = ("job_config", "rate_limits", "concurrency", "pools")
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _STRUCTURED}
 
 
@@ -121,14 +128,36 @@ def _rate_limits(entries: Mapping[str, Any], source: str) -> dict[str, RateSpec]
 
 def _rate_limit_flags(entries: str | tuple[str, ...], source: str) -> dict[str, RateSpec]:
     """``NAME=RATE/s[:BURST]`` items, comma-separated in the environment."""
+    return _rate_limits(_pairs(entries, source, "rate limit", "NAME=RATE/s[:BURST]"), source)
+
+
+def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, int]:
+    limits = {}
+    for key, raw in entries.items():
+        text = str(raw).strip()
+        if isinstance(raw, bool) or not text.isdigit() or int(text) < 1 or "*" in key[:-1]:
+            raise ConfigError(
+                f"concurrency {key!r} (from {source}): the limit must be a positive integer "
+                f"and a key may only end in *, got {raw!r}"
+            )
+        limits[key] = int(text)
+    return limits
+
+
+def _concurrency_flags(entries: str | tuple[str, ...], source: str) -> dict[str, int]:
+    """``KEY=LIMIT`` items, comma-separated in the environment."""
+    return _concurrency(_pairs(entries, source, "concurrency", "KEY=LIMIT"), source)
+
+
+def _pairs(entries: str | tuple[str, ...], source: str, what: str, form: str) -> dict[str, str]:
     items = entries.split(",") if isinstance(entries, str) else entries
     pairs = {}
     for item in (i.strip() for i in items if i.strip()):
-        name, sep, rate = item.partition("=")
+        name, sep, value = item.partition("=")
         if not sep or not name.strip():
-            raise ConfigError(f"rate limit {item!r} (from {source}) is not NAME=RATE/s[:BURST]")
-        pairs[name.strip()] = rate
-    return _rate_limits(pairs, source)
+            raise ConfigError(f"{what} {item!r} (from {source}) is not {form}")
+        pairs[name.strip()] = value.strip()
+    return pairs
 
 
 def _from_file(path: Path) -> dict[str, Any]:
@@ -138,7 +167,8 @@ def _from_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from exc
-    unknown_tables = sorted(set(document) - {"worker", "jobs", "rate_limits", "pools"})
+    tables = {"worker", "jobs", "rate_limits", "concurrency", "pools"}
+    unknown_tables = sorted(set(document) - tables)
     if unknown_tables:
         raise ConfigError(f"config file {path}: unknown table [{unknown_tables[0]}]")
     worker = document.get("worker", {})
@@ -148,6 +178,7 @@ def _from_file(path: Path) -> dict[str, Any]:
     values = {k: _coerce(k, v, str(path)) for k, v in worker.items()}
     values["job_config"] = dict(document.get("jobs", {}))
     values["rate_limits"] = _rate_limits(document.get("rate_limits", {}), str(path))
+    values["concurrency"] = _concurrency(document.get("concurrency", {}), str(path))
     values["pools"] = tuple(document.get("pools", ()))
     return values
 
@@ -179,6 +210,11 @@ def load_settings(
     flags = dict(flags or {})
     limits.update(_rate_limit_flags(flags.pop("rate_limit", None) or (), "--rate-limit"))
     values["rate_limits"] = limits
+    slots = dict(values.get("concurrency", {}))
+    if env.get(ENV_PREFIX + "CONCURRENCY"):
+        slots.update(_concurrency_flags(env[ENV_PREFIX + "CONCURRENCY"], "WORKERPOOL_CONCURRENCY"))
+    slots.update(_concurrency_flags(flags.pop("concurrency", None) or (), "--concurrency"))
+    values["concurrency"] = slots
     for name, value in flags.items():
         if value is not None and value != ():
             values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")

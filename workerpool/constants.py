@@ -40,6 +40,8 @@ ERR_ATTEMPTS_EXHAUSTED: Final = "attempts_exhausted"
 ERR_HANDLER_RETURNED_AWAITABLE: Final = "handler_returned_awaitable"
 # The job ran past its own ``timeout`` and ended by being cancelled (an async job's task).
 ERR_TIMED_OUT: Final = "timed_out"
+# A templated concurrency key rendered to a key no declared limit covers.
+ERR_UNKNOWN_CONCURRENCY_KEY: Final = "unknown_concurrency_key"
 
 # Pub/Sub limits.
 MAX_MESSAGE_BYTES: Final = 10 * 1024 * 1024
@@ -66,6 +68,11 @@ DEFAULT_LEASE_EXTENSION: Final = 30.0
 DEFAULT_MIN_BACKOFF: Final = 2.0
 DEFAULT_MAX_BACKOFF: Final = float(MAX_ACK_DEADLINE_SECONDS)
 DEFAULT_CLAIM_TTL: Final = 60.0
+# Concurrency slots: a holder killed outright frees its slot after the TTL; a run waits this
+# long for a free slot, then defers its message about this long (jittered) to come back.
+DEFAULT_SLOT_TTL: Final = 60.0
+DEFAULT_SLOT_WAIT: Final = 30.0
+DEFAULT_SLOT_DEFER: Final = 5.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
 
 

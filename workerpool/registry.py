@@ -129,6 +129,8 @@ class Registry:
 def _check_options(name: str, options: dict[str, Any]) -> None:
     # Options beyond the core ones belong to middleware, each declaring what it reads.
     # Imported here: middleware modules import this one.
+    import workerpool.slots.middleware  # noqa: F401  (declares the "concurrency" option)
+    from workerpool.slots.keys import KeyTemplate
     from workerpool.worker.middleware import declared_options
 
     extra = declared_options()
@@ -136,6 +138,11 @@ def _check_options(name: str, options: dict[str, Any]) -> None:
     if unknown:
         known = ", ".join(sorted({"timeout", "max_attempts", "payload", *extra}))
         raise TypeError(f"job {name!r}: unknown option(s) {', '.join(unknown)} (known: {known})")
+    key = options.get("concurrency")
+    if key is not None:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"job {name!r}: concurrency must name a key, got {key!r}")
+        KeyTemplate(key)  # a malformed template fails here, where it is written
 
 
 def _check_handler(name: str, handler: Handler) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Final, Literal, TypeGuard, TypeVar
 
-from workerpool.stores import StoreError, StoreUnavailable
+from workerpool.stores import StoreError, StoreUnavailable, guarded
 
 DEFAULT_RETENTION: Final = 7 * 24 * 3600.0  # Pub/Sub's longest message retention
 
@@ -157,12 +157,7 @@ class IdempotencyStore(ABC):
         self._guarded(lambda: self._mutate_many(items))
 
     def _guarded(self, call: Callable[[], T]) -> T:
-        try:
-            return call()
-        except StoreError:
-            raise
-        except Exception as exc:  # a backend's unclassified error, or a bug: still a store error
-            raise StoreError(f"{type(self).__name__}: {type(exc).__name__}: {exc}") from exc
+        return guarded(self, call)
 
     def __enter__(self) -> IdempotencyStore:
         return self

@@ -4,6 +4,12 @@ their errors, opening a connection, translating a backend's errors, one atomic d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
+
 
 class StoreError(Exception):
     """The store could not do what was asked, and trying again soon will not help
@@ -13,3 +19,50 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     """The backend could not be reached, was busy or timed out: try again later."""
+
+
+def guarded(store: object, call: Callable[[], T]) -> T:
+    """``call()``, with any failure but a ``StoreError`` turned into one naming ``store``."""
+    try:
+        return call()
+    except StoreError:
+        raise
+    except Exception as exc:  # a backend's unclassified error, or a bug: still a store error
+        raise StoreError(f"{type(store).__name__}: {type(exc).__name__}: {exc}") from exc
+
+
+EXPECTED_URL = "expected sqlite:///PATH, firestore://PROJECT/COLLECTION, memory:// or none"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a store URL points: ``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (as
+    SQLAlchemy spells them), ``firestore://PROJECT/COLLECTION``, ``memory://`` (this process
+    only), or ``none``."""
+
+    kind: Literal["none", "memory", "sqlite", "firestore"]
+    path: str = ""
+    project: str = ""
+    collection: str = ""
+
+    @classmethod
+    def parse(cls, url: str) -> Location:
+        """Raises ValueError for a URL it does not know."""
+        if url == "none":
+            return cls("none")
+        if url == "memory://":
+            return cls("memory")
+        scheme, sep, rest = url.partition("://")
+        if sep and scheme == "sqlite" and rest.startswith("/") and rest != "/":
+            return cls("sqlite", path=rest[1:])
+        if sep and scheme == "firestore":
+            project, _, collection = rest.partition("/")
+            if project and collection and "/" not in collection:
+                return cls("firestore", project=project, collection=collection)
+        raise ValueError(f"unsupported store URL {url!r}: {EXPECTED_URL}")
+
+
+def firestore_extra_missing(what: str) -> ImportError:
+    return ImportError(
+        f"firestore:// {what} needs google-cloud-firestore: pip install 'workerpool[firestore]'"
+    )

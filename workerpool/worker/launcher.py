@@ -34,6 +34,7 @@ from workerpool.ops.admin import (
 )
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
+from workerpool.slots import Concurrency, KeyTemplate, Limits, SlotLeases, slot_store_opener
 from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
@@ -232,10 +233,34 @@ class Launcher:
         return [
             *self.telemetry.middleware(self.subscription),  # outermost: every run is seen
             *idempotency,
+            # After the claim: a duplicate never takes a slot. Before the rate limit: a run
+            # waits for its token only once it may run.
+            *self._concurrency(timers),
             RateLimit(self._limiters),
             TimeLimit(timers),
             *self._extra_middleware,
         ]
+
+    def _concurrency(self, timers: Timers) -> list[Middleware]:
+        s = self.settings
+        limits = Limits(s.concurrency)
+        keys = {
+            spec.name: spec.options["concurrency"]
+            for spec in self._jobs.specs()
+            if spec.options.get("concurrency")
+        }
+        for job_name, key in keys.items():
+            problem = KeyTemplate(key).check(limits)
+            if problem:
+                raise ConfigError(f"job {job_name}: concurrency key {key!r} {problem}")
+        if not keys:
+            return []
+        try:
+            store = slot_store_opener(s.idempotency_store)()
+        except (ValueError, ImportError, StoreError) as exc:
+            raise ConfigError(f"idempotency_store (for concurrency slots): {exc}") from None
+        leases = SlotLeases(store, self.worker_id, limits, timers, ttl=s.slot_ttl)
+        return [Concurrency(leases, patience=s.slot_wait)]
 
     def _run(self, parts: _Parts) -> None:
         s = self.settings

@@ -1,0 +1,274 @@
+"""Concurrency slots: one suite for every slot store backend (memory, SQLite, Firestore on its
+emulator), the key templates and limits, and the middleware's waiting line."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIRESTORE_PROJECT
+from tests.fakes import FakeClock
+from workerpool.context import Flag, JobContext
+from workerpool.errors import ConfigError
+from workerpool.registry import JobSpec
+from workerpool.slots import (
+    Full,
+    Granted,
+    KeyTemplate,
+    Limits,
+    MemorySlots,
+    SlotLeases,
+    SlotStore,
+    SqliteSlots,
+    slot_store_opener,
+)
+from workerpool.slots.keys import MissingField
+from workerpool.testing.emulator import LocalEmulator
+from workerpool.testing.fakes import make_delivery
+from workerpool.worker.envelope import Job
+from workerpool.worker.run import Run
+from workerpool.worker.timers import Timers
+
+TTL = 60.0
+KEY = "bigquery-exports"
+StoreFactory = Callable[[], SlotStore]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", "sqlite", "firestore"])
+def make_store(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[StoreFactory]:
+    """Opens handles on one shared backing store, as the replicas of a fleet would."""
+    if request.param == "memory":
+        shared = MemorySlots(clock=clock)
+        factory: StoreFactory = lambda: shared  # noqa: E731
+    elif request.param == "sqlite":
+        factory = lambda: SqliteSlots(tmp_path / "slots.db", clock=clock)  # noqa: E731
+    else:
+        emulator: LocalEmulator = request.getfixturevalue("firestore_emulator")
+        monkeypatch.setenv(emulator.env_var, emulator.host)
+        from workerpool.slots.firestore import FirestoreSlots
+
+        collection = f"slots-{uuid.uuid4().hex[:12]}"
+        factory = lambda: FirestoreSlots(FIRESTORE_PROJECT, collection, clock=clock)  # noqa: E731
+    opened: list[SlotStore] = []
+
+    def make() -> SlotStore:
+        opened.append(factory())
+        return opened[-1]
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store: StoreFactory) -> SlotStore:
+    return make_store()
+
+
+def test_a_key_grants_up_to_its_limit_then_is_full(store: SlotStore, clock: FakeClock) -> None:
+    granted = [store.acquire(KEY, f"w{i}", 2, TTL) for i in range(2)]
+    assert granted == [Granted(KEY, "w0", 1), Granted(KEY, "w1", 2)]
+    assert store.acquire(KEY, "w2", 2, TTL) == Full(2, clock.now + TTL)
+    assert store.acquire("other-key", "w2", 2, TTL) == Granted("other-key", "w2", 1)
+    assert set(store.holders(KEY)) == {"w0", "w1"}
+
+
+def test_a_released_slot_goes_to_the_next_holder_with_a_new_token(store: SlotStore) -> None:
+    store.acquire(KEY, "w0", 1, TTL)
+    store.release_many([(KEY, "w0")])
+    assert store.acquire(KEY, "w1", 1, TTL) == Granted(KEY, "w1", 2)  # tokens never repeat
+    store.release_many([(KEY, "w0")])  # not held any more: changes nothing
+    assert set(store.holders(KEY)) == {"w1"}
+
+
+def test_asking_again_as_a_live_holder_returns_the_same_grant(store: SlotStore) -> None:
+    first = store.acquire(KEY, "w0", 2, TTL)
+    assert store.acquire(KEY, "w0", 2, TTL) == first  # a lost reply, asked again
+    assert store.acquire(KEY, "w1", 2, TTL) == Granted(KEY, "w1", 2)
+
+
+def test_a_renewed_slot_stays_held_and_a_lapsed_one_frees(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    store.acquire(KEY, "w0", 1, TTL)
+    store.acquire(KEY, "w1", 1, TTL)  # full
+    clock.advance(TTL * 0.9)
+    assert store.renew_many([(KEY, "w0")], TTL) == [True]
+    clock.advance(TTL * 0.9)
+    assert isinstance(store.acquire(KEY, "w1", 1, TTL), Full)  # renewed: still w0's
+    clock.advance(TTL)  # w0 died: no more renewals
+    assert store.acquire(KEY, "w1", 1, TTL) == Granted(KEY, "w1", 2)
+    assert store.renew_many([(KEY, "w0"), (KEY, "w1")], TTL) == [False, True]
+
+
+def test_a_lapsed_holder_is_not_revived_by_a_late_renewal(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    # Given a limit of 2 held by w0 (lapsed, still in the record) and w1
+    store.acquire(KEY, "w0", 2, TTL)
+    clock.advance(TTL / 2)
+    store.acquire(KEY, "w1", 2, TTL)
+    clock.advance(TTL / 2 + 1)
+    # When w2 takes the slot w0 no longer counts for, and w0's renewal arrives late
+    assert store.acquire(KEY, "w2", 2, TTL) == Granted(KEY, "w2", 3)
+    # Then w0 hears it lost the slot, and the key never has more than 2 holders
+    assert store.renew_many([(KEY, "w0")], TTL) == [False]
+    assert set(store.holders(KEY)) == {"w1", "w2"}
+
+
+def test_handles_racing_on_one_key_never_exceed_its_limit(make_store: StoreFactory) -> None:
+    # Given 8 handles on one store (8 replicas), each taking and giving back slots in a loop
+    limit, rounds = 3, 15
+    handles = [make_store() for _ in range(8)]
+    holding = 0
+    peak = 0
+    grants = 0
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def replica(index: int) -> None:
+        nonlocal holding, peak, grants
+        try:
+            for round_ in range(rounds):
+                holder = f"w{index}-{round_}"
+                if not isinstance(handles[index].acquire(KEY, holder, limit, TTL), Granted):
+                    continue
+                with lock:
+                    holding += 1
+                    peak = max(peak, holding)
+                    grants += 1
+                time.sleep(0.002)
+                with lock:
+                    holding -= 1
+                handles[index].release_many([(KEY, holder)])
+        except BaseException as exc:  # pragma: no cover - shown by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(len(handles))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    # Then the limit held at every moment, and slots did go round
+    assert errors == []
+    assert peak <= limit
+    assert grants >= rounds
+
+
+def test_slot_store_urls() -> None:
+    assert slot_store_opener("memory://")().holders(KEY) == {}
+    with pytest.raises(ValueError, match="need a store shared"):
+        slot_store_opener("none")
+    with pytest.raises(ValueError, match="unsupported store URL"):
+        slot_store_opener("postgres://db")
+
+
+# --- keys and limits -------------------------------------------------------------------------
+
+
+def test_limits_take_the_exact_key_then_the_longest_prefix() -> None:
+    limits = Limits({"exports": 2, "partner:*": 1, "partner:eu:*": 3})
+    assert limits.of("exports") == 2
+    assert limits.of("partner:acme") == 1
+    assert limits.of("partner:eu:acme") == 3
+    assert limits.of("exports-2") is None
+    with pytest.raises(ConfigError, match="may only end in"):
+        Limits({"a*b": 1})
+    with pytest.raises(ConfigError, match="positive integer"):
+        Limits({"a": 0})
+
+
+def test_a_template_renders_one_key_per_tenant_and_names_what_is_missing() -> None:
+    template = KeyTemplate("partner:{partner_id}")
+    assert template.render({"partner_id": "acme", "x": 1}) == "partner:acme"
+    assert template.render({"partner_id": 7}) == "partner:7"
+    for payload in ({}, {"partner_id": None}, {"partner_id": {"nested": 1}}):
+        with pytest.raises(MissingField, match="partner_id"):
+            template.render(payload)
+
+
+def test_a_template_must_be_covered_by_a_declared_limit() -> None:
+    limits = Limits({"exports": 2, "partner:*": 1})
+    assert KeyTemplate("exports").check(limits) is None
+    assert KeyTemplate("partner:{id}").check(limits) is None
+    assert KeyTemplate("partner:{region}:{id}").check(limits) is None
+    assert KeyTemplate("imports").check(limits) == "has no declared limit"
+    problem = KeyTemplate("tenant:{id}").check(limits)
+    assert problem is not None and '"tenant:*"' in problem
+    for bad in ("p:{a.b}", "p:{0}", "p:{a!r}", "p:{a:>3}", "p:{"):
+        with pytest.raises(ConfigError):
+            KeyTemplate(bad)
+
+
+# --- waiting for a slot ----------------------------------------------------------------------
+
+
+def _run(job_id: str) -> Run:
+    """A run as the middleware sees it, of a job that takes a slot."""
+    spec = JobSpec("demo.slot", lambda ctx, payload: None, options={"concurrency": KEY})
+    message_id = f"m-{job_id}"
+    job = Job(spec, job_id, {}, message_id, 1, None, {})
+    ctx = JobContext(spec.name, job_id, message_id, 1, None, Flag())
+    delivery = make_delivery(b"{}", {}, message_id=message_id)
+    return Run(job, ctx, delivery, lambda run, outcome: True)
+
+
+@pytest.fixture
+def timers() -> Iterator[Timers]:
+    running = Timers()
+    running.start()
+    yield running
+    running.close(1.0)
+
+
+def test_runs_of_one_process_get_a_key_first_come_first_served(timers: Timers) -> None:
+    # Given a key of limit 1 held by run 0, and runs 1..5 queueing behind it in order
+    leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
+    first = leases.take(KEY, _run("0"), patience=5)
+    assert first is not None
+    order: list[str] = []
+
+    def wait_then_hold(name: str) -> None:
+        taken = leases.take(KEY, _run(name), patience=30)
+        assert taken is not None
+        order.append(name)
+        leases.give(taken)
+
+    threads = []
+    for name in "12345":
+        threads.append(threading.Thread(target=wait_then_hold, args=(name,)))
+        threads[-1].start()
+        time.sleep(0.05)  # arrive in this order
+    # When the holder gives its slot back
+    leases.give(first)
+    for thread in threads:
+        thread.join(30)
+    # Then the waiters got it in the order they came
+    assert order == list("12345")
+
+
+def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Timers) -> None:
+    leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
+    held = leases.take(KEY, _run("0"), patience=5)
+    assert held is not None
+    assert leases.take(KEY, _run("1"), patience=0.2) is None  # patience ran out
+    draining = _run("2")
+    threading.Timer(0.1, draining.ctx.draining.set).start()
+    assert leases.take(KEY, draining, patience=30) is None  # gave up at the drain
+    leases.give(held)
+    assert leases.take(KEY, _run("3"), patience=1) is not None

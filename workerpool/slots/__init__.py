@@ -1,0 +1,49 @@
+"""Fleet-wide concurrency limits: slots of named keys, leased from the store every replica
+shares (the idempotency store's URL: SQLite for the processes of one host, a table beside the
+claims; Firestore for a fleet, the collection ``<COLLECTION>-slots``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from workerpool.slots.keys import KeyTemplate, Limits
+from workerpool.slots.memory import MemorySlots
+from workerpool.slots.middleware import Concurrency, Lease, SlotLeases
+from workerpool.slots.sqlite import SqliteSlots
+from workerpool.slots.store import Full, Granted, Holding, SlotStore
+from workerpool.stores import Location, firestore_extra_missing
+
+__all__ = [
+    "Concurrency",
+    "Full",
+    "Granted",
+    "Holding",
+    "KeyTemplate",
+    "Lease",
+    "Limits",
+    "MemorySlots",
+    "SlotLeases",
+    "SlotStore",
+    "SqliteSlots",
+    "slot_store_opener",
+]
+
+SlotStoreOpener = Callable[[], SlotStore]
+
+
+def slot_store_opener(url: str) -> SlotStoreOpener:
+    """What opens the slot store beside the idempotency store ``url`` names. Raises
+    ValueError for a URL it does not know or for ``none`` (slots must be shared to limit
+    anything), ImportError for a missing extra."""
+    where = Location.parse(url)
+    if where.kind == "none":
+        raise ValueError("concurrency limits need a store shared by the workers, not none")
+    if where.kind == "memory":
+        return MemorySlots
+    if where.kind == "sqlite":
+        return lambda: SqliteSlots(where.path)
+    try:
+        from workerpool.slots.firestore import FirestoreSlots
+    except ImportError as exc:
+        raise firestore_extra_missing("slot store") from exc
+    return lambda: FirestoreSlots(where.project, f"{where.collection}-slots")

@@ -1,0 +1,105 @@
+"""Concurrency keys and their limits.
+
+A limit is declared for a key (``bigquery-exports = 2``) or for every key with a prefix
+(``"partner:*" = 2``: each tenant's key gets 2 slots of its own). A job names its key with
+``@job(..., concurrency="bigquery-exports")``, or a template over payload fields,
+``concurrency="partner:{partner_id}"``, so one tenant's flood cannot take another's slots.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from workerpool.errors import ConfigError
+
+
+class Limits:
+    """The declared limits; ``of(key)`` is the exact key's, else the longest matching
+    prefix pattern's, else None."""
+
+    def __init__(self, declared: Mapping[str, int]) -> None:
+        for key, limit in declared.items():
+            if not key or "*" in key[:-1]:
+                raise ConfigError(f"concurrency key {key!r}: a pattern may only end in *")
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ConfigError(f"concurrency {key}: the limit must be a positive integer")
+        self.declared = dict(declared)
+        self._exact = {k: v for k, v in declared.items() if not k.endswith("*")}
+        # Longest first: "partner:eu:*" wins over "partner:*".
+        self._prefixes = sorted(
+            ((k[:-1], v) for k, v in declared.items() if k.endswith("*")),
+            key=lambda item: -len(item[0]),
+        )
+
+    def of(self, key: str) -> int | None:
+        if key in self._exact:
+            return self._exact[key]
+        for prefix, limit in self._prefixes:
+            if key.startswith(prefix):
+                return limit
+        return None
+
+    def cover(self, head: str) -> bool:
+        """A prefix pattern gives a limit to every key that starts with ``head``."""
+        return any(head.startswith(prefix) for prefix, _ in self._prefixes)
+
+    def __bool__(self) -> bool:
+        return bool(self.declared)
+
+
+class MissingField(Exception):
+    """The payload lacks a field the key's template names."""
+
+
+@dataclass(frozen=True)
+class KeyTemplate:
+    """``"partner:{partner_id}"``: literal text and top-level payload field names."""
+
+    text: str
+
+    def __post_init__(self) -> None:
+        try:
+            parsed = list(string.Formatter().parse(self.text))
+        except ValueError as exc:
+            raise ConfigError(f"concurrency key {self.text!r}: {exc}") from None
+        for _, name, spec, conversion in parsed:
+            if name is not None and (not name.isidentifier() or spec or conversion):
+                raise ConfigError(
+                    f"concurrency key {self.text!r}: {{{name}}} must name a payload field"
+                )
+
+    @property
+    def fields(self) -> list[str]:
+        return [name for _, name, _, _ in string.Formatter().parse(self.text) if name]
+
+    @property
+    def head(self) -> str:
+        """The literal text before the first field: every key it renders starts with it."""
+        return next(iter(string.Formatter().parse(self.text)), ("", None, None, None))[0]
+
+    def render(self, payload: Any) -> str:
+        """The key for one payload: a JSON object, or the job's payload class."""
+        values = {}
+        for name in self.fields:
+            if isinstance(payload, Mapping):
+                value = payload.get(name)
+            else:
+                value = getattr(payload, name, None)
+            if value is None or isinstance(value, dict | list):
+                raise MissingField(
+                    f"concurrency key {self.text} needs payload field {name!r} "
+                    "(a string or a number)"
+                )
+            values[name] = value
+        return self.text.format_map(values)
+
+    def check(self, limits: Limits) -> str | None:
+        """Why no declared limit covers every key this renders, or None if one does."""
+        if not self.fields:
+            return None if limits.of(self.text) is not None else "has no declared limit"
+        if limits.cover(self.head):
+            return None
+        return f'has no declared limit: declare "{self.head}*" (one limit per rendered key)'

@@ -1,0 +1,243 @@
+"""Fleet-wide concurrency limits: a job declared with ``concurrency="KEY"`` runs only while it
+holds one of KEY's slots, leased from the store every replica shares.
+
+A run waits for a slot first come, first served among this process's runs of that key (only
+the first in line asks the store, the others wait their turn), for at most ``patience``
+seconds, then defers its message with jitter. A slot is kept alive by a ``LeaseKeeper`` for
+as long as its run runs (a run whose slot cannot be renewed is handed back before the slot
+can lapse, so the limit holds even then), and released as soon as the run ends, whatever its
+outcome; a holder killed outright frees its slot when the lease's TTL runs out.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workerpool import constants as c
+from workerpool.slots.keys import KeyTemplate, Limits, MissingField
+from workerpool.slots.store import Granted, SlotStore
+from workerpool.stores import StoreError
+from workerpool.worker.keeper import Held, LeaseKeeper
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import (
+    Deferred,
+    Interrupted,
+    Outcome,
+    Rejected,
+    Unavailable,
+)
+from workerpool.worker.run import Run
+from workerpool.worker.timers import Timers
+
+log = logging.getLogger(__name__)
+
+_Key = tuple[str, str]  # (key, holder)
+# The first in line asks the store again after this long, doubling up to _MAX_POLL (jittered).
+_FIRST_POLL = 0.02
+_MAX_POLL = 0.5
+# Runs further back in line look at their run (draining? handed back?) this often.
+_CHECK_EVERY = 0.25
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A slot of ``key``; ``token`` only grows from one grant of the key to the next."""
+
+    key: str
+    holder: str
+    token: int
+
+
+@dataclass(eq=False)
+class _Taken:
+    lease: Lease
+    held: Held[_Key]
+
+
+@dataclass(eq=False)
+class _Line:
+    """This process's runs waiting for one key, in arrival order."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    queue: deque[object] = field(default_factory=deque)
+    # Changes whenever a slot of the key is released here or the line moves, so the first
+    # in line never sleeps through a slot freed while it was asking the store.
+    version: int = 0
+
+    def moved(self) -> None:
+        with self.cond:
+            self.version += 1
+            self.cond.notify_all()
+
+
+class SlotLeases:
+    """Takes, keeps and gives back slots for runs."""
+
+    def __init__(
+        self,
+        store: SlotStore,
+        owner: str,
+        limits: Limits,
+        timers: Timers,
+        *,
+        ttl: float = c.DEFAULT_SLOT_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._owner = owner
+        self.limits = limits
+        self._clock = clock
+        self.keeper: LeaseKeeper[_Key] = LeaseKeeper(
+            "slot",
+            timers,
+            ttl,
+            renew=lambda keys: store.renew_many(keys, ttl),
+            release=store.release_many,
+            close_store=store.close,
+        )
+        self._lines: dict[str, _Line] = {}
+        self._taken: dict[Run, list[_Taken]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str, run: Run, patience: float) -> _Taken | None:
+        """A slot of ``key`` for ``run``, waiting up to ``patience`` seconds; None if none
+        came free in time, or the run should not start any more (draining, handed back).
+        Raises ``StoreError``; ``KeyError`` if ``key`` has no declared limit."""
+        limit = self.limits.of(key)
+        if limit is None:
+            raise KeyError(key)
+        holder = f"{self._owner}/{uuid.uuid4().hex[:12]}"
+        line = self._line(key)
+        ticket = object()
+        with line.cond:
+            line.queue.append(ticket)
+        deadline = self._clock() + patience
+        poll = _FIRST_POLL
+        try:
+            while not _should_stop(run):
+                with line.cond:
+                    first, version = line.queue[0] is ticket, line.version
+                wait = _CHECK_EVERY
+                if first:
+                    sent = self._clock()
+                    result = self._store.acquire(key, holder, limit, self.keeper.ttl)
+                    if isinstance(result, Granted):
+                        return self._keep(run, Lease(key, holder, result.token), sent)
+                    wait, poll = poll * random.uniform(0.5, 1.0), min(poll * 2, _MAX_POLL)
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return None
+                with line.cond:
+                    if line.version == version:
+                        line.cond.wait(min(wait, remaining))
+            return None
+        finally:
+            with line.cond:
+                line.queue.remove(ticket)
+            line.moved()
+
+    def give(self, taken: _Taken) -> None:
+        """Release the slot (the run ended); a release that fails is left to expire."""
+        self.keeper.let_go(taken.held)
+        self._forget(taken)
+        lease = taken.lease
+        try:
+            self._store.release_many([(lease.key, lease.holder)])
+        except StoreError as exc:
+            log.warning("slot of %s not released (%s); it expires on its own", lease.key, exc)
+        finally:
+            self._line(lease.key).moved()
+
+    def interrupted(self, run: Run) -> None:
+        """``run`` was handed back: its slots are released by the keeper, soon."""
+        with self._lock:
+            taken = self._taken.pop(run, [])
+        for each in taken:
+            self.keeper.interrupted((each.lease.key, each.lease.holder))
+
+    def _keep(self, run: Run, lease: Lease, sent: float) -> _Taken:
+        taken = _Taken(lease, self.keeper.hold(run, (lease.key, lease.holder), sent))
+        with self._lock:
+            self._taken.setdefault(run, []).append(taken)
+        return taken
+
+    def _forget(self, taken: _Taken) -> None:
+        with self._lock:
+            held = self._taken.get(taken.held.run)
+            if held is not None and taken in held:
+                held.remove(taken)
+                if not held:
+                    del self._taken[taken.held.run]
+
+    def _line(self, key: str) -> _Line:
+        with self._lock:
+            line = self._lines.get(key)
+            if line is None:
+                line = self._lines[key] = _Line()
+            return line
+
+
+def _should_stop(run: Run) -> bool:
+    return run.delivery.settled or run.ctx.draining.is_set() or run.ctx.cancelled.is_set()
+
+
+class Concurrency(Middleware):
+    """Runs a job declared with ``@job(..., concurrency="KEY")`` inside a slot of KEY (a
+    template over payload fields, ``"partner:{partner_id}"``, names one key per tenant)."""
+
+    options = frozenset({"concurrency"})
+
+    def __init__(self, leases: SlotLeases, *, patience: float = c.DEFAULT_SLOT_WAIT) -> None:
+        self._leases = leases
+        self._patience = patience
+
+    def start(self) -> None:
+        self._leases.keeper.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._leases.keeper.healthy
+
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        text = run.job.spec.options.get("concurrency")
+        if not text:
+            return call_next(run)
+        try:
+            key = _template(text).render(run.job.payload)
+        except MissingField as exc:
+            return Rejected(c.ERR_INVALID_PAYLOAD, str(exc))
+        if self._leases.limits.of(key) is None:
+            return Rejected(c.ERR_UNKNOWN_CONCURRENCY_KEY, f"no limit declared for key {key!r}")
+        try:
+            taken = self._leases.take(key, run, self._patience)
+        except StoreError as exc:
+            return Unavailable(f"slot store: {exc}")
+        if taken is None:
+            if _should_stop(run):
+                return Interrupted()  # never started: another worker can have it now
+            # Spread the returns out, so the waiters of a full key do not come back together.
+            delay = random.uniform(0.5, 1.5) * c.DEFAULT_SLOT_DEFER
+            return Deferred(f"every slot of {key} stayed busy for {self._patience:g}s", delay)
+        try:
+            return call_next(run)
+        finally:
+            self._leases.give(taken)
+
+    def interrupted(self, run: Run) -> None:
+        self._leases.interrupted(run)
+
+    def close(self, timeout: float) -> None:
+        self._leases.keeper.close(timeout)
+
+
+@functools.cache
+def _template(text: str) -> KeyTemplate:
+    return KeyTemplate(text)

@@ -1,0 +1,85 @@
+"""SQLite slot store: several worker processes on one host, in the idempotency store's file."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from workerpool.slots.store import Holding, SlotStore, T, Table, TableMutation
+from workerpool.stores.sqlite import connect, translated
+
+_LABEL = "slot store"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS slots (
+    key TEXT PRIMARY KEY,
+    holders TEXT NOT NULL,
+    next_token INTEGER NOT NULL
+)
+"""
+
+
+class SqliteSlots(SlotStore):
+    """Each call is one ``BEGIN IMMEDIATE`` transaction: every key it touches is read,
+    decided and written under the database's write lock, so processes sharing the file see
+    one order of grants. A key's holders are one JSON column: a key has a handful of slots,
+    and one row per key makes a grant one read and one write."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        busy_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(clock=clock)
+        self._lock = threading.Lock()  # one connection: one transaction at a time
+        self._conn = connect(path, busy_timeout, _LABEL)
+        with translated(_LABEL):
+            try:
+                self._conn.execute(_SCHEMA)
+            except BaseException:
+                self._conn.close()
+                raise
+
+    def _mutate_many(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
+        with self._lock, translated(_LABEL):
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                results = [self._mutate(key, mutation) for key, mutation in items]
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+        return results
+
+    def _mutate(self, key: str, mutation: TableMutation[T]) -> T:
+        row = self._conn.execute(
+            "SELECT holders, next_token FROM slots WHERE key = ?", (key,)
+        ).fetchone()
+        table = None if row is None else _decode(*row)
+        result, change = mutation(table, self._clock())
+        if change is not None:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO slots VALUES (?, ?, ?)",
+                (key, _encode(change), change.next_token),
+            )
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _encode(table: Table) -> str:
+    return json.dumps({h: [lease.until, lease.token] for h, lease in table.holders.items()})
+
+
+def _decode(holders: str, next_token: int) -> Table:
+    decoded = {
+        h: Holding(float(until), int(token)) for h, (until, token) in json.loads(holders).items()
+    }
+    return Table(decoded, int(next_token))
