@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,36 @@ def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         except ConfigError:
             continue
         raise AssertionError(f"accepted {bad!r}")
+
+
+def test_concurrency_limits_from_file_env_and_flags(tmp_path: Path) -> None:
+    config = tmp_path / "w.toml"
+    config.write_text('[concurrency]\nexports = 2\n"partner:*" = 1\n')
+    env = {"WORKERPOOL_CONCURRENCY": "exports=3, imports=4"}
+    settings = load_settings(str(config), {"concurrency": ("imports=5",)}, env)
+    assert settings.concurrency == {"exports": 3, "partner:*": 1, "imports": 5}
+    for bad, says in (
+        ("[concurrency]\nexports = 0\n", "'exports'"),
+        ("[concurrency]\nexports = 1.5\n", "'exports'"),
+        ('[concurrency]\n"a*b" = 1\n', "may only end in *"),
+    ):
+        config.write_text(bad)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_settings(str(config), {}, {})
+    with pytest.raises(ConfigError, match="not KEY=LIMIT"):
+        load_settings(None, {"concurrency": ("exports",)}, {})
+
+
+def test_a_job_whose_concurrency_key_has_no_limit_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = _cli(
+        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
+        "--concurrency", "demo-slots=2", env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: job demo.tenant_sleep: concurrency key 'tenant:{tenant}' has no "
+        'declared limit: declare "tenant:*" (one limit per rendered key)'
+    ]
 
 
 def test_dockerfile_runs_workerpool_as_non_root_and_drains_on_sigterm() -> None:

@@ -16,8 +16,11 @@ from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.launcher import Launcher, Phase
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import Outcome
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.run import Run
 
 
 class _Gate:
@@ -156,4 +159,62 @@ def test_a_handler_raising_a_base_exception_is_a_failure_and_its_slot_carries_on
         )
         assert ran == ["j0", "j1"] and acks.acked == ["ack-m1"]
     finally:
+        assert pool.join(time.monotonic() + 5)
+
+
+class _WaitsWithoutPermit(Middleware):
+    """Before a run starts, puts its permit down (as a run waiting for a concurrency slot
+    does) until ``go`` is set, recording whether it was allowed to."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.put_down: list[bool] = []
+
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        if run.job.job_id.startswith("wait"):
+            self.put_down.append(run.permit.put_down())
+            self.go.wait(10)
+            if self.put_down[-1]:
+                assert run.permit.pick_up()
+        return call_next(run)
+
+
+def test_a_run_waiting_without_its_permit_lets_another_run_within_the_prefetch() -> None:
+    # Given 1 slot, a prefetch of 1, and runs that wait without their permit before starting
+    jobs, gate, acks, leases = Registry(), _Gate(), FakeAcks(), FakeLeaser()
+    jobs.job("t.gate")(gate)
+    waiting = _WaitsWithoutPermit()
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), [waiting], ProcessorSettings())
+    pool = Pool(processor, leases, PoolLimits(1, 1))
+    pool.start()
+
+    def message(job_id: str) -> Delivery:
+        return make_delivery(b"{}", {"job": "t.gate", "job_id": job_id}, message_id=job_id)
+
+    try:
+        # When one waits, Then the slot runs another message meanwhile: one running, two held
+        pool.admit([message("wait-1")])
+        assert wait_for(lambda: waiting.put_down == [True], timeout=10, interval=0.005)
+        assert pool.running == 0
+        pool.admit([message("run-1")])
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        assert (pool.running, pool.held, pool.wait_for_room(0)) == (1, 2, 0)
+        # And when the waiter may go on, it gets the permit only once the slot is free
+        waiting.go.set()
+        time.sleep(0.1)
+        assert gate.running == 1 and gate.started == 1
+        gate.release.set()
+        assert wait_for(lambda: len(acks.acked) == 2, timeout=10, interval=0.005)
+        assert gate.peak == 1
+        # And with the prefetch's one place taken, a second waiter may not wait without it
+        waiting.go.clear()
+        gate.release.clear()
+        pool.admit([message("wait-2")])
+        assert wait_for(lambda: len(waiting.put_down) == 2, timeout=10, interval=0.005)
+        pool.admit([message("wait-3")])
+        assert wait_for(lambda: len(waiting.put_down) == 3, timeout=10, interval=0.005)
+        assert waiting.put_down[1:] == [True, False]
+    finally:
+        waiting.go.set()
+        gate.release.set()
         assert pool.join(time.monotonic() + 5)

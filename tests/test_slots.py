@@ -28,10 +28,12 @@ from workerpool.slots import (
     slot_store_opener,
 )
 from workerpool.slots.keys import MissingField
+from workerpool.slots.middleware import GaveUp
+from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Table
 from workerpool.testing.emulator import LocalEmulator
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job
-from workerpool.worker.run import Run
+from workerpool.worker.run import UNPARKABLE, Permit, Run
 from workerpool.worker.timers import Timers
 
 TTL = 60.0
@@ -83,9 +85,9 @@ def store(make_store: StoreFactory) -> SlotStore:
 def test_a_key_grants_up_to_its_limit_then_is_full(store: SlotStore, clock: FakeClock) -> None:
     granted = [store.acquire(KEY, f"w{i}", 2, TTL) for i in range(2)]
     assert granted == [Granted(KEY, "w0", 1), Granted(KEY, "w1", 2)]
-    assert store.acquire(KEY, "w2", 2, TTL) == Full(2, clock.now + TTL)
+    assert store.acquire(KEY, "w2", 2, TTL) == Full(2)
     assert store.acquire("other-key", "w2", 2, TTL) == Granted("other-key", "w2", 1)
-    assert set(store.holders(KEY)) == {"w0", "w1"}
+    assert set(store.table(KEY).holders) == {"w0", "w1"}
 
 
 def test_a_released_slot_goes_to_the_next_holder_with_a_new_token(store: SlotStore) -> None:
@@ -93,7 +95,7 @@ def test_a_released_slot_goes_to_the_next_holder_with_a_new_token(store: SlotSto
     store.release_many([(KEY, "w0")])
     assert store.acquire(KEY, "w1", 1, TTL) == Granted(KEY, "w1", 2)  # tokens never repeat
     store.release_many([(KEY, "w0")])  # not held any more: changes nothing
-    assert set(store.holders(KEY)) == {"w1"}
+    assert set(store.table(KEY).holders) == {"w1"}
 
 
 def test_asking_again_as_a_live_holder_returns_the_same_grant(store: SlotStore) -> None:
@@ -128,7 +130,69 @@ def test_a_lapsed_holder_is_not_revived_by_a_late_renewal(
     assert store.acquire(KEY, "w2", 2, TTL) == Granted(KEY, "w2", 3)
     # Then w0 hears it lost the slot, and the key never has more than 2 holders
     assert store.renew_many([(KEY, "w0")], TTL) == [False]
-    assert set(store.holders(KEY)) == {"w1", "w2"}
+    assert set(store.table(KEY).holders) == {"w1", "w2"}
+
+
+def test_a_freed_slot_goes_to_the_replica_that_waited_longest(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    # Given a full key and two replicas waiting in line, r1 first
+    store.acquire(KEY, "holder", 1, TTL)
+    assert store.acquire(KEY, "r1", 1, TTL, wait=True) == Full(1, 0)
+    clock.advance(0.5)
+    assert store.acquire(KEY, "r2", 1, TTL, wait=True) == Full(1, 1)
+    # When the slot is freed, Then a newcomer and r2 do not jump the line, r1 gets it
+    clock.advance(0.1)
+    store.release_many([(KEY, "holder")])
+    assert store.acquire(KEY, "newcomer", 1, TTL) == Full(0, 2)
+    assert store.acquire(KEY, "r2", 1, TTL, wait=True) == Full(0, 1)
+    assert store.acquire(KEY, "r1", 1, TTL, wait=True) == Granted(KEY, "r1", 2)
+    store.release_many([(KEY, "r1")])
+    assert store.acquire(KEY, "r2", 1, TTL, wait=True) == Granted(KEY, "r2", 3)
+    assert store.table(KEY).waiters == {}
+
+
+def test_a_place_in_line_lapses_unless_refreshed_and_can_be_given_up(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    store.acquire(KEY, "holder", 1, TTL)
+    store.acquire(KEY, "dead", 1, TTL, wait=True)  # its replica dies: no more refreshes
+    store.acquire(KEY, "quits", 1, TTL, wait=True)
+    store.release_many([(KEY, "quits")])  # gave up waiting
+    assert set(store.table(KEY).waiters) == {"dead"}
+    clock.advance(WAITER_TTL + 0.1)
+    store.release_many([(KEY, "holder")])
+    assert store.acquire(KEY, "next", 1, TTL) == Granted(KEY, "next", 2)
+
+
+def test_a_deferred_job_is_told_to_come_back_by_its_place_in_line(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    # Given a key of limit 2 whose hold time is not measured yet
+    store.acquire(KEY, "h1", 2, TTL)
+    store.acquire(KEY, "h2", 2, TTL)
+    # Then a deferred job comes back when the oldest slot has been held as long again
+    assert store.book(KEY, "j1", 2) - clock.now == MIN_COME_BACK
+    clock.advance(5)
+    assert store.book(KEY, "j2", 2) - clock.now == 5.0
+    # Once a release measured one (4 s), a job comes back a little before a slot may be
+    # free for it: 3rd in line, 2 slots of 4 s, 0.8 of that
+    store.release_many([(KEY, "h1")], held_for=4.0)
+    store.acquire(KEY, "h3", 2, TTL)
+    assert store.book(KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 3 * 4 / 2)
+    # And one that comes back early keeps its place instead of going to the end
+    assert store.book(KEY, "j1", 2) - clock.now == pytest.approx(0.8 * 1 * 4 / 2)
+    # And a replica waiting now is ahead of every deferred job
+    store.acquire(KEY, "replica", 2, TTL, wait=True)
+    assert store.book(KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 4 * 4 / 2)
+    # And a booked job that comes back goes before that replica, which came later
+    store.release_many([(KEY, "h2")], held_for=8.0)
+    assert store.acquire(KEY, "w-j1", 2, TTL, job_id="j1") == Granted(KEY, "w-j1", 4)
+    assert set(store.table(KEY).booked) == {"j2", "j3"}
+    assert store.table(KEY).hold == pytest.approx(4 + 0.2 * 4)
+    # And a booking whose job never came back is dropped after a grace period
+    clock.advance(BOOKING_GRACE + 60)
+    assert set(store.table(KEY).bookings(clock.now)) == set()
 
 
 def test_handles_racing_on_one_key_never_exceed_its_limit(make_store: StoreFactory) -> None:
@@ -171,7 +235,7 @@ def test_handles_racing_on_one_key_never_exceed_its_limit(make_store: StoreFacto
 
 
 def test_slot_store_urls() -> None:
-    assert slot_store_opener("memory://")().holders(KEY) == {}
+    assert slot_store_opener("memory://")().table(KEY) == Table()
     with pytest.raises(ValueError, match="need a store shared"):
         slot_store_opener("none")
     with pytest.raises(ValueError, match="unsupported store URL"):
@@ -218,14 +282,29 @@ def test_a_template_must_be_covered_by_a_declared_limit() -> None:
 # --- waiting for a slot ----------------------------------------------------------------------
 
 
-def _run(job_id: str) -> Run:
+class _Permit:
+    """A run's permit in a pool with room for every waiter."""
+
+    def __init__(self) -> None:
+        self.held = True
+
+    def put_down(self) -> bool:
+        self.held = False
+        return True
+
+    def pick_up(self) -> bool:
+        self.held = True
+        return True
+
+
+def _run(job_id: str, permit: Permit | None = None) -> Run:
     """A run as the middleware sees it, of a job that takes a slot."""
     spec = JobSpec("demo.slot", lambda ctx, payload: None, options={"concurrency": KEY})
     message_id = f"m-{job_id}"
     job = Job(spec, job_id, {}, message_id, 1, None, {})
     ctx = JobContext(spec.name, job_id, message_id, 1, None, Flag())
     delivery = make_delivery(b"{}", {}, message_id=message_id)
-    return Run(job, ctx, delivery, lambda run, outcome: True)
+    return Run(job, ctx, delivery, lambda run, outcome: True, permit=permit or _Permit())
 
 
 @pytest.fixture
@@ -240,12 +319,12 @@ def test_runs_of_one_process_get_a_key_first_come_first_served(timers: Timers) -
     # Given a key of limit 1 held by run 0, and runs 1..5 queueing behind it in order
     leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
     first = leases.take(KEY, _run("0"), patience=5)
-    assert first is not None
+    assert not isinstance(first, GaveUp)
     order: list[str] = []
 
     def wait_then_hold(name: str) -> None:
         taken = leases.take(KEY, _run(name), patience=30)
-        assert taken is not None
+        assert not isinstance(taken, GaveUp)
         order.append(name)
         leases.give(taken)
 
@@ -265,10 +344,14 @@ def test_runs_of_one_process_get_a_key_first_come_first_served(timers: Timers) -
 def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Timers) -> None:
     leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
     held = leases.take(KEY, _run("0"), patience=5)
-    assert held is not None
-    assert leases.take(KEY, _run("1"), patience=0.2) is None  # patience ran out
+    assert not isinstance(held, GaveUp)
+    waiter = _run("1")
+    assert leases.take(KEY, waiter, patience=0.2) is GaveUp.PATIENCE
+    assert isinstance(waiter.permit, _Permit) and not waiter.permit.held  # waited without it
     draining = _run("2")
     threading.Timer(0.1, draining.ctx.draining.set).start()
-    assert leases.take(KEY, draining, patience=30) is None  # gave up at the drain
+    assert leases.take(KEY, draining, patience=30) is GaveUp.STOPPED
+    # With no room to wait without its permit, a run gives up at once
+    assert leases.take(KEY, _run("3", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
     leases.give(held)
-    assert leases.take(KEY, _run("3"), patience=1) is not None
+    assert not isinstance(leases.take(KEY, _run("4"), patience=1), GaveUp)

@@ -69,10 +69,9 @@ DEFAULT_MIN_BACKOFF: Final = 2.0
 DEFAULT_MAX_BACKOFF: Final = float(MAX_ACK_DEADLINE_SECONDS)
 DEFAULT_CLAIM_TTL: Final = 60.0
 # Concurrency slots: a holder killed outright frees its slot after the TTL; a run waits this
-# long for a free slot, then defers its message about this long (jittered) to come back.
+# long for a free slot, then defers its message.
 DEFAULT_SLOT_TTL: Final = 60.0
 DEFAULT_SLOT_WAIT: Final = 30.0
-DEFAULT_SLOT_DEFER: Final = 5.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
 
 

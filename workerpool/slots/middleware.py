@@ -20,6 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from workerpool import constants as c
 from workerpool.slots.keys import KeyTemplate, Limits, MissingField
@@ -40,11 +41,21 @@ from workerpool.worker.timers import Timers
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, str]  # (key, holder)
-# The first in line asks the store again after this long, doubling up to _MAX_POLL (jittered).
+# The first in line asks the store again after this long, doubling up to the store's
+# ``poll_every`` (jittered): a slot another replica frees sits idle for about half of that.
+# Its place in the key's line is written about once a second; the asks between are reads.
 _FIRST_POLL = 0.02
-_MAX_POLL = 0.5
 # Runs further back in line look at their run (draining? handed back?) this often.
 _CHECK_EVERY = 0.25
+
+
+class GaveUp(Enum):
+    """Why a run got no slot: its patience ran out, no room was left to wait without a
+    permit (the pool's prefetch is taken), or it must not start any more (draining)."""
+
+    PATIENCE = "patience"
+    NO_ROOM = "no_room"
+    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class Lease:
 class _Taken:
     lease: Lease
     held: Held[_Key]
+    since: float
 
 
 @dataclass(eq=False)
@@ -107,10 +119,10 @@ class SlotLeases:
         self._taken: dict[Run, list[_Taken]] = {}
         self._lock = threading.Lock()
 
-    def take(self, key: str, run: Run, patience: float) -> _Taken | None:
-        """A slot of ``key`` for ``run``, waiting up to ``patience`` seconds; None if none
-        came free in time, or the run should not start any more (draining, handed back).
-        Raises ``StoreError``; ``KeyError`` if ``key`` has no declared limit."""
+    def take(self, key: str, run: Run, patience: float) -> _Taken | GaveUp:
+        """A slot of ``key`` for ``run``, waiting up to ``patience`` seconds without the run's
+        permit (so it counts against the pool's prefetch, not its N). Raises ``StoreError``;
+        ``KeyError`` if ``key`` has no declared limit."""
         limit = self.limits.of(key)
         if limit is None:
             raise KeyError(key)
@@ -121,28 +133,62 @@ class SlotLeases:
             line.queue.append(ticket)
         deadline = self._clock() + patience
         poll = _FIRST_POLL
+        asked = parked = waited = queued = False
         try:
             while not _should_stop(run):
                 with line.cond:
                     first, version = line.queue[0] is ticket, line.version
                 wait = _CHECK_EVERY
-                if first:
+                # The first in this process's line asks the store; so does every run once,
+                # on arrival: a job deferred earlier may be ahead of everyone waiting here.
+                if first or not asked:
+                    if parked and not run.permit.pick_up():
+                        return GaveUp.STOPPED
+                    parked, asked = False, True
                     sent = self._clock()
-                    result = self._store.acquire(key, holder, limit, self.keeper.ttl)
+                    # In the key's line only once it has waited here: a run that cannot
+                    # wait leaves no place behind.
+                    result = self._store.acquire(
+                        key, holder, limit, self.keeper.ttl, wait=waited, job_id=run.job.job_id
+                    )
+                    queued = queued or waited
                     if isinstance(result, Granted):
+                        queued = False
                         return self._keep(run, Lease(key, holder, result.token), sent)
-                    wait, poll = poll * random.uniform(0.5, 1.0), min(poll * 2, _MAX_POLL)
+                    if first:
+                        wait, poll = (
+                            poll * random.uniform(0.5, 1.0),
+                            min(poll * 2, self._store.poll_every),
+                        )
+                if not parked:
+                    if not run.permit.put_down():
+                        return GaveUp.NO_ROOM
+                    parked = waited = True
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    return None
+                    return GaveUp.PATIENCE
                 with line.cond:
                     if line.version == version:
                         line.cond.wait(min(wait, remaining))
-            return None
+            return GaveUp.STOPPED
         finally:
             with line.cond:
                 line.queue.remove(ticket)
             line.moved()
+            if queued:
+                self._leave(key, holder)
+
+    def _leave(self, key: str, holder: str) -> None:
+        try:
+            self._store.release_many([(key, holder)])
+        except StoreError as exc:  # the place lapses on its own, soon
+            log.warning("place in the line of %s not given up: %s", key, exc)
+
+    def come_back_in(self, key: str, job_id: str) -> float:
+        """Seconds until job ``job_id``, which found ``key`` full, should come back (its
+        booking in the key's line); raises ``StoreError``."""
+        limit = self.limits.of(key) or 1
+        return max(0.0, self._store.book(key, job_id, limit) - time.time())
 
     def give(self, taken: _Taken) -> None:
         """Release the slot (the run ended); a release that fails is left to expire."""
@@ -150,7 +196,8 @@ class SlotLeases:
         self._forget(taken)
         lease = taken.lease
         try:
-            self._store.release_many([(lease.key, lease.holder)])
+            held_for = self._clock() - taken.since
+            self._store.release_many([(lease.key, lease.holder)], held_for=held_for)
         except StoreError as exc:
             log.warning("slot of %s not released (%s); it expires on its own", lease.key, exc)
         finally:
@@ -164,7 +211,7 @@ class SlotLeases:
             self.keeper.interrupted((each.lease.key, each.lease.holder))
 
     def _keep(self, run: Run, lease: Lease, sent: float) -> _Taken:
-        taken = _Taken(lease, self.keeper.hold(run, (lease.key, lease.holder), sent))
+        taken = _Taken(lease, self.keeper.hold(run, (lease.key, lease.holder), sent), sent)
         with self._lock:
             self._taken.setdefault(run, []).append(taken)
         return taken
@@ -220,16 +267,31 @@ class Concurrency(Middleware):
             taken = self._leases.take(key, run, self._patience)
         except StoreError as exc:
             return Unavailable(f"slot store: {exc}")
-        if taken is None:
-            if _should_stop(run):
+        match taken:
+            case GaveUp.STOPPED:
                 return Interrupted()  # never started: another worker can have it now
-            # Spread the returns out, so the waiters of a full key do not come back together.
-            delay = random.uniform(0.5, 1.5) * c.DEFAULT_SLOT_DEFER
-            return Deferred(f"every slot of {key} stayed busy for {self._patience:g}s", delay)
+            case GaveUp.PATIENCE | GaveUp.NO_ROOM:
+                return self._defer(key, run.job.job_id, taken)
         try:
             return call_next(run)
         finally:
             self._leases.give(taken)
+
+    def _defer(self, key: str, job_id: str, why: GaveUp) -> Outcome:
+        """Come back when a slot may be free for this job (its booking in the key's line):
+        spread out, each return a likely start, so a long backlog costs few deliveries."""
+        reason = (
+            f"every slot of {key} stayed busy for {self._patience:g}s"
+            if why is GaveUp.PATIENCE
+            else f"every slot of {key} is busy and the pool's prefetch is taken by waiters"
+        )
+        try:
+            delay = self._leases.come_back_in(key, job_id)
+        except StoreError:
+            delay = None  # backed off by the delivery attempt instead
+        if delay is not None:
+            delay = min(delay * random.uniform(1.0, 1.1), c.MAX_ACK_DEADLINE_SECONDS)
+        return Deferred(reason, delay)
 
     def interrupted(self, run: Run) -> None:
         self._leases.interrupted(run)

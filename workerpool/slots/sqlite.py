@@ -8,15 +8,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from workerpool.slots.store import Holding, SlotStore, T, Table, TableMutation
+from workerpool.slots.store import SlotStore, T, TableMutation, decode, encode
 from workerpool.stores.sqlite import connect, translated
 
 _LABEL = "slot store"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS slots (
     key TEXT PRIMARY KEY,
-    holders TEXT NOT NULL,
-    next_token INTEGER NOT NULL
+    record TEXT NOT NULL
 )
 """
 
@@ -24,8 +23,8 @@ CREATE TABLE IF NOT EXISTS slots (
 class SqliteSlots(SlotStore):
     """Each call is one ``BEGIN IMMEDIATE`` transaction: every key it touches is read,
     decided and written under the database's write lock, so processes sharing the file see
-    one order of grants. A key's holders are one JSON column: a key has a handful of slots,
-    and one row per key makes a grant one read and one write."""
+    one order of grants. A key's record is one JSON column: a key has a handful of slots and
+    waiters, and one row per key makes a grant one read and one write."""
 
     def __init__(
         self,
@@ -57,29 +56,15 @@ class SqliteSlots(SlotStore):
         return results
 
     def _mutate(self, key: str, mutation: TableMutation[T]) -> T:
-        row = self._conn.execute(
-            "SELECT holders, next_token FROM slots WHERE key = ?", (key,)
-        ).fetchone()
-        table = None if row is None else _decode(*row)
+        row = self._conn.execute("SELECT record FROM slots WHERE key = ?", (key,)).fetchone()
+        table = None if row is None else decode(json.loads(row[0]))
         result, change = mutation(table, self._clock())
         if change is not None:
             self._conn.execute(
-                "INSERT OR REPLACE INTO slots VALUES (?, ?, ?)",
-                (key, _encode(change), change.next_token),
+                "INSERT OR REPLACE INTO slots VALUES (?, ?)", (key, json.dumps(encode(change)))
             )
         return result
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-
-def _encode(table: Table) -> str:
-    return json.dumps({h: [lease.until, lease.token] for h, lease in table.holders.items()})
-
-
-def _decode(holders: str, next_token: int) -> Table:
-    decoded = {
-        h: Holding(float(until), int(token)) for h, (until, token) in json.loads(holders).items()
-    }
-    return Table(decoded, int(next_token))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from workerpool.stores import guarded
 
@@ -24,17 +24,49 @@ T = TypeVar("T")
 class Holding:
     until: float  # the store's clock (wall time): the lease lapses then unless renewed
     token: int
+    since: float  # when it was granted
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A place in the key's line: taken at ``since``, kept while it is refreshed."""
+
+    since: float
+    until: float
+
+
+@dataclass(frozen=True)
+class Booking:
+    """A deferred job's place in the key's line (``since``: when it first found the key
+    full) and when it was told to come back (``at``)."""
+
+    since: float
+    at: float
 
 
 @dataclass(frozen=True)
 class Table:
-    """A key's record. ``next_token`` only grows: a token names one grant, ever."""
+    """A key's record: its holders; the replicas waiting for it now (one waiter per replica:
+    each replica's own line waits behind it); the jobs deferred because it was full, by job
+    id; and how long a slot is held, on average, once released (``hold``, 0 until known).
+    Waiters and deferred jobs are served oldest first. ``next_token`` only grows: a token
+    names one grant, ever."""
 
     holders: dict[str, Holding] = field(default_factory=dict)
     next_token: int = 1
+    waiters: dict[str, Waiter] = field(default_factory=dict)
+    booked: dict[str, Booking] = field(default_factory=dict)
+    hold: float = 0.0
 
     def live(self, now: float) -> dict[str, Holding]:
         return {h: holding for h, holding in self.holders.items() if holding.until > now}
+
+    def line(self, now: float) -> dict[str, Waiter]:
+        return {h: waiter for h, waiter in self.waiters.items() if waiter.until > now}
+
+    def bookings(self, now: float) -> dict[str, Booking]:
+        """Bookings whose job may still come back (past ``at`` by BOOKING_GRACE at most)."""
+        return {j: b for j, b in self.booked.items() if b.at + BOOKING_GRACE > now}
 
 
 @dataclass(frozen=True)
@@ -49,20 +81,77 @@ class Granted:
 
 @dataclass(frozen=True)
 class Full:
-    """Every slot of the key is held; the first lease lapses at ``free_at`` unless renewed."""
+    """No slot of the key is free for the caller: ``holders`` hold one, ``ahead`` waiters
+    came first."""
 
     holders: int
-    free_at: float
+    ahead: int = 0
+
+
+def encode(table: Table) -> dict[str, Any]:
+    """The record as JSON-able data (lists, not maps keyed by holder: Firestore would read
+    such keys as field paths)."""
+    return {
+        "holders": [
+            {"holder": h, "until": float(lease.until), "token": lease.token, "since": lease.since}
+            for h, lease in table.holders.items()
+        ],
+        "waiters": [
+            {"holder": h, "since": float(w.since), "until": float(w.until)}
+            for h, w in table.waiters.items()
+        ],
+        "booked": [
+            {"job_id": j, "since": float(b.since), "at": float(b.at)}
+            for j, b in table.booked.items()
+        ],
+        "next_token": table.next_token,
+        "hold": float(table.hold),
+    }
+
+
+def decode(data: dict[str, Any]) -> Table:
+    return Table(
+        holders={
+            e["holder"]: Holding(float(e["until"]), int(e["token"]), float(e["since"]))
+            for e in data.get("holders", [])
+        },
+        next_token=int(data.get("next_token", 1)),
+        waiters={
+            e["holder"]: Waiter(float(e["since"]), float(e["until"]))
+            for e in data.get("waiters", [])
+        },
+        booked={
+            e["job_id"]: Booking(float(e["since"]), float(e["at"])) for e in data.get("booked", [])
+        },
+        hold=float(data.get("hold", 0.0)),
+    )
 
 
 # Given a key's record (None if it has none) and the time, what to return and the record to
 # write (None: leave it as it is).
 TableMutation = Callable[[Table | None, float], tuple[T, Table | None]]
+# A place in line that is not refreshed for this long lapses (its replica died or gave up).
+WAITER_TTL = 3.0
+# How much of the mean hold time one more release moves it.
+_HOLD_WEIGHT = 0.2
+# A booking whose job has not come back this long after its time is dropped: the job ran
+# elsewhere, was dead-lettered, or comes back as a newcomer.
+BOOKING_GRACE = 120.0
+# A deferred job comes back after this share of its expected wait, and never sooner than
+# MIN_COME_BACK seconds (each return is a delivery: the front of a busy line must not spin).
+_EARLY = 0.8
+MIN_COME_BACK = 1.0
+# Bookings kept per key at most (the record is rewritten whole on every change); beyond it, a
+# deferred job comes back by the line's length alone, without a place of its own.
+MAX_BOOKINGS = 2000
 
 
 class SlotStore(ABC):
     """Every method may raise ``StoreError`` (``StoreUnavailable`` when trying again later
     may help), and nothing else."""
+
+    # How often (seconds) a replica waiting for a full key may ask again: what an ask costs.
+    poll_every: float = 0.05
 
     def __init__(self, *, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -76,21 +165,81 @@ class SlotStore(ABC):
     def close(self) -> None:
         """Release connections; the store must not be used afterwards."""
 
-    def acquire(self, key: str, holder: str, limit: int, ttl: float) -> Granted | Full:
-        """A slot for ``holder`` if fewer than ``limit`` live holders have one. Asking again
-        as a live holder (a reply lost on the way) renews and returns the same grant."""
+    def acquire(
+        self,
+        key: str,
+        holder: str,
+        limit: int,
+        ttl: float,
+        *,
+        wait: bool = False,
+        job_id: str = "",
+    ) -> Granted | Full:
+        """A slot for ``holder`` if fewer than ``limit`` live holders have one and no waiter
+        that came before it is still waiting for it. A job that was deferred (``job_id``
+        booked) keeps the place it had then. With ``wait``, a caller that gets none takes (or
+        keeps) a place in line. Asking again as a live holder (a reply lost on the way)
+        renews and returns the same grant."""
 
         def mutation(table: Table | None, now: float) -> tuple[Granted | Full, Table | None]:
             table = table or Table()
-            live = table.live(now)
+            live, line = table.live(now), table.line(now)
             mine = live.get(holder)
             if mine is not None:
-                live[holder] = Holding(now + ttl, mine.token)
-                return Granted(key, holder, mine.token), Table(live, table.next_token)
-            if len(live) >= limit:
-                return Full(len(live), min(h.until for h in live.values())), None
-            live[holder] = Holding(now + ttl, table.next_token)
-            return Granted(key, holder, table.next_token), Table(live, table.next_token + 1)
+                live[holder] = replace(mine, until=now + ttl)
+                return Granted(key, holder, mine.token), replace(table, holders=live)
+            place = line.pop(holder, None)
+            booked = table.bookings(now)
+            booking = booked.get(job_id) if job_id else None
+            since = min(
+                now if place is None else place.since, now if booking is None else booking.since
+            )
+            ahead = sum(1 for h, w in line.items() if (w.since, h) < (since, holder))
+            if len(live) + ahead < limit:
+                live[holder] = Holding(now + ttl, table.next_token, now)
+                booked.pop(job_id, None)
+                token = table.next_token
+                granted = replace(
+                    table, holders=live, waiters=line, booked=booked, next_token=token + 1
+                )
+                return Granted(key, holder, token), granted
+            full = Full(len(live), ahead)
+            if not wait:
+                return full, None
+            if place is not None and place.until - now > WAITER_TTL / 2:
+                return full, None  # a read: the place is refreshed only now and then
+            line[holder] = Waiter(since, now + WAITER_TTL)
+            return full, replace(table, holders=live, waiters=line)
+
+        return self._guarded(lambda: self._mutate_many([(key, mutation)])[0])
+
+    def book(self, key: str, job_id: str, limit: int) -> float:
+        """When (wall time) the job ``job_id``, which found ``key`` full, should come back:
+        about when a slot may be free for it, from its place in line (the replicas waiting
+        now, then the jobs deferred before it) and the key's mean hold time, a little early
+        rather than late (a slot idles while its next job is away). A job booked before keeps
+        its place, so one that came back too early is not sent to the end. The returns of a
+        long backlog so come spread out, each a likely start, instead of all at once or in
+        ever longer backoffs. Until a release has measured a hold time, a job comes back
+        about when the oldest slot has been held as long again: soon for short jobs, in
+        doubling steps for long ones."""
+
+        def mutation(table: Table | None, now: float) -> tuple[float, Table | None]:
+            table = table or Table()
+            booked = table.bookings(now)
+            booking = booked.get(job_id)
+            since = now if booking is None else booking.since
+            if table.hold:
+                ahead = sum(1 for j, b in booked.items() if (b.since, j) < (since, job_id))
+                places = len(table.line(now)) + ahead + 1
+                at = now + max(MIN_COME_BACK, _EARLY * places * table.hold / limit)
+            else:
+                held = [now - h.since for h in table.live(now).values()]
+                at = now + max([MIN_COME_BACK, *held])
+            if booking is None and len(booked) >= MAX_BOOKINGS:
+                return at, None
+            booked[job_id] = Booking(since, at)
+            return at, replace(table, booked=booked)
 
         return self._guarded(lambda: self._mutate_many([(key, mutation)])[0])
 
@@ -104,8 +253,8 @@ class SlotStore(ABC):
                 mine = None if table is None else table.live(now).get(holder)
                 if table is None or mine is None:
                     return False, None
-                holders = {**table.holders, holder: Holding(now + ttl, mine.token)}
-                return True, Table(holders, table.next_token)
+                holders = {**table.holders, holder: replace(mine, until=now + ttl)}
+                return True, replace(table, holders=holders)
 
             return mutation
 
@@ -113,14 +262,23 @@ class SlotStore(ABC):
             lambda: self._mutate_many([(key, renewal(holder)) for key, holder in leases])
         )
 
-    def release_many(self, leases: Sequence[tuple[str, str]]) -> None:
+    def release_many(
+        self, leases: Sequence[tuple[str, str]], *, held_for: float | None = None
+    ) -> None:
+        """Give up ``(key, holder)`` slots, or places in line; ``held_for`` (seconds) says
+        how long a slot was held, for the key's mean hold time."""
+
         def releasing(holder: str) -> TableMutation[None]:
             def mutation(table: Table | None, now: float) -> tuple[None, Table | None]:
-                if table is None or holder not in table.holders:
+                if table is None or (holder not in table.holders and holder not in table.waiters):
                     return None, None
-                live = table.live(now)
-                live.pop(holder, None)
-                return None, Table(live, table.next_token)
+                live, line = table.live(now), table.line(now)
+                held = live.pop(holder, None)
+                line.pop(holder, None)
+                hold = table.hold
+                if held is not None and held_for is not None:
+                    hold = held_for if not hold else hold + _HOLD_WEIGHT * (held_for - hold)
+                return None, replace(table, holders=live, waiters=line, hold=hold)
 
             return mutation
 
@@ -128,11 +286,13 @@ class SlotStore(ABC):
             lambda: self._mutate_many([(key, releasing(holder)) for key, holder in leases])
         )
 
-    def holders(self, key: str) -> dict[str, Holding]:
-        """The live holders of ``key`` (for ``workerpool status``)."""
+    def table(self, key: str) -> Table:
+        """The key's record as it is now, lapsed holders and waiters left out (for
+        ``workerpool status``)."""
 
-        def reading(table: Table | None, now: float) -> tuple[dict[str, Holding], None]:
-            return ({} if table is None else table.live(now)), None
+        def reading(table: Table | None, now: float) -> tuple[Table, None]:
+            table = table or Table()
+            return replace(table, holders=table.live(now), waiters=table.line(now)), None
 
         return self._guarded(lambda: self._mutate_many([(key, reading)])[0])
 

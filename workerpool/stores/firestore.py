@@ -11,6 +11,7 @@ retrying UNAVAILABLE for 60 s), whereas every call here is bounded by ``timeout`
 from __future__ import annotations
 
 import hashlib
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +51,9 @@ _UNAVAILABLE = (
 # Not soon better: PERMISSION_DENIED, UNAUTHENTICATED, INVALID_ARGUMENT, bad credentials, or
 # a closed channel (gRPC's ValueError "Cannot invoke RPC on closed channel!").
 _FAILED = (api_exceptions.GoogleAPICallError, auth_exceptions.GoogleAuthError, ValueError)
+# After a lost race, wait up to this long (doubling to _MAX_PAUSE) before reading again.
+_FIRST_PAUSE = 0.01
+_MAX_PAUSE = 0.2
 # A write whose precondition failed: someone changed the document since we read it.
 _LOST_RACE = (api_exceptions.Conflict, api_exceptions.FailedPrecondition, api_exceptions.NotFound)
 
@@ -68,6 +72,7 @@ class Documents:
     def mutate(self, key: str, decide: Decision[T]) -> T:
         ref = self._collection.document(hashlib.sha256(key.encode()).hexdigest())
         deadline = time.monotonic() + self._timeout
+        pause = _FIRST_PAUSE
         with self._translated():
             while True:
                 snapshot = ref.get(**self._call_options(deadline))
@@ -76,7 +81,10 @@ class Documents:
                     self._write(ref, snapshot, change, deadline)
                     return result
                 except _LOST_RACE:
-                    continue
+                    # Writers of one hot document that all re-read at once lose again
+                    # together (a livelock, measured on the emulator): spread them out.
+                    time.sleep(random.uniform(0, pause))
+                    pause = min(pause * 2, _MAX_PAUSE)
 
     def mutate_many(self, items: Sequence[tuple[str, Decision[T]]]) -> list[T]:
         """Side by side, on daemon threads: many documents cost one round trip and one

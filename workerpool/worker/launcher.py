@@ -157,8 +157,10 @@ class Launcher:
         with self._lock:
             if self._phase is not Phase.NEW:
                 raise RuntimeError(f"cannot start a launcher that is {self._phase.value}")
-            # A typo in a job's config section stops the worker here, before any connection.
+            # A typo in a job's config section, or a key without a limit, stops the worker
+            # here, before any connection.
             job_config = self._jobs.configs(self.settings.job_config)
+            self._check_concurrency()
             clients = self._clients or _connect()
             try:
                 self._parts = self._build(clients, job_config)
@@ -241,9 +243,10 @@ class Launcher:
             *self._extra_middleware,
         ]
 
-    def _concurrency(self, timers: Timers) -> list[Middleware]:
-        s = self.settings
-        limits = Limits(s.concurrency)
+    def _check_concurrency(self) -> bool:
+        """Every job's concurrency key has a declared limit (ConfigError if not); True if any
+        job takes slots."""
+        limits = Limits(self.settings.concurrency)
         keys = {
             spec.name: spec.options["concurrency"]
             for spec in self._jobs.specs()
@@ -253,8 +256,13 @@ class Launcher:
             problem = KeyTemplate(key).check(limits)
             if problem:
                 raise ConfigError(f"job {job_name}: concurrency key {key!r} {problem}")
-        if not keys:
+        return bool(keys)
+
+    def _concurrency(self, timers: Timers) -> list[Middleware]:
+        s = self.settings
+        if not self._check_concurrency():
             return []
+        limits = Limits(s.concurrency)
         try:
             store = slot_store_opener(s.idempotency_store)()
         except (ValueError, ImportError, StoreError) as exc:

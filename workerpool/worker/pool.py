@@ -1,8 +1,13 @@
-"""Exactly N slots, and a hold on no more than N + prefetch messages.
+"""Exactly N running, and a hold on no more than N + prefetch messages.
 
 The puller asks ``wait_for_room`` how many messages it may pull; ``admit`` queues them for the
-N slot threads (and releases at once anything beyond the bound); ``quiet`` gives back every
+slot threads (and releases at once anything beyond the bound); ``quiet`` gives back every
 message not yet started; ``stop`` waits for running jobs until a deadline, then interrupts them.
+
+A message runs only while its slot thread holds one of N permits. There is a thread per
+message held (N + prefetch), so a run that must wait before its handler starts (for a
+concurrency slot, say) can put its permit down, letting another message run meanwhile: up to
+``prefetch`` runs wait so, counted against the prefetch, never against N.
 """
 
 from __future__ import annotations
@@ -64,14 +69,16 @@ class Pool:
         self._waiting: queue.SimpleQueue[Delivery | None] = queue.SimpleQueue()
         self._held = 0
         self._held_bytes = 0
-        self._running = 0
+        self._free = limits.max_outstanding  # permits nobody holds
+        self._parked = 0  # runs waiting without their permit
+        self._starting: set[Delivery] = set()  # taken by a slot thread, waiting for a permit
         self._cond = threading.Condition()
         self._quiet = threading.Event()
         self._threads: list[threading.Thread] = []
 
     @property
     def running(self) -> int:
-        return self._running
+        return self.limits.max_outstanding - self._free
 
     @property
     def held(self) -> int:
@@ -84,7 +91,7 @@ class Pool:
     def start(self) -> None:
         self._threads = [
             threading.Thread(target=self._slot, name=f"{self.name}-slot-{i}", daemon=True)
-            for i in range(self.limits.max_outstanding)
+            for i in range(self.limits.max_held)
         ]
         for thread in self._threads:
             thread.start()
@@ -127,26 +134,64 @@ class Pool:
             log.info("%s released %d messages beyond its bound", self.name, len(released))
 
     def _slot(self) -> None:
+        permit = _Permit(self)
         while True:
             delivery = self._waiting.get()
             if delivery is None:
                 return
             if delivery.settled:  # given back by quiet() while it waited
                 continue
-            with self._cond:
-                self._running += 1
             try:
-                self._processor.process(delivery)
+                if self._wait_for_permit(permit, delivery):
+                    self._processor.process(delivery, permit)
+                else:  # the pool went quiet while it waited: quiet() gave it back
+                    self._processor.give_back([delivery])
             except BaseException:  # the processor maps handler errors; this guards the slot
                 log.exception("%s: processing %s failed", self.name, delivery.message_id)
                 self._processor.give_back([delivery])  # if nothing settled it: now
             finally:
                 self._leases.remove(delivery)
                 with self._cond:
-                    self._running -= 1
+                    if permit.state is _HELD:
+                        self._free += 1
+                    elif permit.state is _PARKED:
+                        self._parked -= 1
+                    permit.state = _NONE
                     self._held -= 1
                     self._held_bytes -= delivery.size
                     self._cond.notify_all()
+
+    def _put_down(self, permit: _Permit) -> bool:
+        with self._cond:
+            if permit.state is not _HELD or self._parked >= self.limits.prefetch:
+                return False
+            permit.state = _PARKED
+            self._parked += 1
+            self._free += 1
+            self._cond.notify_all()
+            return True
+
+    def _wait_for_permit(self, permit: _Permit, delivery: Delivery) -> bool:
+        with self._cond:
+            self._starting.add(delivery)
+        try:
+            return self._pick_up(permit)
+        finally:
+            with self._cond:
+                self._starting.discard(delivery)
+
+    def _pick_up(self, permit: _Permit) -> bool:
+        """False once the pool is quiet: nothing that has not started starts any more."""
+        with self._cond:
+            while not self._free and not self._quiet.is_set():
+                self._cond.wait()
+            if self._quiet.is_set():
+                return False
+            if permit.state is _PARKED:
+                self._parked -= 1
+            self._free -= 1
+            permit.state = _HELD
+            return True
 
     def quiet(self) -> int:
         """Stop admitting, tell running jobs we are draining, give back what has not started."""
@@ -160,7 +205,9 @@ class Pool:
                 break
             if item is not None:
                 waiting.append(item)
-        released = self._processor.give_back(waiting)
+        with self._cond:
+            starting = list(self._starting)  # their threads count them out of held
+        released = self._processor.give_back(waiting + starting)
         with self._cond:
             self._held -= len(waiting)
             self._held_bytes -= sum(d.size for d in waiting)
@@ -170,7 +217,7 @@ class Pool:
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no job runs, or the monotonic ``deadline`` passes."""
         with self._cond:
-            while self._running or self._held:
+            while self.running or self._held:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -188,3 +235,23 @@ class Pool:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)
+
+
+# A slot thread's permit: none yet, held (its run may run), or parked (its run waits without).
+_NONE, _HELD, _PARKED = "none", "held", "parked"
+
+
+class _Permit:
+    """A slot thread's permit (``run.Permit``); ``state`` is guarded by the pool's lock."""
+
+    __slots__ = ("_pool", "state")
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self.state = _NONE
+
+    def put_down(self) -> bool:
+        return self._pool._put_down(self)
+
+    def pick_up(self) -> bool:
+        return self._pool._pick_up(self)

@@ -50,7 +50,7 @@ from workerpool.worker.outcome import (
     Succeeded,
     decide,
 )
-from workerpool.worker.run import Run, Settled
+from workerpool.worker.run import UNPARKABLE, Permit, Run, Settled
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class Processor:
         self.draining = Flag()
         self._counts: Counts[str] = Counts()
 
-    def process(self, delivery: Delivery) -> None:
+    def process(self, delivery: Delivery, permit: Permit = UNPARKABLE) -> None:
+        """Run one message to its settlement, holding ``permit`` (the pool's right to run)."""
         attempt = self._attempts.attempt(delivery)
         decoded = decode(
             delivery,
@@ -157,7 +158,7 @@ class Processor:
             subject = _Subject(decoded.job_name, decoded.job_id, attempt)
             self._settle(delivery, Rejected(decoded.error_type, decoded.error_message), subject)
             return
-        run = self._begin(decoded, delivery)
+        run = self._begin(decoded, delivery, permit)
         if run is None:
             self._settle(delivery, Interrupted(), _Subject.of(decoded))
             return
@@ -172,7 +173,7 @@ class Processor:
             with self._lock:  # only now: the end of a drain may still give it back
                 self._running.pop(delivery, None)
 
-    def _begin(self, job: Job, delivery: Delivery) -> Run | None:
+    def _begin(self, job: Job, delivery: Delivery, permit: Permit) -> Run | None:
         context = AsyncJobContext if job.spec.is_async else JobContext
         ctx = context(
             job=job.name,
@@ -185,7 +186,7 @@ class Processor:
             limiters=self._limiters,
             logger=logging.LoggerAdapter(_job_logger(job.name), {"job_id": job.job_id}),
         )
-        run = Run(job, ctx, delivery, self._hand_back)
+        run = Run(job, ctx, delivery, self._hand_back, permit=permit)
         with self._lock:
             if self._stopping:
                 return None  # dequeued just as the drain deadline passed: never start it

@@ -1,7 +1,8 @@
 """One run of a job, as it travels down the middleware chain, and how a message left the pool.
 
 ``Run`` is the one object every middleware gets (Temporal-interceptor style: an input object
-and a ``next``), so a field added here changes no middleware's signature. ``Settled`` is what
+and a ``next``), so a field added here changes no middleware's signature. Its ``Permit`` is
+its right to run, one of the pool's N. ``Settled`` is what
 every middleware hears once per message that leaves the pool, run or not.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
@@ -21,6 +22,33 @@ from workerpool.worker.envelope import Job
 
 if TYPE_CHECKING:
     from workerpool.worker.outcome import Outcome
+
+
+class Permit(Protocol):
+    """The right to run that a run holds, one of the pool's N. A run that must wait before
+    its handler starts (for a concurrency slot) puts it down, so another message may run
+    meanwhile, and picks it up again before it goes on."""
+
+    def put_down(self) -> bool:
+        """Wait without the permit; False if there is no room to wait (the caller gives up)."""
+        ...
+
+    def pick_up(self) -> bool:
+        """Take a permit back, waiting for one; False once the pool drains."""
+        ...
+
+
+class Unparkable:
+    """The permit of a run outside a pool: it never waits without it."""
+
+    def put_down(self) -> bool:
+        return False
+
+    def pick_up(self) -> bool:
+        return True
+
+
+UNPARKABLE: Permit = Unparkable()
 
 
 @dataclass(eq=False)
@@ -35,6 +63,7 @@ class Run:
     span: Span = INVALID_SPAN
     # What the chain returned, once it has.
     outcome: Outcome | None = None
+    permit: Permit = UNPARKABLE
 
     def hand_back(self, outcome: Outcome) -> bool:
         """Cancel this run and settle its message now with ``outcome`` (a lost claim, say);
