@@ -20,7 +20,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from workerpool import AsyncJobContext, JobContext, PermanentError, RetryableError, job
+from workerpool import (
+    AsyncJobContext,
+    Defer,
+    JobContext,
+    PermanentError,
+    RetryableError,
+    job,
+)
 from workerpool.context import RunContext
 
 _ledger_lock = threading.Lock()
@@ -35,6 +42,8 @@ class SleepRequest:
     # Sleep on regardless of ctx.cancelled, like a handler stuck in a call that cannot be
     # interrupted (the tests use it to show a drain does not wait for it). demo.sleep only.
     ignore_cancel: bool = False
+    # Ask to run later (raise Defer) while the delivery attempt is at most this. demo.sleep only.
+    defer_until: int = 0
 
 
 def _record(ctx: RunContext, started: float, outcome: str) -> None:
@@ -62,6 +71,8 @@ def _record_start(ctx: RunContext, started: float) -> None:
 
 @job("demo.sleep", timeout=600, payload=SleepRequest)
 def sleep(ctx: JobContext, request: SleepRequest) -> None:
+    if ctx.delivery_attempt <= request.defer_until:
+        raise Defer(f"asked to run later than attempt {ctx.delivery_attempt}", delay=0.1)
     started = time.time()
     _record_start(ctx, started)
     if request.ignore_cancel:

@@ -28,3 +28,10 @@ def slot_sleep(ctx: JobContext, request: demo.SleepRequest) -> None:
 def tenant_sleep(ctx: JobContext, request: TenantSleepRequest) -> None:
     """``demo.sleep`` holding a slot of its own tenant's key."""
     demo.sleep(ctx, request)
+
+
+@job("demo.flaky_slot_sleep", timeout=600, max_attempts=3, payload=demo.SleepRequest,
+     concurrency="demo-slots")  # fmt: skip
+def flaky_slot_sleep(ctx: JobContext, request: demo.SleepRequest) -> None:
+    """``demo.slot_sleep`` with only 3 attempts, for failures counted apart from deferrals."""
+    demo.sleep(ctx, request)

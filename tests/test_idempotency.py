@@ -434,6 +434,47 @@ def test_open_store_by_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     firestore_store.close()
 
 
+def test_an_sqlite_store_written_before_failures_were_counted_opens_and_keeps_its_records(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "old.db"
+    with contextlib.closing(sqlite3.connect(path)) as old:
+        old.execute(
+            "CREATE TABLE idempotency (job_id TEXT PRIMARY KEY, owner TEXT NOT NULL,"
+            " message_id TEXT NOT NULL, until REAL NOT NULL, completed_at REAL,"
+            " expire_at REAL NOT NULL)"
+        )
+        old.execute(
+            "INSERT INTO idempotency VALUES ('done-before', 'w', 'm', ?, ?, ?)",
+            (clock.now, clock.now, clock.now + RETENTION),
+        )
+        old.commit()
+    with SqliteStore(path, retention=RETENTION, clock=clock) as store:
+        assert store.claim("done-before", "w2", "m2", TTL) == Done(clock.now)
+        assert store.claim(JOB, "w2", "m2", TTL) == Claimed(0)
+        store.release(JOB, "w2", "m2", failed=True)
+        assert store.claim(JOB, "w2", "m3", TTL) == Claimed(1)
+
+
+def test_failed_runs_are_counted_with_the_job_id_and_nothing_else_is(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    # Given a job id whose run failed twice, and was interrupted once (not a failure)
+    assert store.claim(JOB, "w1", "m1", TTL) == Claimed(0)
+    store.release(JOB, "w1", "m1", failed=True)
+    assert store.claim(JOB, "w2", "m1", TTL) == Claimed(1)
+    store.release(JOB, "w2", "m1", failed=True)
+    assert store.claim(JOB, "w1", "m2", TTL) == Claimed(2)
+    store.release(JOB, "w1", "m2")
+    # Then the next claim hears of 2 failures, and a late renewal of a released claim fails
+    assert store.renew(JOB, "w1", "m2", TTL) is False
+    assert store.claim(JOB, "w3", "m3", TTL) == Claimed(2)
+    # And once completed and expired, a new run of the job id starts from none
+    store.complete(JOB, "w3", "m3")
+    clock.advance(RETENTION + 1)
+    assert store.claim(JOB, "w1", "m4", TTL) == Claimed(0)
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -16,6 +16,7 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.support import (
     WorkerProcess,
     ledger_events,
+    read_ledger,
     spawn_worker,
     wait_for,
     worker_processes,
@@ -181,6 +182,33 @@ def test_one_tenants_flood_does_not_delay_the_others(
         if r["job_id"].startswith("a-")
     ]
     assert _overlap(a_intervals)[0] == 1
+
+
+def test_deferrals_do_not_use_up_a_jobs_attempts(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a job with max_attempts = 3 that is deferred on its first 10 deliveries (Defer,
+    # the outcome a full key gives too), then fails on the next 2
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    with worker_processes() as workers:
+        worker = _spawn(workers, pubsub_resources, ledger, [*SLOT_JOBS])
+        pubsub_resources.publish(
+            "demo.flaky_slot_sleep",
+            {"seconds": 0.1, "defer_until": 10, "fail": "retryable", "fail_until": 13},
+            job_id="flaky",
+        )
+        # When it runs, Then it is retried after each failure and done on its third try, at
+        # delivery 13, never dead-lettered
+        assert wait_for(lambda: "flaky" in _done_on(ledger, worker), timeout=60)
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    runs = read_ledger(ledger)
+    failed = [r["attempt"] for r in runs if r["outcome"] == "retryable"]
+    done = [r["attempt"] for r in runs if r["outcome"] == "done"]
+    print(f"failed on deliveries {failed}, done on delivery {done}")
+    assert (failed, done) == ([11, 12], [13])
+    assert pubsub_resources.dead_letters(expected=1, timeout=2) == []
 
 
 def _done_on(ledger: Path, worker: WorkerProcess) -> set[str]:

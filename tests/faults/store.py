@@ -94,9 +94,11 @@ class FaultyStore(IdempotencyStore):
         self._inject("complete")
         self.inner.complete(job_id, owner, message_id)
 
-    def release_many(self, claims: Sequence[tuple[str, str]], owner: str) -> None:
+    def release_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, *, failed: bool = False
+    ) -> None:
         self._inject("release")
-        self.inner.release_many(claims, owner)
+        self.inner.release_many(claims, owner, failed=failed)
 
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
         return self.inner._mutate(job_id, mutation)

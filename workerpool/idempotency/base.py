@@ -24,7 +24,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Claimed:
-    """The caller now holds the claim and may run the job."""
+    """The caller now holds the claim and may run the job; ``failures`` earlier runs of the
+    job id failed (deferrals and hand-backs are not failures)."""
+
+    failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,14 @@ ClaimResult = Claimed | Done | HeldElsewhere
 
 @dataclass(frozen=True)
 class Record:
-    """What a backend stores per job id; ``completed_at`` is None while it is only a claim."""
+    """What a backend stores per job id; ``completed_at`` is None while it is only a claim.
+    A claim given up after failed runs stays, held by nobody (owner ""), to count them."""
 
     owner: str
     message_id: str
     until: float
     completed_at: float | None = None
+    failures: int = 0
 
     def expire_at(self, retention: float) -> float:
         """When the record stops mattering and may be purged."""
@@ -106,7 +111,8 @@ class IdempotencyStore(ABC):
     def _claiming(self, owner: str, message_id: str, ttl: float) -> Mutation[ClaimResult]:
         def mutation(record: Record | None, now: float) -> tuple[ClaimResult, Change]:
             if record is None or not self._is_live(record, now):
-                return Claimed(), Record(owner, message_id, until=now + ttl)
+                failures = 0 if record is None or record.completed_at else record.failures
+                return Claimed(failures), Record(owner, message_id, now + ttl, failures=failures)
             if record.completed_at is not None:
                 return Done(record.completed_at), None
             return HeldElsewhere(record.owner, record.message_id, record.until), None
@@ -143,13 +149,22 @@ class IdempotencyStore(ABC):
 
         return mutation
 
-    def release(self, job_id: str, owner: str, message_id: str) -> None:
-        self.release_many([(job_id, message_id)], owner)
+    def release(self, job_id: str, owner: str, message_id: str, *, failed: bool = False) -> None:
+        """Give the claim up; ``failed``: the run failed, and counts as a failed attempt."""
+        self.release_many([(job_id, message_id)], owner, failed=failed)
 
-    def release_many(self, claims: Sequence[tuple[str, str]], owner: str) -> None:
+    def release_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, *, failed: bool = False
+    ) -> None:
         def releasing(message_id: str) -> Mutation[None]:
             def mutation(record: Record | None, now: float) -> tuple[None, Change]:
-                return None, DELETE if _owns(record, owner, message_id) else None
+                if not _owns(record, owner, message_id):
+                    return None, None
+                failures = record.failures + failed
+                if not failures:
+                    return None, DELETE
+                # Held by nobody from now on, so no late renewal can revive it.
+                return None, Record("", "", until=now, failures=failures)
 
             return mutation
 

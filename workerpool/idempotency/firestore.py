@@ -64,6 +64,7 @@ class FirestoreStore(IdempotencyStore):
             "until": float(record.until),
             "completed_at": None if record.completed_at is None else float(record.completed_at),
             "expire_at": expire_at,
+            "failures": record.failures,
         }
 
     def close(self) -> None:
@@ -77,4 +78,5 @@ def _decode(data: dict[str, Any]) -> Record:
         message_id=data["message_id"],
         until=float(data["until"]),
         completed_at=None if completed_at is None else float(completed_at),
+        failures=int(data.get("failures", 0)),
     )

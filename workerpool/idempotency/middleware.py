@@ -29,6 +29,7 @@ from workerpool.worker.middleware import Middleware, Next
 from workerpool.worker.outcome import (
     AlreadyDone,
     DuplicateOfRunning,
+    Failed,
     Interrupted,
     Outcome,
     RedeliveredWhileRunning,
@@ -92,10 +93,11 @@ class Idempotency(Middleware):
     def _run_claimed(self, run: Run, call_next: Next, key: _Key) -> Outcome:
         job = run.job
         sent = time.monotonic()
+        claim: ClaimResult | None
         try:
             claim = self._store.claim(job.job_id, self._owner, job.message_id, self.keeper.ttl)
             if self._is_own_stale_claim(claim, job):
-                claim = Claimed()
+                claim = None  # taken back: its count of failures is not known
         except StoreError as exc:
             return Unavailable(f"idempotency store: {exc}")
         match claim:
@@ -106,7 +108,9 @@ class Idempotency(Middleware):
                 return RedeliveredWhileRunning()
             case HeldElsewhere():
                 return DuplicateOfRunning()
-            case Claimed():
+            case Claimed(failures=failures):
+                run.failures = failures
+            case None:
                 pass
         if run.delivery.settled:
             # Handed back (the drain deadline) while the claim was being made: never start
@@ -118,7 +122,11 @@ class Idempotency(Middleware):
             outcome = call_next(run)
             if isinstance(outcome, Succeeded):
                 return self._complete(run)
-            self._release(job)
+            # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
+            # counts as deliveries too, never use up its max_attempts. A run that ends after
+            # its message was handed back (the drain deadline, a lost claim) did not fail.
+            failed = isinstance(outcome, Failed) and not run.delivery.settled
+            self._release(job, failed=failed)
             return outcome
         finally:
             self.keeper.let_go(held)
@@ -153,9 +161,9 @@ class Idempotency(Middleware):
                 log.error("job %s done but not recorded: %s", job.job_id, exc)
                 return Unavailable(f"completion not recorded: {exc}")
 
-    def _release(self, job: Job) -> None:
+    def _release(self, job: Job, *, failed: bool = False) -> None:
         try:
-            self._store.release(job.job_id, self._owner, job.message_id)
+            self._store.release(job.job_id, self._owner, job.message_id, failed=failed)
         except StoreError as exc:
             log.warning("claim on %s not released (%s); it expires on its own", job.job_id, exc)
 

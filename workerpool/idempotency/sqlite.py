@@ -33,14 +33,17 @@ CREATE TABLE IF NOT EXISTS idempotency (
     message_id TEXT NOT NULL,
     until REAL NOT NULL,
     completed_at REAL,
-    expire_at REAL NOT NULL
+    expire_at REAL NOT NULL,
+    failures INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS idempotency_expire_at ON idempotency (expire_at);
 """
 _LABEL = "idempotency store"
 _PURGE_EVERY = 1000  # mutations between purges; the expire_at index keeps each purge cheap
-# One batch's upsert binds 6 values per record: stay under SQLite's historical limit of 999.
-_MAX_BATCH = 999 // 6
+# One batch's upsert binds 7 values per record: stay under SQLite's historical limit of 999.
+_MAX_BATCH = 999 // 7
+# A Record's fields, after its job id.
+_RECORD = "job_id, owner, message_id, until, completed_at, failures"
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class SqliteStore(IdempotencyStore):
         with translated(_LABEL):
             try:
                 self._conn.executescript(_SCHEMA)
+                self._add_failures_column()
                 self._purge()
             except BaseException:
                 self._conn.close()
@@ -128,15 +132,16 @@ class SqliteStore(IdempotencyStore):
     # parametrized backend suite holds both forms to the same behaviour.
 
     _CLAIM = (
-        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, NULL, ?4 + ?6)"
+        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, NULL, ?4 + ?6, 0)"
         " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
         " message_id = excluded.message_id, until = excluded.until, completed_at = NULL,"
-        " expire_at = excluded.expire_at"
+        " expire_at = excluded.expire_at,"
+        " failures = CASE WHEN completed_at IS NULL THEN failures ELSE 0 END"
         " WHERE (completed_at IS NULL AND until <= ?5)"
         " OR (completed_at IS NOT NULL AND completed_at + ?6 <= ?5)"
     )
     _COMPLETE = (
-        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, ?4, ?4 + ?5)"
+        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, ?4, ?4 + ?5, 0)"
         " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
         " message_id = excluded.message_id, until = excluded.until,"
         " completed_at = excluded.completed_at, expire_at = excluded.expire_at"
@@ -189,13 +194,14 @@ class SqliteStore(IdempotencyStore):
     def _claim_now(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
         now = self._clock()
         won = self._conn.execute(
-            self._CLAIM + " RETURNING 1",
+            self._CLAIM + " RETURNING failures",
             (job_id, owner, message_id, now + ttl, now, self.retention),
         ).fetchone()
         if won:
-            return Claimed()
+            return Claimed(won[0])
         row = self._conn.execute(
-            "SELECT owner, message_id, until, completed_at FROM idempotency WHERE job_id = ?",
+            "SELECT owner, message_id, until, completed_at, failures FROM idempotency"
+            " WHERE job_id = ?",
             (job_id,),
         ).fetchone()
         if row is None:  # released between the two statements: claim it after all
@@ -329,15 +335,14 @@ class SqliteStore(IdempotencyStore):
         ]
         self._conn.executemany(self._CLAIM, params)
         rows = self._conn.execute(
-            "SELECT job_id, owner, message_id, until, completed_at FROM idempotency"
-            f" WHERE job_id IN ({_marks(len(claims))})",
+            f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(claims))})",
             [r.job_id for r in claims],
         ).fetchall()
         records = {row[0]: Record(*row[1:]) for row in rows}
         for request, (_, owner, message_id, until, _, _) in zip(claims, params, strict=True):
             record = records[request.job_id]
-            if record == Record(owner, message_id, until):
-                request.result = Claimed()  # ours: the until we just wrote
+            if (record.owner, record.message_id, record.until) == (owner, message_id, until):
+                request.result = Claimed(record.failures)  # ours: the until we just wrote
             elif record.completed_at is not None:
                 request.result = Done(record.completed_at)
             else:
@@ -350,8 +355,7 @@ class SqliteStore(IdempotencyStore):
         # batch matters: each one gives up the GIL and must wait to get it back.
         job_ids = list({r.job_id: None for r in batch})
         rows = self._conn.execute(
-            "SELECT job_id, owner, message_id, until, completed_at FROM idempotency"
-            f" WHERE job_id IN ({_marks(len(job_ids))})",
+            f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(job_ids))})",
             job_ids,
         ).fetchall()
         records: dict[str, Record | None] = {row[0]: Record(*row[1:]) for row in rows}
@@ -379,7 +383,7 @@ class SqliteStore(IdempotencyStore):
         if kept:
             self._conn.execute(
                 "INSERT OR REPLACE INTO idempotency VALUES "
-                + ", ".join([f"({_marks(6)})"] * len(kept)),
+                + ", ".join([f"({_marks(7)})"] * len(kept)),
                 [
                     value
                     for job_id, r in kept
@@ -390,9 +394,22 @@ class SqliteStore(IdempotencyStore):
                         r.until,
                         r.completed_at,
                         r.expire_at(self.retention),
+                        r.failures,
                     )
                 ],
             )
+
+    def _add_failures_column(self) -> None:
+        """A store file written before failed attempts were counted lacks the column."""
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(idempotency)")}
+        if "failures" not in columns:
+            try:
+                self._conn.execute(
+                    "ALTER TABLE idempotency ADD COLUMN failures INTEGER NOT NULL DEFAULT 0"
+                )
+            except sqlite3.OperationalError as exc:  # another worker added it just now
+                if "duplicate column" not in str(exc):
+                    raise
 
     def _purge(self) -> None:
         self._conn.execute("DELETE FROM idempotency WHERE expire_at <= ?", (self._clock(),))

@@ -78,12 +78,17 @@ class _Subject:
 
     job_name: str
     job_id: str
-    attempt: int
+    attempt: int  # Pub/Sub's delivery attempt
     max_attempts: int = 1
+    # This run's number among the job id's tries: its earlier failures + 1 where the
+    # idempotency store counts them, else the delivery attempt (deferrals included).
+    tries: int = 0
 
     @classmethod
-    def of(cls, job: Job) -> _Subject:
-        return cls(job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts)
+    def of(cls, job: Job, run: Run | None = None) -> _Subject:
+        failures = None if run is None else run.failures
+        tries = job.delivery_attempt if failures is None else failures + 1
+        return cls(job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts, tries)
 
     @classmethod
     def unstarted(cls, delivery: Delivery) -> _Subject:
@@ -168,7 +173,7 @@ class Processor:
             except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
                 log.exception("job %s: the middleware chain raised", decoded.name)
                 run.outcome = Failed(type(exc).__name__, str(exc), exc)
-            self._settle(delivery, run.outcome, _Subject.of(decoded), run)
+            self._settle(delivery, run.outcome, _Subject.of(decoded, run), run)
         finally:
             with self._lock:  # only now: the end of a drain may still give it back
                 self._running.pop(delivery, None)
@@ -229,7 +234,7 @@ class Processor:
 
     def _facts(self, subject: _Subject) -> Facts:
         return Facts(
-            subject.attempt, subject.max_attempts, self._settings.backoff,
+            subject.tries or subject.attempt, subject.max_attempts, self._settings.backoff,
             self._settings.retry_policy,
         )  # fmt: skip
 

@@ -64,6 +64,9 @@ class Run:
     # What the chain returned, once it has.
     outcome: Outcome | None = None
     permit: Permit = UNPARKABLE
+    # How many earlier runs of this job id failed, as the idempotency store counts them (None:
+    # not known, and Pub/Sub's delivery attempt, which counts deferrals too, stands in).
+    failures: int | None = None
 
     def hand_back(self, outcome: Outcome) -> bool:
         """Cancel this run and settle its message now with ``outcome`` (a lost claim, say);
