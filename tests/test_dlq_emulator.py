@@ -1,9 +1,11 @@
-"""Dead-letter tooling and ``status`` on the emulator: list, replay, a subscription's settings."""
+"""Dead-letter tooling and ``status`` on the emulator: list, replay, a subscription's settings,
+the fleet's concurrency keys."""
 
 from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
@@ -17,6 +19,7 @@ from workerpool import constants as c
 from workerpool.cli import main
 from workerpool.ops.dlq import FailureRecord, Replayer, peek
 from workerpool.registry import Registry
+from workerpool.slots import SqliteSlots
 from workerpool.telemetry import Telemetry
 from workerpool.testing.pubsub import PubSubResources
 
@@ -233,3 +236,27 @@ def test_status_shows_settings_and_says_monitoring_is_unavailable_on_the_emulato
     assert "subscription projects/workerpool-test/subscriptions/nope does not exist" in (
         missing.output
     )
+
+
+def test_status_shows_the_fleets_concurrency_keys(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a store the workers share, where one slot of "exports" is held
+    pubsub_resources.provision()
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    store = SqliteSlots(tmp_path / "fleet.db")
+    store.acquire("exports", "w1/run", 2, 60)
+    store.close()
+    # When status is asked about the declared limits
+    code, output = _cli(
+        "status", "--project", pubsub_resources.project,
+        "--subscription", pubsub_resources.subscription, "--idempotency-store", url,
+        "--concurrency", "exports=2", "--concurrency", "partner:*=1",
+    )  # fmt: skip
+    # Then it shows each key beside the subscription's settings
+    assert code == 0, output
+    fields = {
+        k.strip(): v.strip() for k, v in (line.split(": ", 1) for line in output.splitlines())
+    }
+    assert fields["concurrency exports"].startswith("limit 2, 1 held: w1/run (token 1, ")
+    assert fields["concurrency partner:*"] == "limit 1 each, no key in use"

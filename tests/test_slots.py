@@ -234,6 +234,14 @@ def test_handles_racing_on_one_key_never_exceed_its_limit(make_store: StoreFacto
     assert grants >= rounds
 
 
+def test_keys_are_listed_by_prefix(store: SlotStore) -> None:
+    for key in ("partner:b", "partner:a", "partner%_x", "exports"):
+        store.acquire(key, "w", 1, TTL)
+    assert store.keys("partner:") == ["partner:a", "partner:b"]
+    assert store.keys("partner%") == ["partner%_x"]  # no wildcards in a prefix
+    assert store.keys("") == ["exports", "partner%_x", "partner:a", "partner:b"]
+
+
 def test_slot_store_urls() -> None:
     assert slot_store_opener("memory://")().table(KEY) == Table()
     with pytest.raises(ValueError, match="need a store shared"):
@@ -355,3 +363,10 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     assert leases.take(KEY, _run("3", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
     leases.give(held)
     assert not isinstance(leases.take(KEY, _run("4"), patience=1), GaveUp)
+
+
+def test_a_slot_for_part_of_a_run_needs_a_declared_limit() -> None:
+    ctx = JobContext("t", "j", "m", 1, None, Flag())
+    limitless = pytest.raises(LookupError, match="no concurrency limit is declared for 'calls'")
+    with limitless, ctx.slot("calls"):
+        pass

@@ -3,7 +3,9 @@ sharing an SQLite store on one host or the Firestore emulator's store."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 import time
 import uuid
 from collections import Counter
@@ -21,8 +23,10 @@ from tests.support import (
     wait_for,
     worker_processes,
 )
+from workerpool import AsyncJobContext, JobContext
+from workerpool.registry import Registry
 from workerpool.testing.emulator import LocalEmulator
-from workerpool.testing.pubsub import PubSubResources
+from workerpool.testing.pubsub import PubSubResources, wait_settled
 
 # The jobs that take slots, with limits for their keys (a test declares its own after these).
 # Share of the key's slots kept busy while the backlog lasts. Firestore's is a measured
@@ -230,3 +234,59 @@ def _end(ledger: Path, start: dict[str, Any]) -> float:
         if (entry["message_id"], entry["start"]) == (start["message_id"], start["start"]):
             return float(entry["end"])
     return time.time()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_slot_for_part_of_a_run_bounds_only_that_part(
+    kind: str, pubsub_resources: PubSubResources
+) -> None:
+    # Given a job that takes a slot of "calls" (limit 1) for part of its run only
+    jobs, lock = Registry(), threading.Lock()
+    counts = {"running": 0, "inside": 0, "peak_running": 0, "peak_inside": 0}
+    tokens: list[int] = []
+
+    def enter(name: str) -> None:
+        with lock:
+            counts[name] += 1
+            counts[f"peak_{name}"] = max(counts[f"peak_{name}"], counts[name])
+
+    def leave(name: str) -> None:
+        with lock:
+            counts[name] -= 1
+
+    if kind == "sync":
+
+        @jobs.job("t.partial")
+        def partial(ctx: JobContext, payload: dict[str, Any]) -> None:
+            enter("running")
+            time.sleep(0.2)
+            with ctx.slot("calls") as lease:
+                enter("inside")
+                tokens.append(lease.token)
+                time.sleep(0.05)
+                leave("inside")
+            leave("running")
+
+    else:
+
+        @jobs.job("t.partial")
+        async def partial_async(ctx: AsyncJobContext, payload: dict[str, Any]) -> None:
+            enter("running")
+            await asyncio.sleep(0.2)
+            async with ctx.slot("calls") as lease:
+                enter("inside")
+                tokens.append(lease.token)
+                await asyncio.sleep(0.05)
+                leave("inside")
+            leave("running")
+
+    # When 12 of them run on 4 slots
+    with pubsub_resources.worker(jobs, max_outstanding=4, concurrency={"calls": 1}) as worker:
+        pubsub_resources.publish_many("t.partial", [(f"p-{i}", {}) for i in range(12)])
+        stats = wait_settled(worker, 12, timeout=60)
+    # Then the part inside the slot ran one at a time, each under a token of its own, while
+    # the rest of the runs overlapped
+    print(f"{kind}: {counts}, tokens {tokens}")
+    assert stats == {"done": 12}
+    assert counts["peak_inside"] == 1 and counts["peak_running"] >= 2
+    assert sorted(tokens) == list(range(1, 13))

@@ -4,9 +4,11 @@ tests/test_dlq_emulator.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from workerpool.ops.status import MONITORING_URL, backlog_lines
+from workerpool.ops.status import MONITORING_URL, backlog_lines, slot_lines
+from workerpool.slots import SqliteSlots
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
 
@@ -64,3 +66,27 @@ def test_missing_series_and_failures_are_said_not_raised() -> None:
     assert why == "Cloud Monitoring unavailable: 403 monitoring.timeSeries.list denied"
     [(_, why)] = backlog_lines(SUBSCRIPTION, env={"PUBSUB_EMULATOR_HOST": "127.0.0.1:1"})
     assert why.startswith("unavailable on the emulator")
+
+
+def test_status_shows_each_keys_limit_holders_waiters_and_deferred_jobs(tmp_path: Path) -> None:
+    # Given a fleet's slot store: a full key with a waiter and a deferred job, two tenant keys
+    store = SqliteSlots(tmp_path / "fleet.db")
+    for holder in ("w1/a", "w2/b"):
+        store.acquire("exports", holder, 2, 60)
+    store.acquire("exports", "w3/c", 2, 60, wait=True)
+    store.book("exports", "job-9", 2)
+    store.acquire("partner:acme", "w1/d", 1, 60)
+    store.acquire("partner:zeta", "w2/e", 1, 60)
+    store.release_many([("partner:zeta", "w2/e")], held_for=3.0)
+    # When status reads it for the declared limits
+    lines = dict(slot_lines(store, {"exports": 2, "partner:*": 1, "imports": 4}))
+    store.close()
+    # Then every key in use is shown with what holds and waits for it
+    assert lines["concurrency exports"].startswith("limit 2, 2 held: w1/a (token 1, ")
+    assert "w2/b (token 2, " in lines["concurrency exports"]
+    assert lines["concurrency exports"].endswith("; 1 replicas waiting, 1 jobs deferred")
+    assert lines["concurrency partner:acme"].startswith("limit 1, 1 held: w1/d (token 1, ")
+    assert lines["concurrency partner:zeta"] == (
+        "limit 1, 0 held; 0 replicas waiting, 0 jobs deferred, mean hold 3.0s"
+    )
+    assert lines["concurrency imports"] == "limit 4, 0 held; 0 replicas waiting, 0 jobs deferred"

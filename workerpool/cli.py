@@ -288,13 +288,33 @@ def dlq_replay(
 @main.command()
 @click.option("--project", required=True)
 @click.option("--subscription", required=True)
-def status(project: str, subscription: str) -> None:
-    """Show a subscription's settings and, where Cloud Monitoring is reachable, its backlog."""
-    from workerpool.ops.status import status_lines
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--idempotency-store", help="The store the workers share (for their slots).")
+@click.option("--concurrency", multiple=True, help="A limit KEY=LIMIT to show (repeatable).")
+def status(
+    project: str,
+    subscription: str,
+    config_file: str | None,
+    idempotency_store: str | None,
+    concurrency: tuple[str, ...],
+) -> None:
+    """Show a subscription's settings, its backlog where Cloud Monitoring is reachable, and
+    each declared concurrency key's limit, holders and waiters."""
+    from workerpool.ops.status import slot_lines, status_lines
+    from workerpool.slots import open_slot_store
 
+    flags = {"idempotency_store": idempotency_store, "concurrency": concurrency}
+    settings = load_settings(config_file, flags)
+    slots: list[tuple[str, str]] = []
+    if settings.concurrency:
+        store = open_slot_store(settings.idempotency_store)
+        try:
+            slots = slot_lines(store, settings.concurrency)
+        finally:
+            store.close()
     clients = Clients()
     try:
-        lines = status_lines(clients.subscriber, subscription_path(project, subscription))
+        lines = status_lines(clients.subscriber, subscription_path(project, subscription), slots)
     finally:
         clients.close()
     for line in lines:

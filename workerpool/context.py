@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from workerpool.errors import Defer
 from workerpool.ratelimit.limiters import RateLimiters, UnknownLimiter
@@ -100,6 +101,19 @@ def _nothing() -> None:
     pass
 
 
+class Slots(Protocol):
+    """Takes slots of the fleet's concurrency keys for one run (``ctx.slot``)."""
+
+    def take(self, key: str) -> Any:
+        """A slot of ``key`` (its lease), waiting for one; raises ``Defer`` if none came
+        free in time or the run must stop, ``LookupError`` for a key without a limit."""
+        ...
+
+    def give(self, lease: Any) -> None:
+        """Release it."""
+        ...
+
+
 def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
     """Schedule ``callback`` on ``loop`` from any thread; False once the loop has closed
     (nobody waits on it any more)."""
@@ -138,6 +152,8 @@ class RunContext:
     # ``config`` dataclass if it declares one, else the section as it is (empty if none).
     config: Any = field(default_factory=dict)
     limiters: RateLimiters | None = field(default=None, repr=False)
+    # Set by the concurrency middleware where limits are declared (``slot``).
+    slots: Slots | None = field(default=None, repr=False)
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )
@@ -146,6 +162,11 @@ class RunContext:
         """Tell ``limiter`` the upstream answered "too many requests": it slows down."""
         if self.limiters is not None:
             self.limiters.throttled(limiter, retry_after)
+
+    def _slots(self, key: str) -> Slots:
+        if self.slots is None:
+            raise LookupError(f"no concurrency limit is declared for {key!r}")
+        return self.slots
 
     def _declared(self, limiter: str) -> RateLimiters:
         if self.limiters is None:
@@ -173,6 +194,19 @@ class JobContext(RunContext):
         """Sleep up to ``seconds``; return False early if the run is cancelled."""
         return not self.cancelled.wait(seconds)
 
+    @contextmanager
+    def slot(self, key: str) -> Iterator[Any]:
+        """Hold a slot of the fleet-wide concurrency key ``key`` for the ``with`` block (a
+        part of the run: one call to a partner, say); yields its lease, whose ``token`` is a
+        fencing token. Waits for a free slot (keeping this run's place in the pool); if none
+        comes free in time, or the pool drains, raises ``Defer``: the message comes back."""
+        slots = self._slots(key)
+        lease = slots.take(key)
+        try:
+            yield lease
+        finally:
+            slots.give(lease)
+
 
 @dataclass
 class AsyncJobContext(RunContext):
@@ -189,3 +223,14 @@ class AsyncJobContext(RunContext):
     async def sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return False early if the run is cancelled."""
         return not await self.cancelled.until(seconds)
+
+    @asynccontextmanager
+    async def slot(self, key: str) -> AsyncIterator[Any]:
+        """``JobContext.slot`` for ``async with``: the store calls run on a thread, never
+        on the event loop."""
+        slots = self._slots(key)
+        lease = await asyncio.to_thread(slots.take, key)
+        try:
+            yield lease
+        finally:
+            await asyncio.to_thread(slots.give, lease)

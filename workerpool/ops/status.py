@@ -1,4 +1,5 @@
-"""``workerpool status``: a subscription's settings, and its backlog where that can be known.
+"""``workerpool status``: a subscription's settings, its backlog where that can be known, and
+the fleet's concurrency keys (limit, holders, waiters) where limits are declared.
 
 The settings come from the Pub/Sub admin API. The backlog (undelivered messages) and the age of
 the oldest unacked message are Cloud Monitoring metrics
@@ -12,10 +13,13 @@ as a line saying why, never as a traceback: the settings are still worth showing
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from workerpool.ops.admin import SubscriptionInfo, describe_subscription
+from workerpool.slots.store import SlotStore
 
 EMULATOR_VARIABLE = "PUBSUB_EMULATOR_HOST"
 
@@ -107,9 +111,36 @@ def backlog_lines(
     return lines
 
 
-def status_lines(subscriber: Any, subscription: str) -> list[str]:
-    """``name: value`` lines; a missing subscription is a ConfigError."""
+def slot_lines(store: SlotStore, limits: Mapping[str, int]) -> list[tuple[str, str]]:
+    """Each declared key's limit, holders, waiters and deferred jobs; a pattern ("partner:*")
+    shows every key of it that has a record."""
+    lines = []
+    now = time.time()
+    for declared, limit in sorted(limits.items()):
+        keys = store.keys(declared[:-1]) if declared.endswith("*") else [declared]
+        if not keys:
+            lines.append((f"concurrency {declared}", f"limit {limit} each, no key in use"))
+        for key in keys:
+            table = store.table(key)
+            holders = ", ".join(
+                f"{holder} (token {lease.token}, {now - lease.since:.0f}s)"
+                for holder, lease in sorted(table.holders.items(), key=lambda h: h[1].since)
+            )
+            hold = f", mean hold {table.hold:.1f}s" if table.hold else ""
+            lines.append((
+                f"concurrency {key}",
+                f"limit {limit}, {len(table.holders)} held{': ' + holders if holders else ''}; "
+                f"{len(table.waiters)} replicas waiting, {len(table.booked)} jobs deferred{hold}",
+            ))  # fmt: skip
+    return lines
+
+
+def status_lines(
+    subscriber: Any, subscription: str, slots: list[tuple[str, str]] | None = None
+) -> list[str]:
+    """``name: value`` lines (``slots``: from ``slot_lines``); a missing subscription is a
+    ConfigError."""
     info = describe_subscription(subscriber, subscription)
-    pairs = settings_lines(info) + backlog_lines(info.name)
+    pairs = settings_lines(info) + backlog_lines(info.name) + (slots or [])
     width = max(len(name) for name, _ in pairs)
     return [f"{name + ':':<{width + 1}} {value}" for name, value in pairs]

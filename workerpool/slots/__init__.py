@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from workerpool.errors import ConfigError
 from workerpool.slots.keys import KeyTemplate, Limits
 from workerpool.slots.memory import MemorySlots
 from workerpool.slots.middleware import Concurrency, Lease, SlotLeases
 from workerpool.slots.sqlite import SqliteSlots
 from workerpool.slots.store import Full, Granted, Holding, SlotStore
-from workerpool.stores import Location, firestore_extra_missing
+from workerpool.stores import Location, StoreError, firestore_extra_missing
 
 __all__ = [
     "Concurrency",
@@ -25,6 +26,7 @@ __all__ = [
     "SlotLeases",
     "SlotStore",
     "SqliteSlots",
+    "open_slot_store",
     "slot_store_opener",
 ]
 
@@ -47,3 +49,12 @@ def slot_store_opener(url: str) -> SlotStoreOpener:
     except ImportError as exc:
         raise firestore_extra_missing("slot store") from exc
     return lambda: FirestoreSlots(where.project, f"{where.collection}-slots")
+
+
+def open_slot_store(url: str) -> SlotStore:
+    """The slot store beside the idempotency store ``url`` names, opened; any problem is a
+    ``ConfigError`` naming the setting."""
+    try:
+        return slot_store_opener(url)()
+    except (ValueError, ImportError, StoreError) as exc:
+        raise ConfigError(f"idempotency_store (for concurrency slots): {exc}") from None

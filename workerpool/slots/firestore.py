@@ -47,5 +47,8 @@ class FirestoreSlots(SlotStore):
 
         return decide
 
+    def keys(self, prefix: str) -> list[str]:
+        return self._docs.keys(prefix)
+
     def close(self) -> None:
         self._docs.close()

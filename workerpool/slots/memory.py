@@ -25,5 +25,9 @@ class MemorySlots(SlotStore):
                 results.append(result)
         return results
 
+    def keys(self, prefix: str) -> list[str]:
+        with self._lock:
+            return sorted(key for key in self._tables if key.startswith(prefix))
+
     def close(self) -> None:
         pass

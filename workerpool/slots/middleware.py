@@ -18,11 +18,13 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
 from workerpool import constants as c
+from workerpool.errors import Defer
 from workerpool.slots.keys import KeyTemplate, Limits, MissingField
 from workerpool.slots.store import Granted, SlotStore
 from workerpool.stores import StoreError
@@ -89,6 +91,33 @@ class _Line:
             self.version += 1
             self.cond.notify_all()
 
+    @contextmanager
+    def joined(self) -> Iterator[object]:
+        ticket = object()
+        with self.cond:
+            self.queue.append(ticket)
+        try:
+            yield ticket
+        finally:
+            with self.cond:
+                self.queue.remove(ticket)
+            self.moved()
+
+    def first(self, ticket: object) -> tuple[bool, int]:
+        """Whether ``ticket`` is first in line, and the line's version now."""
+        with self.cond:
+            return self.queue[0] is ticket, self.version
+
+    def wait(self, version: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` unless the line moved since ``version``; False if there
+        is no time left."""
+        if timeout <= 0:
+            return False
+        with self.cond:
+            if self.version == version:
+                self.cond.wait(timeout)
+        return True
+
 
 class SlotLeases:
     """Takes, keeps and gives back slots for runs."""
@@ -119,64 +148,57 @@ class SlotLeases:
         self._taken: dict[Run, list[_Taken]] = {}
         self._lock = threading.Lock()
 
-    def take(self, key: str, run: Run, patience: float) -> _Taken | GaveUp:
-        """A slot of ``key`` for ``run``, waiting up to ``patience`` seconds without the run's
-        permit (so it counts against the pool's prefetch, not its N). Raises ``StoreError``;
-        ``KeyError`` if ``key`` has no declared limit."""
+    def take(self, key: str, run: Run, patience: float, *, park: bool = True) -> _Taken | GaveUp:
+        """A slot of ``key`` for ``run``, waiting up to ``patience`` seconds; with ``park``
+        (a run that has not started), without the run's permit, so it counts against the
+        pool's prefetch, not its N. Raises ``StoreError``; ``KeyError`` if ``key`` has no
+        declared limit."""
         limit = self.limits.of(key)
         if limit is None:
             raise KeyError(key)
         holder = f"{self._owner}/{uuid.uuid4().hex[:12]}"
         line = self._line(key)
-        ticket = object()
-        with line.cond:
-            line.queue.append(ticket)
         deadline = self._clock() + patience
         poll = _FIRST_POLL
         asked = parked = waited = queued = False
-        try:
-            while not _should_stop(run):
-                with line.cond:
-                    first, version = line.queue[0] is ticket, line.version
-                wait = _CHECK_EVERY
-                # The first in this process's line asks the store; so does every run once,
-                # on arrival: a job deferred earlier may be ahead of everyone waiting here.
-                if first or not asked:
-                    if parked and not run.permit.pick_up():
-                        return GaveUp.STOPPED
-                    parked, asked = False, True
-                    sent = self._clock()
-                    # In the key's line only once it has waited here: a run that cannot
-                    # wait leaves no place behind.
-                    result = self._store.acquire(
-                        key, holder, limit, self.keeper.ttl, wait=waited, job_id=run.job.job_id
-                    )
-                    queued = queued or waited
-                    if isinstance(result, Granted):
-                        queued = False
-                        return self._keep(run, Lease(key, holder, result.token), sent)
-                    if first:
-                        wait, poll = (
-                            poll * random.uniform(0.5, 1.0),
-                            min(poll * 2, self._store.poll_every),
-                        )
-                if not parked:
-                    if not run.permit.put_down():
-                        return GaveUp.NO_ROOM
-                    parked = waited = True
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    return GaveUp.PATIENCE
-                with line.cond:
-                    if line.version == version:
-                        line.cond.wait(min(wait, remaining))
-            return GaveUp.STOPPED
-        finally:
-            with line.cond:
-                line.queue.remove(ticket)
-            line.moved()
-            if queued:
-                self._leave(key, holder)
+        with line.joined() as ticket:
+            try:
+                while not _should_stop(run):
+                    first, version = line.first(ticket)
+                    wait = _CHECK_EVERY
+                    # The first in this process's line asks the store; so does every run
+                    # once, on arrival: a job deferred earlier may be ahead of all here.
+                    if first or not asked:
+                        if parked and not run.permit.pick_up():
+                            return GaveUp.STOPPED
+                        parked, asked = False, True
+                        sent = self._clock()
+                        # In the key's line only once it has waited here: a run that
+                        # cannot wait leaves no place behind.
+                        result = self._store.acquire(
+                            key, holder, limit, self.keeper.ttl, wait=waited,
+                            job_id=run.job.job_id,
+                        )  # fmt: skip
+                        queued = queued or waited
+                        if isinstance(result, Granted):
+                            queued = False
+                            return self._keep(run, Lease(key, holder, result.token), sent)
+                        if first:
+                            wait = poll * random.uniform(0.5, 1.0)
+                            poll = min(poll * 2, self._store.poll_every)
+                    # A run not started yet waits without its permit; a running handler
+                    # (ctx.slot) keeps it.
+                    if park and not parked:
+                        if not run.permit.put_down():
+                            return GaveUp.NO_ROOM
+                        parked = True
+                    waited = True
+                    if not line.wait(version, min(wait, deadline - self._clock())):
+                        return GaveUp.PATIENCE
+                return GaveUp.STOPPED
+            finally:
+                if queued:
+                    self._leave(key, holder)
 
     def _leave(self, key: str, holder: str) -> None:
         try:
@@ -254,6 +276,7 @@ class Concurrency(Middleware):
         return self._leases.keeper.healthy
 
     def run(self, run: Run, call_next: Next) -> Outcome:
+        run.ctx.slots = _RunSlots(self, run)
         text = run.job.spec.options.get("concurrency")
         if not text:
             return call_next(run)
@@ -277,6 +300,9 @@ class Concurrency(Middleware):
         finally:
             self._leases.give(taken)
 
+    def give(self, taken: _Taken) -> None:
+        self._leases.give(taken)
+
     def _defer(self, key: str, job_id: str, why: GaveUp) -> Outcome:
         """Come back when a slot may be free for this job (its booking in the key's line):
         spread out, each return a likely start, so a long backlog costs few deliveries."""
@@ -298,6 +324,42 @@ class Concurrency(Middleware):
 
     def close(self, timeout: float) -> None:
         self._leases.keeper.close(timeout)
+
+    def take_in_run(self, key: str, run: Run) -> _Taken:
+        """A slot for part of a running job (``ctx.slot``); raises ``Defer`` or
+        ``LookupError`` as ``context.Slots.take`` says."""
+        if self._leases.limits.of(key) is None:
+            raise LookupError(f"no concurrency limit is declared for {key!r}")
+        try:
+            taken = self._leases.take(key, run, self._patience, park=False)
+        except StoreError as exc:
+            raise Defer(f"slot store: {exc}") from exc
+        if isinstance(taken, GaveUp):
+            if taken is GaveUp.STOPPED:
+                raise Defer(f"gave up waiting for a slot of {key}: the run must stop", delay=0)
+            outcome = self._defer(key, run.job.job_id, taken)
+            assert isinstance(outcome, Deferred)
+            raise Defer(outcome.reason, delay=outcome.delay)
+        return taken
+
+
+class _RunSlots:
+    """``context.Slots`` for one run."""
+
+    __slots__ = ("_concurrency", "_run", "_taken")
+
+    def __init__(self, concurrency: Concurrency, run: Run) -> None:
+        self._concurrency = concurrency
+        self._run = run
+        self._taken: dict[int, _Taken] = {}
+
+    def take(self, key: str) -> Lease:
+        taken = self._concurrency.take_in_run(key, self._run)
+        self._taken[id(taken.lease)] = taken
+        return taken.lease
+
+    def give(self, lease: Lease) -> None:
+        self._concurrency.give(self._taken.pop(id(lease)))
 
 
 @functools.cache

@@ -65,6 +65,15 @@ class SqliteSlots(SlotStore):
             )
         return result
 
+    def keys(self, prefix: str) -> list[str]:
+        # substr, not LIKE: a key may hold LIKE's wildcards.
+        with self._lock, translated(_LABEL):
+            rows = self._conn.execute(
+                "SELECT key FROM slots WHERE substr(key, 1, ?) = ? ORDER BY key",
+                (len(prefix), prefix),
+            ).fetchall()
+        return [row[0] for row in rows]
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()

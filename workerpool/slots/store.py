@@ -165,6 +165,10 @@ class SlotStore(ABC):
     def close(self) -> None:
         """Release connections; the store must not be used afterwards."""
 
+    @abstractmethod
+    def keys(self, prefix: str) -> list[str]:
+        """The keys starting with ``prefix`` that have a record, sorted (for ``status``)."""
+
     def acquire(
         self,
         key: str,

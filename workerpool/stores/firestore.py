@@ -22,6 +22,7 @@ from google.api_core import exceptions as api_exceptions
 from google.api_core.retry import Retry, if_transient_error
 from google.auth import exceptions as auth_exceptions
 from google.cloud import firestore
+from google.cloud.firestore_v1.base_query import FieldFilter
 
 from workerpool.stores import StoreError, StoreUnavailable
 
@@ -115,6 +116,16 @@ class Documents:
             if isinstance(result, BaseException):
                 raise result
         return cast(list[T], results)
+
+    def keys(self, prefix: str) -> list[str]:
+        """The ``key`` fields starting with ``prefix`` (documents that keep their key there)."""
+        deadline = time.monotonic() + self._timeout
+        query = self._collection.where(filter=FieldFilter("key", ">=", prefix))
+        if prefix:
+            query = query.where(filter=FieldFilter("key", "<", prefix + "\U0010ffff"))
+        with self._translated():
+            found = [doc.get("key") for doc in query.stream(**self._call_options(deadline))]
+        return sorted(key for key in found if isinstance(key, str))
 
     def _write(self, ref: Any, snapshot: Any, change: DocChange, deadline: float) -> None:
         if change is None:

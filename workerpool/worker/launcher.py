@@ -34,7 +34,7 @@ from workerpool.ops.admin import (
 )
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
-from workerpool.slots import Concurrency, KeyTemplate, Limits, SlotLeases, slot_store_opener
+from workerpool.slots import Concurrency, KeyTemplate, Limits, SlotLeases, open_slot_store
 from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
@@ -260,13 +260,11 @@ class Launcher:
 
     def _concurrency(self, timers: Timers) -> list[Middleware]:
         s = self.settings
-        if not self._check_concurrency():
+        # With limits declared, every run may take a slot for part of its run (ctx.slot).
+        if not self._check_concurrency() and not s.concurrency:
             return []
         limits = Limits(s.concurrency)
-        try:
-            store = slot_store_opener(s.idempotency_store)()
-        except (ValueError, ImportError, StoreError) as exc:
-            raise ConfigError(f"idempotency_store (for concurrency slots): {exc}") from None
+        store = open_slot_store(s.idempotency_store)
         leases = SlotLeases(store, self.worker_id, limits, timers, ttl=s.slot_ttl)
         return [Concurrency(leases, patience=s.slot_wait)]
 
