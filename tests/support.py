@@ -13,10 +13,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+import pytest
 
 from workerpool.testing.pubsub import PubSubResources
 
@@ -152,3 +154,46 @@ def ledger_events(path: Path, outcome: str, pid: int | None = None) -> list[dict
     return [
         r for r in read_ledger(path) if r["outcome"] == outcome and (pid is None or r["pid"] == pid)
     ]
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Closable)
+
+
+@contextlib.contextmanager
+def store_handles(
+    kind: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    memory: Callable[[], S],
+    sqlite: Callable[[], S],
+    firestore: Callable[[str], S],
+) -> Iterator[Callable[[], S]]:
+    """A function that opens handles on one backing store of ``kind`` ("memory", "sqlite" or
+    "firestore", on the session's emulator, in a collection of its own), as several workers
+    would; every handle is closed afterwards."""
+    if kind == "memory":
+        shared = memory()
+        factory: Callable[[], S] = lambda: shared  # noqa: E731
+    elif kind == "sqlite":
+        factory = sqlite
+    else:
+        emulator = request.getfixturevalue("firestore_emulator")
+        monkeypatch.setenv(emulator.env_var, emulator.host)  # undone after the test
+        collection = f"test-{uuid.uuid4().hex[:12]}"
+        factory = lambda: firestore(collection)  # noqa: E731
+    opened: list[S] = []
+
+    def make() -> S:
+        opened.append(factory())
+        return opened[-1]
+
+    try:
+        yield make
+    finally:
+        for store in opened:
+            store.close()

@@ -8,7 +8,6 @@ import random
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from tests.conftest import FIRESTORE_PROJECT as PROJECT
 from tests.fakes import FakeClock
+from tests.support import store_handles
 from workerpool.idempotency import (
     Claimed,
     Done,
@@ -28,7 +28,7 @@ from workerpool.idempotency import (
     open_store,
 )
 from workerpool.idempotency import sqlite as sqlite_backend
-from workerpool.testing.emulator import LocalEmulator, free_port
+from workerpool.testing.emulator import free_port
 
 TTL = 60.0
 RETENTION = 3600.0
@@ -49,27 +49,19 @@ def make_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[StoreFactory]:
     """Opens handles on one shared backing store (like several workers would)."""
-    if request.param == "memory":
-        shared = MemoryStore(retention=RETENTION, clock=clock)
-        factory: StoreFactory = lambda: shared  # noqa: E731
-    elif request.param == "sqlite":
-        factory = lambda: SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock)  # noqa: E731
-    else:
-        emulator: LocalEmulator = request.getfixturevalue("firestore_emulator")
-        monkeypatch.setenv(emulator.env_var, emulator.host)  # undone after the test
+
+    def firestore(collection: str) -> IdempotencyStore:
         from workerpool.idempotency.firestore import FirestoreStore
 
-        collection = f"idem-{uuid.uuid4().hex[:12]}"
-        factory = lambda: FirestoreStore(PROJECT, collection, retention=RETENTION, clock=clock)  # noqa: E731
-    opened: list[IdempotencyStore] = []
+        return FirestoreStore(PROJECT, collection, retention=RETENTION, clock=clock)
 
-    def make() -> IdempotencyStore:
-        opened.append(factory())
-        return opened[-1]
-
-    yield make
-    for store in opened:
-        store.close()
+    with store_handles(
+        request.param, request, monkeypatch,
+        memory=lambda: MemoryStore(retention=RETENTION, clock=clock),
+        sqlite=lambda: SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock),
+        firestore=firestore,
+    ) as make:  # fmt: skip
+        yield make
 
 
 @pytest.fixture

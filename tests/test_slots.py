@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
+from tests.support import store_handles
 from workerpool.context import Flag, JobContext
 from workerpool.errors import ConfigError
 from workerpool.registry import JobSpec
@@ -30,7 +30,6 @@ from workerpool.slots import (
 from workerpool.slots.keys import MissingField
 from workerpool.slots.middleware import GaveUp
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Table
-from workerpool.testing.emulator import LocalEmulator
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job
 from workerpool.worker.run import UNPARKABLE, Permit, Run
@@ -54,27 +53,19 @@ def make_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[StoreFactory]:
     """Opens handles on one shared backing store, as the replicas of a fleet would."""
-    if request.param == "memory":
-        shared = MemorySlots(clock=clock)
-        factory: StoreFactory = lambda: shared  # noqa: E731
-    elif request.param == "sqlite":
-        factory = lambda: SqliteSlots(tmp_path / "slots.db", clock=clock)  # noqa: E731
-    else:
-        emulator: LocalEmulator = request.getfixturevalue("firestore_emulator")
-        monkeypatch.setenv(emulator.env_var, emulator.host)
+
+    def firestore(collection: str) -> SlotStore:
         from workerpool.slots.firestore import FirestoreSlots
 
-        collection = f"slots-{uuid.uuid4().hex[:12]}"
-        factory = lambda: FirestoreSlots(FIRESTORE_PROJECT, collection, clock=clock)  # noqa: E731
-    opened: list[SlotStore] = []
+        return FirestoreSlots(FIRESTORE_PROJECT, collection, clock=clock)
 
-    def make() -> SlotStore:
-        opened.append(factory())
-        return opened[-1]
-
-    yield make
-    for store in opened:
-        store.close()
+    with store_handles(
+        request.param, request, monkeypatch,
+        memory=lambda: MemorySlots(clock=clock),
+        sqlite=lambda: SqliteSlots(tmp_path / "slots.db", clock=clock),
+        firestore=firestore,
+    ) as make:  # fmt: skip
+        yield make
 
 
 @pytest.fixture
