@@ -160,10 +160,10 @@ class Launcher:
             # A typo in a job's config section, or a key without a limit, stops the worker
             # here, before any connection.
             job_config = self._jobs.configs(self.settings.job_config)
-            self._check_concurrency()
+            slot_limits = self._slot_limits()
             clients = self._clients or _connect()
             try:
-                self._parts = self._build(clients, job_config)
+                self._parts = self._build(clients, job_config, slot_limits)
             except BaseException:
                 clients.close()
                 raise
@@ -171,7 +171,9 @@ class Launcher:
             self._phase = Phase.RUNNING
         return self
 
-    def _build(self, clients: Clients, job_config: Mapping[str, Any]) -> _Parts:
+    def _build(
+        self, clients: Clients, job_config: Mapping[str, Any], slot_limits: Limits | None
+    ) -> _Parts:
         s = self.settings
         info = describe_subscription(clients.subscriber, self.subscription)
         dead_letter_topic = (
@@ -184,7 +186,7 @@ class Launcher:
                 f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
             )
         timers = Timers()
-        middleware = self._middleware(timers)
+        middleware = self._middleware(timers, slot_limits)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
@@ -220,7 +222,7 @@ class Launcher:
             info, clients, timers, loop, acks, leaser, middleware, processor, pool, puller
         )
 
-    def _middleware(self, timers: Timers) -> list[Middleware]:
+    def _middleware(self, timers: Timers, slot_limits: Limits | None) -> list[Middleware]:
         idempotency: list[Middleware] = []
         store = self._store
         if store is None and self._open_store is not None:
@@ -237,15 +239,16 @@ class Launcher:
             *idempotency,
             # After the claim: a duplicate never takes a slot. Before the rate limit: a run
             # waits for its token only once it may run.
-            *self._concurrency(timers),
+            *self._concurrency(timers, slot_limits),
             RateLimit(self._limiters),
             TimeLimit(timers),
             *self._extra_middleware,
         ]
 
-    def _check_concurrency(self) -> bool:
-        """Every job's concurrency key has a declared limit (ConfigError if not); True if any
-        job takes slots."""
+    def _slot_limits(self) -> Limits | None:
+        """The declared concurrency limits, checked to cover every job's key (ConfigError if
+        not); None when no job takes slots and none are declared. With limits declared, any
+        run may take a slot for part of its run (ctx.slot)."""
         limits = Limits(self.settings.concurrency)
         keys = {
             spec.name: spec.options["concurrency"]
@@ -256,14 +259,12 @@ class Launcher:
             problem = KeyTemplate(key).check(limits)
             if problem:
                 raise ConfigError(f"job {job_name}: concurrency key {key!r} {problem}")
-        return bool(keys)
+        return limits if keys or limits else None
 
-    def _concurrency(self, timers: Timers) -> list[Middleware]:
-        s = self.settings
-        # With limits declared, every run may take a slot for part of its run (ctx.slot).
-        if not self._check_concurrency() and not s.concurrency:
+    def _concurrency(self, timers: Timers, limits: Limits | None) -> list[Middleware]:
+        if limits is None:
             return []
-        limits = Limits(s.concurrency)
+        s = self.settings
         store = open_slot_store(s.idempotency_store)
         leases = SlotLeases(store, self.worker_id, limits, timers, ttl=s.slot_ttl)
         return [Concurrency(leases, patience=s.slot_wait)]
