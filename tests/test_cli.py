@@ -217,6 +217,33 @@ def test_a_job_whose_concurrency_key_has_no_limit_exits_2_with_one_line(tmp_path
     ]
 
 
+def test_a_pool_names_the_key_its_jobs_share_with_concurrency(tmp_path: Path) -> None:
+    config = tmp_path / "w.toml"
+    config.write_text(
+        '[concurrency]\nexports = 2\n\n[[pools]]\nsubscription = "a"\nconcurrency = "exports"\n'
+        '\n[[pools]]\nsubscription = "b"\n'
+    )
+    gated, plain = load_settings(str(config), {}, {}).pool_settings()
+    assert (gated.pool_concurrency, plain.pool_concurrency) == ("exports", "")
+    assert gated.concurrency == {"exports": 2}  # the limits stay the top-level table's
+    config.write_text('[[pools]]\nsubscription = "a"\n[pools.concurrency]\nexports = 2\n')
+    with pytest.raises(ConfigError, match="pools\\[0\\]: concurrency names the key"):
+        load_settings(str(config), {}, {}).pool_settings()
+
+
+def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_path: Path) -> None:
+    for key, limits in (("exports", "other=1"), ("partner:{id}", "partner:*=1")):
+        result = _cli(
+            "run", "--project", "p", "--subscription", "s", "--pool-concurrency", key,
+            "--concurrency", limits, env=_nowhere(tmp_path),
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"workerpool: error: pool_concurrency {key!r}: a pool's key must be a plain key "
+            "with a declared limit (the pool takes its slots before it sees any payload)"
+        ]
+
+
 def test_dockerfile_runs_workerpool_as_non_root_and_drains_on_sigterm() -> None:
     text = (Path(__file__).parent.parent / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]

@@ -99,13 +99,14 @@ def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
 
         # When /metrics is scraped
         status, text = http_get(base + "/metrics")
-        # Then it has the counters, the in-flight gauge and its limit in Prometheus text
+        # Then it has the counters, the in-flight and held gauges and the limit in Prometheus text
         assert status == 200
         lines = text.splitlines()
         assert 'workerpool_jobs_finished_total{job="demo.sleep",outcome="done"} 1' in lines, text
         assert 'workerpool_jobs_started_total{job="demo.sleep"} 2' in lines
         assert f'workerpool_pool_in_flight{{pool="{pubsub_resources.subscription}"}} 1' in lines
         assert f'workerpool_pool_limit{{pool="{pubsub_resources.subscription}"}} 2' in lines
+        assert f'workerpool_pool_held{{pool="{pubsub_resources.subscription}"}} 1' in lines
         assert "# TYPE workerpool_job_duration_seconds histogram" in lines
 
         # When it gets SIGTERM while the long job runs (the drain lasts its 4 s timeout)

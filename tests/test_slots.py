@@ -22,6 +22,7 @@ from workerpool.slots import (
     KeyTemplate,
     Limits,
     MemorySlots,
+    PoolGate,
     SlotLeases,
     SlotStore,
     SqliteSlots,
@@ -361,3 +362,54 @@ def test_a_slot_for_part_of_a_run_needs_a_declared_limit() -> None:
     limitless = pytest.raises(LookupError, match="no concurrency limit is declared for 'calls'")
     with limitless, ctx.slot("calls"):
         pass
+
+
+def test_a_gated_pool_reserves_slots_before_it_pulls_and_binds_one_per_message(
+    timers: Timers,
+) -> None:
+    # Given two replicas' pools gated on a key of limit 2
+    store = MemorySlots()
+    stop = threading.Event()
+    gate = PoolGate(SlotLeases(store, "a", Limits({KEY: 2}), timers), KEY)
+    leases = SlotLeases(store, "b", Limits({KEY: 2}), timers)
+    leases.keeper.start()  # it releases the slots of messages that never ran
+    other = PoolGate(leases, KEY)
+    # When one has room for 8 messages: it reserves both slots, the other none meanwhile
+    assert gate.reserve(8, timeout=1, stop=stop) == 2
+    assert other.reserve(8, timeout=0.1, stop=stop) == 0
+    # And its pull brings one message: that one is bound to a slot, the spare goes back
+    first, second = _run("1"), _run("2")
+    gate.bind([first.delivery])
+    assert len(store.table(KEY).holders) == 1
+    assert gate.claim(second.delivery) is None
+    reserved = gate.claim(first.delivery)
+    assert reserved is not None and reserved.lease.key == KEY
+    assert gate.claim(first.delivery) is None  # claimed once
+    # Then the other replica, waiting in the key's line, gets the freed slot first
+    assert other.reserve(8, timeout=1, stop=stop) == 1
+    assert gate.reserve(8, timeout=0.1, stop=stop) == 0
+    # And a message that leaves the pool without running gives its slot back
+    other.bind([second.delivery])
+    other.settled(second.delivery.message_id)
+    assert wait_for_holders(store, 1)
+    leases.keeper.close(1.0)
+
+
+def test_a_gated_pool_stops_waiting_for_a_slot_when_told_to(timers: Timers) -> None:
+    store = MemorySlots()
+    full = PoolGate(SlotLeases(store, "a", Limits({KEY: 1}), timers), KEY)
+    assert full.reserve(1, timeout=1, stop=threading.Event()) == 1
+    waiting = PoolGate(SlotLeases(store, "b", Limits({KEY: 1}), timers), KEY)
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    began = time.monotonic()
+    assert waiting.reserve(1, timeout=30, stop=stop) == 0
+    assert time.monotonic() - began < 5
+    assert store.table(KEY).waiters == {}  # its place in line given up
+
+
+def wait_for_holders(store: SlotStore, count: int) -> bool:
+    deadline = time.monotonic() + 5
+    while len(store.table(KEY).holders) != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(store.table(KEY).holders) == count

@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import FIRESTORE_PROJECT
 from tests.support import (
     WorkerProcess,
+    http_get,
     ledger_events,
     read_ledger,
     spawn_worker,
@@ -25,7 +26,7 @@ from tests.support import (
 )
 from workerpool import AsyncJobContext, JobContext
 from workerpool.registry import Registry
-from workerpool.testing.emulator import LocalEmulator
+from workerpool.testing.emulator import LocalEmulator, free_port
 from workerpool.testing.pubsub import PubSubResources, wait_settled
 
 # The jobs that take slots, with limits for their keys (a test declares its own after these).
@@ -213,6 +214,65 @@ def test_deferrals_do_not_use_up_a_jobs_attempts(
     print(f"failed on deliveries {failed}, done on delivery {done}")
     assert (failed, done) == ([11, 12], [13])
     assert pubsub_resources.dead_letters(expected=1, timeout=2) == []
+
+
+def test_a_pool_with_a_key_pulls_only_for_slots_it_holds(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given two worker processes whose pool declares key k (limit 2) for all its jobs, with
+    # 8 slots and a prefetch of 2 each
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    config = tmp_path / "workerpool.toml"
+    config.write_text(
+        f'[concurrency]\nk = 2\n\n[[pools]]\nsubscription = "{pubsub_resources.subscription}"'
+        '\nconcurrency = "k"\nmax_outstanding = 8\nprefetch = 2\n'
+    )
+    ports = [free_port(), free_port()]
+    jobs = [(f"job-{i}", {"seconds": 0.3}) for i in range(40)]
+    held: list[int] = []
+    with worker_processes() as workers:
+        for port in ports:
+            workers.append(
+                spawn_worker(
+                    pubsub_resources, ledger, "--config", str(config), "--metrics-port",
+                    str(port), store=f"sqlite:///{tmp_path / 'fleet.db'}",
+                )
+            )  # fmt: skip
+        assert wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+        # When 40 jobs of 0.3 s are published (and each process's held messages are sampled)
+        pubsub_resources.publish_many("demo.sleep", jobs)
+        deadline = time.monotonic() + 120
+        while len(ledger_events(ledger, "done")) < 40 and time.monotonic() < deadline:
+            held.extend(_held(port, pubsub_resources.subscription) for port in ports)
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        codes = [worker.wait(30) for worker in workers]
+    done = ledger_events(ledger, "done")
+    peak, busy = _overlap([(r["start"], r["end"]) for r in done])
+    attempts = sorted(r["attempt"] for r in done)
+    print(
+        f"peak {peak} running, {busy / 2:.3f} of 2 slots busy, most held by one process "
+        f"{max(held)} ({len(held)} samples), delivery attempts median {attempts[20]} max "
+        f"{attempts[-1]}, per worker {sorted(Counter(r['pid'] for r in done).values())}"
+    )
+    # Then the fleet ran at most 2 at once, no process held more than 2 + prefetch messages
+    # of the pool, the jobs ran on their first delivery (median), each once, none
+    # dead-lettered
+    assert peak == 2
+    assert 1 <= max(held) <= 2 + 2
+    assert attempts[20] == 1
+    assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
+    assert pubsub_resources.dead_letters(expected=1, timeout=2) == []
+    assert codes == [0, 0]
+
+
+def _held(port: int, pool: str) -> int:
+    """The messages the worker on ``port`` holds now, from its /metrics (0 if unanswered)."""
+    _, text = http_get(f"http://127.0.0.1:{port}/metrics")
+    prefix = f'workerpool_pool_held{{pool="{pool}"}} '
+    values = [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+    return int(float(values[0])) if values else 0
 
 
 def _done_on(ledger: Path, worker: WorkerProcess) -> set[str]:

@@ -197,7 +197,7 @@ def test_timers_fire_in_order_and_cancelled_ones_never_fire() -> None:
 def test_the_pull_loop_survives_any_exception_and_reports_it_unhealthy() -> None:
     # Given a pull loop whose client fails with errors of every kind, then answers
     class Pool:
-        def wait_for_room(self, timeout: float) -> int:
+        def wait_for_room(self, timeout: float, *, startable: bool = False) -> int:
             return 1
 
         def admit(self, deliveries: list[object]) -> None:

@@ -104,6 +104,10 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
     click.option(
         "--slot-wait", type=float, help="Seconds a job waits for a free slot before deferring."
     ),
+    click.option(
+        "--pool-concurrency",
+        help="A key every job of this worker holds a slot of: it pulls only while one is free.",
+    ),
 ]
 
 

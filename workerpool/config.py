@@ -42,6 +42,9 @@ class Settings:
     # slot_wait for one, then defers its message.
     slot_ttl: float = c.DEFAULT_SLOT_TTL
     slot_wait: float = c.DEFAULT_SLOT_WAIT
+    # A key every job of the pool holds a slot of; the pool pulls only while one is free
+    # (``[[pools]] concurrency = "KEY"``).
+    pool_concurrency: str = ""
     # Serve /metrics, /healthz and /readyz on this port; 0: nothing listens.
     metrics_port: int = 0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.
@@ -89,6 +92,15 @@ class Settings:
 
 
 def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:
+    pool = dict(pool)
+    if "concurrency" in pool:  # in a pool, the key its jobs share, not a table of limits
+        key = pool.pop("concurrency")
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"pools[{index}]: concurrency names the key the pool's jobs share (a string); "
+                "declare limits in the top-level [concurrency] table"
+            )
+        pool["pool_concurrency"] = key
     unknown = sorted(set(pool) - set(_FIELDS) - {"jobs"})
     if unknown:
         raise ConfigError(f"pools[{index}]: unknown setting {unknown[0]}")

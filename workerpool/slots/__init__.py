@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from workerpool.errors import ConfigError
+from workerpool.slots.gate import PoolGate
 from workerpool.slots.keys import KeyTemplate, Limits
 from workerpool.slots.memory import MemorySlots
 from workerpool.slots.middleware import Concurrency, Lease, SlotLeases
@@ -23,6 +24,7 @@ __all__ = [
     "Lease",
     "Limits",
     "MemorySlots",
+    "PoolGate",
     "SlotLeases",
     "SlotStore",
     "SqliteSlots",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from workerpool import constants as c
 from workerpool.errors import Defer
@@ -37,8 +38,11 @@ from workerpool.worker.outcome import (
     Rejected,
     Unavailable,
 )
-from workerpool.worker.run import Run
+from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
+
+if TYPE_CHECKING:
+    from workerpool.slots.gate import PoolGate
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +160,7 @@ class SlotLeases:
         limit = self.limits.of(key)
         if limit is None:
             raise KeyError(key)
-        holder = f"{self._owner}/{uuid.uuid4().hex[:12]}"
+        holder = self.new_holder()
         line = self._line(key)
         deadline = self._clock() + patience
         poll = _FIRST_POLL
@@ -182,7 +186,7 @@ class SlotLeases:
                         queued = queued or waited
                         if isinstance(result, Granted):
                             queued = False
-                            return self._keep(run, Lease(key, holder, result.token), sent)
+                            return self.keep(run, Lease(key, holder, result.token), sent)
                         if first:
                             wait = poll * random.uniform(0.5, 1.0)
                             poll = min(poll * 2, self._store.poll_every)
@@ -232,7 +236,17 @@ class SlotLeases:
         for each in taken:
             self.keeper.interrupted((each.lease.key, each.lease.holder))
 
-    def _keep(self, run: Run, lease: Lease, sent: float) -> _Taken:
+    @property
+    def store(self) -> SlotStore:
+        return self._store
+
+    def new_holder(self) -> str:
+        """A holder name of this process for one slot or place in line."""
+        return f"{self._owner}/{uuid.uuid4().hex[:12]}"
+
+    def keep(self, run: Run, lease: Lease, sent: float) -> _Taken:
+        """Keep ``lease``, granted to a request sent at ``sent``, alive while ``run`` runs;
+        ``give`` releases it."""
         taken = _Taken(lease, self.keeper.hold(run, (lease.key, lease.holder), sent), sent)
         with self._lock:
             self._taken.setdefault(run, []).append(taken)
@@ -260,13 +274,22 @@ def _should_stop(run: Run) -> bool:
 
 class Concurrency(Middleware):
     """Runs a job declared with ``@job(..., concurrency="KEY")`` inside a slot of KEY (a
-    template over payload fields, ``"partner:{partner_id}"``, names one key per tenant)."""
+    template over payload fields, ``"partner:{partner_id}"``, names one key per tenant), and
+    every job of a pool with a ``gate`` inside a slot of the pool's key, the one reserved for
+    its message before it was pulled."""
 
     options = frozenset({"concurrency"})
 
-    def __init__(self, leases: SlotLeases, *, patience: float = c.DEFAULT_SLOT_WAIT) -> None:
+    def __init__(
+        self,
+        leases: SlotLeases,
+        *,
+        patience: float = c.DEFAULT_SLOT_WAIT,
+        gate: PoolGate | None = None,
+    ) -> None:
         self._leases = leases
         self._patience = patience
+        self.gate = gate
 
     def start(self) -> None:
         self._leases.keeper.start()
@@ -277,15 +300,41 @@ class Concurrency(Middleware):
 
     def run(self, run: Run, call_next: Next) -> Outcome:
         run.ctx.slots = _RunSlots(self, run)
-        text = run.job.spec.options.get("concurrency")
-        if not text:
-            return call_next(run)
+        keys = self._keys(run)
+        if isinstance(keys, Rejected):
+            return keys
+        taken: list[_Taken] = []
         try:
-            key = _template(text).render(run.job.payload)
-        except MissingField as exc:
-            return Rejected(c.ERR_INVALID_PAYLOAD, str(exc))
-        if self._leases.limits.of(key) is None:
-            return Rejected(c.ERR_UNKNOWN_CONCURRENCY_KEY, f"no limit declared for key {key!r}")
+            for key in keys:
+                slot = self._take(key, run)
+                if not isinstance(slot, _Taken):
+                    return slot
+                taken.append(slot)
+            return call_next(run)
+        finally:
+            for slot in reversed(taken):
+                self._leases.give(slot)
+
+    def _keys(self, run: Run) -> list[str] | Rejected:
+        """The keys ``run`` needs a slot of: its pool's, then its job's own."""
+        keys = [self.gate.key] if self.gate is not None else []
+        text = run.job.spec.options.get("concurrency")
+        if text:
+            try:
+                key = _template(text).render(run.job.payload)
+            except MissingField as exc:
+                return Rejected(c.ERR_INVALID_PAYLOAD, str(exc))
+            if self._leases.limits.of(key) is None:
+                return Rejected(c.ERR_UNKNOWN_CONCURRENCY_KEY, f"no limit declared for key {key!r}")
+            if key not in keys:
+                keys.append(key)
+        return keys
+
+    def _take(self, key: str, run: Run) -> _Taken | Outcome:
+        if self.gate is not None and key == self.gate.key:
+            reserved = self.gate.claim(run.delivery)
+            if reserved is not None:
+                return self._leases.keep(run, reserved.lease, reserved.sent)
         try:
             taken = self._leases.take(key, run, self._patience)
         except StoreError as exc:
@@ -295,10 +344,11 @@ class Concurrency(Middleware):
                 return Interrupted()  # never started: another worker can have it now
             case GaveUp.PATIENCE | GaveUp.NO_ROOM:
                 return self._defer(key, run.job.job_id, taken)
-        try:
-            return call_next(run)
-        finally:
-            self._leases.give(taken)
+        return taken
+
+    def settled(self, event: Settled) -> None:
+        if self.gate is not None:
+            self.gate.settled(event.message_id)
 
     def give(self, taken: _Taken) -> None:
         self._leases.give(taken)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Protocol
@@ -51,6 +51,9 @@ class WatchedPool(Protocol):
 
     @property
     def running(self) -> int: ...
+
+    @property
+    def held(self) -> int: ...
 
     @property
     def limits(self) -> _Limits: ...
@@ -109,13 +112,19 @@ class Metrics(Middleware):
         )
         meter.create_observable_gauge(
             c.METRIC_IN_FLIGHT,
-            callbacks=[self._observe_in_flight],
+            callbacks=[self._gauge(lambda pool: pool.running)],
             unit="{job}",
             description="Jobs running now, by pool.",
         )
         meter.create_observable_gauge(
+            c.METRIC_HELD,
+            callbacks=[self._gauge(lambda pool: pool.held)],
+            unit="{message}",
+            description="Messages a pool holds the lease of now, running or not, by pool.",
+        )
+        meter.create_observable_gauge(
             c.METRIC_POOL_LIMIT,
-            callbacks=[self._observe_limits],
+            callbacks=[self._gauge(lambda pool: pool.limits.max_outstanding)],
             unit="{job}",
             description="Jobs a pool may run at once (max_outstanding), by pool.",
         )
@@ -170,7 +179,8 @@ class Metrics(Middleware):
         self._rate_limit_wait.record(seconds, {c.LABEL_LIMITER: limiter})
 
     def watch_pool(self, name: str, pool: WatchedPool) -> None:
-        """Report ``pool``'s running jobs and its limit as gauges labelled ``pool=name``."""
+        """Report ``pool``'s running jobs, held messages and limit as gauges labelled
+        ``pool=name``."""
         with self._lock:
             self._pools[name] = pool
 
@@ -180,14 +190,14 @@ class Metrics(Middleware):
         with self._lock:
             self._pools.pop(name, None)
 
-    def _observe_in_flight(self, options: CallbackOptions) -> Iterable[Observation]:
-        with self._lock:
-            pools = list(self._pools.items())
-        return [Observation(pool.running, {c.LABEL_POOL: name}) for name, pool in pools]
+    def _gauge(
+        self, value: Callable[[WatchedPool], int]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """A gauge callback reporting ``value`` of every watched pool."""
 
-    def _observe_limits(self, options: CallbackOptions) -> Iterable[Observation]:
-        with self._lock:
-            pools = list(self._pools.items())
-        return [
-            Observation(pool.limits.max_outstanding, {c.LABEL_POOL: name}) for name, pool in pools
-        ]
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                pools = list(self._pools.items())
+            return [Observation(value(pool), {c.LABEL_POOL: name}) for name, pool in pools]
+
+        return observe

@@ -108,6 +108,13 @@ class LeaseKeeper(Generic[K]):
             self._releases.append(key)
         self._wake.set()
 
+    def release_soon(self, keys: Sequence[K]) -> None:
+        """Release leases no run holds (taken for a message that never ran), soon, off the
+        caller's thread."""
+        with self._lock:
+            self._releases.extend(keys)
+        self._wake.set()
+
     # --- on the timer thread -------------------------------------------------------------
 
     def _watch(self, key: K, expires: float) -> Timer:

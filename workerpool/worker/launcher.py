@@ -34,7 +34,14 @@ from workerpool.ops.admin import (
 )
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
-from workerpool.slots import Concurrency, KeyTemplate, Limits, SlotLeases, open_slot_store
+from workerpool.slots import (
+    Concurrency,
+    KeyTemplate,
+    Limits,
+    PoolGate,
+    SlotLeases,
+    open_slot_store,
+)
 from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
@@ -186,7 +193,8 @@ class Launcher:
                 f"dead_letter_topic is required: {self.subscription} has no dead-letter policy"
             )
         timers = Timers()
-        middleware = self._middleware(timers, slot_limits)
+        concurrency = self._concurrency(timers, slot_limits)
+        middleware = self._middleware(timers, concurrency)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
@@ -217,12 +225,13 @@ class Launcher:
             loop=loop,
         )
         pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes))
-        puller = Puller(clients.subscriber, self.subscription, pool)
+        gate = concurrency.gate if concurrency is not None else None
+        puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
         return _Parts(
             info, clients, timers, loop, acks, leaser, middleware, processor, pool, puller
         )
 
-    def _middleware(self, timers: Timers, slot_limits: Limits | None) -> list[Middleware]:
+    def _middleware(self, timers: Timers, concurrency: Concurrency | None) -> list[Middleware]:
         idempotency: list[Middleware] = []
         store = self._store
         if store is None and self._open_store is not None:
@@ -239,7 +248,7 @@ class Launcher:
             *idempotency,
             # After the claim: a duplicate never takes a slot. Before the rate limit: a run
             # waits for its token only once it may run.
-            *self._concurrency(timers, slot_limits),
+            *([concurrency] if concurrency is not None else []),
             RateLimit(self._limiters),
             TimeLimit(timers),
             *self._extra_middleware,
@@ -259,15 +268,22 @@ class Launcher:
             problem = KeyTemplate(key).check(limits)
             if problem:
                 raise ConfigError(f"job {job_name}: concurrency key {key!r} {problem}")
+        pool_key = self.settings.pool_concurrency
+        if pool_key and (KeyTemplate(pool_key).fields or limits.of(pool_key) is None):
+            raise ConfigError(
+                f"pool_concurrency {pool_key!r}: a pool's key must be a plain key with a "
+                "declared limit (the pool takes its slots before it sees any payload)"
+            )
         return limits if keys or limits else None
 
-    def _concurrency(self, timers: Timers, limits: Limits | None) -> list[Middleware]:
+    def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:
         if limits is None:
-            return []
+            return None
         s = self.settings
         store = open_slot_store(s.idempotency_store)
         leases = SlotLeases(store, self.worker_id, limits, timers, ttl=s.slot_ttl)
-        return [Concurrency(leases, patience=s.slot_wait)]
+        gate = PoolGate(leases, s.pool_concurrency) if s.pool_concurrency else None
+        return Concurrency(leases, patience=s.slot_wait, gate=gate)
 
     def _run(self, parts: _Parts) -> None:
         s = self.settings

@@ -96,12 +96,16 @@ class Pool:
         for thread in self._threads:
             thread.start()
 
-    def wait_for_room(self, timeout: float) -> int:
-        """How many messages may be pulled now (0 after ``timeout`` or once quiet)."""
+    def wait_for_room(self, timeout: float, *, startable: bool = False) -> int:
+        """How many messages may be pulled now (0 after ``timeout`` or once quiet); with
+        ``startable``, only as many as could start at once (a run waiting without its permit
+        does not count)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._quiet.is_set():
                 room = self.limits.max_held - self._held
+                if startable:
+                    room = min(room, self.limits.max_outstanding - self._held + self._parked)
                 if room > 0 and self._held_bytes < self.limits.max_bytes:
                     return room
                 remaining = deadline - time.monotonic()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from google.api_core import exceptions as gexc
 
@@ -34,6 +35,19 @@ def to_delivery(received: Any) -> Delivery:
     )
 
 
+class Gate(Protocol):
+    """Bounds a pull further than the pool's room: a pool that declares a concurrency key
+    pulls only for slots of it that it holds (``slots.gate.PoolGate``)."""
+
+    def reserve(self, room: int, timeout: float, stop: threading.Event) -> int:
+        """How many of ``room`` messages may be pulled now (0 after ``timeout`` or ``stop``)."""
+        ...
+
+    def bind(self, deliveries: Sequence[Delivery]) -> None:
+        """What the pull brought (nothing, if it failed), before the pool admits it."""
+        ...
+
+
 class Puller:
     def __init__(
         self,
@@ -41,14 +55,17 @@ class Puller:
         subscription: str,
         pool: Pool,
         *,
+        gate: Gate | None = None,
         pull_timeout: float = 2.0,
         max_backoff: float = 10.0,
     ) -> None:
         self._client = client
         self._subscription = subscription
         self._pool = pool
+        self._gate = gate
         self._pull_timeout = pull_timeout
         self._max_backoff = max_backoff
+        self._failures = 0
         self._stop = threading.Event()
         self.healthy = threading.Event()
         self._thread = threading.Thread(target=self._run, name="workerpool-puller", daemon=True)
@@ -63,44 +80,60 @@ class Puller:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        failures = 0
+        gate = self._gate
         while not self._stop.is_set():
-            room = self._pool.wait_for_room(timeout=0.5)
+            # A gated pool pulls only what can start at once: each message comes with its slot.
+            room = self._pool.wait_for_room(timeout=0.5, startable=gate is not None)
+            if room and gate is not None:
+                room = gate.reserve(room, timeout=0.5, stop=self._stop)
             if room == 0:
                 continue
+            received = self._pull(room)
             try:
-                # The emulator answers an idle pull with an empty response just before the
-                # call's deadline, so a short deadline bounds how long a drain waits for it.
-                # retry=None: this loop owns retries (logged, backed off, never past a drain);
-                # the client's default policy silently retried a stopped emulator for ~50 s.
-                response = self._client.pull(
-                    request={"subscription": self._subscription, "max_messages": room},
-                    timeout=self._pull_timeout,
-                    retry=None,
-                )
-            except gexc.DeadlineExceeded:
-                # Nothing arrived in time: not a failure. An idle subscription may answer
-                # every pull this way, and /healthz must not fail an idle worker for it.
-                self.healthy.set()
-                continue
-            except Exception as exc:
-                # Anything (NotFound after an emulator restart, PermissionDenied while IAM
-                # propagates, ...) is logged and retried with backoff: the loop never dies
-                # silently, and /healthz reports it unhealthy meanwhile.
-                failures += 1
+                deliveries = [to_delivery(r) for r in received]
+            except Exception:  # a bug; those messages come back after their lease
+                log.exception("reading %d pulled messages failed", len(received))
                 self.healthy.clear()
-                delay = min(self._max_backoff, 0.1 * 2 ** min(failures, 16))
-                delay *= random.uniform(0.5, 1.0)
-                log.warning("pull failed (%s); retrying in %.1fs", type(exc).__name__, delay)
-                self._stop.wait(delay)
-                continue
-            failures = 0
-            self.healthy.set()
-            if response.received_messages:
+                deliveries = []
+            if gate is not None:
+                gate.bind(deliveries)
+            if deliveries:
                 # admit() gives back at once anything beyond the bound, including all of it
                 # once the pool is quiet.
                 try:
-                    self._pool.admit([to_delivery(r) for r in response.received_messages])
+                    self._pool.admit(deliveries)
                 except Exception:  # a bug; what was not admitted comes back after its lease
-                    log.exception("admitting %d messages failed", len(response.received_messages))
+                    log.exception("admitting %d messages failed", len(deliveries))
                     self.healthy.clear()
+
+    def _pull(self, room: int) -> list[Any]:
+        """Up to ``room`` received messages; none when the pull failed or nothing came."""
+        try:
+            # The emulator answers an idle pull with an empty response just before the
+            # call's deadline, so a short deadline bounds how long a drain waits for it.
+            # retry=None: this loop owns retries (logged, backed off, never past a drain);
+            # the client's default policy silently retried a stopped emulator for ~50 s.
+            response = self._client.pull(
+                request={"subscription": self._subscription, "max_messages": room},
+                timeout=self._pull_timeout,
+                retry=None,
+            )
+        except gexc.DeadlineExceeded:
+            # Nothing arrived in time: not a failure. An idle subscription may answer
+            # every pull this way, and /healthz must not fail an idle worker for it.
+            self.healthy.set()
+            return []
+        except Exception as exc:
+            # Anything (NotFound after an emulator restart, PermissionDenied while IAM
+            # propagates, ...) is logged and retried with backoff: the loop never dies
+            # silently, and /healthz reports it unhealthy meanwhile.
+            self._failures += 1
+            self.healthy.clear()
+            delay = min(self._max_backoff, 0.1 * 2 ** min(self._failures, 16))
+            delay *= random.uniform(0.5, 1.0)
+            log.warning("pull failed (%s); retrying in %.1fs", type(exc).__name__, delay)
+            self._stop.wait(delay)
+            return []
+        self._failures = 0
+        self.healthy.set()
+        return list(response.received_messages)
