@@ -10,7 +10,8 @@ The emulator runs jobs in the background, keeps labels, answers 409 for a repeat
 lists jobs by state, but it rejects ``format='CLOUD_BIGTABLE'`` and external table definitions.
 So the lifecycle tests swap the statement for a SELECT that naps (``nap_query``), while the real
 statement is checked by tests/test_bigquery_statement.py. Worker processes get the same swap by
-importing this module (``--jobs tests.bigquery_fixture``) with ``NAP_ENV`` set.
+importing this module (``--jobs tests.bigquery_fixture``) with ``NAP_ENV`` set (and
+``LIST_LAG_ENV``, to make the plugin's count of running exports as stale as in production).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import workerpool_jobs.bigquery_reverse_etl as plugin
 from workerpool_jobs.bigquery_reverse_etl import ExportRequest, Query
+from workerpool_jobs.bigquery_reverse_etl.launch import Export
 from workerpool_jobs.bigquery_reverse_etl.statement import build_query
 
 # The issue's example, with names that pass the real rules (project ids are 6-30 characters,
@@ -61,6 +63,7 @@ EXECUTABLE_ENV = "LOCAL_BIGQUERY"
 REPO_EXECUTABLE = REPO / ".bqemu-venv" / "bin" / "local-bigquery"
 # Read by worker processes that import this module: nap this many seconds instead of exporting.
 NAP_ENV = "WORKERPOOL_TEST_BQ_NAP_SECONDS"
+LIST_LAG_ENV = "WORKERPOOL_TEST_BQ_LIST_LAG_SECONDS"
 # DuckDB extensions the emulator loads, shipped as duckdb-extension-* wheels in its venv.
 EXTENSIONS = ("ducklake", "icu", "spatial")
 _INSTALL_EXTENSIONS = """
@@ -188,6 +191,23 @@ def nap_query(seconds: float) -> Callable[[ExportRequest, str | None], Query]:
     return build
 
 
-# A worker process started with ``--jobs tests.bigquery_fixture`` and NAP_ENV naps too.
+def stale_count(lag: float) -> Callable[[Export], int]:
+    """``Export.running_exports`` answering ``lag`` seconds late: what jobs.list's eventual
+    consistency does to the count in production (a job just inserted is not listed yet),
+    which the emulator, listing at once, hides."""
+    count = Export.running_exports
+
+    def late(export: Export) -> int:
+        running = count(export)
+        time.sleep(lag)
+        return running
+
+    return late
+
+
+# A worker process started with ``--jobs tests.bigquery_fixture`` and NAP_ENV naps too; with
+# LIST_LAG_ENV its count of running exports is that many seconds stale.
 if os.environ.get(NAP_ENV):
     plugin.query_builder = nap_query(float(os.environ[NAP_ENV]))
+if os.environ.get(LIST_LAG_ENV):
+    Export.running_exports = stale_count(float(os.environ[LIST_LAG_ENV]))

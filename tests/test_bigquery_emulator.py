@@ -10,6 +10,7 @@ project of its own, so one test's jobs never count toward another's cap.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -38,6 +39,7 @@ from workerpool_jobs.bigquery_reverse_etl.payload import PluginConfig
 
 from tests.bigquery_fixture import (
     EXAMPLE_PAYLOAD,
+    LIST_LAG_ENV,
     NAP_ENV,
     find_local_bigquery,
     local_bigquery,
@@ -47,9 +49,11 @@ from tests.support import WorkerProcess, spawn_worker, wait_for, worker_processe
 from workerpool import JobContext
 from workerpool import constants as c
 from workerpool.registry import Registry
+from workerpool.slots import SqliteSlots
 from workerpool.testing.pubsub import PubSubResources
 
 EMULATOR_PROJECT = "workerpool-bq"
+SLOT_KEY = PluginConfig().slot_key
 PAYLOAD = {k: v for k, v in EXAMPLE_PAYLOAD.items() if k != "location"}
 
 
@@ -334,9 +338,16 @@ def test_the_cap_keeps_at_most_two_exports_running_with_six_messages_and_six_slo
 
 
 def _bigquery_worker(
-    pubsub_resources: PubSubResources, tmp_path: Path, host: str, project: str, nap: float
+    pubsub_resources: PubSubResources,
+    tmp_path: Path,
+    host: str,
+    project: str,
+    nap: float,
+    max_outstanding: int = 2,
+    list_lag: float = 0.0,
 ) -> WorkerProcess:
-    """A real ``workerpool run`` process with the plugin, its config, and exports that nap."""
+    """A real ``workerpool run`` process with the plugin, its config, and exports that nap;
+    the workers of one test share an SQLite store (claims and slots) beside the ledger."""
     config = tmp_path / "workerpool.toml"
     settings = plugin_config(project)
     config.write_text(
@@ -347,10 +358,56 @@ def _bigquery_worker(
         tmp_path / "ledger.jsonl",
         "--jobs", "tests.bigquery_fixture",
         "--config", str(config),
-        "--max-outstanding", "2",
+        "--max-outstanding", str(max_outstanding),
         "--drain-timeout", "10",
-        extra_env={EMULATOR_ENV: host, NAP_ENV: str(nap)},
+        extra_env={EMULATOR_ENV: host, NAP_ENV: str(nap), LIST_LAG_ENV: str(list_lag)},
     )  # fmt: skip
+
+
+def test_two_replicas_never_run_more_exports_than_the_cap_between_them(
+    pubsub_resources: PubSubResources, bigquery_host: str, project: str, tmp_path: Path
+) -> None:
+    # Given two worker processes with 3 slots each, exports of 2 s, the cap at 2, and a
+    # count of running exports as stale as jobs.list's in production (0.5 s: by that count
+    # alone, replicas that count at once both start one, 3 or 4 running)
+    pubsub_resources.provision(ack_deadline=60, min_backoff=1)
+    client = client_for(bigquery_host, project)
+    samples: list[int] = []
+    with worker_processes() as workers:
+        for _ in range(2):
+            workers.append(
+                _bigquery_worker(
+                    pubsub_resources, tmp_path, bigquery_host, project, nap=2.0,
+                    max_outstanding=3, list_lag=0.5,
+                )
+            )  # fmt: skip
+        assert wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+        # When 8 exports are published at once
+        pubsub_resources.publish_many(JOB_NAME, [(f"segment-{i}", PAYLOAD) for i in range(8)])
+
+        def finished() -> int:
+            return sum(len(re.findall(r"BigQuery job \S+ done", w.output())) for w in workers)
+
+        deadline = time.monotonic() + 120
+        while finished() < 8 and time.monotonic() < deadline:
+            samples.append(running_exports(client))
+            time.sleep(0.1)
+        time.sleep(1.0)  # let the last acks go out, then drain
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        codes = [worker.wait(30) for worker in workers]
+    started = [w.output().count("started BigQuery job") for w in workers]
+    print(f"\ncap 2 over two replicas: peak {max(samples)} running over {len(samples)} "
+          f"samples; exports started per replica {started}")  # fmt: skip
+    # Then never more than 2 ran at once across both (sampled from jobs.list), 2 often did,
+    # both replicas started exports, and each of the 8 ran exactly once
+    assert max(samples) == 2, samples
+    assert sum(1 for s in samples if s == 2) >= 20
+    assert all(started) and sum(started) == 8
+    assert sorted(j.labels[LABEL_JOB_ID] for j in our_jobs(client)) == sorted(
+        f"segment-{i}" for i in range(8)
+    )
+    assert codes == [0, 0]
 
 
 def test_sigterm_leaves_the_bigquery_job_running_and_the_next_worker_reattaches(
@@ -379,11 +436,14 @@ def test_sigterm_leaves_the_bigquery_job_running_and_the_next_worker_reattaches(
         sent = first.signal(signal.SIGTERM)
         code = first.wait(30)
         exit_after = time.monotonic() - sent
-        # Then it exits 0 at once, leaving the BigQuery job running
+        # Then it exits 0 at once, leaving the BigQuery job running, and its slot held
         assert code == 0, first.output()
         assert exit_after < 5.0, first.output()
         assert state() == "RUNNING"
         assert "left running" in first.output()
+        slots = SqliteSlots(tmp_path / "claims.db")
+        left = slots.table(SLOT_KEY).holders
+        assert list(left) == [f"{JOB_ID_PREFIX}-{job_id}"]
 
         # When a second worker starts, it re-attaches and acks when the job is DONE
         launched = time.monotonic()
@@ -391,9 +451,15 @@ def test_sigterm_leaves_the_bigquery_job_running_and_the_next_worker_reattaches(
         workers.append(second)
         assert wait_for(lambda: "attached to BigQuery job" in second.output(), timeout=30)
         attached_after = time.monotonic() - launched
+        # ... holding the same slot (its token), not a second one
+        assert {h: s.token for h, s in slots.table(SLOT_KEY).holders.items()} == {
+            holder: held.token for holder, held in left.items()
+        }
         assert wait_for(lambda: f"BigQuery job {bq_job_id} done" in second.output(), timeout=30)
         done_at = time.monotonic()
         assert state() == "DONE"
+        assert wait_for(lambda: not slots.table(SLOT_KEY).holders, timeout=5)  # released
+        slots.close()
         time.sleep(1.0)  # let the ack go out, then drain
         second.signal(signal.SIGTERM)
         assert second.wait(30) == 0, second.output()

@@ -349,8 +349,13 @@ def test_config_defaults_and_mistakes() -> None:
     assert jobs.configs({})[JOB_NAME] == PluginConfig()
     config = jobs.configs({JOB_NAME: {"project": PROJECT, "max_concurrent_exports": 4}})[JOB_NAME]
     assert (config.project, config.location, config.max_concurrent_exports) == (PROJECT, "US", 4)
+    assert config.concurrency_limits == {"bigquery-exports": 4}  # the worker declares these
     # Then each mistake stops the worker with the setting named
     for bad, says in [
+        (
+            {"slot_key": "exports:*"},
+            "the section: ValueError: slot_key 'exports:*' must be a plain concurrency key",
+        ),
         ({"max_concurrent_exports": "2"}, "max_concurrent_exports: expected int, got str"),
         ({"max_concurrent": 2}, "max_concurrent: unexpected field"),
         ({"location": "U S"}, "the section: ValueError: location 'U S' is not valid"),

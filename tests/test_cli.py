@@ -244,6 +244,21 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
         ]
 
 
+def test_a_limit_a_job_config_declares_must_agree_with_the_concurrency_table(
+    tmp_path: Path,
+) -> None:
+    # The BigQuery plugin declares max_concurrent_exports (default 2) as its key's limit
+    result = _cli(
+        "run", "--project", "p", "--subscription", "s", "--concurrency", "bigquery-exports=3",
+        env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: concurrency 'bigquery-exports': [concurrency] says 3, a job's "
+        "config 2; declare it once"
+    ]
+
+
 def test_dockerfile_runs_workerpool_as_non_root_and_drains_on_sigterm() -> None:
     text = (Path(__file__).parent.parent / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]

@@ -3,6 +3,8 @@ emulator), the key templates and limits, and the middleware's waiting line."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +15,7 @@ import pytest
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
 from tests.support import store_handles
-from workerpool.context import Flag, JobContext
+from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError
 from workerpool.registry import JobSpec
 from workerpool.slots import (
@@ -413,3 +415,70 @@ def wait_for_holders(store: SlotStore, count: int) -> bool:
     while len(store.table(KEY).holders) != count and time.monotonic() < deadline:
         time.sleep(0.01)
     return len(store.table(KEY).holders) == count
+
+
+def test_a_named_slot_is_one_slot_for_every_run_asking_under_its_name(timers: Timers) -> None:
+    # Given a key of limit 2 and a slot named after the work it guards
+    store = MemorySlots()
+    leases = SlotLeases(store, "w", Limits({KEY: 2}), timers)
+    first = leases.take(KEY, _run("1"), patience=1, park=False, holder="export-1")
+    assert not isinstance(first, GaveUp)
+    # When its run stops inside it (the work goes on) and the next run of that work asks
+    leases.leave(first)
+    assert list(store.table(KEY).holders) == ["export-1"]  # left held
+    again = leases.take(KEY, _run("1"), patience=1, park=False, holder="export-1")
+    # Then it holds the same slot (same token), and the key's other slot is still free
+    assert not isinstance(again, GaveUp) and again.lease.token == first.lease.token
+    other = leases.take(KEY, _run("2"), patience=1, park=False)
+    assert not isinstance(other, GaveUp)
+    assert len(store.table(KEY).holders) == 2
+    leases.give(again)
+    assert "export-1" not in store.table(KEY).holders
+
+
+class _Slots:
+    """``context.Slots`` recording what became of each lease."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[str, bool]] = []
+
+    def take(self, key: str, holder: str | None = None) -> str:
+        return holder or key
+
+    def give(self, lease: str, *, release: bool = True) -> None:
+        self.ends.append((lease, release))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_named_slot_outlives_only_a_run_stopped_inside_it(kind: str) -> None:
+    def block(ctx: JobContext, holder: str | None, fail: bool) -> None:
+        with ctx.slot(KEY, holder=holder):
+            if fail:
+                raise RuntimeError("stopped")
+
+    async def async_block(ctx: AsyncJobContext, holder: str | None, fail: bool) -> None:
+        async with ctx.slot(KEY, holder=holder):
+            if fail:
+                raise RuntimeError("stopped")
+
+    def enter(holder: str | None, fail: bool, draining: bool) -> tuple[str, bool]:
+        slots = _Slots()
+        flag = Flag()
+        if draining:
+            flag.set()
+        if kind == "sync":
+            ctx = JobContext("t", "j", "m", 1, None, flag, slots=slots)
+            with contextlib.suppress(RuntimeError):
+                block(ctx, holder, fail)
+        else:
+            actx = AsyncJobContext("t", "j", "m", 1, None, flag, slots=slots)
+            with contextlib.suppress(RuntimeError):
+                asyncio.run(async_block(actx, holder, fail))
+        return slots.ends[0]
+
+    # A named slot is left held only when its run stops inside the block (draining);
+    # otherwise, and an unnamed slot always, is released
+    assert enter("export-1", fail=True, draining=True) == ("export-1", False)
+    assert enter("export-1", fail=True, draining=False) == ("export-1", True)
+    assert enter("export-1", fail=False, draining=True) == ("export-1", True)
+    assert enter(None, fail=True, draining=True) == (KEY, True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
@@ -104,13 +105,14 @@ def _nothing() -> None:
 class Slots(Protocol):
     """Takes slots of the fleet's concurrency keys for one run (``ctx.slot``)."""
 
-    def take(self, key: str) -> Any:
+    def take(self, key: str, holder: str | None = None) -> Any:
         """A slot of ``key`` (its lease), waiting for one; raises ``Defer`` if none came
-        free in time or the run must stop, ``LookupError`` for a key without a limit."""
+        free in time or the run must stop, ``LookupError`` for a key without a limit. A
+        ``holder`` names the slot: asking again under that name gets the same slot."""
         ...
 
-    def give(self, lease: Any) -> None:
-        """Release it."""
+    def give(self, lease: Any, *, release: bool = True) -> None:
+        """Release it, or (not ``release``) stop keeping it alive and let it lapse."""
         ...
 
 
@@ -168,6 +170,10 @@ class RunContext:
             raise LookupError(f"no concurrency limit is declared for {key!r}")
         return self.slots
 
+    def _leaves_held(self, holder: str | None) -> bool:
+        """A named slot outlives a run stopped inside its block."""
+        return holder is not None and (self.draining.is_set() or self.cancelled.is_set())
+
     def _declared(self, limiter: str) -> RateLimiters:
         if self.limiters is None:
             raise UnknownLimiter(f"no rate limit named {limiter!r} is declared")
@@ -195,17 +201,24 @@ class JobContext(RunContext):
         return not self.cancelled.wait(seconds)
 
     @contextmanager
-    def slot(self, key: str) -> Iterator[Any]:
+    def slot(self, key: str, *, holder: str | None = None) -> Iterator[Any]:
         """Hold a slot of the fleet-wide concurrency key ``key`` for the ``with`` block (a
         part of the run: one call to a partner, say); yields its lease, whose ``token`` is a
         fencing token. Waits for a free slot (keeping this run's place in the pool); if none
-        comes free in time, or the pool drains, raises ``Defer``: the message comes back."""
+        comes free in time, or the pool drains, raises ``Defer``: the message comes back.
+
+        A ``holder`` names the slot after the work it guards (a job id's BigQuery export):
+        any run asking under that name holds the same slot, not a second one, and a run
+        stopped inside the block (drain, cancel) leaves it held, since that work goes on
+        without it: the next run of the job id takes it over, or it lapses after the TTL."""
         slots = self._slots(key)
-        lease = slots.take(key)
+        lease = slots.take(key, holder)
         try:
             yield lease
-        finally:
-            slots.give(lease)
+        except BaseException:
+            slots.give(lease, release=not self._leaves_held(holder))
+            raise
+        slots.give(lease)
 
 
 @dataclass
@@ -225,12 +238,15 @@ class AsyncJobContext(RunContext):
         return not await self.cancelled.until(seconds)
 
     @asynccontextmanager
-    async def slot(self, key: str) -> AsyncIterator[Any]:
+    async def slot(self, key: str, *, holder: str | None = None) -> AsyncIterator[Any]:
         """``JobContext.slot`` for ``async with``: the store calls run on a thread, never
         on the event loop."""
         slots = self._slots(key)
-        lease = await asyncio.to_thread(slots.take, key)
+        lease = await asyncio.to_thread(slots.take, key, holder)
         try:
             yield lease
-        finally:
-            await asyncio.to_thread(slots.give, lease)
+        except BaseException:
+            release = not self._leaves_held(holder)
+            await asyncio.to_thread(functools.partial(slots.give, lease, release=release))
+            raise
+        await asyncio.to_thread(slots.give, lease)

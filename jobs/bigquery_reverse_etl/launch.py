@@ -5,14 +5,19 @@
   attempt gets the next number. ``attach_or_launch`` walks the attempts from 1 and attaches to
   the first that is still running or ended for good, inserting only where none exists yet: a
   redelivered or duplicated message finds the job its twin started, never starts a second one.
-- Before any insert it counts this plugin's RUNNING and PENDING jobs (by label) and defers the
-  message when they are at ``max_concurrent_exports``.
+- An export runs inside a slot of the fleet-wide key ``slot_key`` (``max_concurrent_exports``
+  slots, shared by every replica through the store), named after the job id: the worker that
+  re-attaches after a redelivery holds the same slot, and one that drains leaves it held for
+  it. Before an insert it still counts this plugin's RUNNING and PENDING jobs (by label) and
+  defers the message when they are at the cap: exports started outside workerpool, or left
+  running longer than a slot's TTL with nobody attached, so count too.
 - ``wait`` polls with a growing interval; on drain it leaves the BigQuery job running (the next
   worker re-attaches); at the job's own timeout it cancels it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -21,6 +26,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -170,6 +176,15 @@ API_ERRORS = (
 )
 
 
+@functools.cache
+def _uncapped_by_slots(key: str) -> None:
+    log.warning(
+        "no concurrency slots for %s (the idempotency store cannot share them): exports are "
+        "capped by counting jobs.list alone, which replicas can race",
+        key,
+    )
+
+
 # --- One export ---------------------------------------------------------------------------------
 @dataclass
 class Export:
@@ -187,8 +202,19 @@ class Export:
         self.job_id = job_ids(self.ctx.job_id)
 
     def run(self) -> None:
-        job, attempt = self.attach_or_launch()
-        self.wait(job, attempt)
+        with ExitStack() as stack:
+            self.hold_slot(stack)
+            job, attempt = self.attach_or_launch()
+            self.wait(job, attempt)
+
+    def hold_slot(self, stack: ExitStack) -> None:
+        """A slot of the export key for as long as the export runs (waiting for one, or
+        ``Defer``), named after the job id, so every delivery of it holds the same one."""
+        key = self.config.slot_key
+        try:
+            stack.enter_context(self.ctx.slot(key, holder=f"{JOB_ID_PREFIX}-{self.ctx.job_id}"))
+        except LookupError:  # this worker's store cannot share slots (none)
+            _uncapped_by_slots(key)
 
     def get(self, job_id: str) -> bigquery.QueryJob | None:
         try:
@@ -236,10 +262,11 @@ class Export:
         return len(ours)
 
     def insert(self, job_id: str, attempt: int) -> bigquery.QueryJob:
-        """Start attempt ``attempt`` unless the cap is reached (then ``Defer``).
+        """Start attempt ``attempt`` unless the exports running already reach the cap (then
+        ``Defer``): the slot bounds ours; this count catches the others (see the module).
 
-        Within this process, counting and inserting are one step (``_launch_lock``), so the
-        pool's own slots never overshoot the cap. Replicas can still race: see the README."""
+        Within this process, counting and inserting are one step (``_launch_lock``); without
+        slots, replicas can race on the count: see the README."""
         cap = self.config.max_concurrent_exports
         with _launch_lock:
             if self.ctx.draining.is_set() or self.ctx.cancelled.is_set():

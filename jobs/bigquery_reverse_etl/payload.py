@@ -274,7 +274,8 @@ class PluginConfig:
 
     project: str | None = None  # where the BigQuery jobs run (default: the client's project)
     location: str = "US"
-    max_concurrent_exports: int = 2  # the global cap, across every replica
+    max_concurrent_exports: int = 2  # the global cap, across every replica: ...
+    slot_key: str = "bigquery-exports"  # ... the limit of this fleet-wide concurrency key
     defer_seconds: float = 60.0  # how long a message waits when the cap is reached
     poll_min_seconds: float = 1.0  # first poll interval; grows x1.5 per poll ...
     poll_max_seconds: float = 60.0  # ... up to this
@@ -289,3 +290,11 @@ class PluginConfig:
             raise ValueError("max_concurrent_exports and max_export_attempts must be >= 1")
         if not 0 < self.poll_min_seconds <= self.poll_max_seconds or self.defer_seconds < 0:
             raise ValueError("bad poll_min_seconds, poll_max_seconds or defer_seconds")
+        if not self.slot_key or "{" in self.slot_key or "*" in self.slot_key:
+            raise ValueError(f"slot_key {self.slot_key!r} must be a plain concurrency key")
+
+    @property
+    def concurrency_limits(self) -> dict[str, int]:
+        """What the worker declares for this plugin: ``max_concurrent_exports`` slots of
+        ``slot_key``, one held by each export while it runs."""
+        return {self.slot_key: self.max_concurrent_exports}

@@ -78,6 +78,9 @@ class _Taken:
     lease: Lease
     held: Held[_Key]
     since: float
+    # Named after the work it guards (``ctx.slot(key, holder=...)``): a run handed back
+    # leaves it held for the next run of that work.
+    named: bool = False
 
 
 @dataclass(eq=False)
@@ -152,15 +155,19 @@ class SlotLeases:
         self._taken: dict[Run, list[_Taken]] = {}
         self._lock = threading.Lock()
 
-    def take(self, key: str, run: Run, patience: float, *, park: bool = True) -> _Taken | GaveUp:
+    def take(
+        self, key: str, run: Run, patience: float, *, park: bool = True, holder: str = ""
+    ) -> _Taken | GaveUp:
         """A slot of ``key`` for ``run``, waiting up to ``patience`` seconds; with ``park``
         (a run that has not started), without the run's permit, so it counts against the
-        pool's prefetch, not its N. Raises ``StoreError``; ``KeyError`` if ``key`` has no
-        declared limit."""
+        pool's prefetch, not its N; under ``holder``'s name if given (the same slot as any
+        earlier grant to that name still live). Raises ``StoreError``; ``KeyError`` if
+        ``key`` has no declared limit."""
         limit = self.limits.of(key)
         if limit is None:
             raise KeyError(key)
-        holder = self.new_holder()
+        named = bool(holder)
+        holder = holder or self.new_holder()
         line = self._line(key)
         deadline = self._clock() + patience
         poll = _FIRST_POLL
@@ -186,7 +193,8 @@ class SlotLeases:
                         queued = queued or waited
                         if isinstance(result, Granted):
                             queued = False
-                            return self.keep(run, Lease(key, holder, result.token), sent)
+                            lease = Lease(key, holder, result.token)
+                            return self.keep(run, lease, sent, named=named)
                         if first:
                             wait = poll * random.uniform(0.5, 1.0)
                             poll = min(poll * 2, self._store.poll_every)
@@ -229,12 +237,22 @@ class SlotLeases:
         finally:
             self._line(lease.key).moved()
 
+    def leave(self, taken: _Taken) -> None:
+        """Stop keeping the slot alive without releasing it: it lapses after its TTL unless
+        a run asks for it again by its holder's name."""
+        self.keeper.let_go(taken.held)
+        self._forget(taken)
+
     def interrupted(self, run: Run) -> None:
-        """``run`` was handed back: its slots are released by the keeper, soon."""
+        """``run`` was handed back: its slots are released by the keeper, soon (named ones
+        are left to the next run of their work)."""
         with self._lock:
             taken = self._taken.pop(run, [])
         for each in taken:
-            self.keeper.interrupted((each.lease.key, each.lease.holder))
+            if each.named:
+                self.keeper.let_go(each.held)
+            else:
+                self.keeper.interrupted((each.lease.key, each.lease.holder))
 
     @property
     def store(self) -> SlotStore:
@@ -244,10 +262,11 @@ class SlotLeases:
         """A holder name of this process for one slot or place in line."""
         return f"{self._owner}/{uuid.uuid4().hex[:12]}"
 
-    def keep(self, run: Run, lease: Lease, sent: float) -> _Taken:
+    def keep(self, run: Run, lease: Lease, sent: float, *, named: bool = False) -> _Taken:
         """Keep ``lease``, granted to a request sent at ``sent``, alive while ``run`` runs;
         ``give`` releases it."""
-        taken = _Taken(lease, self.keeper.hold(run, (lease.key, lease.holder), sent), sent)
+        held = self.keeper.hold(run, (lease.key, lease.holder), sent)
+        taken = _Taken(lease, held, sent, named)
         with self._lock:
             self._taken.setdefault(run, []).append(taken)
         return taken
@@ -350,8 +369,11 @@ class Concurrency(Middleware):
         if self.gate is not None:
             self.gate.settled(event.message_id)
 
-    def give(self, taken: _Taken) -> None:
-        self._leases.give(taken)
+    def give(self, taken: _Taken, *, release: bool = True) -> None:
+        if release:
+            self._leases.give(taken)
+        else:
+            self._leases.leave(taken)
 
     def _defer(self, key: str, job_id: str, why: GaveUp) -> Outcome:
         """Come back when a slot may be free for this job (its booking in the key's line):
@@ -375,13 +397,13 @@ class Concurrency(Middleware):
     def close(self, timeout: float) -> None:
         self._leases.keeper.close(timeout)
 
-    def take_in_run(self, key: str, run: Run) -> _Taken:
+    def take_in_run(self, key: str, run: Run, holder: str | None = None) -> _Taken:
         """A slot for part of a running job (``ctx.slot``); raises ``Defer`` or
         ``LookupError`` as ``context.Slots.take`` says."""
         if self._leases.limits.of(key) is None:
             raise LookupError(f"no concurrency limit is declared for {key!r}")
         try:
-            taken = self._leases.take(key, run, self._patience, park=False)
+            taken = self._leases.take(key, run, self._patience, park=False, holder=holder or "")
         except StoreError as exc:
             raise Defer(f"slot store: {exc}") from exc
         if isinstance(taken, GaveUp):
@@ -403,13 +425,13 @@ class _RunSlots:
         self._run = run
         self._taken: dict[int, _Taken] = {}
 
-    def take(self, key: str) -> Lease:
-        taken = self._concurrency.take_in_run(key, self._run)
+    def take(self, key: str, holder: str | None = None) -> Lease:
+        taken = self._concurrency.take_in_run(key, self._run, holder)
         self._taken[id(taken.lease)] = taken
         return taken.lease
 
-    def give(self, lease: Lease) -> None:
-        self._concurrency.give(self._taken.pop(id(lease)))
+    def give(self, lease: Lease, *, release: bool = True) -> None:
+        self._concurrency.give(self._taken.pop(id(lease)), release=release)
 
 
 @functools.cache

@@ -41,6 +41,7 @@ from workerpool.slots import (
     PoolGate,
     SlotLeases,
     open_slot_store,
+    slot_store_opener,
 )
 from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
@@ -167,7 +168,7 @@ class Launcher:
             # A typo in a job's config section, or a key without a limit, stops the worker
             # here, before any connection.
             job_config = self._jobs.configs(self.settings.job_config)
-            slot_limits = self._slot_limits()
+            slot_limits = self._slot_limits(job_config)
             clients = self._clients or _connect()
             try:
                 self._parts = self._build(clients, job_config, slot_limits)
@@ -254,11 +255,29 @@ class Launcher:
             *self._extra_middleware,
         ]
 
-    def _slot_limits(self) -> Limits | None:
+    def _slot_limits(self, job_config: Mapping[str, Any]) -> Limits | None:
         """The declared concurrency limits, checked to cover every job's key (ConfigError if
         not); None when no job takes slots and none are declared. With limits declared, any
-        run may take a slot for part of its run (ctx.slot)."""
-        limits = Limits(self.settings.concurrency)
+        run may take a slot for part of its run (ctx.slot). A job's config may declare the
+        limits of keys it takes itself (``concurrency_limits``: the BigQuery plugin's
+        ``max_concurrent_exports``); they hold only where the store can share slots."""
+        declared = self._limits_of_configs(job_config)
+        if declared and not self._can_share_slots():
+            # Not a warning: a job that runs without its slots says so itself, when it runs.
+            log.info(
+                "concurrency limits of job configs (%s) not enforced: idempotency store %s "
+                "cannot share slots",
+                ", ".join(sorted(declared)),
+                self.settings.idempotency_store,
+            )
+            declared = {}
+        for key, limit in self.settings.concurrency.items():
+            if declared.setdefault(key, limit) != limit:
+                raise ConfigError(
+                    f"concurrency {key!r}: [concurrency] says {limit}, a job's config "
+                    f"{declared[key]}; declare it once"
+                )
+        limits = Limits(declared)
         keys = {
             spec.name: spec.options["concurrency"]
             for spec in self._jobs.specs()
@@ -275,6 +294,25 @@ class Launcher:
                 "declared limit (the pool takes its slots before it sees any payload)"
             )
         return limits if keys or limits else None
+
+    @staticmethod
+    def _limits_of_configs(job_config: Mapping[str, Any]) -> dict[str, int]:
+        declared: dict[str, int] = {}
+        for name, config in job_config.items():
+            for key, limit in getattr(config, "concurrency_limits", {}).items():
+                if declared.setdefault(key, limit) != limit:
+                    raise ConfigError(
+                        f"concurrency {key!r}: job {name}'s config says {limit}, another "
+                        f"job's {declared[key]}"
+                    )
+        return declared
+
+    def _can_share_slots(self) -> bool:
+        try:
+            slot_store_opener(self.settings.idempotency_store)
+        except (ValueError, ImportError):
+            return False
+        return True
 
     def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:
         if limits is None:
