@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import FIRESTORE_PROJECT
 from tests.support import (
     WorkerProcess,
-    http_get,
+    held_messages,
     ledger_events,
     read_ledger,
     spawn_worker,
@@ -244,7 +244,7 @@ def test_a_pool_with_a_key_pulls_only_for_slots_it_holds(
         pubsub_resources.publish_many("demo.sleep", jobs)
         deadline = time.monotonic() + 120
         while len(ledger_events(ledger, "done")) < 40 and time.monotonic() < deadline:
-            held.extend(_held(port, pubsub_resources.subscription) for port in ports)
+            held.extend(held_messages(port, pubsub_resources.subscription) for port in ports)
         for worker in workers:
             worker.signal(signal.SIGTERM)
         codes = [worker.wait(30) for worker in workers]
@@ -265,14 +265,6 @@ def test_a_pool_with_a_key_pulls_only_for_slots_it_holds(
     assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
     assert pubsub_resources.dead_letters(expected=1, timeout=2) == []
     assert codes == [0, 0]
-
-
-def _held(port: int, pool: str) -> int:
-    """The messages the worker on ``port`` holds now, from its /metrics (0 if unanswered)."""
-    _, text = http_get(f"http://127.0.0.1:{port}/metrics")
-    prefix = f'workerpool_pool_held{{pool="{pool}"}} '
-    values = [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
-    return int(float(values[0])) if values else 0
 
 
 def _done_on(ledger: Path, worker: WorkerProcess) -> set[str]:

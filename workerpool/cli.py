@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
 from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 
+from workerpool import constants as c
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
 from workerpool.ops.admin import (
@@ -172,10 +175,20 @@ def provision(**options: Any) -> None:
 @click.option("--job-id", default="", help="Idempotency key.")
 @click.option("--data", help="JSON object payload.")
 @click.option("--file", "jsonl", type=click.File(), help='JSON lines: {"job","job_id","data"}.')
+@click.option("--delay", help="Start no sooner than this from now: 90s, 5m, 2h, 2d.")
+@click.option("--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00Z).")
 def publish(
-    project: str, topic: str, job_name: str | None, job_id: str, data: str | None, jsonl: Any
+    project: str,
+    topic: str,
+    job_name: str | None,
+    job_id: str,
+    data: str | None,
+    jsonl: Any,
+    delay: str | None,
+    not_before: str | None,
 ) -> None:
-    """Publish one job (--job/--data) or many (--file)."""
+    """Publish one job (--job/--data) or many (--file), now or delayed."""
+    when = _not_before(delay, not_before)
     if jsonl is not None:
         messages = read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
     elif job_name and data is not None:
@@ -188,6 +201,8 @@ def publish(
         messages = [JobMessage(job_name, payload, job_id)]
     else:
         raise ConfigError("give --job and --data, or --file")
+    if when:
+        messages = [dataclasses.replace(m, not_before=when) for m in messages]
     clients = Clients()
     try:
         ids = publish_many(clients.publisher, topic_path(project, topic), messages)
@@ -199,6 +214,23 @@ def publish(
         click.echo(f"published {count} job(s) to {topic_path(project, topic)}")
     finally:
         clients.close()
+
+
+def _not_before(delay: str | None, not_before: str | None) -> str:
+    """The not_before attribute the flags ask for ("" for none); ConfigError naming them."""
+    from workerpool.schedule.when import not_before_text, parse_delay
+
+    if delay and not_before:
+        raise ConfigError("give --delay or --not-before, not both")
+    try:
+        if delay:
+            return not_before_text(parse_delay(delay))
+        if not_before:
+            when = datetime.fromisoformat(not_before)
+            return not_before_text(when)
+    except ValueError as exc:
+        raise ConfigError(f"--delay/--not-before: {exc}") from None
+    return ""
 
 
 @main.command()
@@ -287,6 +319,57 @@ def dlq_replay(
     click.echo(f"{summary or 'nothing to replay'} from {path}")
     if counts["failed"]:
         sys.exit(1)
+
+
+@main.group()
+def schedule() -> None:
+    """Delayed jobs waiting in the workers' schedule."""
+
+
+@schedule.command("list")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--idempotency-store", help="The store the workers share (their schedule).")
+@click.option("--project", help="With --topic: only the jobs of this topic.")
+@click.option("--topic", help="Only the jobs of this topic.")
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+def schedule_list(
+    config_file: str | None,
+    idempotency_store: str | None,
+    project: str | None,
+    topic: str | None,
+    limit: int,
+) -> None:
+    """Show the delayed jobs soonest due first: when, in how long, the job and its id."""
+    from workerpool.schedule import schedule_opener
+
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    opener = schedule_opener(settings.idempotency_store)
+    if opener is None:
+        raise ConfigError(f"idempotency_store {settings.idempotency_store}: has no schedule")
+    if topic and not topic.startswith("projects/"):
+        if not (project or settings.project):
+            raise ConfigError("--topic: give --project or a projects/P/topics/T path")
+        topic = f"projects/{project or settings.project}/topics/{topic}"
+    store = opener()
+    try:
+        entries = store.entries(topic, limit)
+    finally:
+        store.close()
+    now = datetime.now(UTC).timestamp()
+    for entry in entries:
+        due = datetime.fromtimestamp(entry.due, UTC).isoformat(timespec="seconds")
+        job = entry.attributes.get(c.ATTR_JOB, "?")
+        click.echo(f"{due}  in {_span(entry.due - now):>9}  {job}  {entry.job_id}  {entry.topic}")
+    click.echo(f"{len(entries)} delayed job(s)")
+
+
+def _span(seconds: float) -> str:
+    if seconds <= 0:
+        return "due"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
 
 
 @main.command()

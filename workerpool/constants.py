@@ -8,6 +8,8 @@ ATTR_JOB: Final = "job"
 ATTR_JOB_ID: Final = "job_id"
 ATTR_TRACEPARENT: Final = "traceparent"
 ATTR_TRACESTATE: Final = "tracestate"
+# RFC 3339 time in UTC before which the job must not start (a delayed job).
+ATTR_NOT_BEFORE: Final = "not_before"
 
 # Failure record attributes added to the original attributes on the dead-letter topic.
 ATTR_ERROR_TYPE: Final = "error_type"
@@ -42,6 +44,8 @@ ERR_HANDLER_RETURNED_AWAITABLE: Final = "handler_returned_awaitable"
 ERR_TIMED_OUT: Final = "timed_out"
 # A templated concurrency key rendered to a key no declared limit covers.
 ERR_UNKNOWN_CONCURRENCY_KEY: Final = "unknown_concurrency_key"
+# The not_before attribute is not an RFC 3339 time with a timezone, or is over a year ahead.
+ERR_INVALID_NOT_BEFORE: Final = "invalid_not_before"
 
 # Pub/Sub limits.
 MAX_MESSAGE_BYTES: Final = 10 * 1024 * 1024
@@ -88,6 +92,8 @@ class Label(StrEnum):
     ACK_FAILED = "ack_failed"
     # Given back before it started: beyond the bound, or held when the pool drained.
     RELEASED = "released"
+    # Not due yet (not_before): kept in the schedule, to be published again when due.
+    SCHEDULED = "scheduled"
 
 
 # Labels that mean this run failed (its span's status is ERROR, its end log line a warning).

@@ -11,10 +11,12 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
+from workerpool.schedule.when import not_before_text
 from workerpool.telemetry.propagation import inject
 
 
@@ -24,12 +26,16 @@ class JobMessage:
     data: Mapping[str, Any]
     job_id: str = ""
     attributes: Mapping[str, str] | None = None
+    # The not_before attribute (``schedule.not_before_text``): not to start before then.
+    not_before: str = ""
 
     def encode(self) -> tuple[bytes, dict[str, str]]:
         attributes = dict(self.attributes or {})
         attributes[c.ATTR_JOB] = self.job
         if self.job_id:
             attributes[c.ATTR_JOB_ID] = self.job_id
+        if self.not_before:
+            attributes[c.ATTR_NOT_BEFORE] = self.not_before
         inject(attributes)
         return json.dumps(self.data, separators=(",", ":")).encode(), attributes
 
@@ -62,11 +68,15 @@ def publish_job(
     *,
     job_id: str = "",
     attributes: Mapping[str, str] | None = None,
+    not_before: datetime | timedelta | None = None,
     project: str | None = None,
     publisher: Any = None,
     timeout: float = 60,
 ) -> str:
     """Publish one job and wait for its message id: ``workerpool.publish``.
+
+    ``not_before`` (a timezone-aware time, or a delay from now, up to 365 days) delays the
+    job: a worker keeps it in its store's schedule, not in a pool, until then.
 
     ``topic`` is a topic name in ``project`` (default: ``GOOGLE_CLOUD_PROJECT``) or a full
     ``projects/P/topics/T`` path. The current OpenTelemetry context is injected, so the job's
@@ -78,7 +88,11 @@ def publish_job(
         if not project:
             raise ConfigError(f"topic {topic!r}: give a project or a projects/P/topics/T path")
         topic = f"projects/{project}/topics/{topic}"
-    message = JobMessage(job, dict(data or {}), job_id, attributes)
+    try:
+        when = "" if not_before is None else not_before_text(not_before)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    message = JobMessage(job, dict(data or {}), job_id, attributes, when)
     return publish(publisher or _publisher(), topic, message, timeout=timeout)
 
 

@@ -34,6 +34,8 @@ from workerpool.ops.admin import (
 )
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import Registry, registry
+from workerpool.schedule import schedule_opener
+from workerpool.schedule.delays import Delays, Firer
 from workerpool.slots import (
     Concurrency,
     KeyTemplate,
@@ -195,7 +197,8 @@ class Launcher:
             )
         timers = Timers()
         concurrency = self._concurrency(timers, slot_limits)
-        middleware = self._middleware(timers, concurrency)
+        delays = self._delays(info.topic, clients.publisher)
+        middleware = self._middleware(timers, concurrency, delays)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
@@ -232,7 +235,9 @@ class Launcher:
             info, clients, timers, loop, acks, leaser, middleware, processor, pool, puller
         )
 
-    def _middleware(self, timers: Timers, concurrency: Concurrency | None) -> list[Middleware]:
+    def _middleware(
+        self, timers: Timers, concurrency: Concurrency | None, delays: Delays
+    ) -> list[Middleware]:
         idempotency: list[Middleware] = []
         store = self._store
         if store is None and self._open_store is not None:
@@ -246,6 +251,7 @@ class Launcher:
             )
         return [
             *self.telemetry.middleware(self.subscription),  # outermost: every run is seen
+            delays,  # before the claim: a job that is not due yet takes none
             *idempotency,
             # After the claim: a duplicate never takes a slot. Before the rate limit: a run
             # waits for its token only once it may run.
@@ -313,6 +319,16 @@ class Launcher:
         except (ValueError, ImportError):
             return False
         return True
+
+    def _delays(self, topic: str, publisher: Any) -> Delays:
+        opener = schedule_opener(self.settings.idempotency_store)
+        if opener is None:
+            return Delays(topic, None, None)
+        try:
+            schedule = opener()
+        except StoreError as exc:
+            raise ConfigError(f"idempotency_store (for the schedule): {exc}") from None
+        return Delays(topic, schedule, Firer(schedule, topic, publisher))
 
     def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:
         if limits is None:

@@ -63,6 +63,14 @@ class Deferred:
 
 
 @dataclass(frozen=True)
+class Scheduled:
+    """Not due yet (``not_before``): the message is in the schedule, which publishes it again
+    when it is due."""
+
+    not_before: str
+
+
+@dataclass(frozen=True)
 class Interrupted:
     """Draining caught the job: its deadline passed while the handler ran, or the pool
     drained while the job still waited for a rate-limit token."""
@@ -104,6 +112,7 @@ Outcome = (
     | DuplicateOfRunning
     | RedeliveredWhileRunning
     | Deferred
+    | Scheduled
     | Interrupted
     | LostLease
     | NotStarted
@@ -148,7 +157,8 @@ class DeadLetter:
 Action = Ack | Nack | DeadLetter
 
 
-def decide(outcome: Outcome, facts: Facts) -> Action:
+# One branch per row of DESIGN.md's table, side by side on purpose: not split up.
+def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
     match outcome:
         case Succeeded():
             # Completion is recorded by the idempotency middleware before we get here.
@@ -177,6 +187,9 @@ def decide(outcome: Outcome, facts: Facts) -> Action:
             # Not a failure, so it never dead-letters by our count; the handler may say when.
             wait = facts.backoff.delay(facts.attempt) if delay is None else delay
             return _later(wait, Label.DEFERRED, facts)
+        case Scheduled():
+            # The schedule holds it now and publishes it again when due, job id and all.
+            return Ack(Label.SCHEDULED)
         case Interrupted():
             # Give it to another worker now; the handler has seen ctx.cancelled.
             return Nack(0.0, Label.DRAINED)

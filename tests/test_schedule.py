@@ -1,0 +1,257 @@
+"""Delayed jobs, the pure parts: the not_before attribute, the schedule stores (memory and
+SQLite run the same suite), the firer and the middleware."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from tests.fakes import FakeClock
+from workerpool import constants as c
+from workerpool.cli import main
+from workerpool.constants import Label
+from workerpool.context import Flag, JobContext
+from workerpool.registry import JobSpec
+from workerpool.schedule import (
+    Entry,
+    MemorySchedule,
+    ScheduleStore,
+    SqliteSchedule,
+    not_before_text,
+    parse_not_before,
+)
+from workerpool.schedule.delays import Delays, Firer
+from workerpool.schedule.when import parse_delay
+from workerpool.testing.fakes import make_delivery
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.envelope import Job
+from workerpool.worker.outcome import (
+    Ack,
+    Deferred,
+    Facts,
+    Rejected,
+    Scheduled,
+    Succeeded,
+    decide,
+)
+from workerpool.worker.run import Run
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+TOPIC = "projects/p/topics/t"
+
+
+def test_not_before_is_an_absolute_utc_time_at_most_a_year_ahead() -> None:
+    assert not_before_text(timedelta(seconds=90), NOW) == "2026-12-01T12:01:30.000Z"
+    tokyo = datetime(2026, 12, 24, 9, 0, tzinfo=timezone(timedelta(hours=9)))
+    assert not_before_text(tokyo, NOW) == "2026-12-24T00:00:00.000Z"
+    assert parse_not_before("2026-12-01T12:01:30.000Z", NOW) == NOW.timestamp() + 90
+    assert not_before_text(timedelta(days=2), NOW) == "2026-12-03T12:00:00.000Z"
+    for bad, says in (
+        (datetime(2026, 12, 24, 9, 0), "has no timezone"),
+        (timedelta(days=366), "more than 365 days ahead"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            not_before_text(bad, NOW)
+    for text, says in (
+        ("tomorrow", "not an RFC 3339 time"),
+        ("2026-12-24T09:00:00", "has no timezone"),
+        ("2028-12-24T09:00:00Z", "more than 365 days ahead"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            parse_not_before(text, NOW)
+    assert [parse_delay(t).total_seconds() for t in ("90s", "5m", "2h", "1.5d")] == [
+        90,
+        300,
+        7200,
+        129600,
+    ]
+    with pytest.raises(ValueError, match="not a number of s, m, h or d"):
+        parse_delay("90")
+
+
+StoreFactory = Callable[[], ScheduleStore]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
+    """Handles on one backing schedule (SQLite: several connections to one file)."""
+    memory = MemorySchedule()
+    opened: list[ScheduleStore] = []
+
+    def make() -> ScheduleStore:
+        store = memory if request.param == "memory" else SqliteSchedule(tmp_path / "s.db")
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def _entry(job_id: str, due: float, topic: str = TOPIC) -> Entry:
+    return Entry(topic, job_id, due, b"{}", {c.ATTR_JOB: "t.job", c.ATTR_JOB_ID: job_id})
+
+
+def test_an_entry_is_scheduled_once_and_claimed_when_due_oldest_first(
+    make_store: StoreFactory,
+) -> None:
+    store, other = make_store(), make_store()
+    assert store.add(_entry("b", 20.0)) and store.add(_entry("a", 10.0))
+    assert not other.add(_entry("a", 99.0))  # the same job id again: scheduled once
+    store.add(_entry("elsewhere", 1.0, topic="projects/p/topics/other"))
+    # Nothing is due yet: nothing claimed, and the next is a's
+    assert store.claim_due(TOPIC, 5.0, lease=30, limit=10) == ([], 10.0)
+    # Both due: claimed oldest first, up to the limit; the rest's next time is b's
+    claimed, next_ready = store.claim_due(TOPIC, 25.0, lease=30, limit=1)
+    assert [e.job_id for e in claimed] == ["a"] and claimed[0].due == 10.0
+    assert next_ready == 20.0
+    # A claimed entry is not claimed again until its lease lapses
+    assert [e.job_id for e in other.claim_due(TOPIC, 26.0, lease=30, limit=10)[0]] == ["b"]
+    assert other.claim_due(TOPIC, 50.0, lease=30, limit=10)[0] == []
+    assert [e.job_id for e in store.claim_due(TOPIC, 55.0, lease=30, limit=10)[0]] == ["a"]
+    # Fired entries are gone; the schedule lists what is left, soonest due first
+    store.fired(TOPIC, ["a"])
+    assert [(e.job_id, e.attributes[c.ATTR_JOB]) for e in other.entries()] == [
+        ("elsewhere", "t.job"),
+        ("b", "t.job"),
+    ]
+    assert [e.job_id for e in other.entries(TOPIC)] == ["b"]
+
+
+class Publisher:
+    """Records what is published; fails the first publish of each job id in ``failing``."""
+
+    def __init__(self, failing: frozenset[str] = frozenset()) -> None:
+        self.published: list[tuple[str, float]] = []
+        self._failing = set(failing)
+        self.lock = threading.Lock()
+
+    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        future: Future[str] = Future()
+        job_id = attributes[c.ATTR_JOB_ID]
+        with self.lock:
+            if job_id in self._failing:
+                self._failing.discard(job_id)
+                future.set_exception(RuntimeError("unavailable"))
+                return future
+            self.published.append((job_id, time.time()))
+        future.set_result(f"m-{job_id}")
+        return future
+
+
+def test_the_firer_publishes_each_entry_when_due_never_before(tmp_path: Path) -> None:
+    # Given entries due over the next second, one added by another worker (not expected)
+    store, publisher = SqliteSchedule(tmp_path / "s.db"), Publisher()
+    firer = Firer(store, TOPIC, publisher, reread=0.3)
+    start = time.time()
+    dues = {f"j{i}": start + 0.2 * i for i in range(1, 6)}
+    for job_id, due in dues.items():
+        store.add(_entry(job_id, due))
+        if job_id != "j3":
+            firer.expect(due)
+    firer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(publisher.published) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        firer.stop(5)
+    # Then each was published once, none before it was due, all soon after
+    late = {job_id: at - dues[job_id] for job_id, at in publisher.published}
+    assert sorted(late) == sorted(dues)
+    assert all(0 <= lateness < 0.35 for lateness in late.values()), late
+    assert store.entries() == []
+    store.close()
+
+
+def test_an_entry_not_published_is_fired_again_once_its_claim_lapses() -> None:
+    clock = FakeClock(100.0)
+    store, publisher = MemorySchedule(), Publisher(failing=frozenset({"a"}))
+    store.add(_entry("a", 100.0))
+    firer = Firer(store, TOPIC, publisher, clock=clock)
+    firer._publish(store.claim_due(TOPIC, clock(), lease=30, limit=10)[0])
+    assert publisher.published == [] and [e.job_id for e in store.entries()] == ["a"]
+    assert store.claim_due(TOPIC, clock() + 10, lease=30, limit=10)[0] == []  # still claimed
+    firer._publish(store.claim_due(TOPIC, clock() + 31, lease=30, limit=10)[0])
+    assert [job_id for job_id, _ in publisher.published] == ["a"] and store.entries() == []
+
+
+def _run(attributes: dict[str, str]) -> Run:
+    spec = JobSpec("t.job", lambda ctx, payload: None)
+    attributes = {c.ATTR_JOB: "t.job", c.ATTR_JOB_ID: "j-1", **attributes}
+    delivery = make_delivery(b'{"x":1}', attributes)
+    job = Job(spec, "j-1", {"x": 1}, "m-1", 1, None, attributes)
+    ctx = JobContext("t.job", "j-1", "m-1", 1, None, Flag())
+    return Run(job, ctx, delivery, lambda run, outcome: True)
+
+
+def test_a_job_not_due_yet_is_scheduled_and_acked_instead_of_run() -> None:
+    clock = FakeClock(NOW.timestamp())
+    store = MemorySchedule()
+    delays = Delays(TOPIC, store, Firer(store, TOPIC, Publisher(), clock=clock), clock=clock)
+    ran: list[str] = []
+
+    def handler(run: Run) -> Succeeded:
+        ran.append(run.job.job_id)
+        return Succeeded()
+
+    ahead = not_before_text(timedelta(seconds=90), NOW)
+    outcome = delays.run(_run({c.ATTR_NOT_BEFORE: ahead}), handler)
+    assert outcome == Scheduled(ahead) and ran == []
+    [entry] = store.entries()
+    assert (entry.job_id, entry.due, entry.data) == ("j-1", NOW.timestamp() + 90, b'{"x":1}')
+    assert entry.attributes[c.ATTR_NOT_BEFORE] == ahead  # published again as it came
+    facts = Facts(1, 3, Backoff())
+    assert decide(outcome, facts) == Ack(Label.SCHEDULED)
+    # Due (or past): it runs; without a not_before too
+    clock.advance(90)
+    assert delays.run(_run({c.ATTR_NOT_BEFORE: ahead}), handler) == Succeeded()
+    assert delays.run(_run({}), handler) == Succeeded()
+    assert ran == ["j-1", "j-1"]
+    # A bad not_before can never run: recorded as such
+    bad = delays.run(_run({c.ATTR_NOT_BEFORE: "soon"}), handler)
+    assert isinstance(bad, Rejected) and bad.error_type == c.ERR_INVALID_NOT_BEFORE
+    # Without a schedule (a store that has none) it rides on its ack deadline, 600 s a step
+    riding = Delays(TOPIC, None, None, clock=clock)
+    later = not_before_text(timedelta(hours=2), datetime.fromtimestamp(clock(), UTC))
+    assert riding.run(_run({c.ATTR_NOT_BEFORE: later}), handler) == Deferred(
+        f"not before {later}", 600
+    )
+
+
+def _cli(*args: str) -> Result:
+    """The CLI run in this process: the subprocess a user starts costs a second each."""
+    return CliRunner().invoke(main, list(args))
+
+
+def test_schedule_list_shows_the_delayed_jobs_soonest_first(tmp_path: Path) -> None:
+    store = SqliteSchedule(tmp_path / "claims.db")
+    now = time.time()
+    store.add(_entry("in-two-days", now + 2 * 86400))
+    store.add(_entry("in-a-minute", now + 60))
+    store.close()
+    result = _cli("schedule", "list", "--idempotency-store", f"sqlite:///{tmp_path}/claims.db")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split()[4] for line in lines[:2]] == ["in-a-minute", "in-two-days"]
+    assert lines[1].split()[2] == "2.0d" and lines[-1] == "2 delayed job(s)"
+
+
+def test_publish_refuses_a_delay_it_cannot_honour() -> None:
+    args = ["publish", "--project", "p", "--topic", "t", "--job", "j", "--data", "{}"]
+    for extra, says in (
+        (["--delay", "90s", "--not-before", "2026-12-24T09:00Z"], "not both"),
+        (["--delay", "soon"], "not a number of s, m, h or d"),
+        (["--not-before", "2026-12-24T09:00"], "has no timezone"),
+        (["--delay", "400d"], "more than 365 days ahead"),
+    ):
+        result = _cli(*args, *extra)
+        assert result.exit_code == 2, result.output
+        assert says in result.output and len(result.output.strip().splitlines()) == 1

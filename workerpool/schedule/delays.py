@@ -1,0 +1,162 @@
+"""The worker's side of delayed jobs.
+
+``Delays`` (a middleware, outside the idempotency claim) looks at a message's ``not_before``:
+past, the run goes on; ahead, the message is put in the schedule and acked (``Scheduled``), so
+it holds no slot, no memory and no delivery while it waits. Without a schedule (a store that
+has none yet) it rides on its ack deadline instead: deferred until it is due, 600 s a step.
+
+``Firer`` publishes the entries of one topic as they come due: it sleeps until the next one
+(learnt from the store with each claim, and from this worker's own additions at once), claims
+what is due for a short lease, publishes each message as it was, job id and all, then removes
+it. A worker that dies mid-way leaves its claims to lapse and another fires them; a message
+published twice runs once (the idempotency store knows its job id). The store is read again
+at least every ``reread`` seconds for entries other workers added and left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workerpool import constants as c
+from workerpool.schedule.store import Entry, ScheduleStore
+from workerpool.schedule.when import parse_not_before
+from workerpool.stores import StoreError
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import Deferred, Outcome, Rejected, Scheduled, Unavailable
+from workerpool.worker.run import Run
+
+log = logging.getLogger(__name__)
+
+# A claimed entry comes back to any worker after this long if it was not published.
+_CLAIM_LEASE = 30.0
+_BATCH = 100  # entries claimed and published at once
+_PUBLISH_TIMEOUT = 30.0
+
+
+class Firer:
+    def __init__(
+        self,
+        schedule: ScheduleStore,
+        topic: str,
+        publisher: Any,
+        *,
+        reread: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._schedule = schedule
+        self._topic = topic
+        self._publisher = publisher
+        self._reread = reread
+        self._clock = clock
+        self._soonest = float("inf")  # the earliest due time added here since the last claim
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._fire, name="workerpool-firer", daemon=True)
+        self._thread.start()
+
+    def expect(self, due: float) -> None:
+        """An entry due at ``due`` was added here: wake for it if it is the soonest."""
+        with self._lock:
+            if due >= self._soonest:
+                return
+            self._soonest = due
+        self._wake.set()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _fire(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self._soonest = float("inf")  # what the claim sees, it reports as next
+            try:
+                due, next_ready = self._schedule.claim_due(
+                    self._topic, self._clock(), _CLAIM_LEASE, _BATCH
+                )
+                if due:
+                    self._publish(due)
+                    continue  # more may be due; the next claim also says what is next
+            except StoreError as exc:
+                log.warning("schedule of %s not read (%s); trying again", self._topic, exc)
+                next_ready = None
+            except Exception:  # a bug: keep firing
+                log.exception("firing the schedule of %s failed; trying again", self._topic)
+                next_ready = None
+            with self._lock:
+                wake_at = min(self._soonest, next_ready or float("inf"))
+            self._wake.wait(max(0.0, min(wake_at - self._clock(), self._reread)))
+            self._wake.clear()
+
+    def _publish(self, entries: list[Entry]) -> None:
+        futures = [
+            (e, self._publisher.publish(self._topic, e.data, **e.attributes)) for e in entries
+        ]
+        published = []
+        for entry, future in futures:
+            try:
+                future.result(timeout=_PUBLISH_TIMEOUT)
+                published.append(entry.job_id)
+            except Exception as exc:  # its claim lapses and it is fired again
+                log.warning("delayed job %s not published yet: %s", entry.job_id, exc)
+        if published:
+            self._schedule.fired(self._topic, published)
+
+
+class Delays(Middleware):
+    """Holds back a run whose ``not_before`` is ahead (see the module)."""
+
+    def __init__(
+        self,
+        topic: str,
+        schedule: ScheduleStore | None,
+        firer: Firer | None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._topic = topic
+        self._schedule = schedule
+        self._firer = firer
+        self._clock = clock
+
+    def start(self) -> None:
+        if self._firer is not None:
+            self._firer.start()
+
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        text = run.job.attributes.get(c.ATTR_NOT_BEFORE)
+        if not text:
+            return call_next(run)
+        try:
+            due = parse_not_before(text)
+        except ValueError as exc:
+            return Rejected(c.ERR_INVALID_NOT_BEFORE, str(exc))
+        wait = due - self._clock()
+        if wait <= 0:
+            return call_next(run)
+        if self._schedule is None or self._firer is None:
+            return Deferred(f"not before {text}", min(wait, c.MAX_ACK_DEADLINE_SECONDS))
+        delivery = run.delivery
+        entry = Entry(self._topic, run.job.job_id, due, delivery.data, delivery.attributes)
+        try:
+            self._schedule.add(entry)
+        except StoreError as exc:
+            return Unavailable(f"schedule: {exc}")
+        self._firer.expect(due)
+        return Scheduled(text)
+
+    def close(self, timeout: float) -> None:
+        if self._firer is not None:
+            self._firer.stop(timeout)
+        if self._schedule is not None:
+            self._schedule.close()
