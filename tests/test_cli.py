@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,14 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         env=env,
         check=False,
     )
+
+
+def _clis(
+    commands: list[list[str]], env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """``_cli`` for several commands side by side (each process spends a second starting)."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: _cli(*args, env=env), commands))
 
 
 def test_provision_twice_succeeds_and_says_what_existed(pubsub_resources: PubSubResources) -> None:
@@ -71,41 +80,41 @@ def test_bad_config_exits_2_naming_the_setting(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    ("section", "says"),
-    [
-        (
-            '[jobs."http.delivery"]\nallowed_host = ["a.example"]\n',
-            '[jobs."http.delivery"] allowed_host: unexpected field',
-        ),
-        (
-            '[jobs."http.delivery"]\ntimeout = "10"\n',
-            '[jobs."http.delivery"] timeout: expected float, got str',
-        ),
-        (
-            '[jobs."bigquery.reverse_etl"]\nmax_concurrent_exports = 0\n',
-            '[jobs."bigquery.reverse_etl"] the section: ValueError: max_concurrent_exports and '
-            "max_export_attempts must be >= 1",
-        ),
-        (
-            '[jobs."http.delivry"]\nallowed_hosts = []\n',
-            '[jobs."http.delivry"]: no job of that name is registered',
-        ),
-    ],
-    ids=["unknown-key", "wrong-type", "bad-value", "unknown-job"],
-)
-def test_a_mistake_in_a_jobs_config_section_exits_2_before_connecting(
-    tmp_path: Path, section: str, says: str
-) -> None:
-    # Given a config file with a mistake in a plugin's section, and no Pub/Sub to connect to
-    config = tmp_path / "workerpool.toml"
-    config.write_text(section)
-    # When a worker starts with it
-    result = _cli("run", "--config", str(config), "--project", "p", "--subscription", "s",
-                  env=_nowhere(tmp_path))  # fmt: skip
+_SECTION_MISTAKES = [
+    (
+        '[jobs."http.delivery"]\nallowed_host = ["a.example"]\n',
+        '[jobs."http.delivery"] allowed_host: unexpected field',
+    ),
+    (
+        '[jobs."http.delivery"]\ntimeout = "10"\n',
+        '[jobs."http.delivery"] timeout: expected float, got str',
+    ),
+    (
+        '[jobs."bigquery.reverse_etl"]\nmax_concurrent_exports = 0\n',
+        '[jobs."bigquery.reverse_etl"] the section: ValueError: max_concurrent_exports and '
+        "max_export_attempts must be >= 1",
+    ),
+    (
+        '[jobs."http.delivry"]\nallowed_hosts = []\n',
+        '[jobs."http.delivry"]: no job of that name is registered',
+    ),
+]
+
+
+def test_a_mistake_in_a_jobs_config_section_exits_2_before_connecting(tmp_path: Path) -> None:
+    # Given config files each with a mistake in a plugin's section (unknown key, wrong type,
+    # bad value, unknown job), and no Pub/Sub to connect to
+    commands = []
+    for i, (section, _) in enumerate(_SECTION_MISTAKES):
+        config = tmp_path / f"workerpool-{i}.toml"
+        config.write_text(section)
+        commands.append(["run", "--config", str(config), "--project", "p", "--subscription", "s"])
+    # When a worker starts with each
+    results = _clis(commands, env=_nowhere(tmp_path))
     # Then it exits 2 with one line naming the setting, before it tries to connect
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [f"workerpool: error: {says}"]
+    for result, (_, says) in zip(results, _SECTION_MISTAKES, strict=True):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [f"workerpool: error: {says}"]
 
 
 def test_a_worker_without_credentials_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -232,11 +241,13 @@ def test_a_pool_names_the_key_its_jobs_share_with_concurrency(tmp_path: Path) ->
 
 
 def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_path: Path) -> None:
-    for key, limits in (("exports", "other=1"), ("partner:{id}", "partner:*=1")):
-        result = _cli(
-            "run", "--project", "p", "--subscription", "s", "--pool-concurrency", key,
-            "--concurrency", limits, env=_nowhere(tmp_path),
-        )  # fmt: skip
+    cases = (("exports", "other=1"), ("partner:{id}", "partner:*=1"))
+    commands = [
+        ["run", "--project", "p", "--subscription", "s", "--pool-concurrency", key,
+         "--concurrency", limits]
+        for key, limits in cases
+    ]  # fmt: skip
+    for (key, _), result in zip(cases, _clis(commands, env=_nowhere(tmp_path)), strict=True):
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().splitlines() == [
             f"workerpool: error: pool_concurrency {key!r}: a pool's key must be a plain key "
