@@ -46,7 +46,7 @@ class SleepRequest:
     defer_until: int = 0
 
 
-def _record(ctx: RunContext, started: float, outcome: str) -> None:
+def _record(ctx: RunContext, started: float, outcome: str, **extra: Any) -> None:
     path = os.environ.get("WORKERPOOL_DEMO_LEDGER")
     if not path:
         return
@@ -56,6 +56,7 @@ def _record(ctx: RunContext, started: float, outcome: str) -> None:
         "attempt": ctx.delivery_attempt,
         "pid": os.getpid(),
         "start": started,
+        **extra,
     }
     if outcome != "start":
         entry["end"] = time.time()
@@ -114,3 +115,9 @@ def _end(ctx: RunContext, request: SleepRequest, started: float, finished: bool)
 @job("demo.echo", timeout=60)
 def echo(ctx: JobContext, payload: dict[str, Any]) -> None:
     ctx.logger.info("echo %s", sorted(payload))
+
+
+@job("demo.batch_done", timeout=60)
+def batch_done(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """A batch's completion job (``on_complete``): its totals go to the ledger."""
+    _record(ctx, time.time(), "done", batch=payload)

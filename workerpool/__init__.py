@@ -1,12 +1,13 @@
 """workerpool: run jobs from a Pub/Sub pull subscription as a bounded, well-behaved pool.
 
-What a job needs (``job``, the contexts, the errors, ``publish``) and what a middleware needs
-(``Middleware``, the ``Run`` it wraps, the ``Settled`` it hears); the test kit is
-``workerpool.testing`` (``run_job``).
+What a job needs (``job``, the contexts, the errors, ``publish``, ``publish_batch``) and what
+a middleware needs (``Middleware``, the ``Run`` it wraps, the ``Settled`` it hears); the test
+kit is ``workerpool.testing`` (``run_job``).
 """
 
 from workerpool.context import AsyncJobContext, JobContext, RunContext
 from workerpool.errors import ConfigError, Defer, PermanentError, RateLimitedError, RetryableError
+from workerpool.publishing import JobMessage, publish_batch
 from workerpool.publishing import publish_job as publish
 from workerpool.registry import JobSpec, job, registry
 from workerpool.worker.middleware import Middleware
@@ -17,6 +18,7 @@ __all__ = [
     "ConfigError",
     "Defer",
     "JobContext",
+    "JobMessage",
     "JobSpec",
     "Middleware",
     "PermanentError",
@@ -27,5 +29,6 @@ __all__ = [
     "Settled",
     "job",
     "publish",
+    "publish_batch",
     "registry",
 ]

@@ -177,6 +177,10 @@ def provision(**options: Any) -> None:
 @click.option("--file", "jsonl", type=click.File(), help='JSON lines: {"job","job_id","data"}.')
 @click.option("--delay", help="Start no sooner than this from now: 90s, 5m, 2h, 2d.")
 @click.option("--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00Z).")
+@click.option("--on-complete", help="Publish them as one batch: the job to run when all end.")
+@click.option("--batch-id", help="The batch's id (default: a new one).")
+@click.option("--batch-deadline", default="1h", show_default=True, help="Finalize it then.")
+@click.option("--idempotency-store", help="The store the workers share (for the batch).")
 def publish(
     project: str,
     topic: str,
@@ -186,8 +190,12 @@ def publish(
     jsonl: Any,
     delay: str | None,
     not_before: str | None,
+    on_complete: str | None,
+    batch_id: str | None,
+    batch_deadline: str,
+    idempotency_store: str | None,
 ) -> None:
-    """Publish one job (--job/--data) or many (--file), now or delayed."""
+    """Publish one job (--job/--data) or many (--file), now or delayed, or as one batch."""
     when = _not_before(delay, not_before)
     if jsonl is not None:
         messages = read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
@@ -203,6 +211,22 @@ def publish(
         raise ConfigError("give --job and --data, or --file")
     if when:
         messages = [dataclasses.replace(m, not_before=when) for m in messages]
+    if on_complete:
+        from workerpool.publishing import publish_batch
+        from workerpool.schedule.when import parse_delay
+
+        try:
+            deadline = parse_delay(batch_deadline)
+        except ValueError as exc:
+            raise ConfigError(f"--batch-deadline: {exc}") from None
+        made = publish_batch(
+            topic_path(project, topic), messages, on_complete=on_complete, deadline=deadline,
+            batch_id=batch_id, store=idempotency_store,
+        )  # fmt: skip
+        click.echo(
+            f"published batch {made} of {len(messages)} job(s) to {topic_path(project, topic)}"
+        )
+        return
     clients = Clients()
     try:
         ids = publish_many(clients.publisher, topic_path(project, topic), messages)
@@ -322,13 +346,81 @@ def dlq_replay(
 
 
 @main.group()
+def batch() -> None:
+    """Batches and how far each has got."""
+
+
+_STORE_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file."),
+    click.option("--idempotency-store", help="The store the workers share."),
+]
+
+
+def _store_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_STORE_OPTIONS):
+        func = option(func)
+    return func
+
+
+def _open_batches(config_file: str | None, idempotency_store: str | None) -> Any:
+    from workerpool.batches import batch_opener
+
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    opener = batch_opener(settings.idempotency_store)
+    if opener is None:
+        raise ConfigError(f"idempotency_store {settings.idempotency_store}: keeps no batches")
+    return opener()
+
+
+def _batch_line(b: Any) -> str:
+    deadline = datetime.fromtimestamp(b.deadline, UTC).isoformat(timespec="seconds")
+    if b.finalized_by:
+        state = f"finalized by {b.finalized_by}"
+    else:
+        state = "open" if b.committed else "publishing (not open yet)"
+    return (
+        f"{b.batch_id}  total {b.total}  done {b.done}  failed {b.failed}  pending {b.pending}"
+        f"  deadline {deadline}  {state}"
+    )
+
+
+@batch.command("status")
+@click.argument("batch_id")
+@_store_options
+def batch_status(batch_id: str, config_file: str | None, idempotency_store: str | None) -> None:
+    """Show one batch: totals, done, failed, pending, its deadline and state."""
+    store = _open_batches(config_file, idempotency_store)
+    try:
+        found = store.get(batch_id)
+    finally:
+        store.close()
+    if found is None:
+        raise ConfigError(f"no batch {batch_id}")
+    click.echo(_batch_line(found))
+
+
+@batch.command("list")
+@_store_options
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+def batch_list(config_file: str | None, idempotency_store: str | None, limit: int) -> None:
+    """Show the batches, soonest deadline first."""
+    store = _open_batches(config_file, idempotency_store)
+    try:
+        found = store.batches(limit)
+    finally:
+        store.close()
+    for each in found:
+        click.echo(_batch_line(each))
+    click.echo(f"{len(found)} batch(es)")
+
+
+@main.group()
 def schedule() -> None:
     """Delayed jobs waiting in the workers' schedule."""
 
 
 @schedule.command("list")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
-@click.option("--idempotency-store", help="The store the workers share (their schedule).")
+@_store_options
 @click.option("--project", help="With --topic: only the jobs of this topic.")
 @click.option("--topic", help="Only the jobs of this topic.")
 @click.option("--limit", type=click.IntRange(1), default=100, show_default=True)

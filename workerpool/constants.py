@@ -10,6 +10,8 @@ ATTR_TRACEPARENT: Final = "traceparent"
 ATTR_TRACESTATE: Final = "tracestate"
 # RFC 3339 time in UTC before which the job must not start (a delayed job).
 ATTR_NOT_BEFORE: Final = "not_before"
+# The batch a child job belongs to (``workerpool.publish_batch``).
+ATTR_BATCH_ID: Final = "batch_id"
 
 # Failure record attributes added to the original attributes on the dead-letter topic.
 ATTR_ERROR_TYPE: Final = "error_type"

@@ -6,12 +6,14 @@ Every message also carries the publisher's current trace context (``traceparent`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from workerpool import constants as c
@@ -83,17 +85,84 @@ def publish_job(
     span on the worker is a child of the caller's span. ``publisher`` defaults to one
     ``PublisherClient`` shared by the process (``PUBSUB_EMULATOR_HOST`` is honoured).
     """
-    if not topic.startswith("projects/"):
-        project = project or os.environ.get("GOOGLE_CLOUD_PROJECT", "")
-        if not project:
-            raise ConfigError(f"topic {topic!r}: give a project or a projects/P/topics/T path")
-        topic = f"projects/{project}/topics/{topic}"
+    topic = topic_of(topic, project)
     try:
         when = "" if not_before is None else not_before_text(not_before)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     message = JobMessage(job, dict(data or {}), job_id, attributes, when)
     return publish(publisher or _publisher(), topic, message, timeout=timeout)
+
+
+def topic_of(topic: str, project: str | None) -> str:
+    """``topic``'s full path: a name in ``project`` (default ``GOOGLE_CLOUD_PROJECT``), or
+    a ``projects/P/topics/T`` path as it is."""
+    if topic.startswith("projects/"):
+        return topic
+    project = project or os.environ.get("GOOGLE_CLOUD_PROJECT", "")
+    if not project:
+        raise ConfigError(f"topic {topic!r}: give a project or a projects/P/topics/T path")
+    return f"projects/{project}/topics/{topic}"
+
+
+def publish_batch(
+    topic: str,
+    jobs: Iterable[JobMessage],
+    *,
+    on_complete: str,
+    deadline: timedelta = timedelta(hours=1),
+    batch_id: str | None = None,
+    project: str | None = None,
+    store: str | None = None,
+    publisher: Any = None,
+) -> str:
+    """Publish ``jobs`` as one batch and return its id: ``workerpool.publish_batch``.
+
+    Every child needs a job id (its batch counts it by that id, once). When each child has a
+    final outcome (done, or dead-lettered), one job ``on_complete`` runs, job id
+    ``batch:<id>:complete``, with the batch's totals; at ``deadline`` whatever is still open
+    is finalized the same way (``finalized_by = "deadline"``). The batch record lives in the
+    workers' store: ``store`` (a URL), else the one ``workerpool run`` would use (the config
+    file, ``WORKERPOOL_IDEMPOTENCY_STORE``). The batch opens only once every child is
+    published, so children that finish fast cannot complete it early; a publisher that dies
+    mid-way leaves it to its deadline."""
+    from workerpool.batches import batch_opener
+    from workerpool.batches.store import DEADLINE_JOB, deadline_job_id, deliver
+    from workerpool.config import load_settings
+    from workerpool.schedule import schedule_opener
+
+    topic = topic_of(topic, project)
+    children = list(jobs)
+    missing = [m.job for m in children if not m.job_id]
+    if missing:
+        raise ConfigError(f"every child of a batch needs a job id ({missing[0]} has none)")
+    url = load_settings(None, {"idempotency_store": store}).idempotency_store
+    open_batches, open_schedule = batch_opener(url), schedule_opener(url)
+    if open_batches is None or open_schedule is None:
+        raise ConfigError(f"idempotency_store {url}: keeps no batches (use SQLite)")
+    batch_id = batch_id or uuid.uuid4().hex
+    due = datetime.now(UTC) + deadline
+    batches, schedule = open_batches(), open_schedule()
+    publisher = publisher or _publisher()
+    try:
+        batches.create(batch_id, topic, on_complete, [m.job_id for m in children], due.timestamp())
+        net = JobMessage(
+            DEADLINE_JOB, {"batch_id": batch_id}, deadline_job_id(batch_id),
+            not_before=not_before_text(due),
+        )  # fmt: skip
+        stamped = [
+            dataclasses.replace(m, attributes={**(m.attributes or {}), c.ATTR_BATCH_ID: batch_id})
+            for m in children
+        ]
+        for _ in publish_many(publisher, topic, [net, *stamped]):
+            pass
+        deliver(batches.commit(batch_id), batches, schedule)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    finally:
+        batches.close()
+        schedule.close()
+    return batch_id
 
 
 def publish_many(publisher: Any, topic: str, messages: Iterable[JobMessage]) -> Iterator[str]:

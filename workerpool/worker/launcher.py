@@ -21,6 +21,9 @@ from typing import Any
 
 from google.auth.exceptions import DefaultCredentialsError
 
+from workerpool.batches import batch_opener
+from workerpool.batches.middleware import Batches, no_batches
+from workerpool.batches.store import DEADLINE_JOB
 from workerpool.config import Settings
 from workerpool.constants import Label
 from workerpool.errors import ConfigError
@@ -33,7 +36,7 @@ from workerpool.ops.admin import (
     topic_path,
 )
 from workerpool.ratelimit import LocalLimiters, RateLimiters
-from workerpool.registry import Registry, registry
+from workerpool.registry import JobSpec, Registry, registry
 from workerpool.schedule import schedule_opener
 from workerpool.schedule.delays import Delays, Firer
 from workerpool.slots import (
@@ -169,6 +172,7 @@ class Launcher:
                 raise RuntimeError(f"cannot start a launcher that is {self._phase.value}")
             # A typo in a job's config section, or a key without a limit, stops the worker
             # here, before any connection.
+            self._jobs.add(JobSpec(DEADLINE_JOB, no_batches))  # every worker knows the net
             job_config = self._jobs.configs(self.settings.job_config)
             slot_limits = self._slot_limits(job_config)
             clients = self._clients or _connect()
@@ -197,8 +201,8 @@ class Launcher:
             )
         timers = Timers()
         concurrency = self._concurrency(timers, slot_limits)
-        delays = self._delays(info.topic, clients.publisher)
-        middleware = self._middleware(timers, concurrency, delays)
+        coordination = self._coordination(info.topic, clients.publisher)
+        middleware = self._middleware(timers, concurrency, coordination)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
@@ -236,7 +240,7 @@ class Launcher:
         )
 
     def _middleware(
-        self, timers: Timers, concurrency: Concurrency | None, delays: Delays
+        self, timers: Timers, concurrency: Concurrency | None, coordination: list[Middleware]
     ) -> list[Middleware]:
         idempotency: list[Middleware] = []
         store = self._store
@@ -251,7 +255,7 @@ class Launcher:
             )
         return [
             *self.telemetry.middleware(self.subscription),  # outermost: every run is seen
-            delays,  # before the claim: a job that is not due yet takes none
+            *coordination,  # before the claim: a job that is not due yet takes none
             *idempotency,
             # After the claim: a duplicate never takes a slot. Before the rate limit: a run
             # waits for its token only once it may run.
@@ -320,15 +324,20 @@ class Launcher:
             return False
         return True
 
-    def _delays(self, topic: str, publisher: Any) -> Delays:
-        opener = schedule_opener(self.settings.idempotency_store)
-        if opener is None:
-            return Delays(topic, None, None)
+    def _coordination(self, topic: str, publisher: Any) -> list[Middleware]:
+        """Delayed jobs, and batches, where the store keeps them (beside the claims)."""
+        url = self.settings.idempotency_store
+        open_schedule, open_batches = schedule_opener(url), batch_opener(url)
+        if open_schedule is None:
+            return [Delays(topic, None, None)]
         try:
-            schedule = opener()
+            schedule = open_schedule()
+            batches = None if open_batches is None else open_batches()
         except StoreError as exc:
-            raise ConfigError(f"idempotency_store (for the schedule): {exc}") from None
-        return Delays(topic, schedule, Firer(schedule, topic, publisher))
+            raise ConfigError(f"idempotency_store (for delays and batches): {exc}") from None
+        firer = Firer(schedule, topic, publisher)
+        delays: Middleware = Delays(topic, schedule, firer)
+        return [delays] if batches is None else [delays, Batches(batches, schedule, firer)]
 
     def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:
         if limits is None:

@@ -229,7 +229,7 @@ class Processor:
             error_type = ""
         self._finish(
             Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                    subject.attempt, run, error_type)
+                    subject.attempt, run, error_type, attributes=delivery.attributes)
         )  # fmt: skip
 
     def _facts(self, subject: _Subject) -> Facts:
@@ -357,7 +357,7 @@ class Processor:
         for (delivery, subject, run), label in zip(taken, labels, strict=True):
             self._finish(
                 Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                        subject.attempt, run)
+                        subject.attempt, run, attributes=delivery.attributes)
             )  # fmt: skip
 
 

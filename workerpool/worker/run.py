@@ -9,7 +9,7 @@ every middleware hears once per message that leaves the pool, run or not.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -88,6 +88,8 @@ class Settled:
     # Why it was dead-lettered (``error_type`` of the failure record), else "".
     error_type: str = ""
     settled_at: float = field(default_factory=time.monotonic)
+    # The message's attributes (its batch, say), as it came.
+    attributes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def duration(self) -> float | None:

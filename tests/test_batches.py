@@ -1,0 +1,155 @@
+"""Batches, the pure parts: the ledger and the one finalization, on memory and SQLite (the
+same suite), and handing the completion to the schedule."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from workerpool import constants as c
+from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches
+from workerpool.batches.store import DEADLINE, LAST_CHILD, deliver
+from workerpool.schedule import MemorySchedule
+
+TOPIC = "projects/p/topics/t"
+StoreFactory = Callable[[], BatchStore]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
+    """Handles on one backing store (SQLite: a connection each, as processes have)."""
+    memory = MemoryBatches()
+    opened: list[BatchStore] = []
+
+    def make() -> BatchStore:
+        store = memory if request.param == "memory" else SqliteBatches(tmp_path / "b.db")
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def _create(store: BatchStore, children: int, batch_id: str = "b1") -> list[str]:
+    job_ids = [f"child-{i}" for i in range(children)]
+    store.create(batch_id, TOPIC, "reports.done", job_ids, deadline=2_000_000_000.0)
+    return job_ids
+
+
+def test_children_that_finish_before_the_commit_never_complete_the_batch(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
+    job_ids = _create(store, 3)
+    assert [store.record("b1", j, True) for j in job_ids] == [None, None, None]
+    batch = store.get("b1")
+    assert batch is not None and (batch.done, batch.pending, batch.committed) == (3, 0, False)
+    # The commit, once every child is published, finds nothing pending: it completes it
+    completion = store.commit("b1")
+    assert completion is not None and completion.batch.finalized_by == LAST_CHILD
+    assert store.commit("b1") is None
+
+
+def test_the_last_final_outcome_completes_the_batch_once_whatever_the_deliveries(
+    make_store: StoreFactory,
+) -> None:
+    # Given a committed batch of 200 children, and 8 handles recording every outcome, some
+    # twice (duplicates, redeliveries), 10 children dead-lettered
+    job_ids = _create(make_store(), 200)
+    make_store().commit("b1")
+    handles = [make_store() for _ in range(8)]
+    completions: list[Completion] = []
+    lock = threading.Lock()
+
+    def record(handle: BatchStore, ids: list[str]) -> None:
+        for job_id in ids:
+            got = handle.record("b1", job_id, succeeded=not job_id.endswith("7"))
+            if got is not None:
+                with lock:
+                    completions.append(got)
+
+    threads = [
+        threading.Thread(target=record, args=(h, job_ids[i::4] + job_ids[i::7]))
+        for i, h in enumerate(handles)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Then exactly one call finalized it, with every child counted once
+    [completion] = completions
+    payload = completion.payload()
+    failed = sorted(j for j in job_ids if j.endswith("7"))
+    assert payload == {
+        "batch_id": "b1", "total": 200, "succeeded": 180, "failed": 20,
+        "failed_job_ids": failed, "pending_job_ids": [], "finalized_by": LAST_CHILD,
+    }  # fmt: skip
+    assert completion.job_id == "batch:b1:complete"
+    # ... and nothing reopens it
+    assert make_store().record("b1", "child-7", True) is None
+    assert make_store().expire("b1") is None
+
+
+def test_a_replayed_child_turns_done_while_its_batch_is_open(make_store: StoreFactory) -> None:
+    store = make_store()
+    _create(store, 2)
+    store.commit("b1")
+    assert store.record("b1", "child-0", False) is None  # dead-lettered
+    assert store.record("b1", "child-0", False) is None  # its record, twice
+    assert store.record("b1", "child-0", True) is None  # replayed from the dead-letter topic
+    assert store.record("b1", "child-0", False) is None  # a done child stays done
+    assert store.record("b1", "not-a-child", True) is None
+    completion = store.record("b1", "child-1", True)
+    assert completion is not None and completion.payload()["succeeded"] == 2
+
+
+def test_the_deadline_finalizes_what_is_still_open_and_names_the_pending(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
+    _create(store, 3)  # never committed: its publisher died mid-way
+    store.record("b1", "child-0", True)
+    store.record("b1", "child-1", False)
+    completion = store.expire("b1")
+    assert completion is not None
+    assert completion.payload() == {
+        "batch_id": "b1", "total": 3, "succeeded": 1, "failed": 2,
+        "failed_job_ids": ["child-1", "child-2"], "pending_job_ids": ["child-2"],
+        "finalized_by": DEADLINE,
+    }  # fmt: skip
+    # A child finishing afterwards fires no second completion
+    assert store.record("b1", "child-2", True) is None
+    assert store.expire("b1") is None and store.commit("b1") is None
+    found = store.completion("b1")
+    assert found is not None and found.payload() == completion.payload()
+
+
+def test_a_batch_is_created_once(make_store: StoreFactory) -> None:
+    store = make_store()
+    _create(store, 3)
+    _create(make_store(), 3)  # its publisher trying again: the same batch
+    with pytest.raises(ValueError, match="exists already"):
+        _create(store, 4)
+    with pytest.raises(KeyError):
+        store.commit("no-such-batch")
+    assert [b.batch_id for b in store.batches()] == ["b1"]
+
+
+def test_a_completion_goes_to_the_schedule_due_now_as_its_own_job() -> None:
+    store, schedule = MemoryBatches(), MemorySchedule()
+    _create(store, 1)
+    store.commit("b1")
+    due = deliver(store.record("b1", "child-0", True), store, schedule, clock=lambda: 100.0)
+    assert due == 100.0
+    [entry] = schedule.entries()
+    assert (entry.topic, entry.job_id, entry.due) == (TOPIC, "batch:b1:complete", 100.0)
+    assert entry.attributes == {c.ATTR_JOB: "reports.done", c.ATTR_JOB_ID: "batch:b1:complete"}
+    assert json.loads(entry.data)["finalized_by"] == LAST_CHILD
+    batch = store.get("b1")
+    assert batch is not None and batch.completion_sent
+    assert deliver(None, store, schedule) is None

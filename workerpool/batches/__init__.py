@@ -1,0 +1,26 @@
+"""Fan-out batches: children published together, each child's final outcome written once to
+a ledger by job id, and one completion job when every child has one, or at the batch's
+deadline, whichever comes first (``store``). The batches live beside the idempotency claims
+(the same store URL); ``middleware`` is the worker's side, ``publish`` the publisher's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from workerpool.batches.memory import MemoryBatches
+from workerpool.batches.sqlite import SqliteBatches
+from workerpool.batches.store import Batch, BatchStore, Completion
+from workerpool.stores import Location
+
+__all__ = ["Batch", "BatchStore", "Completion", "MemoryBatches", "SqliteBatches", "batch_opener"]
+
+
+def batch_opener(url: str) -> Callable[[], BatchStore] | None:
+    """What opens the batches beside the idempotency store ``url`` names; None where there
+    are none yet (``none``, Firestore)."""
+    where = Location.parse(url)
+    if where.kind == "memory":
+        return MemoryBatches
+    if where.kind == "sqlite":
+        return lambda: SqliteBatches(where.path)
+    return None

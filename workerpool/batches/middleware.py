@@ -1,0 +1,99 @@
+"""The worker's side of batches.
+
+A child's final outcome goes to the batch's ledger: done before its message is acked (a
+failed write is a retry, and the retry finds the job done), dead-lettered once its failure
+record is out. The deadline is a delayed job of the batch's own (``DEADLINE_JOB``, published
+with the children, due at the deadline): when it runs it finalizes whatever is still open.
+Whichever call finalizes a batch puts its completion in the schedule, due now, to be
+published by a firer (this worker's at once); the deadline job also puts back a completion
+that was finalized but never reached the schedule (its worker died in between).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from workerpool import constants as c
+from workerpool.batches.store import DEADLINE_JOB, BatchStore, Completion, deliver
+from workerpool.constants import Label
+from workerpool.errors import PermanentError
+from workerpool.schedule.delays import Firer
+from workerpool.schedule.store import ScheduleStore
+from workerpool.stores import StoreError
+from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.outcome import AlreadyDone, Outcome, Rejected, Succeeded, Unavailable
+from workerpool.worker.run import Run, Settled
+
+log = logging.getLogger(__name__)
+
+
+def no_batches(ctx: object, payload: object) -> None:
+    """``DEADLINE_JOB``'s handler where the worker keeps no batches: never runs there."""
+    raise PermanentError("this worker's idempotency store keeps no batches")
+
+
+class Batches(Middleware):
+    def __init__(
+        self,
+        batches: BatchStore,
+        schedule: ScheduleStore,
+        firer: Firer,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._batches = batches
+        self._schedule = schedule
+        self._firer = firer
+        self._clock = clock
+
+    def run(self, run: Run, call_next: Next) -> Outcome:
+        if run.job.name == DEADLINE_JOB:
+            return self._expire(run.job.payload)
+        outcome = call_next(run)
+        batch_id = run.job.attributes.get(c.ATTR_BATCH_ID)
+        if batch_id and isinstance(outcome, Succeeded | AlreadyDone):
+            try:
+                self._deliver(self._batches.record(batch_id, run.job.job_id, True))
+            except StoreError as exc:  # the retry finds the job done, and records it then
+                return Unavailable(f"batch store: {exc}")
+        return outcome
+
+    def settled(self, event: Settled) -> None:
+        batch_id = event.attributes.get(c.ATTR_BATCH_ID)
+        if not batch_id or event.label is not Label.DEAD_LETTERED:
+            return
+        try:
+            self._deliver(self._batches.record(batch_id, event.job_id, False))
+        except StoreError as exc:
+            log.error(
+                "batch %s: dead-lettered child %s not recorded (%s); the batch's deadline "
+                "finalizes it",
+                batch_id,
+                event.job_id,
+                exc,
+            )
+
+    def _expire(self, payload: object) -> Outcome:
+        batch_id = payload.get("batch_id") if isinstance(payload, dict) else None
+        if not isinstance(batch_id, str) or not batch_id:
+            return Rejected(c.ERR_INVALID_PAYLOAD, f"{DEADLINE_JOB} needs a batch_id")
+        try:
+            completion = self._batches.expire(batch_id)
+            if completion is None:  # final already: make sure its completion went out
+                finalized = self._batches.completion(batch_id)
+                if finalized is not None and not finalized.batch.completion_sent:
+                    completion = finalized
+            self._deliver(completion)
+        except StoreError as exc:
+            return Unavailable(f"batch store: {exc}")
+        return Succeeded()
+
+    def _deliver(self, completion: Completion | None) -> None:
+        due = deliver(completion, self._batches, self._schedule, self._clock)
+        if due is not None:
+            self._firer.expect(due)
+
+    def close(self, timeout: float) -> None:
+        self._batches.close()

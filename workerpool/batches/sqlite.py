@@ -1,0 +1,138 @@
+"""The batches of the worker processes of one host: two tables in the idempotency store's
+file, the batch records and their ledger (one row per child)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from workerpool.batches.store import PENDING, Batch, BatchStore, Transaction
+from workerpool.stores.sqlite import connect, translated
+
+_LABEL = "batch store"
+_SCHEMA = (
+    """
+    CREATE TABLE IF NOT EXISTS batches (
+        batch_id TEXT PRIMARY KEY,
+        topic TEXT NOT NULL,
+        on_complete TEXT NOT NULL,
+        total INTEGER NOT NULL,
+        deadline REAL NOT NULL,
+        committed INTEGER NOT NULL,
+        done INTEGER NOT NULL,
+        failed INTEGER NOT NULL,
+        finalized_by TEXT NOT NULL,
+        completion_sent INTEGER NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS batch_children (
+        batch_id TEXT NOT NULL,
+        job_id TEXT NOT NULL,
+        outcome TEXT NOT NULL,
+        PRIMARY KEY (batch_id, job_id)
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS batch_children_outcome ON batch_children (batch_id, outcome)",
+)
+_COLUMNS = (
+    "batch_id, topic, on_complete, total, deadline, committed, done, failed, finalized_by, "
+    "completion_sent"
+)
+
+
+def _batch(row: Any) -> Batch:
+    batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent = row
+    return Batch(
+        batch_id, topic, on_complete, total, deadline, bool(committed), done, failed, by,
+        bool(sent),
+    )  # fmt: skip
+
+
+class _Tables:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def batch(self, batch_id: str) -> Batch | None:
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM batches WHERE batch_id = ?", (batch_id,)
+        ).fetchone()
+        return None if row is None else _batch(row)
+
+    def put_batch(self, batch: Batch) -> None:
+        self._conn.execute(
+            f"INSERT OR REPLACE INTO batches ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                batch.batch_id, batch.topic, batch.on_complete, batch.total, batch.deadline,
+                int(batch.committed), batch.done, batch.failed, batch.finalized_by,
+                int(batch.completion_sent),
+            ),
+        )  # fmt: skip
+
+    def outcome(self, batch_id: str, job_id: str) -> str | None:
+        row = self._conn.execute(
+            "SELECT outcome FROM batch_children WHERE batch_id = ? AND job_id = ?",
+            (batch_id, job_id),
+        ).fetchone()
+        return None if row is None else str(row[0])
+
+    def put_outcome(self, batch_id: str, job_id: str, outcome: str) -> None:
+        self._conn.execute(
+            "UPDATE batch_children SET outcome = ? WHERE batch_id = ? AND job_id = ?",
+            (outcome, batch_id, job_id),
+        )
+
+    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
+        self._conn.executemany(
+            "INSERT OR IGNORE INTO batch_children VALUES (?, ?, ?)",
+            [(batch_id, job_id, PENDING) for job_id in job_ids],
+        )
+
+    def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
+        rows = self._conn.execute(
+            "SELECT job_id FROM batch_children WHERE batch_id = ? AND outcome = ? "
+            "ORDER BY job_id LIMIT ?",
+            (batch_id, outcome, limit),
+        ).fetchall()
+        return [str(row[0]) for row in rows]
+
+
+class SqliteBatches(BatchStore):
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
+        self._lock = threading.Lock()  # one connection: one transaction at a time
+        self._conn = connect(path, busy_timeout, _LABEL)
+        self._tables = _Tables(self._conn)
+        with translated(_LABEL):
+            try:
+                for statement in _SCHEMA:
+                    self._conn.execute(statement)
+            except BaseException:
+                self._conn.close()
+                raise
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Transaction]:
+        with self._lock, translated(_LABEL):
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._tables
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+
+    def batches(self, limit: int = 100) -> list[Batch]:
+        with self._lock, translated(_LABEL):
+            rows = self._conn.execute(
+                f"SELECT {_COLUMNS} FROM batches ORDER BY deadline, batch_id LIMIT ?", (limit,)
+            ).fetchall()
+        return [_batch(row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
