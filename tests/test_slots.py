@@ -225,6 +225,28 @@ def test_handles_racing_on_one_key_never_exceed_its_limit(make_store: StoreFacto
     assert grants >= rounds
 
 
+def test_a_change_made_through_one_handle_is_seen_by_another_soon(
+    make_store: StoreFactory,
+) -> None:
+    # Given two replicas' handles, one waiting in the key's line (its asks may be answered
+    # from a recent copy of the record, where the backend keeps one)
+    a, b = make_store(), make_store()
+    a.acquire(KEY, "h", 1, TTL)
+    assert isinstance(b.acquire(KEY, "w", 1, TTL, wait=True), Full)
+    assert b.acquire("other-key", "y", 2, TTL) == Granted("other-key", "y", 1)
+    # When a slot is taken and another freed through the first handle
+    a.acquire("other-key", "x", 2, TTL)
+    b.release_many([("other-key", "x")])  # at once: its copy may not show "x" yet
+    a.release_many([(KEY, "h")])
+    # Then a release through the second never misses a holder, and its waiter gets the slot
+    # at one of its next asks
+    assert set(a.table("other-key").holders) == {"y"}
+    deadline = time.monotonic() + 2
+    while not isinstance(b.acquire(KEY, "w", 1, TTL, wait=True), Granted):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_keys_are_listed_by_prefix(store: SlotStore) -> None:
     for key in ("partner:b", "partner:a", "partner%_x", "exports"):
         store.acquire(key, "w", 1, TTL)

@@ -161,6 +161,13 @@ class SlotStore(ABC):
         """Atomically, per key: read its record, call the mutation with it and the time,
         write what it returns; a backend may do them all in one round trip."""
 
+    def _mutate_recent(self, key: str, mutation: TableMutation[T]) -> T:
+        """``_mutate_many`` of one key, for a decision that may be made on a copy of the
+        record a few milliseconds old when it changes nothing: a waiter's ask (a slot freed
+        that recently is seen at its next ask). A backend that keeps such copies answers
+        those without a round trip; a change is always decided on the record as it is."""
+        return self._mutate_many([(key, mutation)])[0]
+
     @abstractmethod
     def close(self) -> None:
         """Release connections; the store must not be used afterwards."""
@@ -215,7 +222,7 @@ class SlotStore(ABC):
             line[holder] = Waiter(since, now + WAITER_TTL)
             return full, replace(table, holders=live, waiters=line)
 
-        return self._guarded(lambda: self._mutate_many([(key, mutation)])[0])
+        return self._guarded(lambda: self._mutate_recent(key, mutation))
 
     def book(self, key: str, job_id: str, limit: int) -> float:
         """When (wall time) the job ``job_id``, which found ``key`` full, should come back:
