@@ -52,7 +52,7 @@ class FirestoreSlots(SlotStore):
 
         return decide
 
-    def keys(self, prefix: str) -> list[str]:
+    def _records(self, prefix: str) -> list[str]:
         return self._docs.keys(prefix)
 
     def close(self) -> None:
