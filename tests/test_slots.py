@@ -371,9 +371,7 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
     held = leases.take(KEY, _run("0"), patience=5)
     assert not isinstance(held, GaveUp)
-    waiter = _run("1")
-    assert leases.take(KEY, waiter, patience=0.2) is GaveUp.PATIENCE
-    assert isinstance(waiter.permit, _Permit) and not waiter.permit.held  # waited without it
+    assert leases.take(KEY, _run("1"), patience=0.2) is GaveUp.PATIENCE
     draining = _run("2")
     threading.Timer(0.1, draining.ctx.draining.set).start()
     assert leases.take(KEY, draining, patience=30) is GaveUp.STOPPED
@@ -381,6 +379,41 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     assert leases.take(KEY, _run("3", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
     leases.give(held)
     assert not isinstance(leases.take(KEY, _run("4"), patience=1), GaveUp)
+
+
+class _Crowded(_Permit):
+    """A permit in a pool whose room to wait is taken by a newcomer as soon as it is left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put_downs = 0
+
+    def put_down(self) -> bool:
+        self.put_downs += 1
+        return self.put_downs == 1 and super().put_down()
+
+
+def test_the_first_in_line_keeps_its_permit_and_place_while_runs_behind_wait_without(
+    timers: Timers,
+) -> None:
+    # Given a key of limit 1 held, and a run waiting first in line in a crowded pool, with
+    # a second run waiting behind it
+    leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
+    held = leases.take(KEY, _run("0"), patience=5)
+    assert not isinstance(held, GaveUp)
+    first, second = _run("1", _Crowded()), _run("2")
+    got: dict[str, object] = {}
+    waiting = threading.Thread(target=lambda: got.update(first=leases.take(KEY, first, 30)))
+    waiting.start()
+    time.sleep(0.1)
+    assert leases.take(KEY, second, patience=0.3) is GaveUp.PATIENCE
+    # Then the second waited without its permit, and the first, which asks the store again
+    # and again, kept its permit once it had waited instead of giving up its place
+    assert isinstance(second.permit, _Permit) and not second.permit.held
+    assert isinstance(first.permit, _Permit) and first.permit.held
+    leases.give(held)
+    waiting.join(5)
+    assert not isinstance(got["first"], GaveUp)
 
 
 def test_a_slot_for_part_of_a_run_needs_a_declared_limit() -> None:
