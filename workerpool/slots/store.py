@@ -327,7 +327,12 @@ class SlotStore(ABC):
                 line.pop(holder, None)
                 hold = table.hold
                 if held is not None and held_for is not None:
-                    hold = held_for if not hold else hold + _HOLD_WEIGHT * (held_for - hold)
+                    # The caller counts from before its ask, so its figure includes the
+                    # ask's own wait (up to a second on a busy store, which made jobs
+                    # deferred then come back late); the record counts from the grant, by
+                    # a clock another host's may skew. The shorter is the slot's hold.
+                    sample = min(held_for, now - held.since)
+                    hold = sample if not hold else hold + _HOLD_WEIGHT * (sample - hold)
                 return (
                     "" if held is None else held.job_id,
                     replace(table, holders=live, waiters=line, hold=hold),
