@@ -4,9 +4,11 @@ tests/test_dlq_emulator.py)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+from tests.fakes import FakeClock
 from workerpool.ops.status import MONITORING_URL, backlog_lines, slot_lines
 from workerpool.slots import SqliteSlots
 
@@ -70,14 +72,16 @@ def test_missing_series_and_failures_are_said_not_raised() -> None:
 
 def test_status_shows_each_keys_limit_holders_waiters_and_deferred_jobs(tmp_path: Path) -> None:
     # Given a fleet's slot store: a full key with a waiter and a deferred job, two tenant keys
-    store = SqliteSlots(tmp_path / "fleet.db")
+    clock = FakeClock(time.time())
+    store = SqliteSlots(tmp_path / "fleet.db", clock=clock)
+    store.acquire("partner:zeta", "w2/e", 1, 60)
+    clock.advance(3)
+    store.release_many([("partner:zeta", "w2/e")], held_for=3.0)
     for holder in ("w1/a", "w2/b"):
         store.acquire("exports", holder, 2, 60)
     store.acquire("exports", "w3/c", 2, 60, wait=True)
     store.book("exports", "job-9", 2)
     store.acquire("partner:acme", "w1/d", 1, 60)
-    store.acquire("partner:zeta", "w2/e", 1, 60)
-    store.release_many([("partner:zeta", "w2/e")], held_for=3.0)
     # When status reads it for the declared limits
     lines = dict(slot_lines(store, {"exports": 2, "partner:*": 1, "imports": 4}))
     store.close()

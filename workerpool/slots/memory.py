@@ -25,7 +25,7 @@ class MemorySlots(SlotStore):
                 results.append(result)
         return results
 
-    def keys(self, prefix: str) -> list[str]:
+    def _records(self, prefix: str) -> list[str]:
         with self._lock:
             return sorted(key for key in self._tables if key.startswith(prefix))
 

@@ -199,8 +199,11 @@ class SlotLeases:
                             wait = poll * random.uniform(0.5, 1.0)
                             poll = min(poll * 2, self._store.poll_every)
                     # A run not started yet waits without its permit; a running handler
-                    # (ctx.slot) keeps it.
-                    if park and not parked:
+                    # (ctx.slot) keeps it, and so does the first in line once it waited:
+                    # it asks again every few milliseconds, and putting its permit down
+                    # between asks gave its room to newcomers (it then gave up its place)
+                    # and made it wait for a permit before each ask.
+                    if park and not parked and not (first and waited):
                         if not run.permit.put_down():
                             return GaveUp.NO_ROOM
                         parked = True

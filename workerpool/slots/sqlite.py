@@ -65,7 +65,7 @@ class SqliteSlots(SlotStore):
             )
         return result
 
-    def keys(self, prefix: str) -> list[str]:
+    def _records(self, prefix: str) -> list[str]:
         # substr, not LIKE: a key may hold LIKE's wildcards.
         with self._lock, translated(_LABEL):
             rows = self._conn.execute(

@@ -6,6 +6,12 @@ document's ``update_time`` is still the one we read): a lost race re-reads and d
 This is the optimistic form of a read-decide-write transaction; we do not use the library's
 ``Transaction`` because its begin/commit/rollback calls accept no timeout or retry (they keep
 retrying UNAVAILABLE for 60 s), whereas every call here is bounded by ``timeout``.
+
+A document that is asked about often (a busy key's waiters poll it) is watched: a real-time
+listener keeps a copy of it, so a decision starts from the copy instead of a read. The copy is
+at most a push behind (milliseconds); a write decided on an older one fails its precondition
+like any lost race, so only a decision that changes nothing can be told apart, and it is taken
+from a copy only when the caller says a slightly old answer will do.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final, Literal, TypeVar, cast
 
 from google.api_core import exceptions as api_exceptions
@@ -57,6 +65,72 @@ _FIRST_PAUSE = 0.01
 _MAX_PAUSE = 0.2
 # A write whose precondition failed: someone changed the document since we read it.
 _LOST_RACE = (api_exceptions.Conflict, api_exceptions.FailedPrecondition, api_exceptions.NotFound)
+# A watched copy not confirmed (by a push, a read or a write of ours) for this long is not
+# used: a listener's stream that stalled without failing must not hide changes for longer.
+_TRUST = 1.0
+# A watch nobody asked through for this long is closed (a key nobody waits for any more).
+_WATCH_IDLE = 30.0
+
+
+@dataclass(frozen=True)
+class _State:
+    """A document's data (None: absent) and ``update_time`` as of ``as_of`` (the service's
+    clock), learnt at ``learnt`` (ours, monotonic)."""
+
+    data: dict[str, Any] | None
+    update_time: datetime | None
+    as_of: datetime
+    learnt: float
+
+
+@dataclass(eq=False)
+class _Ask:
+    """One decision waiting to be written, then its outcome."""
+
+    decide: Decision[Any]
+    recent: bool
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Doc:
+    """This process's decisions on one document not taken by a batch yet; the thread that
+    holds ``writing`` takes them all."""
+
+    writing: threading.Lock = field(default_factory=threading.Lock)
+    asks: list[_Ask] = field(default_factory=list)
+    users: int = 0
+
+
+def _decided(
+    batch: list[_Ask], data: dict[str, Any] | None
+) -> tuple[list[tuple[Any, BaseException | None]], DocChange]:
+    """Each ask's result (or its own error), deciding each on what the ones before it left,
+    and the change they make together."""
+    outcomes: list[tuple[Any, BaseException | None]] = []
+    changed = False
+    for ask in batch:
+        try:
+            result, change = ask.decide(data)
+        except Exception as exc:  # that decision's own failure, not its batch's
+            outcomes.append((None, exc))
+            continue
+        outcomes.append((result, None))
+        if change is not None:
+            changed = True
+            data = None if change == DELETE else change
+    if not changed:
+        return outcomes, None
+    return outcomes, DELETE if data is None else data
+
+
+@dataclass
+class _Watched:
+    watch: Any  # the library's Watch (untyped)
+    used: float
+    state: _State | None = None
 
 
 class Documents:
@@ -69,23 +143,90 @@ class Documents:
         self._collection = self._client.collection(collection)
         self._timeout = timeout
         self._label = label
+        self._copies = _Copies()
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Doc] = {}
 
-    def mutate(self, key: str, decide: Decision[T]) -> T:
+    def mutate(self, key: str, decide: Decision[T], *, recent: bool = False) -> T:
+        """Decide on the document and write the change. Decisions on one document made at
+        once in this process are written together: each is decided on what the one before
+        it left, and one write (or none) carries them all, so they never race each other.
+        With ``recent``, the document is watched, and a decision that changes nothing may
+        be made on the watch's copy (a change made a push ago, milliseconds, may not be
+        seen yet), without waiting for a write in flight."""
         ref = self._collection.document(hashlib.sha256(key.encode()).hexdigest())
         deadline = time.monotonic() + self._timeout
-        pause = _FIRST_PAUSE
         with self._translated():
-            while True:
-                snapshot = ref.get(**self._call_options(deadline))
-                result, change = decide(snapshot.to_dict() if snapshot.exists else None)
-                try:
-                    self._write(ref, snapshot, change, deadline)
+            copy = self._copies.get(ref, watch=recent)
+            if recent and copy is not None:
+                result, change = decide(copy.data)
+                if change is None:
                     return result
+            ask = _Ask(decide, recent)
+            with self._joined(ref.id, ask) as doc:
+                if doc.writing.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    try:
+                        if not ask.done:
+                            self._commit(ref, doc, deadline)
+                    finally:
+                        doc.writing.release()
+            if not ask.done:  # still waiting behind another batch
+                raise StoreUnavailable(f"Firestore {self._label}: no answer in {self._timeout}s")
+            if ask.error is not None:
+                raise ask.error
+            return cast(T, ask.result)
+
+    def _commit(self, ref: Any, doc: _Doc, deadline: float) -> None:
+        """Decide every ask waiting on ``doc`` in turn and write the outcome once (asks that
+        come while a lost race is tried again join it); each ask gets its result, or the
+        error that stopped them all."""
+        batch: list[_Ask] = []
+        try:
+            state = self._copies.get(ref, watch=False)
+            copied = state is not None
+            pause = _FIRST_PAUSE
+            while True:
+                batch += self._taken(doc)
+                if state is None:
+                    state, copied = self._read(ref, deadline), False
+                outcomes, change = _decided(batch, state.data)
+                if change is None and copied and not all(ask.recent for ask in batch):
+                    state = None  # only a read tells "nothing to change" for certain
+                    continue
+                try:
+                    self._write(ref, state, change, deadline)
+                    break
                 except _LOST_RACE:
                     # Writers of one hot document that all re-read at once lose again
                     # together (a livelock, measured on the emulator): spread them out.
                     time.sleep(random.uniform(0, pause))
                     pause = min(pause * 2, _MAX_PAUSE)
+                    state = None
+        except BaseException as exc:
+            outcomes = [(None, exc)] * len(batch)
+        for ask, (result, error) in zip(batch, outcomes, strict=True):
+            ask.result, ask.error, ask.done = result, error, True
+
+    @contextmanager
+    def _joined(self, doc_id: str, ask: _Ask) -> Iterator[_Doc]:
+        with self._lock:
+            doc = self._pending.setdefault(doc_id, _Doc())
+            doc.users += 1
+            doc.asks.append(ask)
+        try:
+            yield doc
+        finally:
+            with self._lock:
+                doc.users -= 1
+                if ask in doc.asks:  # gave up before any batch took it
+                    doc.asks.remove(ask)
+                if not doc.users:
+                    del self._pending[doc_id]
+
+    def _taken(self, doc: _Doc) -> list[_Ask]:
+        with self._lock:
+            batch, doc.asks = doc.asks, []
+        return batch
 
     def mutate_many(self, items: Sequence[tuple[str, Decision[T]]]) -> list[T]:
         """Side by side, on daemon threads: many documents cost one round trip and one
@@ -127,19 +268,31 @@ class Documents:
             found = [doc.get("key") for doc in query.stream(**self._call_options(deadline))]
         return sorted(key for key in found if isinstance(key, str))
 
-    def _write(self, ref: Any, snapshot: Any, change: DocChange, deadline: float) -> None:
+    def _read(self, ref: Any, deadline: float) -> _State:
+        snapshot = ref.get(**self._call_options(deadline))
+        data = snapshot.to_dict() if snapshot.exists else None
+        state = _State(data, snapshot.update_time, snapshot.read_time, time.monotonic())
+        self._copies.learn(ref, state)
+        return state
+
+    def _write(self, ref: Any, state: _State, change: DocChange, deadline: float) -> None:
+        """Write ``change`` if the document is still as ``state`` says; a change names every
+        field of the document, so the copy of a watched one is what we wrote."""
         if change is None:
             return
         options = self._call_options(deadline)
-        if not snapshot.exists:
+        if state.update_time is None:
             if change != DELETE:
-                ref.create(change, **options)
+                written = ref.create(change, **options).update_time
+                self._copies.learn(ref, _State(change, written, written, time.monotonic()))
             return
-        precondition = self._client.write_option(last_update_time=snapshot.update_time)
+        precondition = self._client.write_option(last_update_time=state.update_time)
         if change == DELETE:
-            ref.delete(option=precondition, **options)
+            deleted = ref.delete(option=precondition, **options)
+            self._copies.learn(ref, _State(None, None, deleted, time.monotonic()))
         else:
-            ref.update(change, option=precondition, **options)
+            written = ref.update(change, option=precondition, **options).update_time
+            self._copies.learn(ref, _State(change, written, written, time.monotonic()))
 
     def _call_options(self, deadline: float) -> dict[str, Any]:
         remaining = deadline - time.monotonic()
@@ -158,8 +311,72 @@ class Documents:
             raise StoreError(f"Firestore {self._label}: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
+        self._copies.close()
         # The public client has no close(); closing the gRPC channel frees its sockets and
         # threads now rather than at garbage collection.
         api = getattr(self._client, "_firestore_api_internal", None)
         if api is not None:
             api.transport.close()
+
+
+class _Copies:
+    """Copies of watched documents, each kept by a real-time listener (``on_snapshot``) and
+    by our own reads and writes, whichever is newest."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[str, _Watched] = {}
+        self._swept = time.monotonic()
+
+    def get(self, ref: Any, *, watch: bool) -> _State | None:
+        """The document's copy if it is trusted now; with ``watch``, start watching it."""
+        now = time.monotonic()
+        self._sweep(now)
+        with self._lock:
+            watched = self._watched.get(ref.id)
+            if watched is not None and not watched.watch.is_active:
+                del self._watched[ref.id]  # its stream ended for good: start another
+                watched = None
+            if watched is None:
+                if watch:
+                    self._watched[ref.id] = _Watched(self._listen(ref), now)
+                return None
+            if watch:
+                watched.used = now
+            state = watched.state
+        return state if state is not None and now - state.learnt < _TRUST else None
+
+    def learn(self, ref: Any, state: _State) -> None:
+        with self._lock:
+            watched = self._watched.get(ref.id)
+            if watched is not None and (
+                watched.state is None or state.as_of >= watched.state.as_of
+            ):
+                watched.state = state
+
+    def _listen(self, ref: Any) -> Any:
+        def pushed(docs: list[Any], changes: Any, read_time: datetime) -> None:
+            doc = docs[0] if docs else None
+            if doc is not None and doc.exists:
+                self.learn(ref, _State(doc.to_dict(), doc.update_time, read_time, time.monotonic()))
+            else:
+                self.learn(ref, _State(None, None, read_time, time.monotonic()))
+
+        return ref.on_snapshot(pushed)
+
+    def _sweep(self, now: float) -> None:
+        if now - self._swept < _WATCH_IDLE:
+            return
+        with self._lock:
+            self._swept = now
+            idle = [d for d, w in self._watched.items() if now - w.used > _WATCH_IDLE]
+            watches = [self._watched.pop(d).watch for d in idle]
+        for watch in watches:  # outside the lock: closing joins the listener's thread
+            watch.unsubscribe()
+
+    def close(self) -> None:
+        with self._lock:
+            watches = [w.watch for w in self._watched.values()]
+            self._watched.clear()
+        for watch in watches:
+            watch.unsubscribe()
