@@ -376,7 +376,9 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
     held = leases.take(KEY, _run("0"), patience=5)
     assert not isinstance(held, GaveUp)
-    assert leases.take(KEY, _run("1"), patience=0.2) is GaveUp.PATIENCE
+    waiter = _run("1")
+    assert leases.take(KEY, waiter, patience=0.2) is GaveUp.PATIENCE
+    assert isinstance(waiter.permit, _Permit) and not waiter.permit.held  # waited without it
     draining = _run("2")
     threading.Timer(0.1, draining.ctx.draining.set).start()
     assert leases.take(KEY, draining, patience=30) is GaveUp.STOPPED
@@ -386,39 +388,49 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     assert not isinstance(leases.take(KEY, _run("4"), patience=1), GaveUp)
 
 
-class _Crowded(_Permit):
-    """A permit in a pool whose room to wait is taken by a newcomer as soon as it is left."""
-
+class _Counted(_Permit):
     def __init__(self) -> None:
         super().__init__()
-        self.put_downs = 0
+        self.pick_ups = 0
 
-    def put_down(self) -> bool:
-        self.put_downs += 1
-        return self.put_downs == 1 and super().put_down()
+    def pick_up(self) -> bool:
+        self.pick_ups += 1
+        return super().pick_up()
 
 
-def test_the_first_in_line_keeps_its_permit_and_place_while_runs_behind_wait_without(
+def test_a_waiter_asks_again_without_its_permit_and_takes_it_back_once_granted(
     timers: Timers,
 ) -> None:
-    # Given a key of limit 1 held, and a run waiting first in line in a crowded pool, with
-    # a second run waiting behind it
-    leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)
+    # Given a key of limit 1 held, and a run waiting for it first in line
+    store = MemorySlots()
+    leases = SlotLeases(store, "w", Limits({KEY: 1}), timers)
     held = leases.take(KEY, _run("0"), patience=5)
     assert not isinstance(held, GaveUp)
-    first, second = _run("1", _Crowded()), _run("2")
-    got: dict[str, object] = {}
-    waiting = threading.Thread(target=lambda: got.update(first=leases.take(KEY, first, 30)))
-    waiting.start()
-    time.sleep(0.1)
-    assert leases.take(KEY, second, patience=0.3) is GaveUp.PATIENCE
-    # Then the second waited without its permit, and the first, which asks the store again
-    # and again, kept its permit once it had waited instead of giving up its place
-    assert isinstance(second.permit, _Permit) and not second.permit.held
-    assert isinstance(first.permit, _Permit) and first.permit.held
+    waiter, got = _run("1", _Counted()), {}
+    asking = threading.Thread(target=lambda: got.update(slot=leases.take(KEY, waiter, 30)))
+    asking.start()
+    time.sleep(0.5)  # it asks the store again and again meanwhile
+    # Then it waits without its permit (counted against the prefetch, not N)
+    assert isinstance(waiter.permit, _Counted) and not waiter.permit.held
+    assert waiter.permit.pick_ups == 0
+    # When the slot is freed, Then it holds it and takes its permit back, once
     leases.give(held)
-    waiting.join(5)
-    assert not isinstance(got["first"], GaveUp)
+    asking.join(5)
+    assert not isinstance(got["slot"], GaveUp)
+    assert waiter.permit.held and waiter.permit.pick_ups == 1
+
+    # And a run granted a slot as the pool drains gives it back unused
+    class Drained(_Permit):
+        def pick_up(self) -> bool:
+            return False
+
+    leases.give(got["slot"])  # type: ignore[arg-type]
+    blocker = leases.take(KEY, _run("2"), patience=5)
+    assert not isinstance(blocker, GaveUp)
+    late = _run("3", Drained())
+    threading.Timer(0.3, lambda: leases.give(blocker)).start()
+    assert leases.take(KEY, late, patience=5) is GaveUp.STOPPED
+    assert store.table(KEY).holders == {}
 
 
 def test_a_slot_for_part_of_a_run_needs_a_declared_limit() -> None:

@@ -171,7 +171,11 @@ class SlotLeases:
         line = self._line(key)
         deadline = self._clock() + patience
         poll = _FIRST_POLL
-        asked = parked = waited = queued = False
+        asked = waited = queued = False
+        # A run not started yet asks without its permit where the pool has room for that:
+        # an ask can take a while (a Firestore write), and arrivals that held permits while
+        # asking kept the runs already granted a slot from taking theirs back.
+        parked = park and run.permit.put_down()
         with line.joined() as ticket:
             try:
                 while not _should_stop(run):
@@ -180,9 +184,7 @@ class SlotLeases:
                     # The first in this process's line asks the store; so does every run
                     # once, on arrival: a job deferred earlier may be ahead of all here.
                     if first or not asked:
-                        if parked and not run.permit.pick_up():
-                            return GaveUp.STOPPED
-                        parked, asked = False, True
+                        asked = True
                         sent = self._clock()
                         # In the key's line only once it has waited here: a run that
                         # cannot wait leaves no place behind.
@@ -194,16 +196,19 @@ class SlotLeases:
                         if isinstance(result, Granted):
                             queued = False
                             lease = Lease(key, holder, result.token)
-                            return self.keep(run, lease, sent, named=named)
+                            taken = self.keep(run, lease, sent, named=named)
+                            # Asked without its permit: it takes one back only now, its
+                            # slot kept alive meanwhile.
+                            if parked and not run.permit.pick_up():
+                                self._drop(taken)
+                                return GaveUp.STOPPED
+                            return taken
                         if first:
                             wait = poll * random.uniform(0.5, 1.0)
                             poll = min(poll * 2, self._store.poll_every)
                     # A run not started yet waits without its permit; a running handler
-                    # (ctx.slot) keeps it, and so does the first in line once it waited:
-                    # it asks again every few milliseconds, and putting its permit down
-                    # between asks gave its room to newcomers (it then gave up its place)
-                    # and made it wait for a permit before each ask.
-                    if park and not parked and not (first and waited):
+                    # (ctx.slot) keeps it.
+                    if park and not parked:
                         if not run.permit.put_down():
                             return GaveUp.NO_ROOM
                         parked = True
@@ -245,6 +250,13 @@ class SlotLeases:
         a run asks for it again by its holder's name."""
         self.keeper.let_go(taken.held)
         self._forget(taken)
+
+    def _drop(self, taken: _Taken) -> None:
+        """Release a slot its run never used (no hold time measured)."""
+        self.keeper.let_go(taken.held)
+        self._forget(taken)
+        self._leave(taken.lease.key, taken.lease.holder)
+        self._line(taken.lease.key).moved()
 
     def interrupted(self, run: Run) -> None:
         """``run`` was handed back: its slots are released by the keeper, soon (named ones
