@@ -23,8 +23,9 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,12 @@ class Counted(SqliteBatches):
     transactions = 0
     _count_lock = threading.Lock()
 
-    def _transaction(self) -> AbstractContextManager[Transaction]:
+    @contextmanager
+    def _transaction(self) -> Iterator[Transaction]:
         with Counted._count_lock:
             Counted.transactions += 1
-        return super()._transaction()
+        with super()._transaction() as tx:
+            yield tx
 
 
 class Publisher:
