@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from workerpool.batches.store import PENDING, Batch, BatchStore, Transaction
-from workerpool.stores.sqlite import connect, translated
+from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "batch store"
 _SCHEMA = (
@@ -116,15 +116,8 @@ class SqliteBatches(BatchStore):
 
     @contextmanager
     def _transaction(self) -> Iterator[Transaction]:
-        with self._lock, translated(_LABEL):
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._tables
-                self._conn.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
+        with self._lock, translated(_LABEL), immediate(self._conn):
+            yield self._tables
 
     def batches(self, limit: int = 100) -> list[Batch]:
         with self._lock, translated(_LABEL):

@@ -24,7 +24,7 @@ from workerpool.idempotency.base import (
     StoreUnavailable,
     T,
 )
-from workerpool.stores.sqlite import connect, translated
+from workerpool.stores.sqlite import connect, immediate, translated
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -289,16 +289,10 @@ class SqliteStore(IdempotencyStore):
         caller gets the error (unless its own mutation had already failed)."""
         purge = self._since_purge + len(batch) >= _PURGE_EVERY
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+            with immediate(self._conn):
                 self._apply(batch)
                 if purge:
                     self._purge()
-                self._conn.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
         except BaseException as exc:  # every caller of the batch must hear of it, or it loops
             for request in batch:
                 request.error = request.error or exc

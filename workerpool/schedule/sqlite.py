@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from workerpool.schedule.store import Entry, ScheduleStore
-from workerpool.stores.sqlite import connect, translated
+from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "schedule"
 _SCHEMA = (
@@ -66,8 +66,7 @@ class SqliteSchedule(ScheduleStore):
             next_ready = self._next_ready(topic)
             if next_ready is None or next_ready > now:
                 return [], next_ready
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+            with immediate(self._conn):
                 rows = self._conn.execute(
                     f"SELECT {_COLUMNS} FROM schedule WHERE topic = ? AND ready_at <= ? "
                     "ORDER BY ready_at LIMIT ?",
@@ -78,11 +77,6 @@ class SqliteSchedule(ScheduleStore):
                     [(now + lease, topic, row[1]) for row in rows],
                 )
                 next_ready = self._next_ready(topic)
-                self._conn.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
         return [_entry(row) for row in rows], next_ready
 
     def _next_ready(self, topic: str) -> float | None:
@@ -92,18 +86,11 @@ class SqliteSchedule(ScheduleStore):
         return None if ready_at is None else float(ready_at)
 
     def fired(self, topic: str, job_ids: Sequence[str]) -> None:
-        with self._lock, translated(_LABEL):
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                self._conn.executemany(
-                    "DELETE FROM schedule WHERE topic = ? AND job_id = ?",
-                    [(topic, job_id) for job_id in job_ids],
-                )
-                self._conn.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
+        with self._lock, translated(_LABEL), immediate(self._conn):
+            self._conn.executemany(
+                "DELETE FROM schedule WHERE topic = ? AND job_id = ?",
+                [(topic, job_id) for job_id in job_ids],
+            )
 
     def entries(self, topic: str | None = None, limit: int = 100) -> list[Entry]:
         with self._lock, translated(_LABEL):

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from workerpool.slots.store import SlotStore, T, TableMutation, decode, encode
-from workerpool.stores.sqlite import connect, translated
+from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "slot store"
 _SCHEMA = """
@@ -44,16 +44,8 @@ class SqliteSlots(SlotStore):
                 raise
 
     def _mutate_many(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
-        with self._lock, translated(_LABEL):
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                results = [self._mutate(key, mutation) for key, mutation in items]
-                self._conn.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
-        return results
+        with self._lock, translated(_LABEL), immediate(self._conn):
+            return [self._mutate(key, mutation) for key, mutation in items]
 
     def _mutate(self, key: str, mutation: TableMutation[T]) -> T:
         row = self._conn.execute("SELECT record FROM slots WHERE key = ?", (key,)).fetchone()

@@ -39,6 +39,20 @@ def connect(path: str | os.PathLike[str], busy_timeout: float, label: str) -> sq
 
 
 @contextmanager
+def immediate(conn: sqlite3.Connection) -> Iterator[None]:
+    """One ``BEGIN IMMEDIATE`` transaction: committed if the block ends, rolled back if it
+    raises (the write lock is taken at once, so it cannot fail half-way for a lock)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+@contextmanager
 def translated(label: str) -> Iterator[None]:
     # OperationalError is SQLite's class for environmental failures: locked/busy past the
     # busy timeout, I/O errors, a file that cannot be opened: worth trying again later.
