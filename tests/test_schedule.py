@@ -29,6 +29,7 @@ from workerpool.schedule import (
 )
 from workerpool.schedule.delays import Delays, Firer
 from workerpool.schedule.when import parse_delay
+from workerpool.stores import StoreUnavailable
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.envelope import Job
@@ -163,12 +164,43 @@ def test_the_firer_publishes_each_entry_when_due_never_before(tmp_path: Path) ->
             time.sleep(0.01)
     finally:
         firer.stop(5)
-    # Then each was published once, none before it was due, all soon after
-    late = {job_id: at - dues[job_id] for job_id, at in publisher.published}
-    assert sorted(late) == sorted(dues)
-    assert all(0 <= lateness < 0.35 for lateness in late.values()), late
+    # Then each was published once, in the order they fell due, none before its time (how
+    # late is bench.batches's to measure)
+    assert [job_id for job_id, _ in publisher.published] == sorted(dues, key=dues.__getitem__)
+    assert all(at >= dues[job_id] for job_id, at in publisher.published)
     assert store.entries() == []
     store.close()
+
+
+class _Broken(MemorySchedule):
+    """A schedule whose reads fail with ``error`` the first ``times`` times."""
+
+    def __init__(self, error: Exception, times: int) -> None:
+        super().__init__()
+        self._error, self._left = error, times
+
+    def claim_due(
+        self, topic: str, now: float, lease: float, limit: int
+    ) -> tuple[list[Entry], float | None]:
+        if self._left:
+            self._left -= 1
+            raise self._error
+        return super().claim_due(topic, now, lease, limit)
+
+
+@pytest.mark.parametrize("error", [StoreUnavailable("locked"), RuntimeError("a bug")])
+def test_the_firer_survives_a_failing_store_and_fires_once_it_answers(error: Exception) -> None:
+    store, publisher = _Broken(error, times=2), Publisher()
+    store.add(_entry("a", time.time()))
+    firer = Firer(store, TOPIC, publisher, reread=0.05)
+    firer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not publisher.published and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        firer.stop(5)
+    assert [job_id for job_id, _ in publisher.published] == ["a"]
 
 
 def test_an_entry_not_published_is_fired_again_once_its_claim_lapses() -> None:
