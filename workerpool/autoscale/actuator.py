@@ -1,0 +1,61 @@
+"""What the autoscaler acts on, and what it knows of each replica.
+
+A ``Beat`` is one replica's heartbeat, written by the worker to the store the fleet shares and
+read back by the autoscaler: what it runs now, what it holds, whether it is draining. An
+``Actuator`` changes the fleet's size (local processes, a Kubernetes Deployment, a Cloud Run
+worker pool); it is told the replicas' beats so that a scale-in can spare busy replicas.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One replica's heartbeat. ``replica`` is the worker id (``host-pid-random``); ``host``
+    is its host name (a pod's name on Kubernetes)."""
+
+    replica: str
+    subscription: str  # the full path of the subscription it pulls
+    host: str
+    pid: int
+    slots: int  # its max_outstanding
+    running: int  # jobs running now
+    waiting: int  # messages held and not started yet
+    completed: float  # jobs settled per second, recently
+    saturated: bool  # its last pulls filled every free place: more may be waiting
+    draining: bool
+    at: float  # wall time of the beat
+    until: float  # the beat lapses then (its replica died) unless renewed
+
+
+class Actuator(ABC):
+    """Changes the number of replicas. Implementations never stop a replica that runs work
+    when an idle one can go instead, and say in ``scale``'s answer what they did."""
+
+    name: str = ""
+
+    @abstractmethod
+    def current(self) -> int:
+        """Replicas there are now, starting ones included, draining ones not."""
+
+    @abstractmethod
+    def scale(self, desired: int, beats: Sequence[Beat]) -> str:
+        """Move the fleet to ``desired`` replicas, knowing each live replica's beat; return
+        one line saying what was done (logged with the decision)."""
+
+    def close(self) -> None:
+        """Release clients; a process actuator leaves its replicas to drain on their own."""
+        return None
+
+
+def least_busy(beats: Sequence[Beat], count: int) -> list[Beat]:
+    """The ``count`` replicas to remove first: not draining already, fewest jobs running,
+    then fewest held (ties broken by name, so the choice is stable)."""
+    candidates = sorted(
+        (b for b in beats if not b.draining), key=lambda b: (b.running, b.waiting, b.replica)
+    )
+    return candidates[:count]
