@@ -93,6 +93,11 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
         help="Serve /metrics, /healthz and /readyz on this port (default: nothing listens).",
     ),
     click.option(
+        "--heartbeat-interval",
+        type=float,
+        help="Seconds between this replica's heartbeats, read by the autoscaler (0: none).",
+    ),
+    click.option(
         "--rate-limit",
         multiple=True,
         help="Declare a rate limit NAME=RATE/s[:BURST] (repeatable), e.g. partner=20/s:5.",

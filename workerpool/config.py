@@ -45,6 +45,8 @@ class Settings:
     # A key every job of the pool holds a slot of; the pool pulls only while one is free
     # (``[[pools]] concurrency = "KEY"``).
     pool_concurrency: str = ""
+    # Write this replica's heartbeat (for the autoscaler) this often, seconds; 0: never.
+    heartbeat_interval: float = c.DEFAULT_HEARTBEAT_INTERVAL
     # Serve /metrics, /healthz and /readyz on this port; 0: nothing listens.
     metrics_port: int = 0
     # Plugin sections, ``[jobs."name"]`` in the TOML file, passed to plugins as they are.
@@ -68,7 +70,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("prefetch", "drain_timeout", "min_backoff", "slot_wait"):
+        for name in ("prefetch", "drain_timeout", "min_backoff", "slot_wait", "heartbeat_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 10 <= self.lease_extension <= 600:

@@ -78,6 +78,8 @@ DEFAULT_CLAIM_TTL: Final = 60.0
 # long for a free slot, then defers its message.
 DEFAULT_SLOT_TTL: Final = 60.0
 DEFAULT_SLOT_WAIT: Final = 30.0
+# Each replica writes its heartbeat (what it runs and holds, for the autoscaler) this often.
+DEFAULT_HEARTBEAT_INTERVAL: Final = 2.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
 
 

@@ -10,26 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from workerpool.heartbeats.store import Beat
 
-@dataclass(frozen=True)
-class Beat:
-    """One replica's heartbeat. ``replica`` is the worker id (``host-pid-random``); ``host``
-    is its host name (a pod's name on Kubernetes)."""
-
-    replica: str
-    subscription: str  # the full path of the subscription it pulls
-    host: str
-    pid: int
-    slots: int  # its max_outstanding
-    running: int  # jobs running now
-    waiting: int  # messages held and not started yet
-    completed: float  # jobs settled per second, recently
-    saturated: bool  # its last pulls filled every free place: more may be waiting
-    draining: bool
-    at: float  # wall time of the beat
-    until: float  # the beat lapses then (its replica died) unless renewed
+__all__ = ["Actuator", "Beat", "least_busy"]
 
 
 class Actuator(ABC):

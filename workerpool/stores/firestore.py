@@ -154,7 +154,7 @@ class Documents:
         With ``recent``, the document is watched, and a decision that changes nothing may
         be made on the watch's copy (a change made a push ago, milliseconds, may not be
         seen yet), without waiting for a write in flight."""
-        ref = self._collection.document(hashlib.sha256(key.encode()).hexdigest())
+        ref = self._ref(key)
         deadline = time.monotonic() + self._timeout
         with self._translated():
             copy = self._copies.get(ref, watch=recent)
@@ -267,6 +267,40 @@ class Documents:
         with self._translated():
             found = [doc.get("key") for doc in query.stream(**self._call_options(deadline))]
         return sorted(key for key in found if isinstance(key, str))
+
+    def put(self, key: str, data: dict[str, Any]) -> None:
+        """Write the document whatever it holds: for a record only one writer ever changes
+        (a replica's heartbeat), where a read to decide on would be a wasted round trip."""
+        deadline = time.monotonic() + self._timeout
+        with self._translated():
+            self._ref(key).set(data, **self._call_options(deadline))
+
+    def remove(self, key: str) -> None:
+        deadline = time.monotonic() + self._timeout
+        with self._translated():
+            self._ref(key).delete(**self._call_options(deadline))
+
+    def matching(self, field_name: str, value: Any) -> list[tuple[str, dict[str, Any]]]:
+        """The documents whose ``field_name`` equals ``value``: (document id, data)."""
+        deadline = time.monotonic() + self._timeout
+        query = self._collection.where(filter=FieldFilter(field_name, "==", value))
+        with self._translated():
+            return [
+                (doc.id, doc.to_dict() or {})
+                for doc in query.stream(**self._call_options(deadline))
+            ]
+
+    def remove_ids(self, doc_ids: Sequence[str]) -> None:
+        """Delete documents by id (as ``matching`` returned them), in one batch."""
+        deadline = time.monotonic() + self._timeout
+        batch = self._client.batch()
+        for doc_id in doc_ids:
+            batch.delete(self._collection.document(doc_id))
+        with self._translated():
+            batch.commit(**self._call_options(deadline))
+
+    def _ref(self, key: str) -> Any:
+        return self._collection.document(hashlib.sha256(key.encode()).hexdigest())
 
     def _read(self, ref: Any, deadline: float) -> _State:
         snapshot = ref.get(**self._call_options(deadline))

@@ -27,6 +27,7 @@ from workerpool.batches.store import DEADLINE_JOB
 from workerpool.config import Settings
 from workerpool.constants import Label
 from workerpool.errors import ConfigError
+from workerpool.heartbeats import heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.ops.admin import (
@@ -54,6 +55,7 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.clients import Clients
 from workerpool.worker.failures import DeadLetterPublisher, worker_identity
+from workerpool.worker.heartbeat import Heartbeat
 from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
@@ -93,6 +95,7 @@ class _Parts:
     processor: Processor
     pool: Pool
     puller: Puller
+    heartbeat: Heartbeat | None
 
 
 def _check_options(jobs: Registry, middleware: Sequence[Middleware], limits: RateLimiters) -> None:
@@ -235,8 +238,29 @@ class Launcher:
         pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes))
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
+        heartbeat = self._heartbeat(pool, puller, processor)
         return _Parts(
-            info, clients, timers, loop, acks, leaser, middleware, processor, pool, puller
+            info, clients, timers, loop, acks, leaser, middleware, processor, pool, puller,
+            heartbeat,
+        )  # fmt: skip
+
+    def _heartbeat(self, pool: Pool, puller: Puller, processor: Processor) -> Heartbeat | None:
+        interval = self.settings.heartbeat_interval
+        try:
+            opener = heartbeat_opener(self.settings.idempotency_store) if interval else None
+            store = None if opener is None else opener()
+        except (ValueError, ImportError, StoreError) as exc:
+            raise ConfigError(f"idempotency_store (for heartbeats): {exc}") from None
+        if store is None:
+            return None
+        return Heartbeat(
+            store,
+            replica=self.worker_id,
+            subscription=self.subscription,
+            pool=pool,
+            settled=processor.stats,
+            saturated=lambda: puller.saturated,
+            interval=interval,
         )
 
     def _middleware(
@@ -359,6 +383,8 @@ class Launcher:
             mw.start()
         parts.pool.start()
         parts.puller.start()
+        if parts.heartbeat is not None:
+            parts.heartbeat.start()
         if parts.info.has_retry_policy:
             log.info("%s has a retry policy: Pub/Sub spaces redeliveries", self.subscription)
         log.info(
@@ -380,6 +406,8 @@ class Launcher:
             self._released_before = self._parts.processor.stats[Label.RELEASED]
         self._parts.puller.stop(timeout=0)
         released = self._parts.pool.quiet()
+        if self._parts.heartbeat is not None:
+            self._parts.heartbeat.poke()  # the autoscaler counts this replica out at once
         if first or released:
             log.info("draining: stopped pulling, released %d waiting messages", released)
         return released
@@ -458,6 +486,9 @@ class Launcher:
             ("timers", lambda: parts.timers.close(max(0.0, end - 0.1 - time.monotonic()))),
             ("clients", parts.clients.close),
         ]
+        if parts.heartbeat is not None:
+            beats = parts.heartbeat
+            steps.append(("heartbeat", lambda: beats.close(max(0.0, end - time.monotonic()))))
         threads = [
             threading.Thread(
                 target=_logged(name, step), name=f"workerpool-close-{name}", daemon=True

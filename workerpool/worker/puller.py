@@ -68,6 +68,9 @@ class Puller:
         self._failures = 0
         self._stop = threading.Event()
         self.healthy = threading.Event()
+        # The last pull brought all it asked for: more messages may be waiting (a heartbeat
+        # tells the autoscaler).
+        self.saturated = False
         self._thread = threading.Thread(target=self._run, name="workerpool-puller", daemon=True)
 
     def start(self) -> None:
@@ -89,6 +92,7 @@ class Puller:
             if room == 0:
                 continue
             received = self._pull(room)
+            self.saturated = len(received) >= room
             try:
                 deliveries = [to_delivery(r) for r in received]
             except Exception:  # a bug; those messages come back after their lease
