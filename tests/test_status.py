@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeClock
-from workerpool.ops.status import MONITORING_URL, backlog_lines, slot_lines
+from workerpool.ops.monitoring import MONITORING_URL
+from workerpool.ops.status import backlog_lines, slot_lines
 from workerpool.slots import SqliteSlots
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"

@@ -503,3 +503,73 @@ def status(
         clients.close()
     for line in lines:
         click.echo(line)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--project", help="Google Cloud project.")
+@click.option("--subscription", help="The subscription the workers pull.")
+@click.option(
+    "--idempotency-store", help="The store the workers share: their heartbeats are read there."
+)
+@click.option(
+    "--actuator",
+    type=click.Choice(["process"]),
+    default="process",
+    show_default=True,
+    help="What changes the fleet's size: process starts `workerpool run` processes here.",
+)
+@click.option("--min", "min_replicas", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--max", "max_replicas", type=click.IntRange(0), default=30, show_default=True)
+@click.option(
+    "--target-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.8,
+    show_default=True, help="Share of the fleet's slots to keep busy.",
+)  # fmt: skip
+@click.option(
+    "--scale-down-delay", type=click.FloatRange(0), default=90.0, show_default=True,
+    help="Seconds of lower demand before replicas are removed.",
+)  # fmt: skip
+@click.option(
+    "--interval", type=click.FloatRange(0.1), default=1.0, show_default=True,
+    help="Seconds between decisions.",
+)  # fmt: skip
+@click.option(
+    "--slots-per-replica", type=click.IntRange(1),
+    help="Each replica's max-outstanding, until its heartbeat says (default: the setting's).",
+)  # fmt: skip
+@click.option("--metrics-port", type=int, help="Serve /metrics on this port.")
+@click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
+def autoscale(
+    config_file: str | None,
+    actuator: str,
+    min_replicas: int,
+    max_replicas: int,
+    target_utilization: float,
+    scale_down_delay: float,
+    interval: float,
+    slots_per_replica: int | None,
+    worker_args: tuple[str, ...],
+    **flags: Any,
+) -> None:
+    """Size the worker fleet from its heartbeats, a probe pull while it is at zero, and Cloud
+    Monitoring where it answers. Arguments after -- go to each `workerpool run` the process
+    actuator starts (e.g. -- --jobs myjobs --max-outstanding 2)."""
+    from workerpool.autoscale.policy import Policy
+    from workerpool.autoscale.service import AutoscaleOptions, run_autoscaler
+
+    settings = load_settings(config_file, flags)
+    try:
+        policy = Policy(target_utilization, scale_down_delay, min_replicas, max_replicas)
+    except ValueError as exc:
+        raise ConfigError(f"autoscale: {exc}") from None
+    options = AutoscaleOptions(
+        settings=settings,
+        policy=policy,
+        actuator=actuator,
+        slots_per_replica=slots_per_replica or settings.max_outstanding,
+        interval=interval,
+        worker_args=worker_args,
+        config_file=config_file,
+    )
+    run_autoscaler(options)
+    exit_now(0)

@@ -15,13 +15,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from workerpool.ops.admin import SubscriptionInfo, describe_subscription
+from workerpool.ops.monitoring import (
+    EMULATOR_VARIABLE,
+    OLDEST_UNACKED_AGE,
+    UNDELIVERED,
+    latest,
+    monitoring_session,
+)
 from workerpool.slots.store import SlotStore
-
-EMULATOR_VARIABLE = "PUBSUB_EMULATOR_HOST"
 
 
 def _seconds(value: float) -> str:
@@ -53,39 +57,10 @@ def settings_lines(info: SubscriptionInfo) -> list[tuple[str, str]]:
     ]
 
 
-MONITORING_URL = "https://monitoring.googleapis.com/v3/projects/{project}/timeSeries"
-MONITORING_SCOPE = "https://www.googleapis.com/auth/monitoring.read"
-_BACKLOG_METRICS = (
-    ("backlog", "num_undelivered_messages", "{:.0f} messages"),
-    ("oldest unacked age", "oldest_unacked_message_age", "{:.0f}s"),
+_BACKLOG_LINES = (
+    ("backlog", UNDELIVERED, "{:.0f} messages"),
+    ("oldest unacked age", OLDEST_UNACKED_AGE, "{:.0f}s"),
 )
-
-
-def _monitoring_session() -> Any:
-    import google.auth
-    from google.auth.transport.requests import AuthorizedSession
-
-    credentials, _ = google.auth.default(scopes=[MONITORING_SCOPE])
-    return AuthorizedSession(credentials)  # type: ignore[no-untyped-call]
-
-
-def _latest(session: Any, project: str, subscription_id: str, metric: str) -> float | None:
-    now = datetime.now(UTC)
-    params = {
-        "filter": (
-            f'metric.type = "pubsub.googleapis.com/subscription/{metric}" AND '
-            f'resource.labels.subscription_id = "{subscription_id}"'
-        ),
-        "interval.startTime": (now - timedelta(minutes=10)).isoformat().replace("+00:00", "Z"),
-        "interval.endTime": now.isoformat().replace("+00:00", "Z"),
-    }
-    response = session.get(MONITORING_URL.format(project=project), params=params, timeout=10)
-    response.raise_for_status()
-    series = response.json().get("timeSeries", [])
-    if not series or not series[0].get("points"):
-        return None
-    value = series[0]["points"][0]["value"]  # points come newest first
-    return float(value.get("int64Value", value.get("doubleValue", 0)))
 
 
 def backlog_lines(
@@ -100,9 +75,9 @@ def backlog_lines(
     _, project, _, subscription_id = subscription.split("/")
     lines = []
     try:
-        session = session or _monitoring_session()
-        for label, metric, shape in _BACKLOG_METRICS:
-            value = _latest(session, project, subscription_id, metric)
+        session = session or monitoring_session()
+        for label, metric, shape in _BACKLOG_LINES:
+            value = latest(session, project, subscription_id, metric)
             lines.append(
                 (label, "no data in the last 10 minutes" if value is None else shape.format(value))
             )

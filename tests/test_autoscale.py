@@ -1,0 +1,194 @@
+"""The autoscaler's parts that are pure logic: what the signals say, which replicas a
+scale-in drains, and the loop's decisions, with in-memory heartbeats and fakes."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from workerpool.autoscale.actuator import Actuator, Beat, least_busy
+from workerpool.autoscale.controller import Autoscaler
+from workerpool.autoscale.policy import Policy
+from workerpool.autoscale.process import ProcessActuator
+from workerpool.autoscale.signals import SignalReader
+from workerpool.heartbeats import HeartbeatStore, MemoryHeartbeats
+from workerpool.ops.monitoring import Backlog
+from workerpool.stores import StoreUnavailable
+
+SUB = "projects/p/subscriptions/jobs"
+NOW = 1000.0
+
+
+def _beat(replica: str, **fields: Any) -> Beat:
+    beat = Beat(
+        replica=replica, subscription=SUB, host="h", pid=0, slots=4, running=0, waiting=0,
+        completed=0.0, saturated=False, draining=False, at=NOW, until=NOW + 6,
+    )  # fmt: skip
+    return replace(beat, **fields)
+
+
+class FakeProbe:
+    def __init__(self, answer: bool | None) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    def waiting(self) -> bool | None:
+        self.asked += 1
+        return self.answer
+
+
+class FakeBacklog:
+    def __init__(self, backlog: Backlog | None) -> None:
+        self.backlog = backlog
+
+    def read(self) -> Backlog | None:
+        return self.backlog
+
+
+def _reader(
+    beats: Sequence[Beat] = (),
+    probe: FakeProbe | None = None,
+    backlog: Backlog | None = None,
+    store: HeartbeatStore | None = None,
+) -> SignalReader:
+    heartbeats = store or MemoryHeartbeats()
+    for beat in beats:
+        heartbeats.beat(beat)
+    return SignalReader(
+        SUB, heartbeats, probe=probe, backlog=FakeBacklog(backlog),  # type: ignore[arg-type]
+        slots_per_replica=10, clock=lambda: NOW,
+    )  # fmt: skip
+
+
+def test_serving_replicas_beats_give_running_waiting_slots_and_rate_draining_ones_do_not() -> None:
+    probe = FakeProbe(True)
+    reader = _reader(
+        [
+            _beat("a", running=4, waiting=2, completed=8.0, saturated=True),
+            _beat("b", running=2, waiting=0, completed=2.0),
+            _beat("leaving", running=3, waiting=0, draining=True),
+            _beat("dead", running=4, until=NOW - 1),
+        ],
+        probe,
+    )
+    seen = reader.read(current=2)
+    s = seen.signals
+    assert (s.current, s.slots_per_replica, s.in_flight, s.backlog) == (2, 4, 6, 2)
+    assert s.service_rate == pytest.approx(10.0 / 6)  # jobs per second per busy slot
+    assert [b.replica for b in seen.beats] == ["a", "b", "leaving"]
+    assert probe.asked == 0  # replicas serve: they see the backlog, a probe adds nothing
+
+
+def test_the_probe_is_asked_only_while_no_replica_serves_and_a_message_it_sees_is_waiting() -> None:
+    found, empty = FakeProbe(True), FakeProbe(False)
+    assert _reader([_beat("leaving", draining=True)], found).read(1).signals.backlog == 1
+    assert _reader([], empty).read(0).signals.backlog == 0
+    assert (found.asked, empty.asked) == (1, 1)
+    # ... and a failed probe says nothing rather than "none waits"
+    assert _reader([], FakeProbe(None)).read(0).probed is None
+
+
+def test_monitorings_backlog_adds_what_the_replicas_do_not_hold() -> None:
+    beats = [_beat("a", running=4, waiting=2)]
+    assert _reader(beats, backlog=Backlog(50, 120.0)).read(1).signals.backlog == 44
+    assert _reader(beats, backlog=Backlog(3, 1.0)).read(1).signals.backlog == 2
+    assert _reader(beats, backlog=Backlog(None, None)).read(1).signals.backlog == 2
+
+
+def test_a_scale_in_takes_idle_replicas_first_then_the_least_busy_never_draining_ones() -> None:
+    beats = [
+        _beat("busy", running=4),
+        _beat("holding", running=1, waiting=2),
+        _beat("light", running=1),
+        _beat("idle"),
+        _beat("leaving", draining=True),
+    ]
+    assert [b.replica for b in least_busy(beats, 3)] == ["idle", "light", "holding"]
+    assert [b.replica for b in least_busy(beats, 9)] == ["idle", "light", "holding", "busy"]
+
+
+def test_the_process_actuator_starts_replicas_and_drains_starting_ones_then_the_idle() -> None:
+    # Given replicas that are sleeping processes (they stand for `workerpool run`)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    actuator = ProcessActuator([], command=sleeper)
+    try:
+        assert actuator.scale(3, []).startswith("started 3")
+        assert actuator.current() == 3
+        pids = [p.pid for p in actuator._serving]
+        host = __import__("socket").gethostname()
+        # When two have beaten (one busy, one idle) and the count goes down to 1
+        beats = [_beat("a", host=host, pid=pids[0], running=2), _beat("b", host=host, pid=pids[1])]
+        said = actuator.scale(1, beats)
+        # Then the one still starting (no beat) and the idle one got SIGTERM; the busy one
+        # serves on
+        assert said == f"draining 2 (pids {pids[2]}, {pids[1]})"
+        assert actuator.current() == 1 and actuator._serving[0].pid == pids[0]
+        stopped = actuator._stopping
+        assert all(p.wait(10) == -signal.SIGTERM for p in stopped)
+    finally:
+        actuator.close(timeout=10)
+    assert actuator.current() == 0
+
+
+class FakeActuator(Actuator):
+    name = "fake"
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.asked: list[tuple[int, list[str]]] = []
+
+    def current(self) -> int:
+        return self.replicas
+
+    def scale(self, desired: int, beats: Sequence[Beat]) -> str:
+        self.asked.append((desired, [b.replica for b in beats]))
+        self.replicas = desired
+        return f"now {desired}"
+
+
+class FailingHeartbeats(MemoryHeartbeats):
+    def live(self, subscription: str, now: float) -> list[Beat]:
+        raise StoreUnavailable("store down")
+
+
+def test_the_loop_scales_on_the_signals_and_keeps_the_count_when_they_are_missing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="workerpool.autoscale.controller")
+    actuator = FakeActuator(1)
+    beats = [_beat("a", running=4, waiting=2)]
+    scaler = Autoscaler(_reader(beats), actuator, Policy(), clock=lambda: NOW)
+    # When a saturated replica beats: 6 slots of demand at 80 % of 4 is 2 replicas
+    assert scaler.step().desired == 2
+    assert actuator.asked == [(2, ["a"])]
+    # ... when the store cannot be read: no change, whatever the policy's window says
+    blind = Autoscaler(
+        _reader(store=FailingHeartbeats()), actuator, Policy(), clock=lambda: NOW
+    )  # fmt: skip
+    assert blind.step().desired == 2 and len(actuator.asked) == 1
+    # Each decision is one line with the signals, desired, actual and why; a repeat is not
+    # logged again
+    scaler.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("autoscale:")]
+    assert lines[0] == (
+        "autoscale: replicas 1, beating 1, draining 0, running 4, waiting 2; desired 2, "
+        "actual 1: 6 slots of demand (4 running, 2 waiting, 0.0 for the arrival rate) at 80% "
+        "of 4 per replica; now 2"
+    )
+    assert lines[1].startswith("autoscale: signals missing; desired 2, actual 2")
+    assert len(lines) == 3  # the third: actual is 2 now, a new line
+
+
+def test_process_actuator_children_are_real_processes() -> None:
+    # The actuator's default command is this interpreter's `workerpool run`
+    actuator = ProcessActuator(["--help"])
+    assert actuator._argv[:4] == [sys.executable, "-m", "workerpool", "run"]
+    out = subprocess.run(actuator._argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--heartbeat-interval" in out.stdout

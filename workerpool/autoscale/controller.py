@@ -1,0 +1,119 @@
+"""The autoscaler's loop: read the signals, decide, act, say why.
+
+Each round reads the fleet (``SignalReader``), asks the policy for a count, and tells the
+actuator when the count differs from what there is. A decision is logged in one line (the
+signals, the count wanted, the count there is, why, and what the actuator did) whenever it
+differs from the last one logged, and exported as gauges. A store that cannot be read leaves
+the count as it is: signals missing is never a reason to scale in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+
+from workerpool import constants as c
+from workerpool.autoscale.actuator import Actuator
+from workerpool.autoscale.policy import Decision, Policy, Signals, decide
+from workerpool.autoscale.signals import Observation as Seen
+from workerpool.autoscale.signals import SignalReader
+from workerpool.stores import StoreError
+
+log = logging.getLogger(__name__)
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        reader: SignalReader,
+        actuator: Actuator,
+        policy: Policy,
+        *,
+        interval: float = 1.0,
+        meter_provider: MeterProvider | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._reader = reader
+        self._actuator = actuator
+        self._policy = policy
+        self._interval = interval
+        self._clock = clock
+        self._history: tuple[tuple[float, int], ...] = ()
+        self._logged: tuple[object, ...] = ()
+        self._gauges: dict[str, float] = {}
+        meter = metrics.get_meter(c.INSTRUMENTATION_NAME, meter_provider=meter_provider)
+        for name, description in (
+            ("replicas", "Replicas there are, as the actuator counts them."),
+            ("desired", "Replicas the policy asks for."),
+            ("running", "Jobs running across the replicas that serve."),
+            ("waiting", "Messages known to wait: held and not started, or seen by a probe."),
+        ):
+            meter.create_observable_gauge(
+                f"workerpool.autoscale.{name}", callbacks=[self._observer(name)],
+                description=description,
+            )  # fmt: skip
+
+    def step(self) -> Decision:
+        """One round: read, decide, act."""
+        current = self._actuator.current()
+        try:
+            seen: Seen | None = self._reader.read(current)
+        except StoreError as exc:
+            log.warning("heartbeats unreadable (%s): keeping %d replicas", exc, current)
+            seen = None
+        signals = seen.signals if seen is not None else Signals(self._clock(), current, 1)
+        decision = decide(signals, self._policy, self._history)
+        self._history = decision.history
+        action = "no change"
+        if decision.desired != current:
+            action = self._actuator.scale(decision.desired, [] if seen is None else seen.beats)
+        self._report(seen, decision, current, action)
+        return decision
+
+    def run(self, stop: threading.Event) -> None:
+        """Rounds every ``interval`` seconds (a probe's own wait counts) until ``stop``."""
+        while not stop.is_set():
+            began = time.monotonic()
+            try:
+                self.step()
+            except Exception:  # an actuator's API error, a bug: logged, the next round tries
+                log.exception("autoscale round failed")
+            stop.wait(max(0.0, self._interval - (time.monotonic() - began)))
+
+    def _report(self, seen: Seen | None, decision: Decision, current: int, action: str) -> None:
+        s = None if seen is None else seen.signals
+        self._gauges = {
+            "replicas": current,
+            "desired": decision.desired,
+            "running": 0 if s is None else s.in_flight,
+            "waiting": 0 if s is None or s.backlog is None else s.backlog,
+        }
+        key = (decision.desired, current, decision.reason, action, seen and seen.summary())
+        if key == self._logged:
+            return
+        self._logged = key
+        signals = "signals missing" if seen is None else seen.summary()
+        log.info(
+            "autoscale: %s; desired %d, actual %d: %s; %s",
+            signals,
+            decision.desired,
+            current,
+            decision.reason,
+            action,
+        )
+
+    def _observer(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            if name in self._gauges:
+                yield Observation(self._gauges[name])
+
+        return observe
+
+    def close(self) -> None:
+        self._reader.close()
+        self._actuator.close()
