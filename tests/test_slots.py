@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,9 +18,10 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
 from tests.support import store_handles
 from workerpool.context import AsyncJobContext, Flag, JobContext
-from workerpool.errors import ConfigError
+from workerpool.errors import ConfigError, Defer
 from workerpool.registry import JobSpec
 from workerpool.slots import (
+    Concurrency,
     Full,
     Granted,
     KeyTemplate,
@@ -35,6 +38,7 @@ from workerpool.slots.middleware import GaveUp
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Table
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job
+from workerpool.worker.outcome import Outcome, Succeeded
 from workerpool.worker.run import UNPARKABLE, Permit, Run
 from workerpool.worker.timers import Timers
 
@@ -556,3 +560,30 @@ def test_a_named_slot_outlives_only_a_run_stopped_inside_it(kind: str) -> None:
     assert enter("export-1", fail=True, draining=False) == ("export-1", True)
     assert enter("export-1", fail=False, draining=True) == ("export-1", True)
     assert enter(None, fail=True, draining=True) == (KEY, True)
+
+
+def test_a_run_is_freed_as_soon_as_its_chain_returns_not_by_the_cyclic_collector(
+    timers: Timers,
+) -> None:
+    # Given the concurrency middleware (every run goes through it where any limit is
+    # declared) and a run that also takes a slot for part of its work
+    concurrency = Concurrency(SlotLeases(MemorySlots(), "w", Limits({KEY: 2}), timers))
+
+    def handler(run: Run) -> Outcome:
+        with run.ctx.slot(KEY):
+            return Succeeded()
+
+    run = _run("1")
+    ctx, gone = run.ctx, weakref.ref(run)
+    gc.disable()
+    try:
+        # When its chain returns and nothing else holds the run
+        assert isinstance(concurrency.run(run, handler), Succeeded)
+        del run
+        # Then it is freed at once: its context leads back to it no more
+        assert gone() is None
+    finally:
+        gc.enable()
+    # And a handler still going after its run ended gets no new slot
+    with pytest.raises(Defer, match="the run must stop"), ctx.slot(KEY):
+        pass

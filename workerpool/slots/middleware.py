@@ -333,12 +333,12 @@ class Concurrency(Middleware):
         return self._leases.keeper.healthy
 
     def run(self, run: Run, call_next: Next) -> Outcome:
-        run.ctx.slots = _RunSlots(self, run)
-        keys = self._keys(run)
-        if isinstance(keys, Rejected):
-            return keys
+        slots = run.ctx.slots = _RunSlots(self, run)
         taken: list[_Taken] = []
         try:
+            keys = self._keys(run)
+            if isinstance(keys, Rejected):
+                return keys
             for key in keys:
                 slot = self._take(key, run)
                 if not isinstance(slot, _Taken):
@@ -346,8 +346,15 @@ class Concurrency(Middleware):
                 taken.append(slot)
             return call_next(run)
         finally:
-            for slot in reversed(taken):
-                self._leases.give(slot)
+            try:
+                for slot in reversed(taken):
+                    self._leases.give(slot)
+            finally:
+                # The run is over: its context stops leading back to it (run -> ctx ->
+                # slots -> run), so the run, its message and its payload are freed as soon
+                # as the pool lets go of them, instead of waiting, every one of them, for
+                # the cyclic garbage collector.
+                slots.end()
 
     def _keys(self, run: Run) -> list[str] | Rejected:
         """The keys ``run`` needs a slot of: its pool's, then its job's own."""
@@ -412,11 +419,13 @@ class Concurrency(Middleware):
     def close(self, timeout: float) -> None:
         self._leases.keeper.close(timeout)
 
-    def take_in_run(self, key: str, run: Run, holder: str | None = None) -> _Taken:
+    def take_in_run(self, key: str, run: Run | None, holder: str | None = None) -> _Taken:
         """A slot for part of a running job (``ctx.slot``); raises ``Defer`` or
-        ``LookupError`` as ``context.Slots.take`` says."""
+        ``LookupError`` as ``context.Slots.take`` says (``run`` None: it has ended)."""
         if self._leases.limits.of(key) is None:
             raise LookupError(f"no concurrency limit is declared for {key!r}")
+        if run is None:
+            raise Defer(f"gave up waiting for a slot of {key}: the run must stop", delay=0)
         try:
             taken = self._leases.take(key, run, self._patience, park=False, holder=holder or "")
         except StoreError as exc:
@@ -437,8 +446,13 @@ class _RunSlots:
 
     def __init__(self, concurrency: Concurrency, run: Run) -> None:
         self._concurrency = concurrency
-        self._run = run
+        self._run: Run | None = run
         self._taken: dict[int, _Taken] = {}
+
+    def end(self) -> None:
+        """The run's chain has returned: forget the run (a handler still going after it
+        gets no new slot; it can still give back what it took)."""
+        self._run = None
 
     def take(self, key: str, holder: str | None = None) -> Lease:
         taken = self._concurrency.take_in_run(key, self._run, holder)
