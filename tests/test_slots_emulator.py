@@ -42,20 +42,40 @@ SLOT_JOBS = (
 )  # fmt: skip
 
 
-def _overlap(intervals: list[tuple[float, float]]) -> tuple[int, float]:
+def _overlap(intervals: list[tuple[float, float]], until: float | None = None) -> tuple[int, float]:
     """The most intervals open at once, and the time-weighted mean of how many were open
-    between the first start and the last end."""
+    between the first start and ``until`` (default: the last end)."""
     events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    until = events[-1][0] if until is None else until
     open_now = peak = 0
     area = 0.0
     last = events[0][0]
     for when, change in events:
-        area += open_now * (when - last)
+        area += open_now * (max(last, min(when, until)) - last)
         open_now += change
         peak = max(peak, open_now)
-        last = when
-    span = events[-1][0] - events[0][0]
-    return peak, area / span
+        last = max(last, min(when, until))
+    return peak, area / (until - events[0][0])
+
+
+def _short_stretches(
+    intervals: list[tuple[float, float]], limit: int, until: float
+) -> list[tuple[float, float]]:
+    """The three longest stretches before ``until`` with fewer than ``limit`` open, as
+    (seconds from the first start, length): where a busy share below the mark went."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    first, open_now, since = events[0][0], 0, None
+    stretches = []
+    for when, change in events:
+        if when > until:
+            break
+        open_now += change
+        if open_now < limit and since is None:
+            since = when
+        elif open_now >= limit and since is not None:
+            stretches.append((round(since - first, 2), round(when - since, 2)))
+            since = None
+    return sorted(stretches, key=lambda s: -s[1])[:3]
 
 
 def _store_url(
@@ -93,13 +113,18 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
             worker.signal(signal.SIGTERM)
         codes = [worker.wait(30) for worker in workers]
     done = ledger_events(ledger, "done")
-    peak, busy = _overlap([(r["start"], r["end"]) for r in done])
+    runs = [(r["start"], r["end"]) for r in done]
+    # The backlog lasts until the last job starts: from then on nothing waits for a slot
+    backlog_until = max(start for start, _ in runs)
+    peak, busy = _overlap(runs, until=backlog_until)
     per_worker = Counter(r["pid"] for r in done)
     attempts = sorted(r["attempt"] for r in done)
     print(
-        f"{kind}: peak {peak} running, {busy / 3:.3f} of 3 slots busy, per worker "
+        f"{kind}: peak {peak} running, {busy / 3:.3f} of 3 slots busy while the backlog "
+        f"lasted ({_overlap(runs)[1] / 3:.3f} to the last end), per worker "
         f"{sorted(per_worker.values())}, delivery attempts median {attempts[100]} max "
-        f"{attempts[-1]}"
+        f"{attempts[-1]}; longest stretches below 3 (from the first start, length): "
+        f"{_short_stretches(runs, 3, backlog_until)}"
     )
     # Then never more than 3 ran at once across the fleet (the jobs' own ledger), the 3 slots
     # were kept busy while the backlog lasted, every job ran once, none was dead-lettered
