@@ -127,6 +127,9 @@ class LeaseKeeper(Generic[K]):
             if held is None or self._clock() < held.expires - self._margin:
                 return  # ended, or renewed meanwhile
             del self._held[key]  # given up: nobody renews or releases it from now on
+            # Unhealthy whatever the cause, a failed round or none in time (a starved or
+            # stuck keeper thread), until a round reaches the store again.
+            self._renewing = False
         # Off the timer thread: a middleware's interrupted() may call its own store.
         threading.Thread(
             target=self._give_up, args=(held,), name=f"workerpool-{self._what}-lost", daemon=True
