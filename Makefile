@@ -20,4 +20,4 @@ unit:
 	$(PYTHON) -m pytest -m "not emulator" -q
 
 test:
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 2

@@ -9,8 +9,10 @@ fast unit tier without anyone marking tests by hand.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             or "_emulator" in item.path.stem  # starts an emulator process of its own
         ):
             item.add_marker(pytest.mark.emulator)
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under pytest-xdist (``-n 2``), a test marked ``alone`` runs while no other test does:
+    its figure is a rate or a share of time that another test's processes, on the other
+    core, would bend. Every test holds a shared lock, an ``alone`` test the exclusive one;
+    a turnstile taken first stops a stream of shared holders from starving it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = Path(tmp_path_factory.getbasetemp()).parent  # shared by this run's workers
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(root / "alone.lock", "a") as gate, open(root / "turnstile.lock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

@@ -90,6 +90,7 @@ def test_fifty_slots_without_a_limiter_hit_the_upstream_limit(
     assert code == 0
 
 
+@pytest.mark.alone
 def test_declared_rate_gets_zero_429s_and_takes_rate_time(
     pubsub_resources: PubSubResources, upstream: Upstream, tmp_path: Path
 ) -> None:

@@ -88,6 +88,7 @@ def _store_url(
     return f"firestore://{FIRESTORE_PROJECT}/{collection}", {emulator.env_var: emulator.host}
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("kind", ["sqlite", "firestore"])
 def test_a_key_limit_is_exact_across_four_worker_processes(
     kind: str, pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
