@@ -94,6 +94,8 @@ class CloudRunActuator(Actuator):
             response = self._session.request(method, self._url, timeout=self._timeout, **kwargs)
         except requests.Timeout:
             raise ActuatorError(f"{where}: no answer within {self._timeout:g} s") from None
+        except requests.ConnectionError as exc:
+            raise ActuatorError(f"{where}: cannot connect: {_unwrapped(exc)}") from None
         except (requests.RequestException, GoogleAuthError) as exc:
             raise ActuatorError(f"{where}: {type(exc).__name__}: {exc}") from None
         try:
@@ -106,6 +108,12 @@ class CloudRunActuator(Actuator):
         if response.status_code >= 400 or error:
             raise ActuatorError(f"{where}: {_refusal(response.status_code, error)}")
         return answer
+
+
+def _unwrapped(exc: requests.ConnectionError) -> object:
+    """The socket's error, from under urllib3's retry wrapper that requests passes on."""
+    wrapped = exc.args[0] if exc.args else None
+    return getattr(wrapped, "reason", None) or exc
 
 
 def _refusal(status: int, error: Any) -> str:
