@@ -113,9 +113,10 @@ def test_stream_is_active_answers_at_once_then_pushes_each_change_only(
     reader.start()
     assert wait_for(lambda: len(received) == 1, 5, 0.01)
     assert received[0][1] is False
-    # When a message arrives, Then the change is pushed within a poll or two
-    time.sleep(0.3)  # six polls with no change: nothing more is sent
+    # While nothing changes, nothing more is sent (four polls)
+    time.sleep(0.2)
     assert len(received) == 1
+    # When a message arrives, Then the change is pushed within a poll or two
     changed_at = time.monotonic()
     fleet.estimate = Estimate(active=True, desired=1)
     assert wait_for(lambda: len(received) == 2, 5, 0.01)
@@ -128,9 +129,9 @@ def test_stream_is_active_answers_at_once_then_pushes_each_change_only(
     stream.cancel()
     reader.join(timeout=5)
     assert ended == [grpc.StatusCode.CANCELLED]
-    time.sleep(0.2)
+    time.sleep(0.1)
     reads = fleet.reads
-    time.sleep(0.3)
+    time.sleep(0.2)
     assert fleet.reads == reads
 
 
