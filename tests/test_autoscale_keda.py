@@ -154,6 +154,31 @@ def test_stream_metric_spec_is_unimplemented_so_keda_falls_back_to_polling_the_s
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_a_call_beyond_its_threads_is_refused_not_queued_behind_open_streams(
+    fleet: _Fleet,
+) -> None:
+    scaler = KedaScaler(fleet, "127.0.0.1:0", poll=0.05, streams=1).start()  # 5 threads
+    channel = grpc.insecure_channel(f"127.0.0.1:{scaler.port}")
+    keda = pb_grpc.ExternalScalerStub(channel)
+    streams = [keda.StreamIsActive(REF) for _ in range(5)]
+    assert all(next(stream).result is False for stream in streams)  # each holds a thread
+    with pytest.raises(grpc.RpcError) as caught:
+        keda.IsActive(REF, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # KEDA retries
+    for stream in streams:
+        stream.cancel()
+    assert wait_for(lambda: _answers(keda), 5, 0.05)
+    channel.close()
+    scaler.stop(grace=0)
+
+
+def _answers(keda: pb_grpc.ExternalScalerStub) -> bool:
+    try:
+        return keda.IsActive(REF, timeout=5).result is False
+    except grpc.RpcError:
+        return False
+
+
 def test_the_fleet_is_active_while_work_waits_or_runs_or_the_policy_holds_replicas() -> None:
     def estimate(desired: int, **seen: float | int | None) -> Estimate:
         signals = Signals(now=0, current=1, slots_per_replica=4, **seen)  # type: ignore[arg-type]

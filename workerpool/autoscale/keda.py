@@ -54,9 +54,8 @@ class Estimate:
 
 
 class _Scaler(pb_grpc.ExternalScalerServicer):
-    def __init__(self, estimate: Callable[[], Estimate], metric: str, poll: float) -> None:
+    def __init__(self, estimate: Callable[[], Estimate], poll: float) -> None:
         self._estimate = estimate
-        self._metric = metric
         self._poll = poll
 
     def _now(self, context: Any) -> Estimate:
@@ -85,18 +84,18 @@ class _Scaler(pb_grpc.ExternalScalerServicer):
 
     def GetMetricSpec(self, request: pb.ScaledObjectRef, context: Any) -> pb.GetMetricSpecResponse:
         # Both target fields: KEDA reads targetSizeFloat when it is above 0, else targetSize.
-        spec = pb.MetricSpec(metricName=self._metric, targetSize=1, targetSizeFloat=1.0)
+        spec = pb.MetricSpec(metricName=KEDA_METRIC, targetSize=1, targetSizeFloat=1.0)
         return pb.GetMetricSpecResponse(metricSpecs=[spec])
 
     def GetMetrics(self, request: pb.GetMetricsRequest, context: Any) -> pb.GetMetricsResponse:
-        if request.metricName != self._metric:
+        if request.metricName != KEDA_METRIC:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"unknown metric {request.metricName!r}: this scaler serves {self._metric!r}",
+                f"unknown metric {request.metricName!r}: this scaler serves {KEDA_METRIC!r}",
             )
         desired = self._now(context).desired
         value = pb.MetricValue(
-            metricName=self._metric, metricValue=desired, metricValueFloat=float(desired)
+            metricName=KEDA_METRIC, metricValue=desired, metricValueFloat=float(desired)
         )
         return pb.GetMetricsResponse(metricValues=[value])
 
@@ -112,17 +111,21 @@ class KedaScaler:
         *,
         poll: float = 1.0,
         streams: int = 8,
-        metric: str = KEDA_METRIC,
     ) -> None:
-        # Each open StreamIsActive holds a thread; the rest serve the unary calls.
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=streams + 4))
+        # Each open StreamIsActive holds a thread; the rest serve the unary calls. A call
+        # beyond them all is refused (RESOURCE_EXHAUSTED, which KEDA retries) rather than
+        # queued behind streams that never end.
+        threads = streams + 4
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=threads), maximum_concurrent_rpcs=threads
+        )
         pb_grpc.add_ExternalScalerServicer_to_server(  # type: ignore[no-untyped-call]
-            _Scaler(estimate, metric, poll), self._server
+            _Scaler(estimate, poll), self._server
         )
         try:
             self.port: int = self._server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
-            raise ConfigError(f"KEDA scaler address {address}: cannot listen there") from exc
+        except RuntimeError:  # grpc's "Failed to bind to address ..."
+            raise ConfigError(f"KEDA scaler address {address}: cannot listen there") from None
 
     def start(self) -> KedaScaler:
         self._server.start()
