@@ -3,7 +3,7 @@
 # README's test command, the one .ci/run runs after the same checks.
 PYTHON ?= python
 
-.PHONY: check format lint types unit test
+.PHONY: check format lint types unit test proto
 
 check: format lint types unit
 
@@ -21,3 +21,15 @@ unit:
 
 test:
 	$(PYTHON) -m pytest -n 2
+
+# The KEDA external scaler's modules (workerpool/autoscale/externalscaler_pb2*.py[i]), generated
+# from externalscaler.proto and committed. The generator is pinned old on purpose, and installed
+# in a throwaway venv rather than the dev extra (it needs protobuf < 5): protoc 25's code has no
+# runtime version check, so it loads under protobuf 4.25 to 7.x and grpcio 1.62 on, where a newer
+# generator's code refuses any runtime older than itself.
+proto:
+	tools=$$(mktemp -d) && $(PYTHON) -m venv $$tools \
+	&& $$tools/bin/python -m pip install --quiet 'grpcio-tools==1.62.3' \
+	&& $$tools/bin/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \
+		--grpc_python_out=. workerpool/autoscale/externalscaler.proto; \
+	status=$$?; rm -rf $$tools; exit $$status

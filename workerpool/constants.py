@@ -155,3 +155,10 @@ ATTR_PUBSUB_SOURCE_SUBSCRIPTION: Final = "CloudPubSubDeadLetterSourceSubscriptio
 ATTR_PUBSUB_SOURCE_PROJECT: Final = "CloudPubSubDeadLetterSourceSubscriptionProject"
 # error_type shown for such a message: the subscription's max delivery attempts ran out.
 ERR_DELIVERY_LIMIT: Final = "max_delivery_attempts"
+
+# Autoscaling: names that Kubernetes and KEDA read.
+# The annotation a ReplicaSet reads to choose which pods a scale-in removes (lowest first).
+ANNOTATION_POD_DELETION_COST: Final = "controller.kubernetes.io/pod-deletion-cost"
+# The one metric the KEDA external scaler serves: the replicas the fleet should have (KEDA
+# prefixes it with the trigger's index, "s0-", and strips that again before asking).
+KEDA_METRIC: Final = "workerpool-replicas"

@@ -1,4 +1,5 @@
-"""Exceptions a handler raises to choose its outcome, and configuration errors."""
+"""Exceptions a handler raises to choose its outcome, configuration errors, and an autoscaler
+actuator's failures."""
 
 from workerpool import constants as c
 
@@ -44,3 +45,9 @@ class Defer(JobError):
 
 class ConfigError(Exception):
     """Bad configuration; the CLI prints it as one line and exits with code 2."""
+
+
+class ActuatorError(Exception):
+    """An autoscaler's actuator could not read or change the fleet (refused, not found, the API
+    down or silent). The message is one line naming the resource and the API's answer; the
+    autoscaler logs it and tries again at its next decision."""
