@@ -1,5 +1,6 @@
-"""bench.autoscale: the fleet model on small cases worked out by hand, and the oracle. Model
-results, not measurements: nothing here reads a clock, and the traces are seeded."""
+"""bench.autoscale: the fleet model on small cases worked out by hand, the oracle, then issue
+17's simulator targets on its three traces. Model results, not measurements: nothing here
+reads a clock, and the traces are seeded."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from functools import cache
 
 import pytest
 
-from bench.autoscale.fleet import Fleet, Point, Setup, simulate
+from bench.autoscale.fleet import Fleet, Outcome, Point, Setup, simulate
 from bench.autoscale.oracle import Oracle, oracle
-from bench.autoscale.scalers import AlwaysOn, Ours
+from bench.autoscale.scalers import AlwaysOn, Backlog, KedaLike, Ours
 from bench.autoscale.traces import Trace, diurnal, month_end, steady
 
 SETUP = Setup()
@@ -100,6 +101,11 @@ def _trace(name: str) -> Trace:
 
 
 @cache
+def _ours(name: str, backlog: Backlog = "monitoring") -> Outcome:
+    return simulate(_trace(name), Ours(backlog=backlog), SETUP)
+
+
+@cache
 def _oracle(name: str) -> Oracle:
     return oracle(_trace(name), SETUP)
 
@@ -111,3 +117,59 @@ def test_the_oracle_is_the_work_and_a_cold_start_for_each_of_the_fewest_replicas
     assert found.instance_seconds == pytest.approx(
         _trace("month-end").work / SETUP.slots + found.replicas * SETUP.cold_start
     )
+
+
+# Issue 17's simulator targets, on workerpool's autoscaler as it is. A target the model shows
+# missed is marked so, with why: it fails the suite the day it is met, to be unmarked then.
+
+
+@pytest.mark.parametrize("name", list(TRACES))
+def test_our_scale_in_kills_no_job(name: str) -> None:
+    assert _ours(name).killed == 0 and _ours(name).unfinished == 0
+
+
+def test_the_keda_like_scale_in_kills_runs_on_the_steady_trace() -> None:
+    # The comparison means something: the same model does kill when a scaler stops pods
+    assert simulate(_trace("steady"), KedaLike(), SETUP).killed > 0
+
+
+STALE_POINT = (
+    "SignalReader takes Cloud Monitoring's backlog (a point 120-180 s old) less what replicas "
+    "hold now, so a backlog drained meanwhile still counts: the fleet grows for it after the "
+    "work is done (BENCHMARKS.md, Autoscaling in simulation)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=STALE_POINT)
+@pytest.mark.parametrize("name", list(TRACES))
+def test_idle_periods_cost_nothing(name: str) -> None:
+    assert _ours(name).idle_cost == 0
+
+
+@pytest.mark.parametrize("name", ["month-end", "steady"])
+def test_idle_periods_cost_nothing_where_monitoring_is_not_read(name: str) -> None:
+    # What the xfail above comes down to: without the stale point, an idle fleet is at 0
+    assert _ours(name, "none").idle_cost == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the burst's length is unknown until Monitoring's point is readable (120-180 s): "
+    "a saturated fleet grows 1.5x per cold start ((10 running + 2 held) / 8 per replica)",
+)
+def test_month_end_p95_wait_is_within_a_cold_start_and_30_s() -> None:
+    assert _ours("month-end").p95_wait <= SETUP.sla
+
+
+def test_month_end_p95_wait_is_within_a_cold_start_and_30_s_if_the_backlog_is_known() -> None:
+    # The policy's own part: given the backlog's length at once, it meets the p95 target
+    assert _ours("month-end", "current").p95_wait <= SETUP.sla
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="growing 1.5x per cold start, a stale Monitoring point, and the 90 s window holding "
+    "30 idle replicas (2,700 instance-s alone, 3.6x the oracle's bound)",
+)
+def test_month_end_costs_at_most_1_2_times_the_oracle() -> None:
+    assert _ours("month-end").instance_seconds <= 1.2 * _oracle("month-end").instance_seconds
