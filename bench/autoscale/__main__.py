@@ -24,10 +24,10 @@ from workerpool.autoscale.policy import Policy
 ROOT = Path(__file__).resolve().parent.parent.parent
 PLOT = ROOT / "bench" / "plots" / "autoscale.png"
 SCALERS = """\
-- **oracle**: a lower bound on what any scaler that knows the trace bills and meets the SLA: \
-work / slots + k x cold start, k the fewest always-on replicas that meet the SLA (a search; \
-bench/autoscale/oracle.py says why no schedule bills less). Its p95 is not a run's: it is no \
-schedule, only a bound.
+- **oracle**: a lower bound on what any scaler that knows the trace bills and meets the SLA, \
+jobs run in publish order as in every run here: work / slots + k x cold start, k the fewest \
+always-on replicas that meet the SLA (a search; bench/autoscale/oracle.py says why no \
+schedule bills less). Its p95 is not a run's: it is no schedule, only a bound.
 - **always-on (k)**: those k replicas, serving from before the first job to the end: the \
 cheapest always-on fleet that meets the SLA at the trace's peak.
 - **KEDA-like**: every 30 s, Cloud Monitoring's backlog (as lagged as ours), active above 0, \

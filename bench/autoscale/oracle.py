@@ -1,5 +1,7 @@
 """The oracle: a lower bound on the least instance-seconds any scaler could bill and meet the
-SLA, knowing the whole trace in advance.
+SLA, knowing the whole trace in advance. Jobs run in publish order, as Pub/Sub roughly hands
+them out and as in every run here (free to run short jobs first, an oracle could meet a p95
+with fewer replicas).
 
 Whatever it does, an oracle pays for
 - the work: each job holds one of a replica's ``slots`` for its duration, so replicas are
