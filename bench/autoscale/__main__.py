@@ -1,0 +1,101 @@
+"""``python -m bench.autoscale``: replay issue 17's traces through workerpool's autoscaler,
+a KEDA-like scaler and always-on, against the oracle; rewrite the section of BENCHMARKS.md
+between its markers and bench/plots/autoscale.png (``--print``: print the section only).
+
+These are model results (bench/autoscale/fleet.py says what is modelled), the same on any
+machine: the traces are seeded and nothing depends on a clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.autoscale.fleet import Scaler, Setup, simulate
+from bench.autoscale.oracle import oracle
+from bench.autoscale.report import Runs, plot, section, setup_lines, table, targets, write_section
+from bench.autoscale.scalers import KedaLike, Ours
+from bench.autoscale.traces import traces
+from workerpool.autoscale.policy import Policy
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PLOT = ROOT / "bench" / "plots" / "autoscale.png"
+SCALERS = """\
+- **oracle**: a lower bound on what any scaler that knows the trace bills and meets the SLA, \
+jobs run in publish order as in every run here: work / slots + k x cold start, k the fewest \
+always-on replicas that meet the SLA (a search; bench/autoscale/oracle.py says why no \
+schedule bills less). Its p95 is not a run's: it is no schedule, only a bound.
+- **always-on (k)**: those k replicas, serving from before the first job to the end: the \
+cheapest always-on fleet that meets the SLA at the trace's peak.
+- **KEDA-like**: every 30 s, Cloud Monitoring's backlog (as lagged as ours), active above 0, \
+one replica per {per_replica:g} unacked messages (KEDA's default is 10; {per_replica:g} is the \
+target ours aims at), scale-in only to the highest count of the last 300 s, and a scale-in \
+stops pods mid-run (starting ones first, then the newest): each run lost comes back after \
+the ack deadline.
+- **workerpool**: `Autoscaler.step()` every 1 s (`--interval`), reading beats written every \
+2 s, a probe pull while no replica serves, Cloud Monitoring's backlog every 30 s; \
+`decide()` with a {window:g} s window and a {target:.0%} target; a scale-in drains \
+(starting replicas first, then the least busy by their beats), billed until the last run ends.
+- **workerpool, no Monitoring**: the same where Monitoring cannot be read (the emulator, or \
+no permission).
+- **workerpool, backlog known at once (what-if)**: the same, with the backlog's length \
+current at every round; no source workerpool reads gives that yet.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.autoscale", description=__doc__)
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--print", action="store_true", help="print the section, write nothing")
+    parser.add_argument(
+        "--scale-down-delay", type=float, default=Policy().scale_down_delay,
+        help="our policy's stabilisation window, seconds",
+    )  # fmt: skip
+    args = parser.parse_args()
+    began, setup, workloads = time.perf_counter(), Setup(), traces()
+    policy = Policy(scale_down_delay=args.scale_down_delay, max_replicas=setup.max_replicas)
+    ours = [Ours(policy, backlog=b) for b in ("monitoring", "none", "current")]
+    scalers: list[Scaler] = [KedaLike(), *ours]
+    runs = []
+    for trace in workloads:
+        found = oracle(trace, setup)
+        outcomes = {f"always-on ({found.replicas})": found.always_on}
+        outcomes |= {s.name: simulate(trace, s, setup) for s in scalers}
+        runs.append(Runs(trace, found, outcomes))
+    took = time.perf_counter() - began
+    body = [
+        "## Autoscaling in simulation (issue 17)",
+        "",
+        f"`python -m bench.autoscale` ({took:.0f} s; numpy {np.__version__}, seeded traces): "
+        "model results, not measurements. workerpool's own autoscaler (its loop, signal "
+        "reader and policy) runs against a model of the fleet and of what it reads "
+        "(bench/autoscale/fleet.py says what is modelled).",
+        "",
+        *setup_lines(setup, workloads),
+        "",
+        *SCALERS.format(
+            window=policy.scale_down_delay,
+            target=policy.target_utilisation,
+            per_replica=KedaLike().per_replica,
+        ).splitlines(),
+        "",
+        *table(runs),
+        "",
+        *targets(runs, ours[0].name, setup),
+        "",
+    ]
+    if args.print:
+        print(section(body))
+        return
+    drawn = plot(runs, PLOT, shown=4)
+    if drawn is not None:
+        body.append(f"![autoscale]({drawn.relative_to(args.out.resolve().parent)})")
+    write_section(args.out, section(body))
+    print(f"wrote {args.out} and {PLOT}" if drawn else f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
