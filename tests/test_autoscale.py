@@ -192,3 +192,39 @@ def test_process_actuator_children_are_real_processes() -> None:
     assert actuator._argv[:4] == [sys.executable, "-m", "workerpool", "run"]
     out = subprocess.run(actuator._argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--heartbeat-interval" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--actuator", "cloud-run"], "--actuator cloud-run needs --cloud-run-worker-pool"),
+        (
+            ["--actuator", "cloud-run", "--cloud-run-worker-pool", "workers"],
+            "expected projects/PROJECT/locations/REGION/workerPools/NAME",
+        ),
+        (["--actuator", "kubernetes"], "--actuator kubernetes needs --kubernetes-deployment"),
+        (
+            ["--actuator", "kubernetes", "--kubernetes-deployment", "w", "--kubernetes-namespace",
+             "jobs"],
+            "no in-cluster configuration",
+        ),
+        (["--actuator", "keda", "--", "--jobs", "x"], "arguments after -- go to the process"),
+        (["--idempotency-store", "none"], "the autoscaler reads the workers' heartbeats"),
+        (["--idempotency-store", "memory://"], "the autoscaler reads the workers' heartbeats"),
+        (["--target-utilization", "0.8", "--min", "3", "--max", "2"], "min_replicas"),
+    ],
+)  # fmt: skip
+def test_a_mistake_in_the_autoscalers_settings_exits_2_with_one_line_before_connecting(
+    args: list[str], says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from workerpool.cli import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:1")  # nothing listens: never reached
+    base = ["autoscale", "--project", "p", "--subscription", "s"]
+    result = CliRunner().invoke(main, [*base, *args])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("workerpool: error: ") and says in line, line

@@ -514,11 +514,22 @@ def status(
 )
 @click.option(
     "--actuator",
-    type=click.Choice(["process"]),
+    type=click.Choice(["process", "cloud-run", "kubernetes", "keda"]),
     default="process",
     show_default=True,
-    help="What changes the fleet's size: process starts `workerpool run` processes here.",
+    help="What changes the fleet's size: process starts `workerpool run` processes here; "
+    "cloud-run sets a worker pool's instance count; kubernetes scales a Deployment; keda "
+    "serves KEDA's external scaler with the count.",
 )
+@click.option(
+    "--cloud-run-worker-pool", help="projects/P/locations/REGION/workerPools/NAME (cloud-run)."
+)
+@click.option("--kubernetes-deployment", help="The worker Deployment's name (kubernetes).")
+@click.option("--kubernetes-namespace", help="Its namespace (kubernetes; default: the pod's own).")
+@click.option(
+    "--keda-address", default="[::]:9090", show_default=True,
+    help="Where the external scaler listens (keda).",
+)  # fmt: skip
 @click.option("--min", "min_replicas", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--max", "max_replicas", type=click.IntRange(0), default=30, show_default=True)
 @click.option(
@@ -548,6 +559,10 @@ def autoscale(
     scale_down_delay: float,
     interval: float,
     slots_per_replica: int | None,
+    cloud_run_worker_pool: str | None,
+    kubernetes_deployment: str | None,
+    kubernetes_namespace: str | None,
+    keda_address: str,
     worker_args: tuple[str, ...],
     **flags: Any,
 ) -> None:
@@ -570,6 +585,12 @@ def autoscale(
         interval=interval,
         worker_args=worker_args,
         config_file=config_file,
+        cloud_run_worker_pool=cloud_run_worker_pool or "",
+        kubernetes_deployment=kubernetes_deployment or "",
+        kubernetes_namespace=kubernetes_namespace,
+        keda_address=keda_address,
     )
+    if worker_args and actuator != "process":
+        raise ConfigError(f"--actuator {actuator}: arguments after -- go to the process actuator")
     run_autoscaler(options)
     exit_now(0)

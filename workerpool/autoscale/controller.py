@@ -22,6 +22,7 @@ from workerpool.autoscale.actuator import Actuator
 from workerpool.autoscale.policy import Decision, Policy, Signals, decide
 from workerpool.autoscale.signals import Observation as Seen
 from workerpool.autoscale.signals import SignalReader
+from workerpool.errors import ActuatorError
 from workerpool.stores import StoreError
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,12 @@ class Autoscaler:
         interval: float = 1.0,
         meter_provider: MeterProvider | None = None,
         clock: Callable[[], float] = time.time,
+        on_decision: Callable[[Signals, Decision], None] | None = None,
     ) -> None:
+        """``on_decision`` is told every decision with its signals (the KEDA scaler answers
+        from the latest)."""
         self._reader = reader
+        self._on_decision = on_decision
         self._actuator = actuator
         self._policy = policy
         self._interval = interval
@@ -69,6 +74,8 @@ class Autoscaler:
         signals = seen.signals if seen is not None else Signals(self._clock(), current, 1)
         decision = decide(signals, self._policy, self._history)
         self._history = decision.history
+        if self._on_decision is not None:
+            self._on_decision(signals, decision)
         action = "no change"
         if decision.desired != current:
             action = self._actuator.scale(decision.desired, [] if seen is None else seen.beats)
@@ -81,7 +88,9 @@ class Autoscaler:
             began = time.monotonic()
             try:
                 self.step()
-            except Exception:  # an actuator's API error, a bug: logged, the next round tries
+            except ActuatorError as exc:  # its one line says what and why; the next round tries
+                log.warning("autoscale round failed: %s", exc)
+            except Exception:  # a bug: logged whole, the next round tries
                 log.exception("autoscale round failed")
             stop.wait(max(0.0, self._interval - (time.monotonic() - began)))
 

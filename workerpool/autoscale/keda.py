@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,7 @@ import grpc  # type: ignore[import-untyped,unused-ignore]  # no stubs installed
 
 from workerpool.autoscale import externalscaler_pb2 as pb
 from workerpool.autoscale import externalscaler_pb2_grpc as pb_grpc
+from workerpool.autoscale.actuator import Actuator, Beat
 from workerpool.autoscale.policy import Decision, Signals
 from workerpool.constants import KEDA_METRIC
 from workerpool.errors import ConfigError
@@ -51,6 +52,36 @@ class Estimate:
         says zero."""
         waiting = bool(signals.backlog) or bool(signals.oldest_age)
         return cls(waiting or signals.in_flight > 0 or decision.desired > 0, decision.desired)
+
+
+class KedaTarget(Actuator):
+    """The autoscaler's "actuator" when KEDA scales: nothing is changed here, the count is
+    what KEDA is told (the latest ``Estimate``, served by ``KedaScaler``), and KEDA's HPA
+    changes the Deployment to it."""
+
+    name = "keda"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._estimate: Estimate | None = None
+
+    def decided(self, signals: Signals, decision: Decision) -> None:
+        with self._lock:
+            self._estimate = Estimate.of(signals, decision)
+
+    def estimate(self) -> Estimate:
+        """For ``KedaScaler``: the latest decision (an error before the first: KEDA retries)."""
+        with self._lock:
+            if self._estimate is None:
+                raise LookupError("no decision yet")
+            return self._estimate
+
+    def current(self) -> int:
+        with self._lock:
+            return 0 if self._estimate is None else self._estimate.desired
+
+    def scale(self, desired: int, beats: Sequence[Beat]) -> str:
+        return f"KEDA is told {desired} replicas"
 
 
 class _Scaler(pb_grpc.ExternalScalerServicer):

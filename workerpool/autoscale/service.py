@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workerpool.autoscale.actuator import Actuator
 from workerpool.autoscale.controller import Autoscaler
+from workerpool.autoscale.keda import KedaScaler, KedaTarget
 from workerpool.autoscale.policy import Policy
 from workerpool.autoscale.probe import Probe
 from workerpool.autoscale.process import ProcessActuator
 from workerpool.autoscale.signals import SignalReader
 from workerpool.config import Settings
 from workerpool.errors import ConfigError
-from workerpool.heartbeats import heartbeat_opener
+from workerpool.heartbeats import HeartbeatStore, heartbeat_opener
 from workerpool.ops.admin import describe_subscription, subscription_path
 from workerpool.ops.monitoring import BacklogReader
 from workerpool.stores import StoreError
@@ -41,6 +43,10 @@ class AutoscaleOptions:
     interval: float = 1.0
     worker_args: tuple[str, ...] = ()
     config_file: str | None = None
+    cloud_run_worker_pool: str = ""  # projects/P/locations/REGION/workerPools/NAME
+    kubernetes_deployment: str = ""
+    kubernetes_namespace: str | None = None  # default: the pod's own
+    keda_address: str = "[::]:9090"
 
 
 def worker_command_args(options: AutoscaleOptions) -> list[str]:
@@ -56,29 +62,40 @@ def worker_command_args(options: AutoscaleOptions) -> list[str]:
 
 
 def _actuator(options: AutoscaleOptions) -> Actuator:
+    """The actuator ``--actuator`` names, built before anything connects: a missing setting
+    or extra is a ConfigError (exit 2, one line)."""
     if options.actuator == "process":
         return ProcessActuator(worker_command_args(options))
-    raise ConfigError(f"--actuator {options.actuator}: not available")
+    if options.actuator == "cloud-run":
+        if not options.cloud_run_worker_pool:
+            raise ConfigError("--actuator cloud-run needs --cloud-run-worker-pool")
+        from workerpool.autoscale.cloudrun import CloudRunActuator
+
+        return CloudRunActuator(options.cloud_run_worker_pool)
+    if options.actuator == "kubernetes":
+        if not options.kubernetes_deployment:
+            raise ConfigError("--actuator kubernetes needs --kubernetes-deployment")
+        from workerpool.autoscale.kubernetes import KubernetesActuator
+
+        return KubernetesActuator(options.kubernetes_deployment, options.kubernetes_namespace)
+    if options.actuator == "keda":
+        return KedaTarget()
+    raise ConfigError(
+        f"--actuator {options.actuator}: expected process, cloud-run, kubernetes or keda"
+    )
 
 
 def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) -> None:
     s = options.settings
     if not s.project or not s.subscription:
         raise ConfigError("project and subscription are required")
-    try:
-        opener = heartbeat_opener(s.idempotency_store)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"idempotency_store: {exc}") from None
-    if opener is None or s.idempotency_store == "memory://":
-        raise ConfigError(
-            f"idempotency_store {s.idempotency_store}: the autoscaler reads the workers' "
-            "heartbeats from a store they share (sqlite:///PATH or firestore://...)"
-        )
+    open_heartbeats = _heartbeat_opener(s.idempotency_store)
+    actuator = _actuator(options)  # before connecting: its configuration errors come first
     path = subscription_path(s.project, s.subscription)
     subscriber = subscriber_client()
     try:
         describe_subscription(subscriber, path)  # a missing one: exit 2, one line
-        heartbeats = opener()
+        heartbeats = open_heartbeats()
     except StoreError as exc:
         subscriber.close()
         raise ConfigError(f"idempotency_store: {exc}") from None
@@ -92,14 +109,16 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
         backlog=BacklogReader(path),
         slots_per_replica=options.slots_per_replica,
     )
+    keda = _keda_server(actuator, options.keda_address)
     scrape = PrometheusReader() if s.metrics_port else None
     telemetry = telemetry_from_env(extra_readers=[scrape] if scrape else [])
     scaler = Autoscaler(
         reader,
-        _actuator(options),
+        actuator,
         options.policy,
         interval=options.interval,
         meter_provider=telemetry.meter_provider,
+        on_decision=actuator.decided if isinstance(actuator, KedaTarget) else None,
     )
     signals = signals or Signals()
     signals.install()
@@ -107,25 +126,44 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
     if scrape is not None:
         health = HealthServer(s.metrics_port, healthy=lambda: True, ready=lambda: True,
                               metrics=scrape).start()  # fmt: skip
+    p = options.policy
     log.info(
         "autoscaling %s with the %s actuator: %d..%d replicas, target utilisation %.0f%%, "
         "scale-down after %gs",
-        path,
-        options.actuator,
-        options.policy.min_replicas,
-        options.policy.max_replicas,
-        options.policy.target_utilisation * 100,
-        options.policy.scale_down_delay,
-    )
+        path, options.actuator, p.min_replicas, p.max_replicas, p.target_utilisation * 100,
+        p.scale_down_delay,
+    )  # fmt: skip
     loop = threading.Thread(target=scaler.run, args=(signals.stop,), name="autoscale")
     loop.start()
     while loop.is_alive():
         loop.join(1.0)
-    log.info("signal received: the autoscaler stops; draining the replicas it started")
+    log.info("signal received: the autoscaler stops (the process actuator drains its replicas)")
     try:
+        if keda is not None:
+            keda.stop()
         scaler.close()
     finally:
         subscriber.close()
         if health is not None:
             health.stop()
         telemetry.shutdown()
+
+
+def _heartbeat_opener(url: str) -> Callable[[], HeartbeatStore]:
+    try:
+        opener = heartbeat_opener(url)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"idempotency_store: {exc}") from None
+    if opener is None or url == "memory://":
+        raise ConfigError(
+            f"idempotency_store {url}: the autoscaler reads the workers' heartbeats from a "
+            "store they share (sqlite:///PATH or firestore://PROJECT/COLLECTION)"
+        )
+    return opener
+
+
+def _keda_server(actuator: Actuator, address: str) -> KedaScaler | None:
+    """With the KEDA actuator, the external scaler KEDA asks, answering from its decisions."""
+    if not isinstance(actuator, KedaTarget):
+        return None
+    return KedaScaler(actuator.estimate, address).start()
