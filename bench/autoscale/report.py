@@ -30,8 +30,9 @@ def _seconds(value: float) -> str:
 def table(runs: list[Runs]) -> list[str]:
     lines = [
         "| trace | scaler | instance-seconds | x oracle | p95 wait, s | max wait, s "
-        "| jobs killed by scale-in | idle cost, instance-s | most replicas |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| jobs killed by scale-in | idle cost, instance-s | most replicas "
+        "| most probes of a message |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(line for each in runs for line in _rows(each)),
     ]
     return lines
@@ -41,13 +42,14 @@ def _rows(runs: Runs) -> list[str]:
     bound = runs.oracle.instance_seconds
     rows = [
         f"| {runs.trace.name} | oracle (lower bound; {runs.oracle.replicas} replicas) "
-        f"| {bound:,.0f} | 1.00 | - | - | 0 | 0 | {runs.oracle.replicas} |"
+        f"| {bound:,.0f} | 1.00 | - | - | 0 | 0 | {runs.oracle.replicas} | - |"
     ]
     for name, out in runs.outcomes.items():
         rows.append(
             f"| {runs.trace.name} | {name} | {out.instance_seconds:,.0f} "
             f"| {out.instance_seconds / bound:.2f} | {_seconds(out.p95_wait)} "
-            f"| {_seconds(out.waits[-1])} | {out.killed} | {out.idle_cost:,.0f} | {out.peak} |"
+            f"| {_seconds(out.waits[-1])} | {out.killed} | {out.idle_cost:,.0f} | {out.peak} "
+            f"| {out.most_probed} |"
         )
     return rows
 

@@ -12,6 +12,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -34,17 +35,20 @@ Backlog = Literal["monitoring", "none", "current"]
 
 
 class _Subscriber:
-    """Pub/Sub as the probe sees it: a pull gets one message if one waits."""
+    """Pub/Sub as the probe sees it: a pull gets the oldest waiting messages it does not hold
+    already, as many as it asks for if that many wait; given back, they wait as before."""
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
+        self._held = 0
 
     def pull(self, request: dict[str, Any], timeout: float, retry: None) -> SimpleNamespace:
-        messages = [SimpleNamespace(ack_id="m")] if self._fleet.waiting() else []
-        return SimpleNamespace(received_messages=messages)
+        seen = self._fleet.probe(request["max_messages"], self._held)
+        self._held += seen
+        return SimpleNamespace(received_messages=[SimpleNamespace(ack_id="m")] * seen)
 
     def modify_ack_deadline(self, request: dict[str, Any], timeout: float) -> None:
-        """Given back: it waits as before."""
+        self._held = 0
 
 
 class _Response:
@@ -69,7 +73,10 @@ class _MonitoringApi:
         if point is None:
             return _Response({})
         value = point.undelivered if UNDELIVERED in params["filter"] else point.oldest_age
-        return _Response({"timeSeries": [{"points": [{"value": {"doubleValue": value}}]}]})
+        # The model's seconds stand for POSIX ones, as the reader's clock is the model's.
+        taken = datetime.fromtimestamp(point.at, UTC).isoformat().replace("+00:00", "Z")
+        body = {"value": {"doubleValue": value}, "interval": {"endTime": taken}}
+        return _Response({"timeSeries": [{"points": [body]}]})
 
 
 class _Actuator(Actuator):
