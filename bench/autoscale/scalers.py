@@ -131,9 +131,10 @@ class Ours:
         reader = SignalReader(
             SUBSCRIPTION,
             fleet.heartbeats,
-            probe=Probe(_Subscriber(fleet), SUBSCRIPTION),
+            probe=Probe(_Subscriber(fleet), SUBSCRIPTION, clock=clock),
             backlog=backlog,
             slots_per_replica=fleet.setup.slots,
+            max_replicas=self.policy.max_replicas,
             clock=clock,
         )
         loop = Autoscaler(
