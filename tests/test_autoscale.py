@@ -153,11 +153,34 @@ def test_a_probes_finding_lapses_once_the_fleet_took_as_many_or_after_probe_hold
     assert late.read(1).signals.backlog == 0
 
 
-def test_monitorings_backlog_adds_what_the_replicas_do_not_hold() -> None:
+def test_monitorings_backlog_adds_what_the_fleet_has_not_taken_since_the_point() -> None:
+    clock, store = FakeClock(NOW), MemoryHeartbeats()
+    monitoring = FakeBacklog(None)
+    reader = _reader(store=store, clock=clock, monitoring=monitoring)
+    # Given a replica running 4 and holding 2 at NOW, then settling 10 a second for 150 s
+    store.beat(_beat("a", running=4, waiting=2, at=NOW, until=NOW + 600))
+    reader.read(1)
+    clock.advance(150)
+    store.beat(_beat("a", running=4, waiting=2, completed=10.0, at=clock.now, until=clock.now + 6))
+    # When Monitoring's point taken at NOW says 5,000 unacked
+    monitoring.backlog = Backlog(5000, 300.0, at=NOW)
+    seen = reader.read(1).signals
+    # Then it adds the 5,000 less the 6 held then and the 1,500 settled since: 3,494 waiting
+    # besides the 2 held now, and its oldest message's age
+    assert (seen.backlog, seen.oldest_age) == (2 + 3494, 300.0)
+    # ... a point that the work done since accounts for adds nothing, nor does its age
+    monitoring.backlog = Backlog(1200, 300.0, at=NOW)
+    seen = reader.read(1).signals
+    assert (seen.backlog, seen.oldest_age) == (2, None)
+
+
+def test_a_monitoring_point_that_cannot_be_discounted_is_left_out() -> None:
     beats = [_beat("a", running=4, waiting=2)]
-    assert _reader(beats, backlog=Backlog(50, 120.0)).read(1).signals.backlog == 44
-    assert _reader(beats, backlog=Backlog(3, 1.0)).read(1).signals.backlog == 2
-    assert _reader(beats, backlog=Backlog(None, None)).read(1).signals.backlog == 2
+    # no figure, no time, or taken before the reader watched: what was done since is unknown
+    for backlog in (Backlog(None, None), Backlog(50, 1.0), Backlog(50, 1.0, at=NOW - 1)):
+        assert _reader(beats, backlog=backlog).read(1).signals.backlog == 2
+    # taken as the reader watched, it counts less what replicas held then
+    assert _reader(beats, backlog=Backlog(50, 1.0, at=NOW)).read(1).signals.backlog == 2 + 44
 
 
 def test_a_scale_in_takes_idle_replicas_first_then_the_least_busy_never_draining_ones() -> None:

@@ -133,22 +133,9 @@ def test_the_keda_like_scale_in_kills_runs_on_the_steady_trace() -> None:
     assert simulate(_trace("steady"), KedaLike(), SETUP).killed > 0
 
 
-STALE_POINT = (
-    "SignalReader takes Cloud Monitoring's backlog (a point 120-180 s old) less what replicas "
-    "hold now, so a backlog drained meanwhile still counts: the fleet grows for it after the "
-    "work is done (BENCHMARKS.md, Autoscaling in simulation)"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "month-end",  # the burst is done before the first point on it is taken
-        pytest.param("steady", marks=pytest.mark.xfail(strict=True, reason=STALE_POINT)),
-        pytest.param("diurnal", marks=pytest.mark.xfail(strict=True, reason=STALE_POINT)),
-    ],
-)
+@pytest.mark.parametrize("name", list(TRACES))
 def test_idle_periods_cost_nothing(name: str) -> None:
+    # A Cloud Monitoring point counts only what the fleet has not taken since it was taken
     assert _ours(name).idle_cost == 0
 
 

@@ -9,8 +9,9 @@
   its finding stands for them, less what the fleet has taken since, for ``probe_hold``
   seconds at most.
 - Cloud Monitoring's backlog (minutes old) where it answers: the only source of the backlog's
-  length while replicas run. It counts the messages replicas hold too, so what it adds is the
-  undelivered count beyond them.
+  length while replicas run. Its point counts what replicas held then too, and what the fleet
+  has taken since (``Taken``) is not waiting any more, so what it adds is its figure less both:
+  a backlog drained since the point was taken adds nothing.
 Draining replicas' work is left out of the demand: they are leaving, and it does not need new
 replicas.
 """
@@ -111,11 +112,8 @@ class SignalReader:
         found = self._left(self._found)
         if not found:
             self._found = None  # the fleet has taken as many as the probe saw
-        waiting = sum(b.waiting for b in serving) + found
         monitored = None if self._backlog is None else self._backlog.read()
-        if monitored is not None and monitored.undelivered is not None:
-            held = sum(b.running + b.waiting for b in serving)
-            waiting = max(waiting, int(monitored.undelivered) - held)
+        reported = self._left(self._unheld(monitored))
         busy = [b for b in serving if b.running]
         per_slot = sum(b.completed for b in busy) / running if running else 0.0
         signals = Signals(
@@ -123,8 +121,8 @@ class SignalReader:
             current=current,
             slots_per_replica=self._slots,
             in_flight=running,
-            backlog=waiting,
-            oldest_age=None if monitored is None else monitored.oldest_age,
+            backlog=sum(b.waiting for b in serving) + max(found, reported),
+            oldest_age=monitored.oldest_age if reported and monitored is not None else None,
             service_rate=per_slot or None,
         )
         return Observation(signals, beats, probed, monitored)
@@ -133,6 +131,14 @@ class SignalReader:
         if self._max_replicas is None:
             return MOST_PER_PULL
         return min(MOST_PER_PULL, self._max_replicas * self._slots)
+
+    def _unheld(self, monitored: Backlog | None) -> Sighting | None:
+        """What Monitoring's point says waited, not held by replicas, when it was taken; None
+        if it cannot be told (no figure, no time, or taken before this reader watched)."""
+        if monitored is None or monitored.undelivered is None or monitored.at is None:
+            return None
+        held = self._taken.held_at(monitored.at)
+        return None if held is None else Sighting(monitored.undelivered - held, monitored.at)
 
     def _left(self, sighting: Sighting | None) -> int:
         """Of the messages seen waiting then, how many the fleet has not taken since."""
