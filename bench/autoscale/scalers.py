@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry.metrics import NoOpMeterProvider
 
@@ -26,12 +26,6 @@ from workerpool.autoscale.probe import Probe
 from workerpool.autoscale.signals import SignalReader
 from workerpool.heartbeats import MemoryHeartbeats
 from workerpool.ops.monitoring import UNDELIVERED, BacklogReader
-
-# Where the backlog's length comes from, besides beats and the probe:
-# "monitoring": Cloud Monitoring, as on Google Cloud;
-# "none": nowhere (the emulator, or no permission to read Monitoring);
-# "current": what if it were known at once (no source gives that yet).
-Backlog = Literal["monitoring", "none", "current"]
 
 
 class _Subscriber:
@@ -107,27 +101,21 @@ class _Actuator(Actuator):
 @dataclass
 class Ours:
     policy: Policy = field(default_factory=Policy)
-    backlog: Backlog = "monitoring"
+    monitoring: bool = True  # False: where Cloud Monitoring cannot be read (the emulator)
     every: float = 1.0  # `workerpool autoscale --interval`'s default
 
     @property
     def name(self) -> str:
-        return {
-            "monitoring": "workerpool",
-            "none": "workerpool, no Monitoring",
-            "current": "workerpool, backlog known at once (what-if)",
-        }[self.backlog]
+        besides = "" if self.monitoring else ", no Monitoring"
+        return f"workerpool{besides} ({self.policy.scale_down_delay:g} s window)"
 
     def bind(self, fleet: Fleet) -> Callable[[], object]:
         fleet.heartbeats = MemoryHeartbeats()
         clock = fleet.clock
         backlog = None
-        if self.backlog == "monitoring":
+        if self.monitoring:
             api = _MonitoringApi(fleet.monitoring)
             backlog = BacklogReader(SUBSCRIPTION, session=api, env={}, clock=clock)
-        elif self.backlog == "current":  # read at every round, not every 30 s
-            api = _MonitoringApi(fleet.point)
-            backlog = BacklogReader(SUBSCRIPTION, session=api, env={}, every=0, clock=clock)
         reader = SignalReader(
             SUBSCRIPTION,
             fleet.heartbeats,
