@@ -5,8 +5,9 @@ A probe pulls up to ``limit`` messages within ``timeout`` and gives every one ba
 and on Pub/Sub alike, where Cloud Monitoring's backlog is minutes late and cannot wake a fleet
 from zero; and it says how many at least wait (a pull may bring fewer than there are, never
 more), so a fleet can wake straight to the size a burst needs rather than growing into it one
-cold start at a time. A probe that finds fewer than ``limit`` costs its whole ``timeout``: the
-pull that finds no more waits for its deadline.
+cold start at a time. A probe that finds fewer than ``limit`` may cost its whole ``timeout``:
+the pull that finds no more can wait for its deadline (the emulator answers it at once while
+the probe holds the rest, and an empty subscription just before the deadline).
 
 What it costs: a probe is one delivery of every message it touches, which the subscription's
 dead-letter policy counts (the worker counts failed runs per job id, so ``max_attempts`` is
