@@ -7,12 +7,13 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from tests.fakes import FakeClock
 from workerpool.autoscale.actuator import Actuator, Beat, least_busy
 from workerpool.autoscale.controller import Autoscaler
 from workerpool.autoscale.policy import Policy
@@ -35,13 +36,13 @@ def _beat(replica: str, **fields: Any) -> Beat:
 
 
 class FakeProbe:
-    def __init__(self, answer: bool | None) -> None:
+    def __init__(self, answer: int | None) -> None:
         self.answer = answer
-        self.asked = 0
+        self.limits: list[int] = []
 
-    def waiting(self) -> bool | None:
-        self.asked += 1
-        return self.answer
+    def count(self, limit: int) -> int | None:
+        self.limits.append(limit)
+        return None if self.answer is None else min(self.answer, limit)
 
 
 class FakeBacklog:
@@ -57,18 +58,22 @@ def _reader(
     probe: FakeProbe | None = None,
     backlog: Backlog | None = None,
     store: HeartbeatStore | None = None,
+    clock: Callable[[], float] = lambda: NOW,
+    monitoring: FakeBacklog | None = None,
+    **options: Any,
 ) -> SignalReader:
     heartbeats = store or MemoryHeartbeats()
     for beat in beats:
         heartbeats.beat(beat)
     return SignalReader(
-        SUB, heartbeats, probe=probe, backlog=FakeBacklog(backlog),  # type: ignore[arg-type]
-        slots_per_replica=10, clock=lambda: NOW,
+        SUB, heartbeats, probe=probe,  # type: ignore[arg-type]
+        backlog=monitoring or FakeBacklog(backlog),  # type: ignore[arg-type]
+        slots_per_replica=10, clock=clock, **options,
     )  # fmt: skip
 
 
 def test_serving_replicas_beats_give_running_waiting_slots_and_rate_draining_ones_do_not() -> None:
-    probe = FakeProbe(True)
+    probe = FakeProbe(5)
     reader = _reader(
         [
             _beat("a", running=4, waiting=2, completed=8.0, saturated=True),
@@ -83,23 +88,99 @@ def test_serving_replicas_beats_give_running_waiting_slots_and_rate_draining_one
     assert (s.current, s.slots_per_replica, s.in_flight, s.backlog) == (2, 4, 6, 2)
     assert s.service_rate == pytest.approx(10.0 / 6)  # jobs per second per busy slot
     assert [b.replica for b in seen.beats] == ["a", "b", "leaving"]
-    assert probe.asked == 0  # replicas serve: they see the backlog, a probe adds nothing
+    assert probe.limits == []  # replicas serve: they see the backlog, a probe adds nothing
 
 
-def test_the_probe_is_asked_only_while_no_replica_serves_and_a_message_it_sees_is_waiting() -> None:
-    found, empty = FakeProbe(True), FakeProbe(False)
-    assert _reader([_beat("leaving", draining=True)], found).read(1).signals.backlog == 1
-    assert _reader([], empty).read(0).signals.backlog == 0
-    assert (found.asked, empty.asked) == (1, 1)
+def test_the_probe_is_asked_only_at_zero_replicas_for_as_many_as_the_max_has_slots() -> None:
+    # Given a fleet at zero (one replica still draining), up to 30 replicas of 10 slots
+    probe = FakeProbe(2000)
+    seen = _reader([_beat("leaving", draining=True)], probe, max_replicas=30).read(0)
+    # Then one probe asks for 300 messages (more would not change the count) and what it saw
+    # waits
+    assert probe.limits == [300] and seen.probed == 300 and seen.signals.backlog == 300
+    # ... Pub/Sub's most per pull without a max; none seen: none waits
+    empty = FakeProbe(0)
+    assert _reader([], empty).read(0).signals.backlog == 0 and empty.limits == [1000]
     # ... and a failed probe says nothing rather than "none waits"
     assert _reader([], FakeProbe(None)).read(0).probed is None
 
 
-def test_monitorings_backlog_adds_what_the_replicas_do_not_hold() -> None:
+def test_while_the_replicas_a_probe_woke_start_its_finding_stands_and_it_is_not_asked_again() -> (
+    None
+):
+    # Given a probe that sees 100 messages at zero
+    clock, probe, store = FakeClock(NOW), FakeProbe(100), MemoryHeartbeats()
+    reader = _reader(probe=probe, store=store, clock=clock)
+    assert reader.read(0).signals.backlog == 100
+    # When 13 replicas are starting: no probe (each would be one more delivery of each
+    # message), and the finding stands for them
+    for _ in range(5):
+        clock.advance(2)
+        seen = reader.read(13)
+        assert (seen.probed, seen.signals.backlog) == (None, 100)
+    # ... the first replica's first beat, before its first pull, changes nothing
+    store.beat(_beat("a", at=clock.now, until=clock.now + 6))
+    assert reader.read(13).signals.backlog == 100
+    # ... what the replicas then take is no longer waiting: 4 running and 2 held of the 100
+    clock.advance(2)
+    store.beat(_beat("a", running=4, waiting=2, saturated=True, at=clock.now, until=clock.now + 6))
+    assert reader.read(13).signals.backlog == 2 + 94
+    # ... 50 settled since (a rate of 25 a second over the 2 s since its last beat)
+    clock.advance(2)
+    store.beat(_beat("a", running=4, waiting=2, completed=25.0, at=clock.now, until=clock.now + 6))
+    assert reader.read(13).signals.backlog == 2 + 44
+    assert probe.limits == [1000]  # asked once
+
+
+def test_a_probes_finding_lapses_once_the_fleet_took_as_many_or_after_probe_hold() -> None:
+    clock, store = FakeClock(NOW), MemoryHeartbeats()
+    reader = _reader(probe=FakeProbe(8), store=store, clock=clock, probe_hold=60)
+    assert reader.read(0).signals.backlog == 8
+    # Once the replicas took all 8 (and more), the beats alone say what waits
+    clock.advance(12)
+    store.beat(_beat("a", running=4, waiting=2, at=clock.now, until=clock.now + 6))
+    store.beat(_beat("b", running=4, waiting=0, at=clock.now, until=clock.now + 6))
+    assert reader.read(2).signals.backlog == 2
+    store.gone("a")
+    store.gone("b")
+    assert reader.read(2).signals.backlog == 0  # not back: the finding is spent
+    # A finding nobody takes (the replicas never come up) stands for probe_hold seconds
+    late = _reader(probe=FakeProbe(8), clock=clock, probe_hold=60)
+    assert late.read(0).signals.backlog == 8
+    clock.advance(60)
+    assert late.read(1).signals.backlog == 8
+    clock.advance(1)
+    assert late.read(1).signals.backlog == 0
+
+
+def test_monitorings_backlog_adds_what_the_fleet_has_not_taken_since_the_point() -> None:
+    clock, store = FakeClock(NOW), MemoryHeartbeats()
+    monitoring = FakeBacklog(None)
+    reader = _reader(store=store, clock=clock, monitoring=monitoring)
+    # Given a replica running 4 and holding 2 at NOW, then settling 10 a second for 150 s
+    store.beat(_beat("a", running=4, waiting=2, at=NOW, until=NOW + 600))
+    reader.read(1)
+    clock.advance(150)
+    store.beat(_beat("a", running=4, waiting=2, completed=10.0, at=clock.now, until=clock.now + 6))
+    # When Monitoring's point taken at NOW says 5,000 unacked
+    monitoring.backlog = Backlog(5000, 300.0, at=NOW)
+    seen = reader.read(1).signals
+    # Then it adds the 5,000 less the 6 held then and the 1,500 settled since: 3,494 waiting
+    # besides the 2 held now, and its oldest message's age
+    assert (seen.backlog, seen.oldest_age) == (2 + 3494, 300.0)
+    # ... a point that the work done since accounts for adds nothing, nor does its age
+    monitoring.backlog = Backlog(1200, 300.0, at=NOW)
+    seen = reader.read(1).signals
+    assert (seen.backlog, seen.oldest_age) == (2, None)
+
+
+def test_a_monitoring_point_that_cannot_be_discounted_is_left_out() -> None:
     beats = [_beat("a", running=4, waiting=2)]
-    assert _reader(beats, backlog=Backlog(50, 120.0)).read(1).signals.backlog == 44
-    assert _reader(beats, backlog=Backlog(3, 1.0)).read(1).signals.backlog == 2
-    assert _reader(beats, backlog=Backlog(None, None)).read(1).signals.backlog == 2
+    # no figure, no time, or taken before the reader watched: what was done since is unknown
+    for backlog in (Backlog(None, None), Backlog(50, 1.0), Backlog(50, 1.0, at=NOW - 1)):
+        assert _reader(beats, backlog=backlog).read(1).signals.backlog == 2
+    # taken as the reader watched, it counts less what replicas held then
+    assert _reader(beats, backlog=Backlog(50, 1.0, at=NOW)).read(1).signals.backlog == 2 + 44
 
 
 def test_a_scale_in_takes_idle_replicas_first_then_the_least_busy_never_draining_ones() -> None:

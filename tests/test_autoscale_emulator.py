@@ -1,5 +1,6 @@
-"""The autoscaler, live on the Pub/Sub emulator with the process actuator: a real
-``workerpool autoscale`` process starting and draining real ``workerpool run`` processes."""
+"""The autoscaler, live on the Pub/Sub emulator: its probe of a fleet at zero, then the
+process actuator, a real ``workerpool autoscale`` process starting and draining real
+``workerpool run`` processes."""
 
 from __future__ import annotations
 
@@ -11,10 +12,86 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from tests.support import ledger_events, read_ledger, wait_for
+from workerpool.autoscale.probe import Probe
+from workerpool.autoscale.signals import SignalReader
+from workerpool.heartbeats import MemoryHeartbeats
 from workerpool.testing.pubsub import PubSubResources
 
 MAX, SLOTS, JOBS, SECONDS, WINDOW = 4, 4, 200, 1.0, 10.0
+
+
+class CountingSubscriber:
+    """The subscriber client, counting the probe's pulls."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client
+        self.pulls = 0
+
+    def pull(self, **kwargs: object) -> object:
+        self.pulls += 1
+        return self._client.pull(**kwargs)  # type: ignore[attr-defined]
+
+    def modify_ack_deadline(self, **kwargs: object) -> object:
+        return self._client.modify_ack_deadline(**kwargs)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("max_replicas", "sees"), [(50, 200), (None, 300)], ids=["K=200", "K=1000"]
+)
+def test_one_probe_at_zero_counts_the_burst_and_every_message_is_at_once_deliverable(
+    pubsub_resources: PubSubResources, max_replicas: int | None, sees: int
+) -> None:
+    # Given 300 messages waiting and a fleet at zero (replicas of 4 slots: K = min(1000, max x 4))
+    pubsub_resources.provision()  # dead-letter policy on: each delivery is counted
+    pubsub_resources.publish_many("demo.sleep", [(f"job-{i}", {}) for i in range(300)])
+    subscriber = CountingSubscriber(pubsub_resources.subscriber)
+    reader = SignalReader(
+        pubsub_resources.subscription_path, MemoryHeartbeats(),
+        probe=Probe(subscriber, pubsub_resources.subscription_path), backlog=None,
+        slots_per_replica=4, max_replicas=max_replicas,
+    )  # fmt: skip
+    # When the reader reads at zero replicas
+    began = time.monotonic()
+    woke = reader.read(0)
+    probed_in, pulls = time.monotonic() - began, subscriber.pulls
+    # ... then 5 rounds while the replicas it woke start slowly (none beats)
+    starting = []
+    for _ in range(5):
+        time.sleep(0.5)
+        starting.append(reader.read(8))
+    # Then one probe saw min(K, 300) (the emulator gives 100 a pull), every later round kept
+    # that finding without probing again
+    assert (woke.probed, woke.signals.backlog) == (sees, sees)
+    assert [(s.probed, s.signals.backlog) for s in starting] == [(None, sees)] * 5
+    assert subscriber.pulls == pulls
+    # ... and all 300 come at once to the next pull (not after their 10 s ack deadline): each
+    # probed message delivered once more, the others not at all
+    attempts: dict[str, int] = {}
+    again = time.monotonic()
+    deadline = again + 5
+    while len(attempts) < 300 and time.monotonic() < deadline:
+        response = pubsub_resources.subscriber.pull(
+            request={"subscription": pubsub_resources.subscription_path, "max_messages": 100},
+            timeout=5,
+        )
+        received = response.received_messages
+        attempts |= {m.message.attributes["job_id"]: m.delivery_attempt for m in received}
+        if received:
+            pubsub_resources.subscriber.acknowledge(
+                request={
+                    "subscription": pubsub_resources.subscription_path,
+                    "ack_ids": [m.ack_id for m in received],
+                }
+            )
+    print(
+        f"\nprobe saw {woke.probed} in {probed_in:.2f}s ({pulls} pulls), none in 5 rounds "
+        f"after; all 300 pulled in {time.monotonic() - again:.2f}s; delivery attempts "
+        f"{dict(Counter(attempts.values()))}"
+    )
+    assert Counter(attempts.values()) == Counter({2: sees, 1: 300 - sees})
 
 
 def _children(pid: int) -> set[int]:

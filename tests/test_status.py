@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeClock
-from workerpool.ops.monitoring import MONITORING_URL
+from workerpool.ops.monitoring import MONITORING_URL, Backlog, BacklogReader
 from workerpool.ops.status import backlog_lines, slot_lines
 from workerpool.slots import SqliteSlots
 
@@ -52,6 +52,22 @@ def test_backlog_and_oldest_age_come_from_the_newest_points() -> None:
     assert url == MONITORING_URL.format(project="ads-prod")
     assert 'resource.labels.subscription_id = "exports-sub"' in params["filter"]
     assert params["interval.startTime"] < params["interval.endTime"]
+
+
+def test_the_backlog_reader_keeps_when_the_newest_point_was_taken() -> None:
+    # The autoscaler discounts a point by what was done since it was taken: its time is kept
+    class Timed(_Monitoring):
+        def get(self, url: str, params: dict[str, str], timeout: float) -> _Response:
+            body = super().get(url, params, timeout).body
+            for point in body["timeSeries"][0]["points"]:
+                point["interval"] = {"endTime": "2024-05-31T23:58:00.123456789Z"}
+            return _Response(body)
+
+    monitoring = Timed({"num_undelivered_messages": 2140, "oldest_unacked_message_age": 95})
+    backlog = BacklogReader(SUBSCRIPTION, session=monitoring, env={}).read()
+    assert backlog == Backlog(2140, 95, at=1717199880.123456)
+    untimed = _Monitoring({"num_undelivered_messages": 2140})
+    assert BacklogReader(SUBSCRIPTION, session=untimed, env={}).read() == Backlog(2140, None)
 
 
 def test_missing_series_and_failures_are_said_not_raised() -> None:

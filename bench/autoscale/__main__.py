@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,14 +36,15 @@ one replica per {per_replica:g} unacked messages (KEDA's default is 10; {per_rep
 target ours aims at), scale-in only to the highest count of the last 300 s, and a scale-in \
 stops pods mid-run (starting ones first, then the newest): each run lost comes back after \
 the ack deadline.
-- **workerpool**: `Autoscaler.step()` every 1 s (`--interval`), reading beats written every \
-2 s, a probe pull while no replica serves, Cloud Monitoring's backlog every 30 s; \
-`decide()` with a {window:g} s window and a {target:.0%} target; a scale-in drains \
-(starting replicas first, then the least busy by their beats), billed until the last run ends.
+- **workerpool (W s window)**: `Autoscaler.step()` every 1 s (`--interval`), reading beats \
+written every 2 s; while the fleet is at zero, a probe of up to {probe_limit:,} messages \
+({max_replicas} replicas x {slots} slots), given back at once, and not repeated while the \
+replicas it woke start; Cloud Monitoring's backlog every 30 s, less what the fleet has taken \
+since the point was taken; `decide()` with a W s window and a {target:.0%} target; a \
+scale-in drains (starting replicas first, then the least busy by their beats), billed until \
+the last run ends. Issue 17's default window is {window:g} s; 0 s is shown beside it.
 - **workerpool, no Monitoring**: the same where Monitoring cannot be read (the emulator, or \
 no permission).
-- **workerpool, backlog known at once (what-if)**: the same, with the backlog's length \
-current at every round; no source workerpool reads gives that yet.
 """
 
 
@@ -57,8 +59,9 @@ def main() -> None:
     args = parser.parse_args()
     began, setup, workloads = time.perf_counter(), Setup(), traces()
     policy = Policy(scale_down_delay=args.scale_down_delay, max_replicas=setup.max_replicas)
-    ours = [Ours(policy, backlog=b) for b in ("monitoring", "none", "current")]
-    scalers: list[Scaler] = [KedaLike(), *ours]
+    windows = sorted({policy.scale_down_delay, 0.0}, reverse=True)
+    ours = [Ours(replace(policy, scale_down_delay=w)) for w in windows]
+    scalers: list[Scaler] = [KedaLike(), *ours, Ours(policy, monitoring=False)]
     runs = []
     for trace in workloads:
         found = oracle(trace, setup)
@@ -77,14 +80,17 @@ def main() -> None:
         *setup_lines(setup, workloads),
         "",
         *SCALERS.format(
-            window=policy.scale_down_delay,
+            window=Policy().scale_down_delay,
             target=policy.target_utilisation,
             per_replica=KedaLike().per_replica,
+            probe_limit=policy.max_replicas * setup.slots,
+            max_replicas=policy.max_replicas,
+            slots=setup.slots,
         ).splitlines(),
         "",
         *table(runs),
         "",
-        *targets(runs, ours[0].name, setup),
+        *targets(runs, [o.name for o in ours], setup),
         "",
     ]
     if args.print:

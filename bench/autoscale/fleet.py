@@ -14,6 +14,9 @@ the replicas' heartbeats and Cloud Monitoring's points.
 - Drain: a replica asked to go stops pulling and leaves when its last run ends, billed until
   then. Kill: it leaves at once; each run it had is lost, and the run's message comes back
   when its lease lapses (``ack_deadline``) and waits again.
+- A probe's pull gets the oldest waiting messages it does not hold already, each one delivery
+  more of it (counted per message); given back, they wait as before (the minimum backoff a
+  retry policy puts on a message given back is left out: it is about a cold start).
 - Cloud Monitoring: a point every 60 s on the subscription's unacked messages (waiting, held
   and running: Pub/Sub counts them all) and the oldest one's age, each readable 120 s after
   its time, so what a reader gets is 120-180 s old, 150 s on average.
@@ -22,6 +25,7 @@ the replicas' heartbeats and Cloud Monitoring's points.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from bisect import bisect_right
 from collections import deque
@@ -86,6 +90,7 @@ class Outcome:
     killed: int  # runs lost to a scale-in
     unfinished: int  # jobs not finished by the horizon
     peak: int  # most replicas billed at once
+    most_probed: int  # the most probe pulls any one message saw (each is a delivery)
     timeline: list[tuple[float, int, int]]  # (time, replicas billed, messages waiting)
 
     @property
@@ -124,6 +129,7 @@ class Fleet:
         self._running = 0
         self._named = 0
         self._began = [0.0] * len(trace.arrivals)
+        self._probed = [0] * len(trace.arrivals)
         self._waits: list[float] = []
         self._points: list[Point] = []
         self._killed = 0
@@ -150,6 +156,17 @@ class Fleet:
     def waiting(self) -> int:
         """Messages a pull would get now."""
         return len(self._back) + bisect_right(self._arrivals, self.now) - self._next
+
+    def probe(self, most: int, held: int = 0) -> int:
+        """A probe's pull, while it holds the ``held`` oldest waiting messages: the next
+        oldest, ``most`` at most, each delivered once more (given back, they wait as before)."""
+        jobs = list(itertools.islice(self._back, held, held + most))
+        first = self._next + max(0, held - len(self._back))
+        last = min(first + most - len(jobs), bisect_right(self._arrivals, self.now))
+        jobs += range(first, last)
+        for job in jobs:
+            self._probed[job] += 1
+        return len(jobs)
 
     def monitoring(self) -> Point | None:
         """The newest Cloud Monitoring point readable now."""
@@ -357,6 +374,7 @@ class Fleet:
             killed=self._killed,
             unfinished=len(self._arrivals) - len(self._waits),
             peak=self._peak,
+            most_probed=max(self._probed, default=0),
             timeline=self._timeline,
         )
 

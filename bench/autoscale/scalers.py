@@ -12,8 +12,9 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry.metrics import NoOpMeterProvider
 
@@ -26,25 +27,22 @@ from workerpool.autoscale.signals import SignalReader
 from workerpool.heartbeats import MemoryHeartbeats
 from workerpool.ops.monitoring import UNDELIVERED, BacklogReader
 
-# Where the backlog's length comes from, besides beats and the probe:
-# "monitoring": Cloud Monitoring, as on Google Cloud;
-# "none": nowhere (the emulator, or no permission to read Monitoring);
-# "current": what if it were known at once (no source gives that yet).
-Backlog = Literal["monitoring", "none", "current"]
-
 
 class _Subscriber:
-    """Pub/Sub as the probe sees it: a pull gets one message if one waits."""
+    """Pub/Sub as the probe sees it: a pull gets the oldest waiting messages it does not hold
+    already, as many as it asks for if that many wait; given back, they wait as before."""
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
+        self._held = 0
 
     def pull(self, request: dict[str, Any], timeout: float, retry: None) -> SimpleNamespace:
-        messages = [SimpleNamespace(ack_id="m")] if self._fleet.waiting() else []
-        return SimpleNamespace(received_messages=messages)
+        seen = self._fleet.probe(request["max_messages"], self._held)
+        self._held += seen
+        return SimpleNamespace(received_messages=[SimpleNamespace(ack_id="m")] * seen)
 
     def modify_ack_deadline(self, request: dict[str, Any], timeout: float) -> None:
-        """Given back: it waits as before."""
+        self._held = 0
 
 
 class _Response:
@@ -69,7 +67,10 @@ class _MonitoringApi:
         if point is None:
             return _Response({})
         value = point.undelivered if UNDELIVERED in params["filter"] else point.oldest_age
-        return _Response({"timeSeries": [{"points": [{"value": {"doubleValue": value}}]}]})
+        # The model's seconds stand for POSIX ones, as the reader's clock is the model's.
+        taken = datetime.fromtimestamp(point.at, UTC).isoformat().replace("+00:00", "Z")
+        body = {"value": {"doubleValue": value}, "interval": {"endTime": taken}}
+        return _Response({"timeSeries": [{"points": [body]}]})
 
 
 class _Actuator(Actuator):
@@ -100,33 +101,28 @@ class _Actuator(Actuator):
 @dataclass
 class Ours:
     policy: Policy = field(default_factory=Policy)
-    backlog: Backlog = "monitoring"
+    monitoring: bool = True  # False: where Cloud Monitoring cannot be read (the emulator)
     every: float = 1.0  # `workerpool autoscale --interval`'s default
 
     @property
     def name(self) -> str:
-        return {
-            "monitoring": "workerpool",
-            "none": "workerpool, no Monitoring",
-            "current": "workerpool, backlog known at once (what-if)",
-        }[self.backlog]
+        besides = "" if self.monitoring else ", no Monitoring"
+        return f"workerpool{besides} ({self.policy.scale_down_delay:g} s window)"
 
     def bind(self, fleet: Fleet) -> Callable[[], object]:
         fleet.heartbeats = MemoryHeartbeats()
         clock = fleet.clock
         backlog = None
-        if self.backlog == "monitoring":
+        if self.monitoring:
             api = _MonitoringApi(fleet.monitoring)
             backlog = BacklogReader(SUBSCRIPTION, session=api, env={}, clock=clock)
-        elif self.backlog == "current":  # read at every round, not every 30 s
-            api = _MonitoringApi(fleet.point)
-            backlog = BacklogReader(SUBSCRIPTION, session=api, env={}, every=0, clock=clock)
         reader = SignalReader(
             SUBSCRIPTION,
             fleet.heartbeats,
-            probe=Probe(_Subscriber(fleet), SUBSCRIPTION),
+            probe=Probe(_Subscriber(fleet), SUBSCRIPTION, clock=clock),
             backlog=backlog,
             slots_per_replica=fleet.setup.slots,
+            max_replicas=self.policy.max_replicas,
             clock=clock,
         )
         loop = Autoscaler(

@@ -34,6 +34,19 @@ def monitoring_session() -> Any:
 
 def latest(session: Any, project: str, subscription_id: str, metric: str) -> float | None:
     """The newest point of the subscription's ``metric`` in the last 10 minutes, if any."""
+    point = latest_point(session, project, subscription_id, metric)
+    return None if point is None else point.value
+
+
+@dataclass(frozen=True)
+class Point:
+    value: float
+    at: float | None  # when it was taken, POSIX seconds (None: the answer did not say)
+
+
+def latest_point(session: Any, project: str, subscription_id: str, metric: str) -> Point | None:
+    """The newest point of the subscription's ``metric`` in the last 10 minutes, if any, with
+    the time it was taken: a backlog counted minutes ago says less the more was done since."""
     now = datetime.now(UTC)
     params = {
         "filter": (
@@ -48,14 +61,20 @@ def latest(session: Any, project: str, subscription_id: str, metric: str) -> flo
     series = response.json().get("timeSeries", [])
     if not series or not series[0].get("points"):
         return None
-    value = series[0]["points"][0]["value"]  # points come newest first
-    return float(value.get("int64Value", value.get("doubleValue", 0)))
+    point = series[0]["points"][0]  # points come newest first
+    value = point["value"]
+    taken = point.get("interval", {}).get("endTime")
+    return Point(
+        float(value.get("int64Value", value.get("doubleValue", 0))),
+        None if taken is None else datetime.fromisoformat(taken).timestamp(),
+    )
 
 
 @dataclass(frozen=True)
 class Backlog:
     undelivered: float | None
     oldest_age: float | None
+    at: float | None = None  # when the undelivered count was taken (POSIX seconds)
 
 
 class BacklogReader:
@@ -90,9 +109,11 @@ class BacklogReader:
         self._read_at = now
         try:
             self._session = self._session or monitoring_session()
+            undelivered, age = self._latest(UNDELIVERED), self._latest(OLDEST_UNACKED_AGE)
             self._last = Backlog(
-                latest(self._session, self._project, self._subscription_id, UNDELIVERED),
-                latest(self._session, self._project, self._subscription_id, OLDEST_UNACKED_AGE),
+                None if undelivered is None else undelivered.value,
+                None if age is None else age.value,
+                None if undelivered is None else undelivered.at,
             )
         except Exception as exc:  # credentials, permission, network: the faster signals remain
             if not self._failing:
@@ -101,3 +122,6 @@ class BacklogReader:
             return None
         self._failing = False
         return self._last
+
+    def _latest(self, metric: str) -> Point | None:
+        return latest_point(self._session, self._project, self._subscription_id, metric)
