@@ -309,3 +309,21 @@ def test_a_mistake_in_the_autoscalers_settings_exits_2_with_one_line_before_conn
     assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()
     assert line.startswith("workerpool: error: ") and says in line, line
+
+
+@pytest.mark.parametrize(
+    ("worker_args", "slots"),
+    [
+        ((), 10),
+        (("--jobs", "x", "--max-outstanding", "4"), 4),
+        (("--max-outstanding=6",), 6),
+        (("--max-outstanding", "4", "--max-outstanding", "8"), 8),
+    ],
+)
+def test_the_slots_a_replica_will_have_come_from_the_workers_own_arguments(
+    worker_args: tuple[str, ...], slots: int
+) -> None:
+    from workerpool.cli import _max_outstanding
+    from workerpool.config import Settings
+
+    assert _max_outstanding(worker_args, Settings()) == slots

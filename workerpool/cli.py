@@ -581,7 +581,7 @@ def autoscale(
         settings=settings,
         policy=policy,
         actuator=actuator,
-        slots_per_replica=slots_per_replica or settings.max_outstanding,
+        slots_per_replica=slots_per_replica or _max_outstanding(worker_args, settings),
         interval=interval,
         worker_args=worker_args,
         config_file=config_file,
@@ -594,3 +594,16 @@ def autoscale(
         raise ConfigError(f"--actuator {actuator}: arguments after -- go to the process actuator")
     run_autoscaler(options)
     exit_now(0)
+
+
+def _max_outstanding(worker_args: tuple[str, ...], settings: Any) -> int:
+    """The slots each replica will have: the workers' own --max-outstanding when the process
+    actuator is given one (the last, as click takes it), else the setting's."""
+    found = int(settings.max_outstanding)
+    for i, arg in enumerate(worker_args):
+        value = arg.partition("=")[2] if arg.startswith("--max-outstanding=") else None
+        if arg == "--max-outstanding" and i + 1 < len(worker_args):
+            value = worker_args[i + 1]
+        if value is not None and value.isdigit() and int(value) > 0:
+            found = int(value)
+    return found

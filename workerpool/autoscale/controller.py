@@ -56,7 +56,11 @@ class Autoscaler:
             ("replicas", "Replicas there are, as the actuator counts them."),
             ("desired", "Replicas the policy asks for."),
             ("running", "Jobs running across the replicas that serve."),
-            ("waiting", "Messages known to wait: held and not started, or seen by a probe."),
+            (
+                "waiting",
+                "Messages known to wait: held and not started, seen by a probe, or counted "
+                "by Cloud Monitoring and not taken since.",
+            ),
         ):
             meter.create_observable_gauge(
                 f"workerpool.autoscale.{name}", callbacks=[self._observer(name)],

@@ -108,6 +108,7 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
         probe=Probe(subscriber, path),
         backlog=BacklogReader(path),
         slots_per_replica=options.slots_per_replica,
+        max_replicas=options.policy.max_replicas,
     )
     keda = _keda_server(actuator, options.keda_address)
     scrape = PrometheusReader() if s.metrics_port else None
