@@ -23,15 +23,14 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, SqliteBatches
-from workerpool.batches.store import Transaction, deliver
+from workerpool.batches.store import T, Transaction, deliver
 from workerpool.schedule import Entry, SqliteSchedule
 from workerpool.schedule.delays import Firer
 
@@ -44,12 +43,10 @@ class Counted(SqliteBatches):
     transactions = 0
     _count_lock = threading.Lock()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[Transaction]:
+    def _atomic(self, body: Callable[[Transaction], T]) -> T:
         with Counted._count_lock:
             Counted.transactions += 1
-        with super()._transaction() as tx:
-            yield tx
+        return super()._atomic(body)
 
 
 class Publisher:
