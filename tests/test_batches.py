@@ -173,7 +173,7 @@ def test_firestore_unreachable_is_unavailable_within_the_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
-    store = FirestoreBatches(FIRESTORE_PROJECT, "batches", timeout=1.0)
+    store = FirestoreBatches(FIRESTORE_PROJECT, "batches", timeout=0.5)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):
         store.record("b1", "child-0", True)

@@ -203,7 +203,7 @@ def test_a_fleet_on_firestore_completes_a_batch_once_and_fires_delayed_jobs_on_t
     # of 60 children (5 fail permanently, 10 are published twice)
     pubsub_resources.provision(retry_policy=False, ack_deadline=10)
     ledger = tmp_path / "ledger.jsonl"
-    store, extra_env = shared_store("firestore", request, tmp_path)
+    store, extra_env = shared_store("firestore", request, tmp_path, warm=True)
     for name, value in extra_env.items():
         monkeypatch.setenv(name, value)  # the publisher's and `schedule list`'s store too
     children = [

@@ -358,7 +358,7 @@ def test_firestore_unreachable_is_unavailable_within_the_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
-    store = FirestoreSchedule(FIRESTORE_PROJECT, "schedule", timeout=1.0)
+    store = FirestoreSchedule(FIRESTORE_PROJECT, "schedule", timeout=0.5)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):
         store.claim_due(TOPIC, 2.0, lease=30, limit=10)
