@@ -1,55 +1,130 @@
-"""``python -m bench.batches``: what a batch child and a delayed job cost the store (SQLite).
+"""``python -m bench.batches``: what a batch child and a delayed job cost the store (SQLite, and
+Firestore on its emulator).
 
 Issue 16 asks for the store round trips and CPU per batch child, the completion latency of a
 10,000-child batch, and timer lateness at 100 and 1,000 timers/s. Measured at the store and
 the firer, with a publisher that only records when it was called, so the figures are the
 schedule's and the batch ledger's own; the Pub/Sub hop after them (a publish and a pull, tens
-of milliseconds on the emulator) is the delayed-job test's to show, end to end.
+of milliseconds on the emulator) is the emulator tests' to show, end to end.
 
 * ``child``: ``--children`` children of one committed batch recorded done by ``--writers``
-  threads, each with a store handle of its own (as worker processes have): store
-  transactions and CPU per child, and children per second.
+  threads, each with a store handle of its own (as worker processes have): store round trips
+  (SQLite: transactions; Firestore: calls to the service) and CPU per child, lost races per
+  child (Firestore), and children per second. On Firestore once per ``--tallies`` figure: 1
+  is every child rewriting one document, as a counter in the batch record would.
 * ``completion``: from the start of the last child's write to its completion being handed to
   the firer's publisher.
 * ``timers``: timers due at RATE per second for ``--seconds``, added ahead by one worker whose
   firer fires them (it knows their times) while a second firer reads them from the store:
-  how late each was published, p50 / p99 / max.
+  how late each was published, p50 / p99 / max, and the store round trips per timer.
+
+The Firestore emulator is started here (it needs the gcloud CLI); ``--backends sqlite`` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, SqliteBatches
-from workerpool.batches.store import Transaction, deliver
-from workerpool.schedule import Entry, SqliteSchedule
+from workerpool.batches.store import deliver
+from workerpool.schedule import Entry, ScheduleStore, SqliteSchedule
 from workerpool.schedule.delays import Firer
+from workerpool.testing.emulator import LocalEmulator
 
 TOPIC = "projects/bench/topics/jobs"
+PROJECT = "workerpool-bench"
 
 
-class Counted(SqliteBatches):
-    """The SQLite batch store, counting its transactions (one round trip to the file each)."""
+class Meter:
+    """Counts a store's round trips: each call of the methods it wraps is one."""
 
-    transactions = 0
-    _count_lock = threading.Lock()
+    def __init__(self) -> None:
+        self.trips = 0
+        self.lost = 0  # Firestore commits refused: a document changed since it was read
+        self._lock = threading.Lock()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[Transaction]:
-        with Counted._count_lock:
-            Counted.transactions += 1
-        with super()._transaction() as tx:
-            yield tx
+    def wrap(self, owner: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            setattr(owner, name, self._counting(getattr(owner, name)))
+
+    def _counting(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.trips += 1
+            try:
+                return call(*args, **kwargs)
+            except Exception as exc:
+                if type(exc).__name__ in ("FailedPrecondition", "AlreadyExists", "NotFound"):
+                    with self._lock:
+                        self.lost += 1
+                raise
+
+        return counted
+
+    def reset(self) -> None:
+        self.trips = self.lost = 0
+
+
+@dataclass
+class Backend:
+    name: str
+    open_batches: Callable[[], BatchStore]
+    open_schedule: Callable[[], ScheduleStore]
+    metered: Callable[[Any, Meter], None]  # count a store handle's round trips
+
+
+def _sqlite_metered(store: Any, meter: Meter) -> None:
+    """One transaction (a batch store's ``_atomic``, a schedule's call) is one round trip to
+    the file."""
+    if isinstance(store, BatchStore):
+        meter.wrap(store, ("_atomic",))
+    else:
+        meter.wrap(store, ("add", "claim_due", "fired"))
+
+
+def _firestore_metered(store: Any, meter: Meter) -> None:
+    """Every call to the service (the client library's own API object) is one."""
+    api = store._firestore.client._firestore_api
+    meter.wrap(api, ("batch_get_documents", "run_query", "commit"))
+
+
+@contextmanager
+def backend(name: str) -> Iterator[Backend]:
+    if name == "sqlite":
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory) / "store.db"
+            yield Backend(
+                name, lambda: SqliteBatches(path), lambda: SqliteSchedule(path), _sqlite_metered
+            )
+        return
+    with LocalEmulator(kind="firestore", project=PROJECT) as emulator:
+        os.environ[emulator.env_var] = emulator.host
+        from workerpool.batches.firestore import FirestoreBatches
+        from workerpool.schedule.firestore import FirestoreSchedule
+
+        collection = f"bench-{uuid.uuid4().hex[:8]}"
+        try:
+            yield Backend(
+                name,
+                lambda: FirestoreBatches(PROJECT, f"{collection}-batches"),
+                lambda: FirestoreSchedule(PROJECT, f"{collection}-schedule"),
+                _firestore_metered,
+            )
+        finally:
+            del os.environ[emulator.env_var]
 
 
 class Publisher:
@@ -67,25 +142,36 @@ class Publisher:
         return future
 
 
-def children(path: Path, count: int, writers: int) -> tuple[float, float, float, float]:
-    """Transactions and CPU seconds per child, children per second, completion latency."""
+@dataclass
+class ChildFigures:
+    trips: float  # store round trips per child
+    lost: float  # lost races per child
+    cpu: float  # seconds per child
+    rate: float  # children per second
+    latency: float  # last child's write to its completion handed over, seconds
+
+
+def children(used: Backend, count: int, writers: int) -> ChildFigures:
     job_ids = [f"child-{i}" for i in range(count)]
-    setup = SqliteBatches(path)
-    setup.create("b1", TOPIC, "bench.done", job_ids, deadline=time.time() + 3600)
-    setup.commit("b1")
+    batch_id = uuid.uuid4().hex
+    setup = used.open_batches()
+    setup.create(batch_id, TOPIC, "bench.done", job_ids, deadline=time.time() + 3600)
+    setup.commit(batch_id)
     setup.close()
-    schedule, publisher = SqliteSchedule(path), Publisher()
+    schedule, publisher = used.open_schedule(), Publisher()
     firer = Firer(schedule, TOPIC, publisher)
     firer.start()
-    stores: list[BatchStore] = [Counted(path) for _ in range(writers)]
+    meter = Meter()
+    stores = [used.open_batches() for _ in range(writers)]
+    for store in stores:
+        used.metered(store, meter)
     finals: list[tuple[float, Completion]] = []
-    Counted.transactions = 0
 
     def write(index: int) -> None:
         store = stores[index]
         for job_id in job_ids[index::writers]:
             started = time.time()
-            completion = store.record("b1", job_id, True)
+            completion = store.record(batch_id, job_id, True)
             if completion is not None:
                 finals.append((started, completion))
                 firer.expect(deliver(completion, store, schedule) or started)
@@ -101,60 +187,94 @@ def children(path: Path, count: int, writers: int) -> tuple[float, float, float,
     publisher.published.wait(10)
     firer.stop(5)
     latency = publisher.at[completion.job_id] - last_started
-    transactions = (Counted.transactions - 1) / count  # less the delivery's own
+    trips = meter.trips - _trips_of_sent(used)  # less the delivery's own (``sent``)
     for store in stores:
         store.close()
     schedule.close()
-    return transactions, cpu / count, count / wall, latency
+    return ChildFigures(trips / count, meter.lost / count, cpu / count, count / wall, latency)
 
 
-def timers(path: Path, rate: int, seconds: float) -> tuple[float, float, float]:
-    """Lateness p50, p99 and max (seconds) of timers due at ``rate`` per second."""
-    schedule, publisher = SqliteSchedule(path), Publisher()
-    start = time.time() + 1.0
+def _trips_of_sent(used: Backend) -> int:
+    """The round trips of marking a completion sent: one transaction; a read and a write."""
+    return 1 if used.name == "sqlite" else 2
+
+
+def timers(used: Backend, rate: int, seconds: float) -> tuple[float, float, float, float]:
+    """Lateness p50, p99 and max (seconds) of timers due at ``rate`` per second, and the
+    store round trips per timer (adding, claiming, removing; both firers' idle reads too)."""
+    meter = Meter()
+    schedule, other, publisher = used.open_schedule(), used.open_schedule(), Publisher()
+    used.metered(schedule, meter)
+    used.metered(other, meter)
+    start = time.time() + 1.0 + rate * seconds / 1000  # time to add them first
     dues = {f"t{rate}-{i}": start + i / rate for i in range(int(rate * seconds))}
-    topic = f"{TOPIC}-{rate}"
-    adder, reader = Firer(schedule, topic, publisher), Firer(SqliteSchedule(path), topic, publisher)
-    for job_id, due in dues.items():
-        schedule.add(Entry(topic, job_id, due, b"{}", {c.ATTR_JOB_ID: job_id}))
+    topic = f"{TOPIC}-{rate}-{uuid.uuid4().hex[:6]}"
+    adder, reader = Firer(schedule, topic, publisher), Firer(other, topic, publisher)
+    with ThreadPoolExecutor(8) as pool:  # adding many one by one is not what is measured
+        list(
+            pool.map(
+                lambda job_id: schedule.add(Entry(topic, job_id, dues[job_id], b"{}", {
+                    c.ATTR_JOB_ID: job_id})),
+                dues,
+            )
+        )  # fmt: skip
+    for due in dues.values():
         adder.expect(due)
     adder.start()
     reader.start()
-    deadline = time.monotonic() + seconds + 30
+    deadline = time.monotonic() + seconds + 60
     while len(publisher.at) < len(dues) and time.monotonic() < deadline:
         time.sleep(0.05)
     adder.stop(5)
     reader.stop(5)
     schedule.close()
+    other.close()
     late = sorted(publisher.at[j] - due for j, due in dues.items())
-    return statistics.median(late), late[int(len(late) * 0.99) - 1], late[-1]
+    return (
+        statistics.median(late),
+        late[int(len(late) * 0.99) - 1],
+        late[-1],
+        meter.trips / len(dues),
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="sqlite,firestore")
     parser.add_argument("--children", type=int, default=10_000)
     parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--tallies", default="32,1", help="Firestore: tallies per batch")
     parser.add_argument("--rates", default="100,1000")
     parser.add_argument("--seconds", type=float, default=5.0)
     args: Any = parser.parse_args()
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "store.db"
-        per_child, cpu, rate, latency = children(path, args.children, args.writers)
-        print(f"| batch of {args.children:,} children, {args.writers} writers, SQLite | figure |")
-        print("| --- | --- |")
-        print(f"| store transactions per child | {per_child:.2f} |")
-        print(f"| CPU per child | {cpu * 1e6:.0f} us |")
-        print(f"| children recorded per second | {rate:,.0f} |")
-        print(f"| last child's write to its completion handed to the publisher | "
-              f"{latency * 1000:.1f} ms |")  # fmt: skip
-        print()
-        print("| timers due per second | lateness p50 | p99 | max |")
-        print("| --- | --- | --- | --- |")
-        for each in (int(r) for r in args.rates.split(",")):
-            p50, p99, worst = timers(path, each, args.seconds)
-            print(
-                f"| {each:,} | {p50 * 1000:.1f} ms | {p99 * 1000:.1f} ms | {worst * 1000:.1f} ms |"
-            )
+    print(f"batch of {args.children:,} children, {args.writers} writers\n")
+    print("| backend | round trips per child | lost races per child | CPU per child | "
+          "children/s | last child's write to its completion handed over |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
+    timer_rows = []
+    for name in args.backends.split(","):
+        with backend(name) as used:
+            for tallies in args.tallies.split(",") if name == "firestore" else [""]:
+                label = (
+                    f"{name}, {tallies} tall{'y' if tallies == '1' else 'ies'}" if tallies else name
+                )
+                if tallies:
+                    from workerpool.batches import firestore
+
+                    firestore.TALLIES = int(tallies)
+                f = children(used, args.children, args.writers)
+                print(f"| {label} | {f.trips:.2f} | {f.lost:.3f} | {f.cpu * 1e6:,.0f} us | "
+                      f"{f.rate:,.0f} | {f.latency * 1000:.1f} ms |")  # fmt: skip
+            for each in (int(r) for r in args.rates.split(",")):
+                p50, p99, worst, trips = timers(used, each, args.seconds)
+                timer_rows.append(
+                    f"| {name} | {each:,} | {p50 * 1000:.1f} ms | {p99 * 1000:.1f} ms | "
+                    f"{worst * 1000:.1f} ms | {trips:.2f} |"
+                )
+    print()
+    print("| backend | timers due per second | lateness p50 | p99 | max | round trips per timer |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(timer_rows))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,21 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
+def shared_store(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path, *, warm: bool = False
+) -> tuple[str, dict[str, str]]:
+    """The URL of a store the worker processes of a test share ("sqlite": a file of the
+    test's; "firestore": a collection of its own on the session's emulator, ``warm`` for a
+    test that measures time), and the environment a process needs to reach it."""
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'fleet.db'}", {}
+    from tests.conftest import FIRESTORE_PROJECT
+
+    emulator = request.getfixturevalue("warm_firestore" if warm else "firestore_emulator")
+    collection = f"fleet-{uuid.uuid4().hex[:10]}"
+    return f"firestore://{FIRESTORE_PROJECT}/{collection}", {emulator.env_var: emulator.host}
+
+
 def worker_command(env: PubSubResources, ledger: Path, *args: str, store: str = "") -> list[str]:
     """A ``workerpool run`` command on ``env``'s subscription, running workerpool_jobs.demo.
     Workers of one test share an SQLite idempotency store beside the ledger unless ``store``

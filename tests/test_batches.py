@@ -1,38 +1,48 @@
-"""Batches, the pure parts: the ledger and the one finalization, on memory and SQLite (the
-same suite), and handing the completion to the schedule."""
+"""Batches, the pure parts: the ledger and the one finalization, on memory, SQLite and
+Firestore on its emulator (the same suite), and handing the completion to the schedule."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import FIRESTORE_PROJECT
+from tests.support import store_handles
 from workerpool import constants as c
-from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches
+from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
+from workerpool.batches.firestore import FirestoreBatches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, deliver
 from workerpool.schedule import MemorySchedule
+from workerpool.stores import StoreUnavailable
+from workerpool.testing.emulator import free_port
 
 TOPIC = "projects/p/topics/t"
 StoreFactory = Callable[[], BatchStore]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
-    """Handles on one backing store (SQLite: a connection each, as processes have)."""
-    memory = MemoryBatches()
-    opened: list[BatchStore] = []
+@pytest.fixture(params=["memory", "sqlite", "firestore"])
+def make_store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[StoreFactory]:
+    """Handles on one backing store (a connection or client each, as processes have)."""
 
-    def make() -> BatchStore:
-        store = memory if request.param == "memory" else SqliteBatches(tmp_path / "b.db")
-        opened.append(store)
-        return store
+    def firestore(collection: str) -> BatchStore:
+        from workerpool.batches.firestore import FirestoreBatches
 
-    yield make
-    for store in opened:
-        store.close()
+        return FirestoreBatches(FIRESTORE_PROJECT, collection)
+
+    with store_handles(
+        request.param, request, monkeypatch,
+        memory=MemoryBatches,
+        sqlite=lambda: SqliteBatches(tmp_path / "b.db"),
+        firestore=firestore,
+    ) as make:  # fmt: skip
+        yield make
 
 
 def _create(store: BatchStore, children: int, batch_id: str = "b1") -> list[str]:
@@ -138,6 +148,49 @@ def test_a_batch_is_created_once(make_store: StoreFactory) -> None:
     with pytest.raises(KeyError):
         store.commit("no-such-batch")
     assert [b.batch_id for b in store.batches()] == ["b1"]
+
+
+def test_a_batch_of_more_children_than_one_commit_takes(make_store: StoreFactory) -> None:
+    # Given a batch of 1,201 children (Firestore writes 500 documents at most per commit)
+    store = make_store()
+    _create(store, 1201)
+    # When one child is done and one failed, and its deadline comes
+    store.record("b1", "child-1", False)
+    store.record("b1", "child-0", True)
+    batch = store.get("b1")
+    assert batch is not None and (batch.total, batch.done, batch.failed) == (1201, 1, 1)
+    completion = store.expire("b1")
+    # Then every child was counted, and the completion lists at most 1,000 of them
+    assert completion is not None
+    payload = completion.payload()
+    assert (payload["succeeded"], payload["failed"]) == (1, 1200)
+    failed, pending = payload["failed_job_ids"], payload["pending_job_ids"]
+    assert isinstance(failed, list) and isinstance(pending, list)
+    assert failed[0] == "child-1" and len(failed) == len(pending) == 1000
+
+
+def test_firestore_unreachable_is_unavailable_within_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
+    store = FirestoreBatches(FIRESTORE_PROJECT, "batches", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.record("b1", "child-0", True)
+    assert time.monotonic() - started < 4
+    store.close()
+
+
+def test_firestore_batches_sit_beside_the_idempotency_collection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", "127.0.0.1:1")  # no credentials lookup
+    opener = batch_opener("firestore://my-project/jobs")
+    assert opener is not None
+    store = opener()
+    assert isinstance(store, FirestoreBatches) and store._collection.id == "jobs-batches"
+    store.close()
+    assert batch_opener("none") is None
 
 
 def test_a_completion_goes_to_the_schedule_due_now_as_its_own_job() -> None:

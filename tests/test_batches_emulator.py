@@ -1,20 +1,34 @@
 """Fan-out batches with real worker processes on the Pub/Sub emulator, sharing an SQLite
-store: one completion, exactly once, never early, and a deadline net."""
+store: one completion, exactly once, never early, and a deadline net; and a batch and delayed
+jobs on a Firestore store (the emulator's)."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
-from datetime import timedelta
+from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.support import WorkerProcess, ledger_events, read_ledger, spawn_worker, wait_for
+import pytest
+from click.testing import CliRunner
+
+from tests.support import (
+    WorkerProcess,
+    ledger_events,
+    read_ledger,
+    shared_store,
+    spawn_worker,
+    wait_for,
+)
 from tests.support import worker_processes as processes
 from workerpool import JobMessage, publish_batch
 from workerpool import constants as c
+from workerpool.cli import main
 from workerpool.publishing import publish_many
+from workerpool.schedule import not_before_text, parse_not_before
 from workerpool.testing.pubsub import PubSubResources
 
 # Short leases and claims, so a killed worker's messages come back within seconds.
@@ -22,9 +36,13 @@ FAST_RECOVERY = ("--lease-extension", "10", "--claim-ttl", "6", "--max-outstandi
 
 
 def _spawn(
-    workers: list[WorkerProcess], env: PubSubResources, ledger: Path, store: str
+    workers: list[WorkerProcess],
+    env: PubSubResources,
+    ledger: Path,
+    store: str,
+    extra_env: dict[str, str] | None = None,
 ) -> WorkerProcess:
-    worker = spawn_worker(env, ledger, *FAST_RECOVERY, store=store)
+    worker = spawn_worker(env, ledger, *FAST_RECOVERY, store=store, extra_env=extra_env)
     workers.append(worker)
     assert wait_for(worker.ready, timeout=60)
     return worker
@@ -172,3 +190,86 @@ def test_a_batch_whose_child_never_finishes_is_finalized_by_its_deadline_once(
     assert completion["batch"]["finalized_by"] == "deadline"
     assert completion["batch"]["pending_job_ids"] == ["slow"]
     assert completion["batch"]["succeeded"] == 1
+
+
+def test_a_fleet_on_firestore_completes_a_batch_once_and_fires_delayed_jobs_on_time(
+    pubsub_resources: PubSubResources,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given two workers sharing a Firestore store (claims, schedule, batches), 20 jobs due
+    # over 6-16 s (once the batch below has run: its backlog would delay them), and a batch
+    # of 60 children (5 fail permanently, 10 are published twice)
+    pubsub_resources.provision(retry_policy=False, ack_deadline=10)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store("firestore", request, tmp_path, warm=True)
+    for name, value in extra_env.items():
+        monkeypatch.setenv(name, value)  # the publisher's and `schedule list`'s store too
+    children = [
+        JobMessage(
+            "demo.sleep", {"seconds": 0.2, **({"fail": "permanent"} if i < 5 else {})}, f"c-{i}"
+        )
+        for i in range(60)
+    ]
+    with processes() as workers:
+        pair = [_spawn(workers, pubsub_resources, ledger, store, extra_env) for _ in range(2)]
+        now = datetime.now(UTC)
+        delayed = [
+            JobMessage("demo.sleep", {"seconds": 0.05}, f"later-{i}",
+                       not_before=not_before_text(timedelta(seconds=6 + i / 2), now))
+            for i in range(20)
+        ]  # fmt: skip
+        far = JobMessage("demo.sleep", {}, "in-two-days", not_before=not_before_text(
+            timedelta(days=2), now))  # fmt: skip
+        topic = pubsub_resources.topic_path
+        list(publish_many(pubsub_resources.publisher, topic, [*delayed, far]))
+        # When the batch is published, then 10 of its children again
+        batch_id = publish_batch(
+            topic, children, on_complete="demo.batch_done", store=store,
+            publisher=pubsub_resources.publisher,
+        )  # fmt: skip
+        twice = [
+            JobMessage(m.job, m.data, m.job_id, {c.ATTR_BATCH_ID: batch_id})
+            for m in children[20:30]
+        ]
+        list(publish_many(pubsub_resources.publisher, topic, twice))
+        assert wait_for(lambda: _completions(ledger, batch_id), timeout=30)
+        later = {m.job_id for m in delayed}
+        assert wait_for(
+            lambda: later <= {r["job_id"] for r in ledger_events(ledger, "done")}, timeout=30
+        )
+        time.sleep(2)  # anything else that would run, runs now
+        listed = CliRunner().invoke(main, ["schedule", "list", "--idempotency-store", store])
+        for worker in pair:
+            worker.signal(signal.SIGTERM)
+        codes = [worker.wait(30) for worker in pair]
+    done = ledger_events(ledger, "done")
+    runs = read_ledger(ledger)
+    finals = [r["end"] for r in runs if r["job_id"].startswith("c-") and "end" in r]
+    [completion] = _completions(ledger, batch_id)
+    after_last = completion["start"] - max(finals)
+    due = {m.job_id: parse_not_before(m.not_before) for m in delayed}
+    lateness = sorted(r["start"] - due[r["job_id"]] for r in done if r["job_id"] in due)
+    print(
+        f"\ncompletion {completion['batch']}; started {after_last:.3f}s after the last child's "
+        f"end; delayed jobs late by {lateness[0]:.3f}-{lateness[-1]:.3f}s"
+    )
+    # Then the completion ran once, after every child's final outcome and within a second of
+    # the last, with each child counted once
+    assert completion["batch"]["succeeded"] == 55 and completion["batch"]["failed"] == 5
+    assert sorted(completion["batch"]["failed_job_ids"]) == [f"c-{i}" for i in range(5)]
+    assert completion["batch"]["finalized_by"] == "last_child"
+    assert 0 < after_last <= 1.0
+    # ... each delayed job ran once, none before its time nor a second after it
+    assert Counter(r["job_id"] for r in done if r["job_id"] in due) == Counter(list(due))
+    assert lateness[0] >= 0 and lateness[-1] <= 1.0
+    # ... and what is still due waits in the Firestore schedule: the 2-day job and the
+    # batch's deadline net
+    assert listed.exit_code == 0, listed.output
+    assert {line.split()[4] for line in listed.output.splitlines()[:-1]} == {
+        "in-two-days", f"batch:{batch_id}:deadline",
+    }  # fmt: skip
+    assert codes == [0, 0]
+    records = pubsub_resources.dead_letters(expected=5, timeout=10)
+    assert sorted(r.attributes[c.ATTR_JOB_ID] for r in records) == [f"c-{i}" for i in range(5)]

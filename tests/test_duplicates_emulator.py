@@ -5,28 +5,23 @@ from __future__ import annotations
 import signal
 import sqlite3
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from google.api_core import exceptions as gexc
 
-from tests.support import WorkerProcess, ledger_events, spawn_worker, wait_for, worker_processes
-from tests.test_idempotency import PROJECT as FIRESTORE_PROJECT
-from workerpool.testing.emulator import LocalEmulator
+from tests.support import (
+    WorkerProcess,
+    ledger_events,
+    shared_store,
+    spawn_worker,
+    wait_for,
+    worker_processes,
+)
 from workerpool.testing.pubsub import PubSubResources
 
 JOBS = 200
-
-
-def _store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, str]]:
-    """The idempotency store URL both workers share, and the environment it needs."""
-    if kind == "sqlite":
-        return f"sqlite:///{tmp_path / 'shared-claims.db'}", {}
-    emulator: LocalEmulator = request.getfixturevalue("firestore_emulator")
-    collection = f"dups-{uuid.uuid4().hex[:12]}"
-    return f"firestore://{FIRESTORE_PROJECT}/{collection}", {emulator.env_var: emulator.host}
 
 
 def _leftovers(pubsub_resources: PubSubResources) -> list[str]:
@@ -62,7 +57,7 @@ def test_each_duplicated_job_runs_once_across_two_workers(
     # Given 200 job ids each published twice (half back to back, half a whole pass apart), and
     # two worker processes running 8 jobs at a time over one shared idempotency store
     pubsub_resources.provision()
-    store, extra_env = _store(kind, request, tmp_path)
+    store, extra_env = shared_store(kind, request, tmp_path)
     ledger = tmp_path / "ledger.jsonl"
     job_ids = [f"job-{i}" for i in range(JOBS)]
     half = JOBS // 2

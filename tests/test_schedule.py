@@ -1,5 +1,5 @@
-"""Delayed jobs, the pure parts: the not_before attribute, the schedule stores (memory and
-SQLite run the same suite), the firer and the middleware."""
+"""Delayed jobs, the pure parts: the not_before attribute, the schedule stores (memory, SQLite
+and Firestore on its emulator run the same suite), the firer and the middleware."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
+from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
+from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.cli import main
 from workerpool.constants import Label
@@ -26,10 +29,13 @@ from workerpool.schedule import (
     SqliteSchedule,
     not_before_text,
     parse_not_before,
+    schedule_opener,
 )
 from workerpool.schedule.delays import Delays, Firer
+from workerpool.schedule.firestore import FirestoreSchedule
 from workerpool.schedule.when import parse_delay
 from workerpool.stores import StoreUnavailable
+from workerpool.testing.emulator import free_port
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.envelope import Job
@@ -80,20 +86,24 @@ def test_not_before_is_an_absolute_utc_time_at_most_a_year_ahead() -> None:
 StoreFactory = Callable[[], ScheduleStore]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
-    """Handles on one backing schedule (SQLite: several connections to one file)."""
-    memory = MemorySchedule()
-    opened: list[ScheduleStore] = []
+@pytest.fixture(params=["memory", "sqlite", "firestore"])
+def make_store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[StoreFactory]:
+    """Handles on one backing schedule, as the workers of a fleet have."""
 
-    def make() -> ScheduleStore:
-        store = memory if request.param == "memory" else SqliteSchedule(tmp_path / "s.db")
-        opened.append(store)
-        return store
+    def firestore(collection: str) -> ScheduleStore:
+        from workerpool.schedule.firestore import FirestoreSchedule
 
-    yield make
-    for store in opened:
-        store.close()
+        return FirestoreSchedule(FIRESTORE_PROJECT, collection)
+
+    with store_handles(
+        request.param, request, monkeypatch,
+        memory=MemorySchedule,
+        sqlite=lambda: SqliteSchedule(tmp_path / "s.db"),
+        firestore=firestore,
+    ) as make:  # fmt: skip
+        yield make
 
 
 def _entry(job_id: str, due: float, topic: str = TOPIC) -> Entry:
@@ -124,6 +134,48 @@ def test_an_entry_is_scheduled_once_and_claimed_when_due_oldest_first(
         ("b", "t.job"),
     ]
     assert [e.job_id for e in other.entries(TOPIC)] == ["b"]
+
+
+def test_workers_claiming_at_once_never_claim_one_entry_twice(make_store: StoreFactory) -> None:
+    # Given 150 due entries, and 4 workers claiming them at once, 10 at a time
+    handles = [make_store() for _ in range(4)]
+    for i in range(150):
+        handles[i % 4].add(_entry(f"j{i:03}", float(i)))
+    claimed: list[str] = []
+    lock = threading.Lock()
+
+    def claim(store: ScheduleStore) -> None:
+        while True:
+            got, _ = store.claim_due(TOPIC, 1000.0, lease=600, limit=10)
+            if not got:  # none left unclaimed (no claim lapses within the test)
+                return
+            with lock:
+                claimed.extend(e.job_id for e in got)
+
+    threads = [threading.Thread(target=claim, args=(h,)) for h in handles]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Then each entry was claimed by one of them, once
+    assert sorted(claimed) == [f"j{i:03}" for i in range(150)]
+
+
+def test_a_message_too_big_for_one_document_is_kept_whole(make_store: StoreFactory) -> None:
+    # Given a delayed message of 3 MB (Pub/Sub takes 10 MB; a Firestore document 1 MiB)
+    store, other = make_store(), make_store()
+    data = bytes(range(256)) * (3 * 4096 + 7)
+    entry = Entry(TOPIC, "big", 10.0, data, {c.ATTR_JOB: "t.job", c.ATTR_JOB_ID: "big"})
+    assert store.add(entry)
+    # When a duplicate with other data comes, then it is claimed, published and removed
+    assert not other.add(replace(entry, data=b"other" * 300_000))
+    assert other.entries() == [entry]
+    assert other.claim_due(TOPIC, 20.0, lease=30, limit=10) == ([entry], 50.0)
+    other.fired(TOPIC, ["big"])
+    # Then the first was kept whole, and nothing of either is left
+    assert store.entries() == []
+    if isinstance(store, FirestoreSchedule):
+        assert list(store._ref(TOPIC, "big").collection("parts").stream()) == []
 
 
 class Publisher:
@@ -250,7 +302,7 @@ def test_a_job_not_due_yet_is_scheduled_and_acked_instead_of_run() -> None:
     # A bad not_before can never run: recorded as such
     bad = delays.run(_run({c.ATTR_NOT_BEFORE: "soon"}), handler)
     assert isinstance(bad, Rejected) and bad.error_type == c.ERR_INVALID_NOT_BEFORE
-    # Without a schedule (a store that has none) it rides on its ack deadline, 600 s a step
+    # Without a schedule (the store is none) it rides on its ack deadline, 600 s a step
     riding = Delays(TOPIC, None, None, clock=clock)
     later = not_before_text(timedelta(hours=2), datetime.fromtimestamp(clock(), UTC))
     assert riding.run(_run({c.ATTR_NOT_BEFORE: later}), handler) == Deferred(
@@ -287,3 +339,28 @@ def test_publish_refuses_a_delay_it_cannot_honour() -> None:
         result = _cli(*args, *extra)
         assert result.exit_code == 2, result.output
         assert says in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_firestore_schedule_sits_beside_the_idempotency_collection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", "127.0.0.1:1")  # no credentials lookup
+    opener = schedule_opener("firestore://my-project/jobs")
+    assert opener is not None
+    store = opener()
+    assert isinstance(store, FirestoreSchedule)
+    assert store._docs.id == "jobs-schedule"
+    store.close()
+    assert schedule_opener("none") is None
+
+
+def test_firestore_unreachable_is_unavailable_within_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
+    store = FirestoreSchedule(FIRESTORE_PROJECT, "schedule", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.claim_due(TOPIC, 2.0, lease=30, limit=10)
+    assert time.monotonic() - started < 4
+    store.close()

@@ -7,26 +7,25 @@ import asyncio
 import signal
 import threading
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import FIRESTORE_PROJECT
 from tests.support import (
     WorkerProcess,
     held_messages,
     ledger_events,
     read_ledger,
+    shared_store,
     spawn_worker,
     wait_for,
     worker_processes,
 )
 from workerpool import AsyncJobContext, JobContext
 from workerpool.registry import Registry
-from workerpool.testing.emulator import LocalEmulator, free_port
+from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources, wait_settled
 
 # The jobs that take slots, with limits for their keys (a test declares its own after these).
@@ -79,16 +78,6 @@ def _short_stretches(
     return sorted(stretches, key=lambda s: -s[1])[:3]
 
 
-def _store_url(
-    kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> tuple[str, dict[str, str]]:
-    if kind == "sqlite":
-        return f"sqlite:///{tmp_path / 'fleet.db'}", {}
-    emulator: LocalEmulator = request.getfixturevalue("warm_firestore")
-    collection = f"fleet-{uuid.uuid4().hex[:10]}"
-    return f"firestore://{FIRESTORE_PROJECT}/{collection}", {emulator.env_var: emulator.host}
-
-
 @pytest.mark.alone
 @pytest.mark.parametrize("kind", ["sqlite", "firestore"])
 def test_a_key_limit_is_exact_across_four_worker_processes(
@@ -97,7 +86,7 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
     # Given 4 worker processes with 8 slots each sharing one store, and a key of limit 3
     pubsub_resources.provision(retry_policy=False)  # deferrals keep their own delays
     ledger = tmp_path / "ledger.jsonl"
-    store, extra_env = _store_url(kind, tmp_path, request)
+    store, extra_env = shared_store(kind, request, tmp_path, warm=True)
     jobs = [(f"export-{i}", {"seconds": 0.5}) for i in range(200)]
     with worker_processes() as workers:
         for _ in range(4):

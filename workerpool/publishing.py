@@ -139,7 +139,7 @@ def publish_batch(
     url = load_settings(None, {"idempotency_store": store}).idempotency_store
     open_batches, open_schedule = batch_opener(url), schedule_opener(url)
     if open_batches is None or open_schedule is None:
-        raise ConfigError(f"idempotency_store {url}: keeps no batches (use SQLite)")
+        raise ConfigError(f"idempotency_store {url}: keeps no batches (use SQLite or Firestore)")
     batch_id = batch_id or uuid.uuid4().hex
     due = datetime.now(UTC) + deadline
     batches, schedule = open_batches(), open_schedule()

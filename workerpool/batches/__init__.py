@@ -1,7 +1,8 @@
 """Fan-out batches: children published together, each child's final outcome written once to
 a ledger by job id, and one completion job when every child has one, or at the batch's
 deadline, whichever comes first (``store``). The batches live beside the idempotency claims
-(the same store URL); ``middleware`` is the worker's side, ``publish`` the publisher's."""
+(the same store URL: SQLite for one host, Firestore for a fleet); ``middleware`` is the
+worker's side, ``publishing.publish_batch`` the publisher's."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ from collections.abc import Callable
 from workerpool.batches.memory import MemoryBatches
 from workerpool.batches.sqlite import SqliteBatches
 from workerpool.batches.store import Batch, BatchStore, Completion
-from workerpool.stores import Location
+from workerpool.stores import Location, firestore_extra_missing
 
 __all__ = ["Batch", "BatchStore", "Completion", "MemoryBatches", "SqliteBatches", "batch_opener"]
 
 
 def batch_opener(url: str) -> Callable[[], BatchStore] | None:
-    """What opens the batches beside the idempotency store ``url`` names; None where there
-    are none yet (``none``, Firestore)."""
+    """What opens the batches beside the idempotency store ``url`` names (Firestore: the
+    collection ``<COLLECTION>-batches``); None for ``none``. Raises ImportError for a
+    missing extra."""
     where = Location.parse(url)
+    if where.kind == "none":
+        return None
     if where.kind == "memory":
         return MemoryBatches
     if where.kind == "sqlite":
         return lambda: SqliteBatches(where.path)
-    return None
+    try:
+        from workerpool.batches.firestore import FirestoreBatches
+    except ImportError as exc:
+        raise firestore_extra_missing("batch store") from exc
+    return lambda: FirestoreBatches(where.project, f"{where.collection}-batches")

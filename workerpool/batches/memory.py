@@ -3,31 +3,43 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from workerpool.batches.store import Batch, BatchStore, Transaction
+from workerpool.batches.store import PENDING, Batch, BatchStore, T, Tally, Transaction
 
 
 class _Tables:
+    """A batch's counts are in its record: its one tally."""
+
     def __init__(self) -> None:
-        self.batches: dict[str, Batch] = {}
+        self.records: dict[str, Batch] = {}
         self.ledger: dict[str, dict[str, str]] = {}
 
     def batch(self, batch_id: str) -> Batch | None:
-        return self.batches.get(batch_id)
+        return self.records.get(batch_id)
 
     def put_batch(self, batch: Batch) -> None:
-        self.batches[batch.batch_id] = batch
+        self.records[batch.batch_id] = batch
 
-    def outcome(self, batch_id: str, job_id: str) -> str | None:
-        return self.ledger.get(batch_id, {}).get(job_id)
+    def batches(self, limit: int) -> list[Batch]:
+        return sorted(self.records.values(), key=lambda b: (b.deadline, b.batch_id))[:limit]
 
-    def put_outcome(self, batch_id: str, job_id: str, outcome: str) -> None:
+    def child(self, batch_id: str, job_id: str) -> tuple[str, Tally] | None:
+        outcome = self.ledger.get(batch_id, {}).get(job_id)
+        batch = self.records.get(batch_id)
+        return None if outcome is None or batch is None else (outcome, Tally.of(batch))
+
+    def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
         self.ledger[batch_id][job_id] = outcome
+        batch = self.records[batch_id]
+        self.records[batch_id] = replace(batch, done=tally.done, failed=tally.failed)
+
+    def tally(self, batch: Batch) -> Tally:
+        return Tally.of(batch)
 
     def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
-        self.ledger.setdefault(batch_id, {}).update(dict.fromkeys(job_ids, "pending"))
+        self.ledger.setdefault(batch_id, {}).update(dict.fromkeys(job_ids, PENDING))
 
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
         chosen = sorted(j for j, o in self.ledger.get(batch_id, {}).items() if o == outcome)
@@ -39,15 +51,9 @@ class MemoryBatches(BatchStore):
         self._tables = _Tables()
         self._lock = threading.Lock()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[Transaction]:
+    def _atomic(self, body: Callable[[Transaction], T]) -> T:
         with self._lock:
-            yield self._tables
-
-    def batches(self, limit: int = 100) -> list[Batch]:
-        with self._lock:
-            chosen = list(self._tables.batches.values())
-        return sorted(chosen, key=lambda b: (b.deadline, b.batch_id))[:limit]
+            return body(self._tables)
 
     def close(self) -> None:
         pass

@@ -1,16 +1,16 @@
 """The batches of the worker processes of one host: two tables in the idempotency store's
-file, the batch records and their ledger (one row per child)."""
+file, the batch records (each with its counts: the batch's one tally) and their ledger (one
+row per child)."""
 
 from __future__ import annotations
 
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from workerpool.batches.store import PENDING, Batch, BatchStore, Transaction
+from workerpool.batches.store import PENDING, Batch, BatchStore, T, Tally, Transaction
 from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "batch store"
@@ -73,18 +73,32 @@ class _Tables:
             ),
         )  # fmt: skip
 
-    def outcome(self, batch_id: str, job_id: str) -> str | None:
+    def batches(self, limit: int) -> list[Batch]:
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM batches ORDER BY deadline, batch_id LIMIT ?", (limit,)
+        ).fetchall()
+        return [_batch(row) for row in rows]
+
+    def child(self, batch_id: str, job_id: str) -> tuple[str, Tally] | None:
         row = self._conn.execute(
             "SELECT outcome FROM batch_children WHERE batch_id = ? AND job_id = ?",
             (batch_id, job_id),
         ).fetchone()
-        return None if row is None else str(row[0])
+        batch = self.batch(batch_id)
+        return None if row is None or batch is None else (str(row[0]), Tally.of(batch))
 
-    def put_outcome(self, batch_id: str, job_id: str, outcome: str) -> None:
+    def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
         self._conn.execute(
             "UPDATE batch_children SET outcome = ? WHERE batch_id = ? AND job_id = ?",
             (outcome, batch_id, job_id),
         )
+        self._conn.execute(
+            "UPDATE batches SET done = ?, failed = ? WHERE batch_id = ?",
+            (tally.done, tally.failed, batch_id),
+        )
+
+    def tally(self, batch: Batch) -> Tally:
+        return Tally.of(batch)
 
     def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
         self._conn.executemany(
@@ -114,17 +128,9 @@ class SqliteBatches(BatchStore):
                 self._conn.close()
                 raise
 
-    @contextmanager
-    def _transaction(self) -> Iterator[Transaction]:
+    def _atomic(self, body: Callable[[Transaction], T]) -> T:
         with self._lock, translated(_LABEL), immediate(self._conn):
-            yield self._tables
-
-    def batches(self, limit: int = 100) -> list[Batch]:
-        with self._lock, translated(_LABEL):
-            rows = self._conn.execute(
-                f"SELECT {_COLUMNS} FROM batches ORDER BY deadline, batch_id LIMIT ?", (limit,)
-            ).fetchall()
-        return [_batch(row) for row in rows]
+            return body(self._tables)
 
     def close(self) -> None:
         with self._lock:

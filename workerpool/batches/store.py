@@ -2,11 +2,13 @@
 
 A batch is created open and uncommitted with the job ids of all its children, each pending;
 its publisher commits it once every child is published. A child's *final* outcome (done, or
-dead-lettered) is written to the ledger under its job id, once: a second delivery, a duplicate
-or a crash cannot count it twice (a replayed child that was dead-lettered may turn done while
-the batch is open). The batch is finalized once, by whichever of these comes first: the write
-that leaves a committed batch with no pending child, the commit of a batch with none left, or
-its deadline; that one call returns the ``Completion`` to publish, every other returns None.
+dead-lettered) is written to the ledger under its job id, once, with the tally that counts it:
+a second delivery, a duplicate or a crash cannot count it twice (a replayed child that was
+dead-lettered may turn done while the batch is open). The batch is finalized once, by
+whichever of these comes first: the write that leaves a committed batch with no pending
+child, the commit of a batch with none left, or its deadline; that one call returns the
+``Completion`` to publish, every other returns None. Its counts are frozen then: a finalized
+batch takes no more outcomes.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from workerpool import constants as c
 from workerpool.schedule.store import Entry, ScheduleStore
+
+T = TypeVar("T")
 
 MAX_FAILED_IDS = 1000  # job ids a completion lists at most
 LAST_CHILD, DEADLINE = "last_child", "deadline"
@@ -75,34 +78,93 @@ class Completion:
         return json.dumps(self.payload(), separators=(",", ":")).encode(), attributes
 
 
+PENDING, DONE, FAILED = "pending", "done", "failed"
+
+
+@dataclass(frozen=True)
+class Tally:
+    """How many of a group of a batch's children are done and failed (a backend keeps its
+    counts in one record per batch, or spreads them over several), and whether the batch is
+    final (its tallies then take no more outcomes)."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    final: bool = False
+
+    @property
+    def pending(self) -> int:
+        return self.total - self.done - self.failed
+
+    @classmethod
+    def of(cls, batch: Batch) -> Tally:
+        """The tally of a backend that keeps its counts in the batch record."""
+        return cls(batch.total, batch.done, batch.failed, bool(batch.finalized_by))
+
+    def moved(self, before: str, after: str) -> Tally:
+        """The counts once a child goes from ``before`` to ``after``."""
+        return replace(
+            self,
+            done=self.done + (after == DONE) - (before == DONE),
+            failed=self.failed + (after == FAILED) - (before == FAILED),
+        )
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.total + other.total, self.done + other.done, self.failed + other.failed,
+            self.final or other.final,
+        )  # fmt: skip
+
+
 class Transaction(Protocol):
-    """What a backend offers, inside one atomic transaction (``BatchStore._transaction``)."""
+    """What a backend reads and writes inside one atomic transaction (``BatchStore._atomic``).
+    A batch record's counts are the ones frozen at its finalization; while it is open they
+    are its tally's."""
 
     def batch(self, batch_id: str) -> Batch | None: ...
 
     def put_batch(self, batch: Batch) -> None: ...
 
-    def outcome(self, batch_id: str, job_id: str) -> str | None:
-        """The child's ledger entry: PENDING, DONE or FAILED; None if it is not a child."""
+    def batches(self, limit: int) -> list[Batch]:
+        """The batch records, soonest deadline first."""
         ...
 
-    def put_outcome(self, batch_id: str, job_id: str, outcome: str) -> None: ...
+    def child(self, batch_id: str, job_id: str) -> tuple[str, Tally] | None:
+        """The child's ledger entry (PENDING, DONE or FAILED) and the tally it is counted
+        in; None if it is not a child of a batch that exists."""
+        ...
 
-    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None: ...
+    def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
+        """Write the child's outcome and the tally it is counted in, together."""
+        ...
+
+    def tally(self, batch: Batch) -> Tally:
+        """The batch's counts, all its tallies summed (``batch`` was read in this
+        transaction)."""
+        ...
+
+    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
+        """The children of a batch being created, pending, and their tallies."""
+        ...
 
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]: ...
 
 
-PENDING, DONE, FAILED = "pending", "done", "failed"
-
-
 class BatchStore(ABC):
     """Every method may raise ``StoreError`` (ValueError and KeyError where said), and
-    nothing else. The rules are here, once; a backend provides ``_transaction``."""
+    nothing else. The rules are here, once; a backend provides ``_atomic``.
+
+    A child's outcome and its tally are written together; the check for a batch with no
+    child pending is a transaction of its own, made after that write (a backend may run the
+    two as one): of two children finishing last at once, at least the later one's check sees
+    the other's write, so the batch is never left open. The finalization is a
+    compare-and-set on the batch record, so only one check, commit or deadline finalizes."""
 
     @abstractmethod
-    def _transaction(self) -> AbstractContextManager[Transaction]:
-        """One atomic transaction: what it read stays true until it ends."""
+    def _atomic(self, body: Callable[[Transaction], T]) -> T:
+        """``body``'s result, its reads and writes one atomic transaction. A backend may run
+        ``body`` again (on fresh reads, after a lost race): it only reads and writes through
+        its transaction. Exceptions it raises itself pass through, its writes undone."""
 
     def create(
         self, batch_id: str, topic: str, on_complete: str, job_ids: Sequence[str], deadline: float
@@ -110,94 +172,131 @@ class BatchStore(ABC):
         """An open, uncommitted batch of these children, all pending. Creating it again as it
         is (a publisher trying again) is allowed; ValueError for another batch of that id."""
         wanted = Batch(batch_id, topic, on_complete, len(set(job_ids)), deadline)
-        with self._transaction() as tx:
+
+        def create(tx: Transaction) -> None:
             existing = tx.batch(batch_id)
             if existing is None:
-                tx.put_batch(wanted)
                 tx.add_children(batch_id, sorted(set(job_ids)))
+                tx.put_batch(wanted)
             elif (existing.topic, existing.on_complete, existing.total) != (
                 topic, on_complete, wanted.total,
             ):  # fmt: skip
                 raise ValueError(f"batch {batch_id} exists already, with other children")
 
+        self._atomic(create)
+
     def commit(self, batch_id: str) -> Completion | None:
         """Every child is published: the batch may complete from now on (at once if none is
         pending any more). KeyError for an unknown batch."""
-        with self._transaction() as tx:
+
+        def commit(tx: Transaction) -> bool:
             batch = tx.batch(batch_id)
             if batch is None:
                 raise KeyError(batch_id)
-            if batch.committed or batch.finalized_by:
-                return None
-            batch = replace(batch, committed=True)
-            if not batch.pending:  # the children all finished while it was being published
-                return self._finalize(tx, batch, LAST_CHILD)
-            tx.put_batch(batch)
-            return None
+            if not batch.committed and not batch.finalized_by:
+                tx.put_batch(replace(batch, committed=True))
+            # Committed already (a publisher trying again) still checks: the first may
+            # have died before its check.
+            return not batch.finalized_by
+
+        return self._complete_if_done(batch_id) if self._atomic(commit) else None
 
     def record(self, batch_id: str, job_id: str, succeeded: bool) -> Completion | None:
         """A child's final outcome; the completion if this finalized the batch. A job id the
         batch does not have, a child already final (a dead-lettered one may turn done: a
         replay), or a batch finalized already, change nothing."""
         outcome = DONE if succeeded else FAILED
-        with self._transaction() as tx:
-            batch = tx.batch(batch_id)
-            if batch is None or batch.finalized_by:
-                return None
-            before = tx.outcome(batch_id, job_id)
-            if before is None or before in (outcome, DONE):
-                return None
-            tx.put_outcome(batch_id, job_id, outcome)
-            done = batch.done + (outcome == DONE)
-            failed = batch.failed + (outcome == FAILED) - (before == FAILED)
-            batch = replace(batch, done=done, failed=failed)
-            if batch.committed and not batch.pending:
-                return self._finalize(tx, batch, LAST_CHILD)
-            tx.put_batch(batch)
-            return None
+
+        def write(tx: Transaction) -> bool:
+            found = tx.child(batch_id, job_id)
+            if found is None:
+                return False
+            before, tally = found
+            if tally.final:
+                return False
+            if before not in (outcome, DONE):
+                tally = tally.moved(before, outcome)
+                tx.put_child(batch_id, job_id, outcome, tally)
+            # One that changes nothing checks too, if its tally is settled: the call that
+            # settled it may have died before its check (its message then comes back).
+            return not tally.pending
+
+        return self._complete_if_done(batch_id) if self._atomic(write) else None
 
     def expire(self, batch_id: str) -> Completion | None:
         """The batch's deadline: finalize it, whatever is still pending, unless it is final."""
-        with self._transaction() as tx:
+
+        def expire(tx: Transaction) -> Completion | None:
             batch = tx.batch(batch_id)
             if batch is None or batch.finalized_by:
                 return None
             return self._finalize(tx, batch, DEADLINE)
 
+        return self._atomic(expire)
+
     def sent(self, batch_id: str) -> None:
         """Its completion is in the schedule, to be published."""
-        with self._transaction() as tx:
+
+        def sent(tx: Transaction) -> None:
             batch = tx.batch(batch_id)
             if batch is not None:
                 tx.put_batch(replace(batch, completion_sent=True))
 
+        self._atomic(sent)
+
     def completion(self, batch_id: str) -> Completion | None:
         """The completion of a batch finalized already (None if it is not)."""
-        with self._transaction() as tx:
+
+        def completion(tx: Transaction) -> Completion | None:
             batch = tx.batch(batch_id)
             return None if batch is None or not batch.finalized_by else self._built(tx, batch)
 
-    def get(self, batch_id: str) -> Batch | None:
-        with self._transaction() as tx:
-            return tx.batch(batch_id)
+        return self._atomic(completion)
 
-    @abstractmethod
+    def get(self, batch_id: str) -> Batch | None:
+        def get(tx: Transaction) -> Batch | None:
+            batch = tx.batch(batch_id)
+            return None if batch is None else _counted(tx, batch)
+
+        return self._atomic(get)
+
     def batches(self, limit: int = 100) -> list[Batch]:
         """The batches soonest due first, for ``workerpool batch list``."""
+        return self._atomic(lambda tx: [_counted(tx, batch) for batch in tx.batches(limit)])
 
     @abstractmethod
     def close(self) -> None: ...
 
+    def _complete_if_done(self, batch_id: str) -> Completion | None:
+        def check(tx: Transaction) -> Completion | None:
+            batch = tx.batch(batch_id)
+            if batch is None or batch.finalized_by or not batch.committed:
+                return None
+            return None if tx.tally(batch).pending else self._finalize(tx, batch, LAST_CHILD)
+
+        return self._atomic(check)
+
     def _finalize(self, tx: Transaction, batch: Batch, by: str) -> Completion:
-        batch = replace(batch, finalized_by=by)
+        tally = tx.tally(batch)
+        batch = replace(batch, done=tally.done, failed=tally.failed, finalized_by=by)
         tx.put_batch(batch)
         return self._built(tx, batch)
 
     @staticmethod
     def _built(tx: Transaction, batch: Batch) -> Completion:
-        failed = tx.children(batch.batch_id, FAILED, MAX_FAILED_IDS)
-        pending = tx.children(batch.batch_id, PENDING, MAX_FAILED_IDS)
+        # The counts say which lists are empty: a query spared (the emulator has no indexes:
+        # a query there reads every child).
+        failed = tx.children(batch.batch_id, FAILED, MAX_FAILED_IDS) if batch.failed else []
+        pending = tx.children(batch.batch_id, PENDING, MAX_FAILED_IDS) if batch.pending else []
         return Completion(batch, failed + pending, pending)
+
+
+def _counted(tx: Transaction, batch: Batch) -> Batch:
+    """The record with its counts as of now: its tally's while it is open."""
+    if batch.finalized_by:
+        return batch
+    tally = tx.tally(batch)
+    return replace(batch, done=tally.done, failed=tally.failed)
 
 
 # --- Handing a completion over ------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 ``Delays`` (a middleware, outside the idempotency claim) looks at a message's ``not_before``:
 past, the run goes on; ahead, the message is put in the schedule and acked (``Scheduled``), so
-it holds no slot, no memory and no delivery while it waits. Without a schedule (a store that
-has none yet) it rides on its ack deadline instead: deferred until it is due, 600 s a step.
+it holds no slot, no memory and no delivery while it waits. Without a schedule (the store is
+``none``) it rides on its ack deadline instead: deferred until it is due, 600 s a step.
 
 ``Firer`` publishes the entries of one topic as they come due: it sleeps until the next one
 (learnt from the store with each claim, and from this worker's own additions at once), claims

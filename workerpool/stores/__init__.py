@@ -1,5 +1,6 @@
-"""What the stores built on SQLite and Firestore (idempotency claims, concurrency slots) share:
-their errors, opening a connection, translating a backend's errors, one atomic document write.
+"""What the stores built on SQLite and Firestore (idempotency claims, concurrency slots, the
+schedule, batches) share: their errors, opening a connection, translating a backend's errors,
+atomic writes of one document or several.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal, TypeVar, cast
@@ -61,15 +61,51 @@ _UNAVAILABLE = (
 # a closed channel (gRPC's ValueError "Cannot invoke RPC on closed channel!").
 _FAILED = (api_exceptions.GoogleAPICallError, auth_exceptions.GoogleAuthError, ValueError)
 # After a lost race, wait up to this long (doubling to _MAX_PAUSE) before reading again.
-_FIRST_PAUSE = 0.01
+FIRST_PAUSE = 0.01
 _MAX_PAUSE = 0.2
 # A write whose precondition failed: someone changed the document since we read it.
-_LOST_RACE = (api_exceptions.Conflict, api_exceptions.FailedPrecondition, api_exceptions.NotFound)
+LOST_RACE = (api_exceptions.Conflict, api_exceptions.FailedPrecondition, api_exceptions.NotFound)
 # A watched copy not confirmed (by a push, a read or a write of ours) for this long is not
 # used: a listener's stream that stalled without failing must not hide changes for longer.
 _TRUST = 1.0
 # A watch nobody asked through for this long is closed (a key nobody waits for any more).
 _WATCH_IDLE = 30.0
+
+
+def call_options(deadline: float, timeout: float, label: str) -> dict[str, Any]:
+    """A call's retry and timeout, bounded by what is left until ``deadline`` (monotonic)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise StoreUnavailable(f"Firestore {label}: no answer in {timeout}s")
+    retry = Retry(predicate=if_transient_error, initial=0.05, maximum=0.5, timeout=remaining)
+    return {"retry": retry, "timeout": remaining}
+
+
+@contextmanager
+def translated(label: str) -> Iterator[None]:
+    """The backend's errors as ``StoreUnavailable`` / ``StoreError`` naming ``label``."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise StoreUnavailable(f"Firestore {label}: {exc}") from exc
+    except _FAILED as exc:
+        raise StoreError(f"Firestore {label}: {type(exc).__name__}: {exc}") from exc
+
+
+def after_lost_race(pause: float) -> float:
+    """Wait a random part of ``pause`` before reading again; the next pause. Writers of one
+    hot document that all re-read at once lose again together (a livelock, measured on the
+    emulator): spread them out."""
+    time.sleep(random.uniform(0, pause))
+    return min(pause * 2, _MAX_PAUSE)
+
+
+def close_client(client: Any) -> None:
+    # The public client has no close(); closing the gRPC channel frees its sockets and
+    # threads now rather than at garbage collection.
+    api = getattr(client, "_firestore_api_internal", None)
+    if api is not None:
+        api.transport.close()
 
 
 @dataclass(frozen=True)
@@ -184,7 +220,7 @@ class Documents:
         try:
             state = self._copies.get(ref, watch=False)
             copied = state is not None
-            pause = _FIRST_PAUSE
+            pause = FIRST_PAUSE
             while True:
                 batch += self._taken(doc)
                 if state is None:
@@ -196,11 +232,8 @@ class Documents:
                 try:
                     self._write(ref, state, change, deadline)
                     break
-                except _LOST_RACE:
-                    # Writers of one hot document that all re-read at once lose again
-                    # together (a livelock, measured on the emulator): spread them out.
-                    time.sleep(random.uniform(0, pause))
-                    pause = min(pause * 2, _MAX_PAUSE)
+                except LOST_RACE:
+                    pause = after_lost_race(pause)
                     state = None
         except BaseException as exc:
             outcomes = [(None, exc)] * len(batch)
@@ -329,28 +362,14 @@ class Documents:
             self._copies.learn(ref, _State(change, written, written, time.monotonic()))
 
     def _call_options(self, deadline: float) -> dict[str, Any]:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise StoreUnavailable(f"Firestore {self._label}: no answer in {self._timeout}s")
-        retry = Retry(predicate=if_transient_error, initial=0.05, maximum=0.5, timeout=remaining)
-        return {"retry": retry, "timeout": remaining}
+        return call_options(deadline, self._timeout, self._label)
 
-    @contextmanager
-    def _translated(self) -> Iterator[None]:
-        try:
-            yield
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"Firestore {self._label}: {exc}") from exc
-        except _FAILED as exc:
-            raise StoreError(f"Firestore {self._label}: {type(exc).__name__}: {exc}") from exc
+    def _translated(self) -> AbstractContextManager[None]:
+        return translated(self._label)
 
     def close(self) -> None:
         self._copies.close()
-        # The public client has no close(); closing the gRPC channel frees its sockets and
-        # threads now rather than at garbage collection.
-        api = getattr(self._client, "_firestore_api_internal", None)
-        if api is not None:
-            api.transport.close()
+        close_client(self._client)
 
 
 class _Copies:
