@@ -4,6 +4,7 @@ Firestore on its emulator (the same suite), and handing the completion to the sc
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -206,3 +207,31 @@ def test_a_completion_goes_to_the_schedule_due_now_as_its_own_job() -> None:
     batch = store.get("b1")
     assert batch is not None and batch.completion_sent
     assert deliver(None, store, schedule) is None
+
+
+def test_a_store_file_from_before_batches_kept_their_trace_opens_and_keeps_it(
+    tmp_path: Path,
+) -> None:
+    # Given a store file whose batches table predates the trace column, in use by an older
+    # worker (one batch in it)
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE batches (batch_id TEXT PRIMARY KEY, topic TEXT NOT NULL, on_complete TEXT "
+        "NOT NULL, total INTEGER NOT NULL, deadline REAL NOT NULL, committed INTEGER NOT NULL, "
+        "done INTEGER NOT NULL, failed INTEGER NOT NULL, finalized_by TEXT NOT NULL, "
+        "completion_sent INTEGER NOT NULL)"
+    )
+    old.execute("INSERT INTO batches VALUES ('old', 't', 'j.done', 1, 9e9, 1, 0, 0, '', 0)")
+    old.commit()
+    old.close()
+    # When two workers open it at once, and a batch is created with its publisher's trace
+    first, second = SqliteBatches(path), SqliteBatches(path)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    first.create("new", "t", "j.done", ["a"], 9e9, trace=traceparent)
+    # Then both read both: the old one without a trace, the new one with it
+    old_batch, new_batch = second.get("old"), second.get("new")
+    assert old_batch is not None and old_batch.trace == ""
+    assert new_batch is not None and new_batch.trace == traceparent
+    first.close()
+    second.close()

@@ -12,6 +12,7 @@ import logging
 import sys
 import threading
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,6 +156,51 @@ def test_job_spans_are_children_of_the_publishers_span(pubsub_resources: PubSubR
     untraced = by_job["untraced-1"]
     assert untraced.parent is None and untraced.context is not None
     assert untraced.context.trace_id != publisher.trace_id
+
+
+def test_a_batchs_completion_span_links_to_the_span_the_batch_was_published_in(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a batch of 3 children published inside a publisher's span, on an SQLite store
+    pubsub_resources.provision()
+    spans, _, telemetry = _in_memory()
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    jobs = Registry()
+
+    @jobs.job("t.child")
+    def child(ctx: JobContext, payload: dict[str, Any]) -> None:
+        pass
+
+    @jobs.job("t.done")
+    def done(ctx: JobContext, payload: dict[str, Any]) -> None:
+        pass
+
+    publisher_tracer = TracerProvider().get_tracer("publisher")
+    with publisher_tracer.start_as_current_span("fan-out") as parent:
+        workerpool.publish_batch(
+            pubsub_resources.topic_path,
+            [workerpool.JobMessage("t.child", {}, f"child-{i}") for i in range(3)],
+            on_complete="t.done", store=store, publisher=pubsub_resources.publisher,
+        )  # fmt: skip
+    # When a worker runs the children, then the completion
+    with pubsub_resources.worker(jobs, telemetry=telemetry, idempotency_store=store):
+        assert wait_for(
+            lambda: any(s.name == "t.done" for s in spans.get_finished_spans()), timeout=30
+        )
+    # Then the completion's span starts a trace of its own (a fan-in has many causes) and
+    # links to the batch's publisher's span; each child's span is that span's child
+    finished = spans.get_finished_spans()
+    [completion] = [s for s in finished if s.name == "t.done"]
+    children = [s for s in finished if s.name == "t.child"]
+    publisher = parent.get_span_context()
+    assert completion.context is not None and completion.parent is None
+    assert completion.context.trace_id != publisher.trace_id
+    assert [(link.context.trace_id, link.context.span_id) for link in completion.links] == [
+        (publisher.trace_id, publisher.span_id)
+    ]
+    assert len(children) == 3
+    assert all(s.parent is not None and s.parent.span_id == publisher.span_id for s in children)
+    assert all(not s.links for s in children)
 
 
 def test_publishing_injects_the_current_trace_context_and_keeps_a_given_one() -> None:

@@ -12,6 +12,9 @@ ATTR_TRACESTATE: Final = "tracestate"
 ATTR_NOT_BEFORE: Final = "not_before"
 # The batch a child job belongs to (``workerpool.publish_batch``).
 ATTR_BATCH_ID: Final = "batch_id"
+# On a batch's completion job: the W3C traceparent of the batch's publisher, which the
+# completion's span links to (a fan-in has many causes: a link, not a parent).
+ATTR_LINKED_TRACEPARENT: Final = "linked_traceparent"
 
 # Failure record attributes added to the original attributes on the dead-letter topic.
 ATTR_ERROR_TYPE: Final = "error_type"

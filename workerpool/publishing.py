@@ -145,7 +145,12 @@ def publish_batch(
     batches, schedule = open_batches(), open_schedule()
     publisher = publisher or _publisher()
     try:
-        batches.create(batch_id, topic, on_complete, [m.job_id for m in children], due.timestamp())
+        trace: dict[str, str] = {}
+        inject(trace)  # the completion's span links to the span this batch is published in
+        batches.create(
+            batch_id, topic, on_complete, [m.job_id for m in children], due.timestamp(),
+            trace=trace.get(c.ATTR_TRACEPARENT, ""),
+        )  # fmt: skip
         net = JobMessage(
             DEADLINE_JOB, {"batch_id": batch_id}, deadline_job_id(batch_id),
             not_before=not_before_text(due),

@@ -60,7 +60,8 @@ class _Docs:
         return [tallies.document(str(i)) for i in self._tallies[batch_id]]
 
     def _learnt(self, data: Data) -> Batch:
-        batch = Batch(**{f.name: data[f.name] for f in fields(Batch)})
+        # A field the record lacks (written by an older workerpool) takes its default.
+        batch = Batch(**{f.name: data.get(f.name, f.default) for f in fields(Batch)})
         self._tallies[batch.batch_id] = list(data["tallies"])
         if batch.finalized_by:
             self._final.add(batch.batch_id)

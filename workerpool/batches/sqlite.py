@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from workerpool.batches.store import PENDING, Batch, BatchStore, T, Tally, Transaction
-from workerpool.stores.sqlite import connect, immediate, translated
+from workerpool.stores.sqlite import add_column, connect, immediate, translated
 
 _LABEL = "batch store"
 _SCHEMA = (
@@ -26,7 +26,8 @@ _SCHEMA = (
         done INTEGER NOT NULL,
         failed INTEGER NOT NULL,
         finalized_by TEXT NOT NULL,
-        completion_sent INTEGER NOT NULL
+        completion_sent INTEGER NOT NULL,
+        trace TEXT NOT NULL DEFAULT ''
     )
     """,
     """
@@ -41,15 +42,15 @@ _SCHEMA = (
 )
 _COLUMNS = (
     "batch_id, topic, on_complete, total, deadline, committed, done, failed, finalized_by, "
-    "completion_sent"
+    "completion_sent, trace"
 )
 
 
 def _batch(row: Any) -> Batch:
-    batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent = row
+    batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent, trace = row
     return Batch(
         batch_id, topic, on_complete, total, deadline, bool(committed), done, failed, by,
-        bool(sent),
+        bool(sent), trace,
     )  # fmt: skip
 
 
@@ -65,11 +66,11 @@ class _Tables:
 
     def put_batch(self, batch: Batch) -> None:
         self._conn.execute(
-            f"INSERT OR REPLACE INTO batches ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO batches ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 batch.batch_id, batch.topic, batch.on_complete, batch.total, batch.deadline,
                 int(batch.committed), batch.done, batch.failed, batch.finalized_by,
-                int(batch.completion_sent),
+                int(batch.completion_sent), batch.trace,
             ),
         )  # fmt: skip
 
@@ -124,6 +125,8 @@ class SqliteBatches(BatchStore):
             try:
                 for statement in _SCHEMA:
                     self._conn.execute(statement)
+                # A store file written before batches kept their publisher's trace.
+                add_column(self._conn, "batches", "trace", "TEXT NOT NULL DEFAULT ''")
             except BaseException:
                 self._conn.close()
                 raise

@@ -41,6 +41,7 @@ class Batch:
     failed: int = 0
     finalized_by: str = ""  # LAST_CHILD or DEADLINE once finalized
     completion_sent: bool = False  # its completion is in the schedule
+    trace: str = ""  # the W3C traceparent of its publisher, if one was tracing
 
     @property
     def pending(self) -> int:
@@ -75,6 +76,8 @@ class Completion:
 
     def message(self) -> tuple[bytes, dict[str, str]]:
         attributes = {c.ATTR_JOB: self.batch.on_complete, c.ATTR_JOB_ID: self.job_id}
+        if self.batch.trace:
+            attributes[c.ATTR_LINKED_TRACEPARENT] = self.batch.trace
         return json.dumps(self.payload(), separators=(",", ":")).encode(), attributes
 
 
@@ -167,11 +170,19 @@ class BatchStore(ABC):
         its transaction. Exceptions it raises itself pass through, its writes undone."""
 
     def create(
-        self, batch_id: str, topic: str, on_complete: str, job_ids: Sequence[str], deadline: float
+        self,
+        batch_id: str,
+        topic: str,
+        on_complete: str,
+        job_ids: Sequence[str],
+        deadline: float,
+        *,
+        trace: str = "",
     ) -> None:
-        """An open, uncommitted batch of these children, all pending. Creating it again as it
-        is (a publisher trying again) is allowed; ValueError for another batch of that id."""
-        wanted = Batch(batch_id, topic, on_complete, len(set(job_ids)), deadline)
+        """An open, uncommitted batch of these children, all pending (``trace``: its
+        publisher's traceparent, which its completion's span links to). Creating it again as
+        it is (a publisher trying again) is allowed; ValueError for another batch of that id."""
+        wanted = Batch(batch_id, topic, on_complete, len(set(job_ids)), deadline, trace=trace)
 
         def create(tx: Transaction) -> None:
             existing = tx.batch(batch_id)

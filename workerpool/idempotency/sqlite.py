@@ -24,7 +24,7 @@ from workerpool.idempotency.base import (
     StoreUnavailable,
     T,
 )
-from workerpool.stores.sqlite import connect, immediate, translated
+from workerpool.stores.sqlite import add_column, connect, immediate, translated
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -117,7 +117,8 @@ class SqliteStore(IdempotencyStore):
         with translated(_LABEL):
             try:
                 self._conn.executescript(_SCHEMA)
-                self._add_failures_column()
+                # A store file written before failed attempts were counted lacks the column.
+                add_column(self._conn, "idempotency", "failures", "INTEGER NOT NULL DEFAULT 0")
                 self._purge()
             except BaseException:
                 self._conn.close()
@@ -392,18 +393,6 @@ class SqliteStore(IdempotencyStore):
                     )
                 ],
             )
-
-    def _add_failures_column(self) -> None:
-        """A store file written before failed attempts were counted lacks the column."""
-        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(idempotency)")}
-        if "failures" not in columns:
-            try:
-                self._conn.execute(
-                    "ALTER TABLE idempotency ADD COLUMN failures INTEGER NOT NULL DEFAULT 0"
-                )
-            except sqlite3.OperationalError as exc:  # another worker added it just now
-                if "duplicate column" not in str(exc):
-                    raise
 
     def _purge(self) -> None:
         self._conn.execute("DELETE FROM idempotency WHERE expire_at <= ?", (self._clock(),))

@@ -52,6 +52,19 @@ def immediate(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
+def add_column(conn: sqlite3.Connection, table: str, column: str, definition: str) -> None:
+    """Add ``column`` to a ``table`` made before it existed (a store file written by an older
+    workerpool); two workers upgrading one file together both get through."""
+    columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    if column in columns:
+        return
+    try:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+    except sqlite3.OperationalError as exc:  # another worker added it just now
+        if "duplicate column" not in str(exc):
+            raise
+
+
 @contextmanager
 def translated(label: str) -> Iterator[None]:
     # OperationalError is SQLite's class for environmental failures: locked/busy past the

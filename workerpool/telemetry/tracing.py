@@ -3,13 +3,16 @@
 The span starts when the run enters the middleware chain and ends when its message is settled
 (acked, nacked or dead-lettered), so it carries the outcome label the metrics count. It is the
 current span while the handler runs: spans the handler starts are its children, and log lines
-it writes carry its trace id.
+it writes carry its trace id. A batch's completion job is the one with a link: to the span its
+batch was published in (its fan-in has many causes, so it starts a trace of its own).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, TracerProvider
 
 from workerpool import constants as c
 from workerpool.telemetry.propagation import extract
@@ -44,6 +47,7 @@ class Tracing(Middleware):
             job.name,
             context=extract(job.attributes),
             kind=SpanKind.CONSUMER,
+            links=_links(job.attributes),
             attributes={
                 c.SPAN_MESSAGING_SYSTEM: c.MESSAGING_SYSTEM,
                 c.SPAN_MESSAGING_DESTINATION: self._subscription,
@@ -95,3 +99,12 @@ def _record(span: Span, outcome: Outcome | None) -> str | None:
         case Unavailable(reason):
             return reason
     return None
+
+
+def _links(attributes: Mapping[str, str]) -> list[Link]:
+    """A link to the span a batch was published in, on its completion job's span."""
+    linked = attributes.get(c.ATTR_LINKED_TRACEPARENT)
+    if not linked:
+        return []
+    context = trace.get_current_span(extract({c.ATTR_TRACEPARENT: linked})).get_span_context()
+    return [Link(context)] if context.is_valid else []
