@@ -24,10 +24,13 @@ from tests.support import (
     wait_for,
 )
 from tests.support import worker_processes as processes
-from workerpool import JobMessage, publish_batch
+from workerpool import JobContext, JobMessage, PermanentError, publish_batch
 from workerpool import constants as c
+from workerpool.batches import SqliteBatches
 from workerpool.cli import main
+from workerpool.ops.dlq import Replayer
 from workerpool.publishing import publish_many
+from workerpool.registry import Registry
 from workerpool.schedule import not_before_text, parse_not_before
 from workerpool.testing.pubsub import PubSubResources
 
@@ -273,3 +276,68 @@ def test_a_fleet_on_firestore_completes_a_batch_once_and_fires_delayed_jobs_on_t
     assert codes == [0, 0]
     records = pubsub_resources.dead_letters(expected=5, timeout=10)
     assert sorted(r.attributes[c.ATTR_JOB_ID] for r in records) == [f"c-{i}" for i in range(5)]
+
+
+def test_a_replayed_child_updates_its_open_batch_and_never_reopens_a_final_one(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given two batches on one worker: A (a child that fails the first time it runs, and one
+    # that waits for a gate) and B (one child that fails the first time)
+    pubsub_resources.provision()
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    jobs, ran, completions = Registry(), Counter[str](), []
+    gate, lock = threading.Event(), threading.Lock()
+
+    @jobs.job("t.once_broken")
+    def once_broken(ctx: JobContext, payload: dict[str, Any]) -> None:
+        with lock:
+            ran[ctx.job_id] += 1
+            first = ran[ctx.job_id] == 1
+        if first:
+            raise PermanentError("a dependency is missing")
+
+    @jobs.job("t.gated")
+    def gated(ctx: JobContext, payload: dict[str, Any]) -> None:
+        gate.wait(60)
+
+    @jobs.job("t.batch_done")
+    def batch_done(ctx: JobContext, payload: dict[str, Any]) -> None:
+        with lock:
+            completions.append(payload)
+
+    def publish(children: list[JobMessage]) -> str:
+        return publish_batch(
+            pubsub_resources.topic_path, children, on_complete="t.batch_done", store=store,
+            publisher=pubsub_resources.publisher,
+        )  # fmt: skip
+
+    a = publish([JobMessage("t.once_broken", {}, "a-1"), JobMessage("t.gated", {}, "a-2")])
+    b = publish([JobMessage("t.once_broken", {}, "b-1")])
+    with pubsub_resources.worker(jobs, idempotency_store=store) as worker:
+        # When both failing children are dead-lettered (B is then final, A waits on a-2)
+        assert wait_for(lambda: len(completions) == 1, timeout=60)
+        assert worker.processor.stats["dead_lettered"] == 2
+        # ... and replayed from the dead-letter topic, and run again, successfully
+        replayer = Replayer(
+            pubsub_resources.subscriber, pubsub_resources.publisher,
+            pubsub_resources.dead_letter_subscription_path,
+        )  # fmt: skip
+        replayed = sorted(r.record.job_id for r in replayer.replay() if r.status == "replayed")
+        assert wait_for(lambda: ran["a-1"] == 2 and ran["b-1"] == 2, timeout=30)
+        # ... and then A's last child ends
+        gate.set()
+        assert wait_for(lambda: len(completions) == 2, timeout=30)
+        time.sleep(2)  # a second completion of B, if the replay reopened it, would be here
+    batches = SqliteBatches(tmp_path / "fleet.db")
+    final_b, final_a = batches.get(b), batches.get(a)
+    batches.close()
+    by_batch = {p["batch_id"]: p for p in completions}
+    # Then A, open when its child was replayed, counts it done; B, final before, was not
+    # reopened: one completion each, B's still saying what it said
+    assert replayed == ["a-1", "b-1"]
+    assert len(completions) == 2 and sorted(by_batch) == sorted([a, b])
+    assert (by_batch[a]["succeeded"], by_batch[a]["failed"]) == (2, 0)
+    assert (by_batch[b]["succeeded"], by_batch[b]["failed"]) == (0, 1)
+    assert by_batch[b]["failed_job_ids"] == ["b-1"]
+    assert final_a is not None and (final_a.done, final_a.failed) == (2, 0)
+    assert final_b is not None and (final_b.done, final_b.failed) == (0, 1)
