@@ -30,6 +30,7 @@ from workerpool.batches import SqliteBatches
 from workerpool.cli import main
 from workerpool.ops.dlq import Replayer
 from workerpool.publishing import publish_many
+from workerpool.ratelimit import parse_rate
 from workerpool.registry import Registry
 from workerpool.schedule import not_before_text, parse_not_before
 from workerpool.testing.pubsub import PubSubResources
@@ -341,3 +342,56 @@ def test_a_replayed_child_updates_its_open_batch_and_never_reopens_a_final_one(
     assert by_batch[b]["failed_job_ids"] == ["b-1"]
     assert final_a is not None and (final_a.done, final_a.failed) == (2, 0)
     assert final_b is not None and (final_b.done, final_b.failed) == (0, 1)
+
+
+def test_a_batch_of_children_under_a_slot_limit_and_a_rate_completes_once_across_a_drain(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given 30 children that each hold a slot of a key of limit 2 and a token of 5/s, and a
+    # worker of 6 slots that is drained after 10 of them (another takes over)
+    pubsub_resources.provision(retry_policy=False)
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    jobs, starts, running, peak, completions = Registry(), [], [0], [0], []
+    lock = threading.Lock()
+
+    @jobs.job("t.limited", concurrency="partner", rate_limit="partner")
+    def limited(ctx: JobContext, payload: dict[str, Any]) -> None:
+        with lock:
+            starts.append(time.monotonic())
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        ctx.sleep(0.2)
+        with lock:
+            running[0] -= 1
+
+    @jobs.job("t.batch_done")
+    def batch_done(ctx: JobContext, payload: dict[str, Any]) -> None:
+        with lock:
+            completions.append(payload)
+
+    batch_id = publish_batch(
+        pubsub_resources.topic_path, [JobMessage("t.limited", {}, f"c-{i}") for i in range(30)],
+        on_complete="t.batch_done", store=store, publisher=pubsub_resources.publisher,
+    )  # fmt: skip
+    limits = {
+        "idempotency_store": store, "max_outstanding": 6, "concurrency": {"partner": 2},
+        "rate_limits": {"partner": parse_rate("5/s:1")}, "drain_timeout": 5.0,
+    }  # fmt: skip
+    with pubsub_resources.worker(jobs, **limits):
+        assert wait_for(lambda: len(starts) >= 10, timeout=60)
+    drained_at = len(starts)
+    with pubsub_resources.worker(jobs, **limits):
+        assert wait_for(lambda: len(completions) == 1, timeout=60)
+        time.sleep(1)  # a second completion would be here by now
+    ordered = sorted(starts)
+    most_in_a_second = max(sum(1 for t in ordered if s <= t < s + 1.0) for s in ordered)
+    print(f"\npeak {peak[0]}, {len(starts)} runs, drained after {drained_at}, at most "
+          f"{most_in_a_second} started in a second")  # fmt: skip
+    # Then never more than 2 ran at once, never more started in a second than 5/s and its
+    # burst of 1 allow, and the batch completed once with all 30, across the drain
+    assert peak[0] <= 2
+    assert most_in_a_second <= 6
+    [completion] = completions
+    assert completion["batch_id"] == batch_id
+    assert (completion["succeeded"], completion["failed"]) == (30, 0)
+    assert len(starts) >= 30
