@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from workerpool.autoscale.actuator import Beat
 
 
@@ -19,19 +22,26 @@ class FakeClock:
         self.now += seconds
 
 
+def make_beat(
+    replica: str,
+    *,
+    at: float = 1000.0,
+    subscription: str = "projects/p/subscriptions/jobs",
+    **fields: Any,
+) -> Beat:
+    """A replica's heartbeat as a worker of 4 idle slots writes it at ``at`` (lapsing 6 s
+    later), with any field given instead."""
+    beat = Beat(
+        replica=replica, subscription=subscription, host="h", pid=0, slots=4, running=0,
+        waiting=0, completed=0.0, saturated=False, draining=False, at=at, until=at + 6,
+    )  # fmt: skip
+    return dataclasses.replace(beat, **fields)
+
+
 def beat(host: str, running: int, *, slots: int = 4, draining: bool = False) -> Beat:
     """A live replica's heartbeat: ``host`` is its pod's name on Kubernetes."""
-    return Beat(
-        replica=f"{host}-1-abcd",
-        subscription="projects/ads-prod/subscriptions/jobs-sub",
-        host=host,
-        pid=1,
-        slots=slots,
-        running=running,
-        waiting=0,
-        completed=0.0,
-        saturated=False,
-        draining=draining,
-        at=1_700_000_000.0,
-        until=1_700_000_030.0,
-    )
+    return make_beat(
+        f"{host}-1-abcd", at=1_700_000_000.0,
+        subscription="projects/ads-prod/subscriptions/jobs-sub", host=host, pid=1, slots=slots,
+        running=running, draining=draining,
+    )  # fmt: skip

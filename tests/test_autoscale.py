@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, make_beat
 from workerpool.autoscale.actuator import Actuator, Beat, least_busy
 from workerpool.autoscale.controller import Autoscaler
 from workerpool.autoscale.policy import Policy
@@ -25,14 +24,6 @@ from workerpool.stores import StoreUnavailable
 
 SUB = "projects/p/subscriptions/jobs"
 NOW = 1000.0
-
-
-def _beat(replica: str, **fields: Any) -> Beat:
-    beat = Beat(
-        replica=replica, subscription=SUB, host="h", pid=0, slots=4, running=0, waiting=0,
-        completed=0.0, saturated=False, draining=False, at=NOW, until=NOW + 6,
-    )  # fmt: skip
-    return replace(beat, **fields)
 
 
 class FakeProbe:
@@ -76,10 +67,10 @@ def test_serving_replicas_beats_give_running_waiting_slots_and_rate_draining_one
     probe = FakeProbe(5)
     reader = _reader(
         [
-            _beat("a", running=4, waiting=2, completed=8.0, saturated=True),
-            _beat("b", running=2, waiting=0, completed=2.0),
-            _beat("leaving", running=3, waiting=0, draining=True),
-            _beat("dead", running=4, until=NOW - 1),
+            make_beat("a", running=4, waiting=2, completed=8.0, saturated=True),
+            make_beat("b", running=2, waiting=0, completed=2.0),
+            make_beat("leaving", running=3, waiting=0, draining=True),
+            make_beat("dead", running=4, until=NOW - 1),
         ],
         probe,
     )
@@ -94,7 +85,7 @@ def test_serving_replicas_beats_give_running_waiting_slots_and_rate_draining_one
 def test_the_probe_is_asked_only_at_zero_replicas_for_as_many_as_the_max_has_slots() -> None:
     # Given a fleet at zero (one replica still draining), up to 30 replicas of 10 slots
     probe = FakeProbe(2000)
-    seen = _reader([_beat("leaving", draining=True)], probe, max_replicas=30).read(0)
+    seen = _reader([make_beat("leaving", draining=True)], probe, max_replicas=30).read(0)
     # Then one probe asks for 300 messages (more would not change the count) and what it saw
     # waits
     assert probe.limits == [300] and seen.probed == 300 and seen.signals.backlog == 300
@@ -119,15 +110,19 @@ def test_while_the_replicas_a_probe_woke_start_its_finding_stands_and_it_is_not_
         seen = reader.read(13)
         assert (seen.probed, seen.signals.backlog) == (None, 100)
     # ... the first replica's first beat, before its first pull, changes nothing
-    store.beat(_beat("a", at=clock.now, until=clock.now + 6))
+    store.beat(make_beat("a", at=clock.now, until=clock.now + 6))
     assert reader.read(13).signals.backlog == 100
     # ... what the replicas then take is no longer waiting: 4 running and 2 held of the 100
     clock.advance(2)
-    store.beat(_beat("a", running=4, waiting=2, saturated=True, at=clock.now, until=clock.now + 6))
+    store.beat(
+        make_beat("a", running=4, waiting=2, saturated=True, at=clock.now, until=clock.now + 6)
+    )
     assert reader.read(13).signals.backlog == 2 + 94
     # ... 50 settled since (a rate of 25 a second over the 2 s since its last beat)
     clock.advance(2)
-    store.beat(_beat("a", running=4, waiting=2, completed=25.0, at=clock.now, until=clock.now + 6))
+    store.beat(
+        make_beat("a", running=4, waiting=2, completed=25.0, at=clock.now, until=clock.now + 6)
+    )
     assert reader.read(13).signals.backlog == 2 + 44
     assert probe.limits == [1000]  # asked once
 
@@ -138,8 +133,8 @@ def test_a_probes_finding_lapses_once_the_fleet_took_as_many_or_after_probe_hold
     assert reader.read(0).signals.backlog == 8
     # Once the replicas took all 8 (and more), the beats alone say what waits
     clock.advance(12)
-    store.beat(_beat("a", running=4, waiting=2, at=clock.now, until=clock.now + 6))
-    store.beat(_beat("b", running=4, waiting=0, at=clock.now, until=clock.now + 6))
+    store.beat(make_beat("a", running=4, waiting=2, at=clock.now, until=clock.now + 6))
+    store.beat(make_beat("b", running=4, waiting=0, at=clock.now, until=clock.now + 6))
     assert reader.read(2).signals.backlog == 2
     store.gone("a")
     store.gone("b")
@@ -158,10 +153,12 @@ def test_monitorings_backlog_adds_what_the_fleet_has_not_taken_since_the_point()
     monitoring = FakeBacklog(None)
     reader = _reader(store=store, clock=clock, monitoring=monitoring)
     # Given a replica running 4 and holding 2 at NOW, then settling 10 a second for 150 s
-    store.beat(_beat("a", running=4, waiting=2, at=NOW, until=NOW + 600))
+    store.beat(make_beat("a", running=4, waiting=2, at=NOW, until=NOW + 600))
     reader.read(1)
     clock.advance(150)
-    store.beat(_beat("a", running=4, waiting=2, completed=10.0, at=clock.now, until=clock.now + 6))
+    store.beat(
+        make_beat("a", running=4, waiting=2, completed=10.0, at=clock.now, until=clock.now + 6)
+    )
     # When Monitoring's point taken at NOW says 5,000 unacked
     monitoring.backlog = Backlog(5000, 300.0, at=NOW)
     seen = reader.read(1).signals
@@ -175,7 +172,7 @@ def test_monitorings_backlog_adds_what_the_fleet_has_not_taken_since_the_point()
 
 
 def test_a_monitoring_point_that_cannot_be_discounted_is_left_out() -> None:
-    beats = [_beat("a", running=4, waiting=2)]
+    beats = [make_beat("a", running=4, waiting=2)]
     # no figure, no time, or taken before the reader watched: what was done since is unknown
     for backlog in (Backlog(None, None), Backlog(50, 1.0), Backlog(50, 1.0, at=NOW - 1)):
         assert _reader(beats, backlog=backlog).read(1).signals.backlog == 2
@@ -185,11 +182,11 @@ def test_a_monitoring_point_that_cannot_be_discounted_is_left_out() -> None:
 
 def test_a_scale_in_takes_idle_replicas_first_then_the_least_busy_never_draining_ones() -> None:
     beats = [
-        _beat("busy", running=4),
-        _beat("holding", running=1, waiting=2),
-        _beat("light", running=1),
-        _beat("idle"),
-        _beat("leaving", draining=True),
+        make_beat("busy", running=4),
+        make_beat("holding", running=1, waiting=2),
+        make_beat("light", running=1),
+        make_beat("idle"),
+        make_beat("leaving", draining=True),
     ]
     assert [b.replica for b in least_busy(beats, 3)] == ["idle", "light", "holding"]
     assert [b.replica for b in least_busy(beats, 9)] == ["idle", "light", "holding", "busy"]
@@ -205,7 +202,10 @@ def test_the_process_actuator_starts_replicas_and_drains_starting_ones_then_the_
         pids = [p.pid for p in actuator._serving]
         host = __import__("socket").gethostname()
         # When two have beaten (one busy, one idle) and the count goes down to 1
-        beats = [_beat("a", host=host, pid=pids[0], running=2), _beat("b", host=host, pid=pids[1])]
+        beats = [
+            make_beat("a", host=host, pid=pids[0], running=2),
+            make_beat("b", host=host, pid=pids[1]),
+        ]
         said = actuator.scale(1, beats)
         # Then the one still starting (no beat) and the idle one got SIGTERM; the busy one
         # serves on
@@ -244,7 +244,7 @@ def test_the_loop_scales_on_the_signals_and_keeps_the_count_when_they_are_missin
 ) -> None:
     caplog.set_level(logging.INFO, logger="workerpool.autoscale.controller")
     actuator = FakeActuator(1)
-    beats = [_beat("a", running=4, waiting=2)]
+    beats = [make_beat("a", running=4, waiting=2)]
     scaler = Autoscaler(_reader(beats), actuator, Policy(), clock=lambda: NOW)
     # When a saturated replica beats: 6 slots of demand at 80 % of 4 is 2 replicas
     assert scaler.step().desired == 2

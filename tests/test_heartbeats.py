@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
+from tests.fakes import make_beat
 from tests.support import store_handles, wait_for
 from workerpool.heartbeats import Beat, HeartbeatStore, MemoryHeartbeats, SqliteHeartbeats
 from workerpool.heartbeats.store import FORGET_AFTER
@@ -20,14 +20,6 @@ from workerpool.testing.pubsub import PubSubResources
 
 SUB = "projects/p/subscriptions/jobs"
 StoreFactory = Callable[[], HeartbeatStore]
-
-
-def _beat(replica: str, at: float, *, subscription: str = SUB, **fields: object) -> Beat:
-    beat = Beat(
-        replica=replica, subscription=subscription, host="h", pid=1, slots=4, running=0,
-        waiting=0, completed=0.0, saturated=False, draining=False, at=at, until=at + 6,
-    )  # fmt: skip
-    return replace(beat, **fields)  # type: ignore[arg-type]
 
 
 @pytest.fixture(params=["memory", "sqlite", "firestore"])
@@ -51,16 +43,16 @@ def make_store(
 def test_the_latest_beat_of_each_live_replica_of_a_subscription(make_store: StoreFactory) -> None:
     # Given two replicas' handles on one store, and a replica of another subscription
     a, b = make_store(), make_store()
-    a.beat(_beat("a", 100.0, running=1))
-    b.beat(_beat("b", 100.0, running=2))
-    a.beat(_beat("a", 102.0, running=3, saturated=True))
-    b.beat(_beat("other", 102.0, subscription="projects/p/subscriptions/else"))
+    a.beat(make_beat("a", at=100.0, running=1))
+    b.beat(make_beat("b", at=100.0, running=2))
+    a.beat(make_beat("a", at=102.0, running=3, saturated=True))
+    b.beat(make_beat("other", at=102.0, subscription="projects/p/subscriptions/else"))
     # When the autoscaler reads the subscription's beats
     seen = make_store().live(SUB, 103.0)
     # Then each replica's latest beat is there, whole, and only those of the subscription
     assert seen == [
-        _beat("a", 102.0, running=3, saturated=True),
-        _beat("b", 100.0, running=2),
+        make_beat("a", at=102.0, running=3, saturated=True),
+        make_beat("b", at=100.0, running=2),
     ]
 
 
@@ -68,9 +60,9 @@ def test_a_beat_lapses_when_not_renewed_and_is_gone_at_once_on_a_clean_exit(
     make_store: StoreFactory,
 ) -> None:
     store = make_store()
-    store.beat(_beat("died", 100.0))  # until 106
-    store.beat(_beat("stopped", 100.0))
-    store.beat(_beat("alive", 104.0))  # until 110
+    store.beat(make_beat("died", at=100.0))  # until 106
+    store.beat(make_beat("stopped", at=100.0))
+    store.beat(make_beat("alive", at=104.0))  # until 110
     store.gone("stopped")
     assert [b.replica for b in store.live(SUB, 105.0)] == ["alive", "died"]
     assert [b.replica for b in store.live(SUB, 107.0)] == ["alive"]
@@ -79,8 +71,8 @@ def test_a_beat_lapses_when_not_renewed_and_is_gone_at_once_on_a_clean_exit(
 
 def test_a_beat_lapsed_long_ago_is_forgotten_by_the_reader(make_store: StoreFactory) -> None:
     store = make_store()
-    store.beat(_beat("died", 100.0))
-    store.beat(_beat("alive", 100.0 + FORGET_AFTER))
+    store.beat(make_beat("died", at=100.0))
+    store.beat(make_beat("alive", at=100.0 + FORGET_AFTER))
     # When the autoscaler reads an hour after the first replica died
     store.live(SUB, 110.0 + FORGET_AFTER)
     # Then its beat was deleted, not merely left out: read as of a time when both were

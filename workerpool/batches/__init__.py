@@ -11,7 +11,7 @@ from collections.abc import Callable
 from workerpool.batches.memory import MemoryBatches
 from workerpool.batches.sqlite import SqliteBatches
 from workerpool.batches.store import Batch, BatchStore, Completion
-from workerpool.stores import Location, firestore_extra_missing
+from workerpool.stores import opener
 
 __all__ = ["Batch", "BatchStore", "Completion", "MemoryBatches", "SqliteBatches", "batch_opener"]
 
@@ -20,15 +20,11 @@ def batch_opener(url: str) -> Callable[[], BatchStore] | None:
     """What opens the batches beside the idempotency store ``url`` names (Firestore: the
     collection ``<COLLECTION>-batches``); None for ``none``. Raises ImportError for a
     missing extra."""
-    where = Location.parse(url)
-    if where.kind == "none":
-        return None
-    if where.kind == "memory":
-        return MemoryBatches
-    if where.kind == "sqlite":
-        return lambda: SqliteBatches(where.path)
-    try:
-        from workerpool.batches.firestore import FirestoreBatches
-    except ImportError as exc:
-        raise firestore_extra_missing("batch store") from exc
-    return lambda: FirestoreBatches(where.project, f"{where.collection}-batches")
+    return opener(url, "batch store", memory=MemoryBatches, sqlite=SqliteBatches,
+                  firestore=_firestore)  # fmt: skip
+
+
+def _firestore() -> Callable[[str, str], BatchStore]:
+    from workerpool.batches.firestore import FirestoreBatches
+
+    return lambda project, collection: FirestoreBatches(project, f"{collection}-batches")

@@ -116,20 +116,18 @@ class _Tables:
         return [str(row[0]) for row in rows]
 
 
+def _create(conn: sqlite3.Connection) -> None:
+    for statement in _SCHEMA:
+        conn.execute(statement)
+    # A store file written before batches kept their publisher's trace.
+    add_column(conn, "batches", "trace", "TEXT NOT NULL DEFAULT ''")
+
+
 class SqliteBatches(BatchStore):
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
         self._lock = threading.Lock()  # one connection: one transaction at a time
-        self._conn = connect(path, busy_timeout, _LABEL)
+        self._conn = connect(path, busy_timeout, _LABEL, _create)
         self._tables = _Tables(self._conn)
-        with translated(_LABEL):
-            try:
-                for statement in _SCHEMA:
-                    self._conn.execute(statement)
-                # A store file written before batches kept their publisher's trace.
-                add_column(self._conn, "batches", "trace", "TEXT NOT NULL DEFAULT ''")
-            except BaseException:
-                self._conn.close()
-                raise
 
     def _atomic(self, body: Callable[[Transaction], T]) -> T:
         with self._lock, translated(_LABEL), immediate(self._conn):

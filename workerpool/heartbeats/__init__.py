@@ -9,7 +9,7 @@ from collections.abc import Callable
 from workerpool.heartbeats.memory import MemoryHeartbeats
 from workerpool.heartbeats.sqlite import SqliteHeartbeats
 from workerpool.heartbeats.store import Beat, HeartbeatStore
-from workerpool.stores import Location, firestore_extra_missing
+from workerpool.stores import opener
 
 __all__ = ["Beat", "HeartbeatStore", "MemoryHeartbeats", "SqliteHeartbeats", "heartbeat_opener"]
 
@@ -18,15 +18,11 @@ def heartbeat_opener(url: str) -> Callable[[], HeartbeatStore] | None:
     """What opens the heartbeats beside the idempotency store ``url`` names; None for
     ``none`` (nothing is shared: no replica can be seen by another process). Raises
     ValueError for a URL it does not know, ImportError for a missing extra."""
-    where = Location.parse(url)
-    if where.kind == "none":
-        return None
-    if where.kind == "memory":
-        return MemoryHeartbeats
-    if where.kind == "sqlite":
-        return lambda: SqliteHeartbeats(where.path)
-    try:
-        from workerpool.heartbeats.firestore import FirestoreHeartbeats
-    except ImportError as exc:
-        raise firestore_extra_missing("heartbeats") from exc
-    return lambda: FirestoreHeartbeats(where.project, f"{where.collection}-heartbeats")
+    return opener(url, "heartbeats", memory=MemoryHeartbeats, sqlite=SqliteHeartbeats,
+                  firestore=_firestore)  # fmt: skip
+
+
+def _firestore() -> Callable[[str, str], HeartbeatStore]:
+    from workerpool.heartbeats.firestore import FirestoreHeartbeats
+
+    return lambda project, collection: FirestoreHeartbeats(project, f"{collection}-heartbeats")

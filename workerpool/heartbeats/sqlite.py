@@ -22,13 +22,7 @@ CREATE TABLE IF NOT EXISTS heartbeats (
 class SqliteHeartbeats(HeartbeatStore):
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
         self._lock = threading.Lock()  # one connection: one statement at a time
-        self._conn = connect(path, busy_timeout, _LABEL)
-        with translated(_LABEL):
-            try:
-                self._conn.execute(_SCHEMA)
-            except BaseException:
-                self._conn.close()
-                raise
+        self._conn = connect(path, busy_timeout, _LABEL, lambda conn: conn.execute(_SCHEMA))
 
     def beat(self, beat: Beat) -> None:
         with self._lock, translated(_LABEL):

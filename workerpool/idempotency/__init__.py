@@ -26,7 +26,7 @@ from workerpool.idempotency.base import (
 )
 from workerpool.idempotency.memory import MemoryStore
 from workerpool.idempotency.sqlite import SqliteStore
-from workerpool.stores import Location, firestore_extra_missing
+from workerpool.stores import opener
 
 __all__ = [
     "DEFAULT_RETENTION",
@@ -49,19 +49,20 @@ StoreOpener = Callable[[], IdempotencyStore]
 def store_opener(url: str, *, retention: float = DEFAULT_RETENTION) -> StoreOpener | None:
     """What opens the store a URL names (None for ``none``), checked now, opened later.
     Raises ValueError for a URL it does not know, ImportError for a missing extra."""
-    where = Location.parse(url)
-    if where.kind == "none":
-        return None
-    if where.kind == "memory":
-        return lambda: MemoryStore(retention=retention)
-    if where.kind == "sqlite":
-        return lambda: SqliteStore(where.path, retention=retention)
-    # Imported here so the package works without the optional google-cloud-firestore.
-    try:
+
+    def firestore() -> Callable[[str, str], IdempotencyStore]:
+        # Imported here so the package works without the optional google-cloud-firestore.
         from workerpool.idempotency.firestore import FirestoreStore
-    except ImportError as exc:
-        raise firestore_extra_missing("idempotency store") from exc
-    return lambda: FirestoreStore(where.project, where.collection, retention=retention)
+
+        return lambda project, collection: FirestoreStore(project, collection, retention=retention)
+
+    return opener(
+        url,
+        "idempotency store",
+        memory=lambda: MemoryStore(retention=retention),
+        sqlite=lambda path: SqliteStore(path, retention=retention),
+        firestore=firestore,
+    )
 
 
 def open_store(url: str, *, retention: float = DEFAULT_RETENTION) -> IdempotencyStore | None:

@@ -113,16 +113,13 @@ class SqliteStore(IdempotencyStore):
         self._commit_lock = threading.Lock()  # held by the leader: it alone uses _conn
         self._closed = False
         self._since_purge = 0
-        self._conn = connect(path, busy_timeout, _LABEL)
-        with translated(_LABEL):
-            try:
-                self._conn.executescript(_SCHEMA)
-                # A store file written before failed attempts were counted lacks the column.
-                add_column(self._conn, "idempotency", "failures", "INTEGER NOT NULL DEFAULT 0")
-                self._purge()
-            except BaseException:
-                self._conn.close()
-                raise
+        self._conn = connect(path, busy_timeout, _LABEL, self._create)
+
+    def _create(self, conn: sqlite3.Connection) -> None:
+        conn.executescript(_SCHEMA)
+        # A store file written before failed attempts were counted lacks the column.
+        add_column(conn, "idempotency", "failures", "INTEGER NOT NULL DEFAULT 0")
+        _delete_expired(conn, self._clock())
 
     # --- claim and complete: one statement each when no batch is being committed -----------
     #
@@ -395,7 +392,7 @@ class SqliteStore(IdempotencyStore):
             )
 
     def _purge(self) -> None:
-        self._conn.execute("DELETE FROM idempotency WHERE expire_at <= ?", (self._clock(),))
+        _delete_expired(self._conn, self._clock())
 
     def close(self) -> None:
         """Refuse new calls, let queued ones finish, close the connection. Idempotent."""
@@ -411,3 +408,7 @@ class SqliteStore(IdempotencyStore):
 
 def _marks(count: int) -> str:
     return ", ".join(["?"] * count)
+
+
+def _delete_expired(conn: sqlite3.Connection, now: float) -> None:
+    conn.execute("DELETE FROM idempotency WHERE expire_at <= ?", (now,))

@@ -12,7 +12,7 @@ from workerpool.schedule.memory import MemorySchedule
 from workerpool.schedule.sqlite import SqliteSchedule
 from workerpool.schedule.store import Entry, ScheduleStore
 from workerpool.schedule.when import MAX_AHEAD, not_before_text, parse_not_before
-from workerpool.stores import Location, firestore_extra_missing
+from workerpool.stores import opener
 
 __all__ = [
     "MAX_AHEAD",
@@ -30,15 +30,11 @@ def schedule_opener(url: str) -> Callable[[], ScheduleStore] | None:
     """What opens the schedule beside the idempotency store ``url`` names (Firestore: the
     collection ``<COLLECTION>-schedule``); None for ``none``: delayed messages then ride on
     their ack deadline. Raises ImportError for a missing extra."""
-    where = Location.parse(url)
-    if where.kind == "none":
-        return None
-    if where.kind == "memory":
-        return MemorySchedule
-    if where.kind == "sqlite":
-        return lambda: SqliteSchedule(where.path)
-    try:
-        from workerpool.schedule.firestore import FirestoreSchedule
-    except ImportError as exc:
-        raise firestore_extra_missing("schedule") from exc
-    return lambda: FirestoreSchedule(where.project, f"{where.collection}-schedule")
+    return opener(url, "schedule", memory=MemorySchedule, sqlite=SqliteSchedule,
+                  firestore=_firestore)  # fmt: skip
+
+
+def _firestore() -> Callable[[str, str], ScheduleStore]:
+    from workerpool.schedule.firestore import FirestoreSchedule
+
+    return lambda project, collection: FirestoreSchedule(project, f"{collection}-schedule")

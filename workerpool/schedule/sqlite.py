@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -34,17 +35,15 @@ def _entry(row: Any) -> Entry:
     return Entry(topic, job_id, float(due), bytes(data), json.loads(attributes))
 
 
+def _create(conn: sqlite3.Connection) -> None:
+    for statement in _SCHEMA:
+        conn.execute(statement)
+
+
 class SqliteSchedule(ScheduleStore):
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
         self._lock = threading.Lock()  # one connection: one transaction at a time
-        self._conn = connect(path, busy_timeout, _LABEL)
-        with translated(_LABEL):
-            try:
-                for statement in _SCHEMA:
-                    self._conn.execute(statement)
-            except BaseException:
-                self._conn.close()
-                raise
+        self._conn = connect(path, busy_timeout, _LABEL, _create)
 
     def add(self, entry: Entry) -> bool:
         with self._lock, translated(_LABEL):

@@ -13,7 +13,7 @@ from workerpool.slots.memory import MemorySlots
 from workerpool.slots.middleware import Concurrency, Lease, SlotLeases
 from workerpool.slots.sqlite import SqliteSlots
 from workerpool.slots.store import Full, Granted, Holding, SlotStore
-from workerpool.stores import Location, StoreError, firestore_extra_missing
+from workerpool.stores import StoreError, opener
 
 __all__ = [
     "Concurrency",
@@ -39,18 +39,17 @@ def slot_store_opener(url: str) -> SlotStoreOpener:
     """What opens the slot store beside the idempotency store ``url`` names. Raises
     ValueError for a URL it does not know or for ``none`` (slots must be shared to limit
     anything), ImportError for a missing extra."""
-    where = Location.parse(url)
-    if where.kind == "none":
+    found = opener(url, "slot store", memory=MemorySlots, sqlite=SqliteSlots,
+                   firestore=_firestore)  # fmt: skip
+    if found is None:
         raise ValueError("concurrency limits need a store shared by the workers, not none")
-    if where.kind == "memory":
-        return MemorySlots
-    if where.kind == "sqlite":
-        return lambda: SqliteSlots(where.path)
-    try:
-        from workerpool.slots.firestore import FirestoreSlots
-    except ImportError as exc:
-        raise firestore_extra_missing("slot store") from exc
-    return lambda: FirestoreSlots(where.project, f"{where.collection}-slots")
+    return found
+
+
+def _firestore() -> Callable[[str, str], SlotStore]:
+    from workerpool.slots.firestore import FirestoreSlots
+
+    return lambda project, collection: FirestoreSlots(project, f"{collection}-slots")
 
 
 def open_slot_store(url: str) -> SlotStore:

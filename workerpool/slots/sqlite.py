@@ -35,13 +35,7 @@ class SqliteSlots(SlotStore):
     ) -> None:
         super().__init__(clock=clock)
         self._lock = threading.Lock()  # one connection: one transaction at a time
-        self._conn = connect(path, busy_timeout, _LABEL)
-        with translated(_LABEL):
-            try:
-                self._conn.execute(_SCHEMA)
-            except BaseException:
-                self._conn.close()
-                raise
+        self._conn = connect(path, busy_timeout, _LABEL, lambda conn: conn.execute(_SCHEMA))
 
     def _mutate_many(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
         with self._lock, translated(_LABEL), immediate(self._conn):

@@ -63,6 +63,36 @@ class Location:
         raise ValueError(f"unsupported store URL {url!r}: {EXPECTED_URL}")
 
 
+S = TypeVar("S")
+
+
+def opener(
+    url: str,
+    what: str,
+    *,
+    memory: Callable[[], S],
+    sqlite: Callable[[str], S],
+    firestore: Callable[[], Callable[[str, str], S]],
+) -> Callable[[], S] | None:
+    """What opens ``what`` (a store named in errors) beside the store ``url`` names, checked
+    now and opened later; None for ``none``. ``sqlite`` takes the file's path; ``firestore``
+    imports its backend (google-cloud-firestore is an extra) and returns what takes the
+    project and the collection. Raises ValueError for a URL it does not know, ImportError
+    for a missing extra."""
+    where = Location.parse(url)
+    if where.kind == "none":
+        return None
+    if where.kind == "memory":
+        return memory
+    if where.kind == "sqlite":
+        return lambda: sqlite(where.path)
+    try:
+        make = firestore()
+    except ImportError as exc:
+        raise firestore_extra_missing(what) from exc
+    return lambda: make(where.project, where.collection)
+
+
 def firestore_extra_missing(what: str) -> ImportError:
     return ImportError(
         f"firestore:// {what} needs google-cloud-firestore: pip install 'workerpool[firestore]'"

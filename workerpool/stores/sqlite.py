@@ -5,16 +5,22 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from workerpool.stores import StoreError, StoreUnavailable
 
 
-def connect(path: str | os.PathLike[str], busy_timeout: float, label: str) -> sqlite3.Connection:
+def connect(
+    path: str | os.PathLike[str],
+    busy_timeout: float,
+    label: str,
+    setup: Callable[[sqlite3.Connection], object] | None = None,
+) -> sqlite3.Connection:
     """An autocommit connection in WAL mode (``synchronous=NORMAL``); the caller issues
-    ``BEGIN IMMEDIATE`` itself. Errors are ``StoreError``s naming ``label``."""
+    ``BEGIN IMMEDIATE`` itself. ``setup`` (the store's tables) runs on it before it is
+    returned. Errors are ``StoreError``s naming ``label``; on one, the connection is closed."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with translated(label):
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves instead of the module's
@@ -32,6 +38,8 @@ def connect(path: str | os.PathLike[str], busy_timeout: float, label: str) -> sq
                 # cache. Only an OS crash or power loss can roll back the last commits (never
                 # corrupt the file), and every worker on the host dies with them.
                 conn.execute("PRAGMA synchronous=NORMAL")
+            if setup is not None:
+                setup(conn)
         except BaseException:
             conn.close()
             raise
