@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
+from workerpool.worker.keeper import LeaseKeeper
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.timers import Timers
 
@@ -300,3 +302,34 @@ def test_a_run_handed_back_while_its_claim_is_made_never_starts(timers: Timers) 
     finally:
         store.heal()
         worker.close()
+
+
+def test_a_lease_that_ends_while_its_renewal_is_in_flight_is_not_taken_over(
+    timers: Timers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a keeper whose renewal round is in flight when its one run completes (the store
+    # then says the claim is no longer a live claim of ours)
+    in_flight, answer = threading.Event(), threading.Event()
+
+    def renew(keys: Any) -> list[bool]:
+        in_flight.set()
+        answer.wait(5)
+        return [False] * len(keys)
+
+    keeper: LeaseKeeper[str] = LeaseKeeper(
+        "claim", timers, 0.6, renew=renew, release=lambda keys: None, close_store=lambda: None
+    )
+    run = SimpleNamespace(ctx=SimpleNamespace(cancelled=threading.Event()),
+                          job=SimpleNamespace(job_id="j1"))  # fmt: skip
+    keeper.start()
+    try:
+        held = keeper.hold(run, "j1", time.monotonic())  # type: ignore[arg-type]
+        assert in_flight.wait(5)
+        # When the run ends (its claim completed) before the renewal's answer comes back
+        keeper.let_go(held)
+        answer.set()
+    finally:
+        keeper.close(timeout=5)  # joins the keeper's thread: the round has ended
+    # Then nothing is cancelled and nobody is told the claim was taken over
+    assert not run.ctx.cancelled.is_set()
+    assert "taken over" not in caplog.text

@@ -183,14 +183,20 @@ class LeaseKeeper(Generic[K]):
         for lease, still_ours in zip(held, ours, strict=True):
             if still_ours:
                 self._extend(lease, sent + self.ttl)
-            else:
+            elif self._holds(lease):
                 # Someone took over (our renewals lapsed): stop rather than share the lease.
+                # (One that ended while the renewal was in flight, completed or released,
+                # is no longer ours either: nothing to stop, nothing to say.)
                 log.warning(
                     "%s for job %s was taken over; cancelling its run",
                     self._what,
                     lease.run.job.job_id,
                 )
                 lease.run.ctx.cancelled.set()
+
+    def _holds(self, lease: Held[K]) -> bool:
+        with self._lock:
+            return self._held.get(lease.key) is lease
 
     def _extend(self, lease: Held[K], expires: float) -> None:
         with self._lock:
