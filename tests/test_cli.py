@@ -126,6 +126,30 @@ def test_a_worker_without_credentials_exits_2_with_one_line(tmp_path: Path) -> N
     assert line.startswith("workerpool: error: no Google Cloud credentials found")
 
 
+def test_a_worker_whose_firestore_store_has_no_credentials_exits_2_with_one_line(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given Pub/Sub on the emulator, but a Firestore store with no emulator and no credentials
+    pubsub_resources.provision()
+    env = {
+        **_nowhere(tmp_path),
+        "PUBSUB_EMULATOR_HOST": pubsub_resources.host,
+        "GCE_METADATA_IP": "127.0.0.1:9",  # no metadata server to ask either: refused at once
+    }
+    env.pop("FIRESTORE_EMULATOR_HOST", None)
+    # When a worker starts
+    result = _cli(
+        "run", "--project", pubsub_resources.project,
+        "--subscription", pubsub_resources.subscription,
+        "--idempotency-store", "firestore://p/claims", env=env,
+    )  # fmt: skip
+    # Then it names the store and what is missing in one line, not a traceback
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("workerpool: error: idempotency_store"), line
+    assert "Firestore" in line and "DefaultCredentialsError" in line
+
+
 def _nowhere(tmp_path: Path) -> dict[str, str]:
     """An environment with no emulator and no credentials to be found (not even gcloud's)."""
     env = {k: v for k, v in os.environ.items() if k != "PUBSUB_EMULATOR_HOST"}

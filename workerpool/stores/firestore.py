@@ -100,6 +100,13 @@ def after_lost_race(pause: float) -> float:
     return min(pause * 2, _MAX_PAUSE)
 
 
+def new_client(project: str, label: str) -> Any:
+    """A client of ``project``'s default database; no credentials (and no emulator) is a
+    ``StoreError``, which a worker turns into one line naming the store, not a traceback."""
+    with translated(label):
+        return firestore.Client(project=project)
+
+
 def close_client(client: Any) -> None:
     # The public client has no close(); closing the gRPC channel frees its sockets and
     # threads now rather than at garbage collection.
@@ -175,7 +182,7 @@ class Documents:
     reads, writes, retries and lost races."""
 
     def __init__(self, project: str, collection: str, *, timeout: float, label: str) -> None:
-        self._client = firestore.Client(project=project)
+        self._client = new_client(project, label)
         self._collection = self._client.collection(collection)
         self._timeout = timeout
         self._label = label

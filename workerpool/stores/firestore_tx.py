@@ -18,7 +18,6 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from google.api_core import exceptions as api_exceptions
-from google.cloud import firestore
 
 from workerpool.stores import StoreUnavailable
 from workerpool.stores.firestore import (
@@ -27,6 +26,7 @@ from workerpool.stores.firestore import (
     after_lost_race,
     call_options,
     close_client,
+    new_client,
     translated,
 )
 
@@ -100,7 +100,7 @@ class Atomic:
     """A client of ``project``'s default database; every call is bounded by ``timeout``."""
 
     def __init__(self, project: str, *, timeout: float, label: str) -> None:
-        self.client = firestore.Client(project=project)
+        self.client = new_client(project, label)
         self.timeout = timeout
         self.label = label
 
