@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,31 +83,28 @@ def warm_firestore(firestore_emulator: LocalEmulator) -> LocalEmulator:
     its first seconds on a cold JVM answer writes in 0.1-1 s (measured: a key's busy share
     0.69-0.76 on a fresh emulator, 0.90-0.95 on one other tests had used), which real
     Firestore, warm all the time, never shows. A figure of the store's behaviour is measured
-    on a warm one."""
-    import threading
-    import uuid
-
-    from workerpool.slots.firestore import FirestoreSlots
-
-    previous = os.environ.get(firestore_emulator.env_var)
-    os.environ[firestore_emulator.env_var] = firestore_emulator.host
-    try:
-        store = FirestoreSlots(FIRESTORE_PROJECT, f"warm-{uuid.uuid4().hex[:8]}")
-
-        def cycle(holder: str) -> None:
-            for _ in range(200):
-                store.acquire("warm", holder, 2, 30.0, wait=True)
-                store.release_many([("warm", holder)], held_for=0.01)
-
-        threads = [threading.Thread(target=cycle, args=(f"h{i}",)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        store.close()
-    finally:
-        if previous is None:
-            os.environ.pop(firestore_emulator.env_var, None)
-        else:
-            os.environ[firestore_emulator.env_var] = previous
+    on a warm one. In a process of its own: the slot store's listeners end with it (a
+    listener's stream closed later by the emulator raised in a thread of the test process)."""
+    env = {**os.environ, firestore_emulator.env_var: firestore_emulator.host}
+    subprocess.run([sys.executable, "-c", _WARM_UP], env=env, check=True, timeout=120)
     return firestore_emulator
+
+
+_WARM_UP = f"""
+import threading, uuid
+from workerpool.slots.firestore import FirestoreSlots
+
+store = FirestoreSlots({FIRESTORE_PROJECT!r}, "warm-" + uuid.uuid4().hex[:8])
+
+def cycle(holder):
+    for _ in range(200):
+        store.acquire("warm", holder, 2, 30.0, wait=True)
+        store.release_many([("warm", holder)], held_for=0.01)
+
+threads = [threading.Thread(target=cycle, args=(f"h{{i}}",)) for i in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+store.close()
+"""
