@@ -150,6 +150,70 @@ def test_a_freed_slot_goes_to_the_replica_that_waited_longest(
     assert store.table(KEY).waiters == {}
 
 
+def test_a_release_hands_its_slot_to_the_first_in_line_in_the_same_write(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    # Given a key of limit 1 whose holder's job was booked, and two replicas in line
+    store.book(KEY, "j-next", 1)
+    clock.advance(0.1)
+    store.acquire(KEY, "holder", 1, TTL)
+    store.acquire(KEY, "second", 1, TTL, wait=True)
+    clock.advance(0.5)
+    store.acquire(KEY, "first", 1, TTL, wait=False)  # no place: it did not wait
+    store.acquire(KEY, "booked", 1, TTL, wait=True, job_id="j-next")
+    # When the holder releases its slot
+    clock.advance(1.0)
+    store.release(KEY, "holder", held_for=1.5, limit=1, ttl=TTL)
+    # Then the oldest place in line holds it (the booked job's, kept from its deferral),
+    # with a new token and the lease running since the release; the rest still wait
+    table = store.table(KEY)
+    assert set(table.holders) == {"booked"} and set(table.waiters) == {"second"}
+    assert table.holders["booked"].token == 2 and table.holders["booked"].job_id == "j-next"
+    clock.advance(2.0)
+    assert store.acquire(KEY, "second", 1, TTL, wait=True) == Full(1)
+    granted = store.acquire(KEY, "booked", 1, TTL, wait=True, job_id="j-next")
+    assert granted == Granted(KEY, "booked", 2) and granted.age == pytest.approx(2.0)
+    # And its release gives up its job's booking, and hands the slot on again
+    store.release(KEY, "booked", held_for=2.0, limit=1, ttl=TTL)
+    table = store.table(KEY)
+    assert set(table.holders) == {"second"} and table.booked == {}
+    assert table.holders["second"].token == 3
+
+
+def test_a_release_hands_nothing_over_beyond_the_limit_or_to_a_lapsed_place(
+    store: SlotStore, clock: FakeClock
+) -> None:
+    # Given a key of limit 2 held twice, one replica in line that stopped refreshing its place
+    store.acquire(KEY, "h1", 2, TTL)
+    store.acquire(KEY, "h2", 2, TTL)
+    store.acquire(KEY, "gone", 2, TTL, wait=True)
+    # When h1 releases with the limit lowered to 1 elsewhere, Then the waiter gets nothing
+    store.release(KEY, "h1", held_for=1.0, limit=1, ttl=TTL)
+    assert set(store.table(KEY).holders) == {"h2"}
+    # When h2 releases after the place lapsed, Then the slot is free for anyone
+    clock.advance(WAITER_TTL + 0.1)
+    store.release(KEY, "h2", held_for=1.0, limit=2, ttl=TTL)
+    assert store.table(KEY).holders == {}
+    assert store.acquire(KEY, "newcomer", 2, TTL) == Granted(KEY, "newcomer", 3)
+
+
+def test_a_change_made_by_another_replica_is_told_where_the_backend_can(
+    make_store: StoreFactory, request: pytest.FixtureRequest
+) -> None:
+    # Given a replica told of changes to a key it asked about (its first copy, once watched)
+    here, elsewhere = make_store(), make_store()
+    told = threading.Event()
+    here.on_change(KEY, told.set)
+    here.acquire(KEY, "w0", 1, TTL)
+    pushes = request.node.callspec.params["make_store"] == "firestore"
+    assert told.wait(10) == pushes
+    told.clear()
+    # When another replica changes the key's record, Then it is told where the backend
+    # pushes changes (Firestore's listener); elsewhere its waiters poll, and nothing calls it
+    elsewhere.acquire(KEY, "w1", 1, TTL, wait=True)
+    assert told.wait(10 if pushes else 0.5) == pushes
+
+
 def test_a_place_in_line_lapses_unless_refreshed_and_can_be_given_up(
     store: SlotStore, clock: FakeClock
 ) -> None:

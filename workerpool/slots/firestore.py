@@ -52,6 +52,9 @@ class FirestoreSlots(SlotStore):
 
         return decide
 
+    def on_change(self, key: str, callback: Callable[[], None]) -> None:
+        self._docs.on_push(key, callback)
+
     def _records(self, prefix: str) -> list[str]:
         return self._docs.keys(prefix)
 

@@ -89,7 +89,8 @@ class PoolGate:
             self.key, holder, self._limit, self._leases.keeper.ttl, wait=wait
         )
         if isinstance(result, Granted):
-            self._unbound.append(Reserved(Lease(self.key, holder, result.token), sent))
+            lease = Lease(self.key, holder, result.token)
+            self._unbound.append(Reserved(lease, sent - result.age))
         return isinstance(result, Granted)
 
     def bind(self, deliveries: Sequence[Delivery]) -> None:

@@ -196,7 +196,7 @@ class SlotLeases:
                         if isinstance(result, Granted):
                             queued = False
                             lease = Lease(key, holder, result.token)
-                            taken = self.keep(run, lease, sent, named=named)
+                            taken = self.keep(run, lease, sent - result.age, named=named)
                             # Asked without its permit: it takes one back only now, its
                             # slot kept alive meanwhile.
                             if parked and not run.permit.pick_up():
@@ -239,7 +239,13 @@ class SlotLeases:
         lease = taken.lease
         try:
             held_for = self._clock() - taken.since
-            self._store.release_many([(lease.key, lease.holder)], held_for=held_for)
+            self._store.release(
+                lease.key,
+                lease.holder,
+                held_for=held_for,
+                limit=self.limits.of(lease.key) or 0,  # slots are only taken of declared keys
+                ttl=self.keeper.ttl,
+            )
         except StoreError as exc:
             log.warning("slot of %s not released (%s); it expires on its own", lease.key, exc)
         finally:
@@ -299,6 +305,9 @@ class SlotLeases:
             line = self._lines.get(key)
             if line is None:
                 line = self._lines[key] = _Line()
+                # A slot freed elsewhere (or handed to this line) wakes the first in line
+                # at once where the store says so, instead of at its next ask.
+                self._store.on_change(key, line.moved)
             return line
 
 

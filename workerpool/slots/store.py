@@ -31,10 +31,12 @@ class Holding:
 
 @dataclass(frozen=True)
 class Waiter:
-    """A place in the key's line: taken at ``since``, kept while it is refreshed."""
+    """A place in the key's line: taken at ``since``, kept while it is refreshed; ``job_id``
+    (a booked job's), for the holding it may be handed."""
 
     since: float
     until: float
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class Granted:
     key: str
     holder: str
     token: int
+    # Seconds between the lease's last renewal (or grant) and this answer: a slot handed to
+    # a waiter by a release is found already held, its lease running since the release.
+    age: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ def encode(table: Table) -> dict[str, Any]:
             for h, lease in table.holders.items()
         ],
         "waiters": [
-            {"holder": h, "since": float(w.since), "until": float(w.until)}
+            {"holder": h, "since": float(w.since), "until": float(w.until), "job_id": w.job_id}
             for h, w in table.waiters.items()
         ],
         "booked": [
@@ -128,7 +133,7 @@ def decode(data: dict[str, Any]) -> Table:
         },
         next_token=int(data.get("next_token", 1)),
         waiters={
-            e["holder"]: Waiter(float(e["since"]), float(e["until"]))
+            e["holder"]: Waiter(float(e["since"]), float(e["until"]), e.get("job_id", ""))
             for e in data.get("waiters", [])
         },
         booked={
@@ -189,6 +194,11 @@ class SlotStore(ABC):
         those without a round trip; a change is always decided on the record as it is."""
         return self._mutate_many([(key, mutation)])[0]
 
+    def on_change(self, key: str, callback: Callable[[], None]) -> None:  # noqa: B027
+        """Call ``callback`` soon after ``key``'s record changes, here or in another process,
+        where the backend is told of changes (Firestore's listener); elsewhere waiters find
+        changes by asking every ``poll_every`` seconds, and this does nothing."""
+
     @abstractmethod
     def close(self) -> None:
         """Release connections; the store must not be used afterwards."""
@@ -218,8 +228,11 @@ class SlotStore(ABC):
         """A slot for ``holder`` if fewer than ``limit`` live holders have one and no waiter
         that came before it is still waiting for it. A job that was deferred (``job_id``
         booked) keeps the place it had then. With ``wait``, a caller that gets none takes (or
-        keeps) a place in line. Asking again as a live holder (a reply lost on the way)
-        renews and returns the same grant. The job's booking is given up with the slot.
+        keeps) a place in line. Asking again as a live holder (a reply lost on the way, or a
+        slot a release handed to the caller's place in line) returns the same grant, renewed
+        unless the lease is younger than half its TTL: a slot handed over so is taken from
+        the watch's copy where the backend keeps one, without a write. The job's booking is
+        given up with the slot.
 
         A job's booking was made when it was deferred, seconds before it comes back, so
         it is looked up first, on its own, from a recent copy where the backend has one."""
@@ -230,6 +243,9 @@ class SlotStore(ABC):
             live, line = table.live(now), table.line(now)
             mine = live.get(holder)
             if mine is not None:
+                age = now - (mine.until - ttl)
+                if age < ttl / 2:
+                    return Granted(key, holder, mine.token, max(0.0, age)), None
                 live[holder] = replace(mine, until=now + ttl)
                 return Granted(key, holder, mine.token), replace(table, holders=live)
             place = line.pop(holder, None)
@@ -247,7 +263,7 @@ class SlotStore(ABC):
                 return full, None
             if place is not None and place.until - now > WAITER_TTL / 2:
                 return full, None  # a read: the place is refreshed only now and then
-            line[holder] = Waiter(since, now + WAITER_TTL)
+            line[holder] = Waiter(since, now + WAITER_TTL, job_id if booking else "")
             return full, replace(table, holders=live, waiters=line)
 
         return self._guarded(lambda: self._mutate_recent(key, mutation))
@@ -317,7 +333,22 @@ class SlotStore(ABC):
         """Give up ``(key, holder)`` slots, or places in line; ``held_for`` (seconds) says
         how long a slot was held, for the key's mean hold time. Once the slots are free, the
         bookings of the jobs that held them are given up too."""
+        self._release(leases, held_for, None)
 
+    def release(self, key: str, holder: str, *, held_for: float, limit: int, ttl: float) -> None:
+        """``release_many`` of one slot its run held for ``held_for`` seconds, handing it in
+        the same write to the first live waiter in the key's line (a lease of ``ttl``), while
+        the key has fewer than ``limit`` other holders. The waiter finds it held at its next
+        ask, from the watch's copy where the backend keeps one: a slot changes hands in one
+        write instead of two, and idles only while the release reaches the waiter."""
+        self._release([(key, holder)], held_for, (limit, ttl))
+
+    def _release(
+        self,
+        leases: Sequence[tuple[str, str]],
+        held_for: float | None,
+        hand_over: tuple[int, float] | None,
+    ) -> None:
         def releasing(holder: str) -> TableMutation[str]:
             def mutation(table: Table | None, now: float) -> tuple[str, Table | None]:
                 if table is None or (holder not in table.holders and holder not in table.waiters):
@@ -325,6 +356,14 @@ class SlotStore(ABC):
                 live, line = table.live(now), table.line(now)
                 held = live.pop(holder, None)
                 line.pop(holder, None)
+                token = table.next_token
+                if held is not None and hand_over is not None and line:
+                    limit, ttl = hand_over
+                    if len(live) < limit:
+                        first = min(line, key=lambda h: (line[h].since, h))
+                        waiter = line.pop(first)
+                        live[first] = Holding(now + ttl, token, now, waiter.job_id)
+                        token += 1
                 hold = table.hold
                 if held is not None and held_for is not None:
                     # The caller counts from before its ask, so its figure includes the
@@ -335,7 +374,7 @@ class SlotStore(ABC):
                     hold = sample if not hold else hold + _HOLD_WEIGHT * (sample - hold)
                 return (
                     "" if held is None else held.job_id,
-                    replace(table, holders=live, waiters=line, hold=hold),
+                    replace(table, holders=live, waiters=line, hold=hold, next_token=token),
                 )
 
             return mutation

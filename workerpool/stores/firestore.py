@@ -374,6 +374,11 @@ class Documents:
     def _translated(self) -> AbstractContextManager[None]:
         return translated(self._label)
 
+    def on_push(self, key: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the listener's thread) whenever a watched copy of the
+        document learns of a change, made here or elsewhere."""
+        self._copies.on_push(self._ref(key).id, callback)
+
     def close(self) -> None:
         self._copies.close()
         close_client(self._client)
@@ -386,6 +391,7 @@ class _Copies:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watched: dict[str, _Watched] = {}
+        self._callbacks: dict[str, list[Callable[[], None]]] = {}
         self._swept = time.monotonic()
 
     def get(self, ref: Any, *, watch: bool) -> _State | None:
@@ -414,6 +420,10 @@ class _Copies:
             ):
                 watched.state = state
 
+    def on_push(self, doc_id: str, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._callbacks.setdefault(doc_id, []).append(callback)
+
     def _listen(self, ref: Any) -> Any:
         def pushed(docs: list[Any], changes: Any, read_time: datetime) -> None:
             doc = docs[0] if docs else None
@@ -421,6 +431,10 @@ class _Copies:
                 self.learn(ref, _State(doc.to_dict(), doc.update_time, read_time, time.monotonic()))
             else:
                 self.learn(ref, _State(None, None, read_time, time.monotonic()))
+            with self._lock:
+                callbacks = list(self._callbacks.get(ref.id, ()))
+            for callback in callbacks:
+                callback()
 
         return ref.on_snapshot(pushed)
 
