@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
+from workerpool.slots import SlotStore
 from workerpool.testing.pubsub import PubSubResources
 
 
@@ -221,3 +222,11 @@ def store_handles(
     finally:
         for store in opened:
             store.close()
+
+
+def book(store: SlotStore, key: str, job_id: str, limit: int) -> float:
+    """Defer ``job_id`` on ``key`` as a worker does (its come-back time, then its booking
+    written) and return when it was told to come back."""
+    booking = store.come_back(key, job_id, limit)
+    store.book_many([(key, job_id, booking)])
+    return booking.at

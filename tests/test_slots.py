@@ -9,14 +9,14 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
-from tests.support import store_handles
+from tests.support import book, store_handles
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
 from workerpool.registry import JobSpec
@@ -35,7 +35,7 @@ from workerpool.slots import (
 )
 from workerpool.slots.keys import MissingField
 from workerpool.slots.middleware import GaveUp
-from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Table
+from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Booking, Table
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job
 from workerpool.worker.outcome import Outcome, Succeeded
@@ -154,7 +154,7 @@ def test_a_release_hands_its_slot_to_the_first_in_line_in_the_same_write(
     store: SlotStore, clock: FakeClock
 ) -> None:
     # Given a key of limit 1 whose holder's job was booked, and two replicas in line
-    store.book(KEY, "j-next", 1)
+    book(store, KEY, "j-next", 1)
     clock.advance(0.1)
     store.acquire(KEY, "holder", 1, TTL)
     store.acquire(KEY, "second", 1, TTL, wait=True)
@@ -234,19 +234,19 @@ def test_a_deferred_job_is_told_to_come_back_by_its_place_in_line(
     store.acquire(KEY, "h1", 2, TTL)
     store.acquire(KEY, "h2", 2, TTL)
     # Then a deferred job comes back when the oldest slot has been held as long again
-    assert store.book(KEY, "j1", 2) - clock.now == MIN_COME_BACK
+    assert book(store, KEY, "j1", 2) - clock.now == MIN_COME_BACK
     clock.advance(5)
-    assert store.book(KEY, "j2", 2) - clock.now == 5.0
+    assert book(store, KEY, "j2", 2) - clock.now == 5.0
     # Once a release measured one (4 s), a job comes back a little before a slot may be
     # free for it: 3rd in line, 2 slots of 4 s, 0.8 of that
     store.release_many([(KEY, "h1")], held_for=4.0)
     store.acquire(KEY, "h3", 2, TTL)
-    assert store.book(KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 3 * 4 / 2)
+    assert book(store, KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 3 * 4 / 2)
     # And one that comes back early keeps its place instead of going to the end
-    assert store.book(KEY, "j1", 2) - clock.now == pytest.approx(0.8 * 1 * 4 / 2)
+    assert book(store, KEY, "j1", 2) - clock.now == pytest.approx(0.8 * 1 * 4 / 2)
     # And a replica waiting now is ahead of every deferred job
     store.acquire(KEY, "replica", 2, TTL, wait=True)
-    assert store.book(KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 4 * 4 / 2)
+    assert book(store, KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 4 * 4 / 2)
     # And a booked job that comes back goes before that replica, which came later; while it
     # runs, it is not counted ahead of the jobs booked after it; its booking goes with its slot
     # (h2 was held 5 s since its grant: a caller counting 8 s from before its ask waited 3 s
@@ -255,7 +255,7 @@ def test_a_deferred_job_is_told_to_come_back_by_its_place_in_line(
     assert store.acquire(KEY, "w-j1", 2, TTL, job_id="j1") == Granted(KEY, "w-j1", 4)
     hold = 4 + 0.2 * (5 - 4)
     assert store.table(KEY).hold == pytest.approx(hold)
-    assert store.book(KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 3 * hold / 2)
+    assert book(store, KEY, "j3", 2) - clock.now == pytest.approx(0.8 * 3 * hold / 2)
     store.release_many([(KEY, "w-j1")], held_for=hold)
     assert set(store.table(KEY).booked) == {"j2", "j3"}
     # And a booking whose job never came back is dropped after a grace period
@@ -327,7 +327,7 @@ def test_a_change_made_through_one_handle_is_seen_by_another_soon(
 def test_keys_are_listed_by_prefix(store: SlotStore) -> None:
     for key in ("partner:b", "partner:a", "partner%_x", "exports"):
         store.acquire(key, "w", 1, TTL)
-    store.book("partner:a", "deferred", 1)  # a record of its own, not a key
+    book(store, "partner:a", "deferred", 1)  # a record of its own, not a key
     assert store.keys("partner:") == ["partner:a", "partner:b"]
     assert store.keys("partner%") == ["partner%_x"]  # no wildcards in a prefix
     assert store.keys("") == ["exports", "partner%_x", "partner:a", "partner:b"]
@@ -438,6 +438,35 @@ def test_runs_of_one_process_get_a_key_first_come_first_served(timers: Timers) -
         thread.join(30)
     # Then the waiters got it in the order they came
     assert order == list("12345")
+
+
+class _SlowBookings(MemorySlots):
+    """Bookings that take until ``written`` is set to write (a busy shared document)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = threading.Event()
+
+    def book_many(self, bookings: Sequence[tuple[str, str, Booking]]) -> None:
+        self.written.wait(10)
+        super().book_many(bookings)
+
+
+def test_a_deferral_does_not_wait_for_its_booking_and_a_close_writes_it(timers: Timers) -> None:
+    # Given a key of limit 1 held, and a store whose bookings are slow to write
+    store = _SlowBookings()
+    leases = SlotLeases(store, "w", Limits({KEY: 1}), timers)
+    assert not isinstance(leases.take(KEY, _run("0"), patience=5), GaveUp)
+    # When two jobs are deferred, Then each is told when to come back before any booking is
+    # written (the deferral's message is not held for it)
+    assert leases.come_back_in(KEY, "j1") == pytest.approx(MIN_COME_BACK, abs=0.5)
+    assert leases.come_back_in(KEY, "j2") == pytest.approx(MIN_COME_BACK, abs=0.5)
+    assert store.table(KEY).booked == {}
+    # And closing writes them, in place order
+    store.written.set()
+    leases.close(5.0)
+    booked = store.table(KEY).booked
+    assert list(booked) == ["j1", "j2"] and booked["j1"].since <= booked["j2"].since
 
 
 def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Timers) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeClock
+from tests.support import book
 from workerpool.ops.monitoring import MONITORING_URL, Backlog, BacklogReader
 from workerpool.ops.status import backlog_lines, slot_lines
 from workerpool.slots import SqliteSlots
@@ -97,7 +98,7 @@ def test_status_shows_each_keys_limit_holders_waiters_and_deferred_jobs(tmp_path
     for holder in ("w1/a", "w2/b"):
         store.acquire("exports", holder, 2, 60)
     store.acquire("exports", "w3/c", 2, 60, wait=True)
-    store.book("exports", "job-9", 2)
+    book(store, "exports", "job-9", 2)
     store.acquire("partner:acme", "w1/d", 1, 60)
     # When status reads it for the declared limits
     lines = dict(slot_lines(store, {"exports": 2, "partner:*": 1, "imports": 4}))

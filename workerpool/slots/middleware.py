@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from workerpool import constants as c
 from workerpool.errors import Defer
+from workerpool.slots.bookings import BookingWriter
 from workerpool.slots.keys import KeyTemplate, Limits, MissingField
 from workerpool.slots.store import Granted, SlotStore
 from workerpool.stores import StoreError
@@ -151,6 +152,7 @@ class SlotLeases:
             release=store.release_many,
             close_store=store.close,
         )
+        self._bookings = BookingWriter(store)
         self._lines: dict[str, _Line] = {}
         self._taken: dict[Run, list[_Taken]] = {}
         self._lock = threading.Lock()
@@ -229,8 +231,16 @@ class SlotLeases:
     def come_back_in(self, key: str, job_id: str) -> float:
         """Seconds until job ``job_id``, which found ``key`` full, should come back (its
         booking in the key's line); raises ``StoreError``."""
-        limit = self.limits.of(key) or 1
-        return max(0.0, self._store.book(key, job_id, limit) - time.time())
+        booking = self._store.come_back(key, job_id, self.limits.of(key) or 1)
+        self._bookings.put(key, job_id, booking)
+        return max(0.0, booking.at - time.time())
+
+    def close(self, timeout: float) -> None:
+        """Write the bookings not written yet, then release the interrupted runs' slots and
+        close the store, all within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        self._bookings.close(timeout / 2)
+        self.keeper.close(max(0.0, deadline - time.monotonic()))
 
     def give(self, taken: _Taken) -> None:
         """Release the slot (the run ended); a release that fails is left to expire."""
@@ -426,7 +436,7 @@ class Concurrency(Middleware):
         self._leases.interrupted(run)
 
     def close(self, timeout: float) -> None:
-        self._leases.keeper.close(timeout)
+        self._leases.close(timeout)
 
     def take_in_run(self, key: str, run: Run | None, holder: str | None = None) -> _Taken:
         """A slot for part of a running job (``ctx.slot``); raises ``Defer`` or

@@ -268,45 +268,65 @@ class SlotStore(ABC):
 
         return self._guarded(lambda: self._mutate_recent(key, mutation))
 
-    def book(self, key: str, job_id: str, limit: int) -> float:
-        """When (wall time) the job ``job_id``, which found ``key`` full, should come back:
-        about when a slot may be free for it, from its place in line (the replicas waiting
-        now, then the jobs deferred before it) and the key's mean hold time, a little early
-        rather than late (a slot idles while its next job is away). A job booked before keeps
-        its place, so one that came back too early is not sent to the end. The returns of a
-        long backlog so come spread out, each a likely start, instead of all at once or in
-        ever longer backoffs. Until a release has measured a hold time, a job comes back
-        about when the oldest slot has been held as long again: soon for short jobs, in
-        doubling steps for long ones. The key's record is read from a recent copy where the
-        backend has one: it is an estimate."""
+    def come_back(self, key: str, job_id: str, limit: int) -> Booking:
+        """When the job ``job_id``, which found ``key`` full, should come back (``at``, wall
+        time), and its place in the key's line (``since``): about when a slot may be free for
+        it, from its place (the replicas waiting now, then the jobs deferred before it) and the
+        key's mean hold time, a little early rather than late (a slot idles while its next job
+        is away). A job booked before keeps its place, so one that came back too early is not
+        sent to the end. The returns of a long backlog so come spread out, each a likely start,
+        instead of all at once or in ever longer backoffs. Until a release has measured a hold
+        time, a job comes back about when the oldest slot has been held as long again: soon for
+        short jobs, in doubling steps for long ones.
+
+        Decided on recent copies of the key's records where the backend has them, and written
+        by ``book_many``: it is an estimate, and a deferral must not wait for a write (on a
+        shared document that took up to a second a deferral, each holding its message)."""
+        now = self._clock()
         table = self._guarded(lambda: self._mutate_recent(key, _reading))
+        booked = self._booked(key, now)
+        booking = booked.get(job_id)
+        since = now if booking is None else booking.since
+        if table.hold:
+            running = {h.job_id for h in table.live(now).values()}
+            ahead = sum(
+                1 for j, b in booked.items() if (b.since, j) < (since, job_id) and j not in running
+            )
+            places = len(table.line(now)) + ahead + 1
+            return Booking(since, now + max(MIN_COME_BACK, _EARLY * places * table.hold / limit))
+        held = [now - h.since for h in table.live(now).values()]
+        return Booking(since, now + max([MIN_COME_BACK, *held]))
 
-        def mutation(record: Table | None, now: float) -> tuple[float, Table | None]:
-            booked = (record or Table()).bookings(now)
-            booking = booked.get(job_id)
-            since = now if booking is None else booking.since
-            if table.hold:
-                running = {h.job_id for h in table.live(now).values()}
-                ahead = sum(
-                    1
-                    for j, b in booked.items()
-                    if (b.since, j) < (since, job_id) and j not in running
-                )
-                places = len(table.line(now)) + ahead + 1
-                at = now + max(MIN_COME_BACK, _EARLY * places * table.hold / limit)
-            else:
-                held = [now - h.since for h in table.live(now).values()]
-                at = now + max([MIN_COME_BACK, *held])
-            if booking is None and len(booked) >= MAX_BOOKINGS:
-                return at, None
-            if booking is not None and booking.at + BOOKING_GRACE / 2 >= at:
-                # It outlives the job's return as it is: every write of the key's record
-                # is one more a grant or release may lose its race to.
-                return at, None
-            booked[job_id] = Booking(since, at)
-            return at, Table(booked=booked)
+    def book_many(self, bookings: Sequence[tuple[str, str, Booking]]) -> None:
+        """Keep ``(key, job_id, booking)`` places in their keys' lines (from ``come_back``);
+        a job booked before keeps its earlier ``since``."""
+        by_key: dict[str, list[tuple[str, Booking]]] = {}
+        for key, job_id, place in bookings:
+            by_key.setdefault(key, []).append((job_id, place))
 
-        return self._guarded(lambda: self._mutate_many([(bookings_of(key), mutation)])[0])
+        def keeping(items: list[tuple[str, Booking]]) -> TableMutation[None]:
+            def mutation(record: Table | None, now: float) -> tuple[None, Table | None]:
+                booked = (record or Table()).bookings(now)
+                changed = False
+                for job_id, new in items:
+                    old = booked.get(job_id)
+                    if old is None and len(booked) >= MAX_BOOKINGS:
+                        continue
+                    if old is not None and old.at + BOOKING_GRACE / 2 >= new.at:
+                        # It outlives the job's return as it is: every write of the record
+                        # is one more the key's other bookings may lose a race to.
+                        continue
+                    booked[job_id] = new if old is None else replace(new, since=old.since)
+                    changed = True
+                return None, Table(booked=booked) if changed else None
+
+            return mutation
+
+        self._guarded(
+            lambda: self._mutate_many(
+                [(bookings_of(key), keeping(items)) for key, items in by_key.items()]
+            )
+        )
 
     def renew_many(self, leases: Sequence[tuple[str, str]], ttl: float) -> list[bool]:
         """Extend ``(key, holder)`` leases; for each, True if it was still live. A lapsed one
