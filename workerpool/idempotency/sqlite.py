@@ -167,6 +167,23 @@ class SqliteStore(IdempotencyStore):
         )
         self._guarded(lambda: self._submit([request]))
 
+    def claim_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, ttl: float
+    ) -> list[ClaimResult]:
+        # One batch of the group commit, claims applied set-wise: a share of one transaction.
+        requests = [
+            _Request(job_id, self._claiming(owner, message_id, ttl), _Claim(owner, message_id, ttl))
+            for job_id, message_id in claims
+        ]
+        return cast(list[ClaimResult], self._guarded(lambda: self._submit(requests)))
+
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
+        requests = [
+            _Request(job_id, self._completing(owner, message_id), _Complete(owner, message_id))
+            for job_id, message_id in completions
+        ]
+        self._guarded(lambda: self._submit(requests))
+
     def _alone(self, call: Callable[[], T]) -> T | None:
         """``call()`` with the connection to itself; None when a batch has it, or is queued
         (then the caller joins the batches)."""
@@ -224,6 +241,8 @@ class SqliteStore(IdempotencyStore):
         return self._submit([_Request(job_id, mutation) for job_id, mutation in items])
 
     def _submit(self, requests: list[_Request]) -> list[Any]:
+        if not requests:
+            return []
         with self._queue_lock:
             if self._closed:
                 # Not a programming error: the launcher closes the store while interrupted
