@@ -170,6 +170,9 @@ class SqliteStore(IdempotencyStore):
     def claim_many(
         self, claims: Sequence[tuple[str, str]], owner: str, ttl: float
     ) -> list[ClaimResult]:
+        if len(claims) == 1:  # nothing to batch: one statement, if the connection is free
+            job_id, message_id = claims[0]
+            return [self.claim(job_id, owner, message_id, ttl)]
         # One batch of the group commit, claims applied set-wise: a share of one transaction.
         requests = [
             _Request(job_id, self._claiming(owner, message_id, ttl), _Claim(owner, message_id, ttl))
@@ -178,6 +181,10 @@ class SqliteStore(IdempotencyStore):
         return cast(list[ClaimResult], self._guarded(lambda: self._submit(requests)))
 
     def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
+        if len(completions) == 1:
+            job_id, message_id = completions[0]
+            self.complete(job_id, owner, message_id)
+            return
         requests = [
             _Request(job_id, self._completing(owner, message_id), _Complete(owner, message_id))
             for job_id, message_id in completions
