@@ -18,12 +18,13 @@ from google.api_core import exceptions as gexc
 from tests.faults.store import FaultyStore
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
-from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore, StoreUnavailable
+from workerpool.idempotency import Claimed, Done, HeldElsewhere, MemoryStore, StoreUnavailable
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.keeper import LeaseKeeper
+from workerpool.worker.pool import Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.timers import Timers
 
@@ -185,7 +186,8 @@ def test_renewals_that_fail_for_a_while_then_recover_keep_the_run(timers: Timers
         run.join(timeout=10)
         # Then it ran to its end, renewed, and was recorded as done
         assert worker.cancelled_at == []
-        assert worker.processor.stats == {"done": 1}
+        # (acked once its completion is recorded, by the recording thread)
+        assert wait_for(lambda: worker.processor.stats == {"done": 1}, timeout=5, interval=0.01)
         assert store.calls["renew"] >= 5
         assert worker.idempotency.healthy
     finally:
@@ -215,7 +217,8 @@ def test_the_keeper_survives_an_unexpected_exception_and_carries_on(
         # Then the keeper logged the bug, kept renewing, and the job finished uncancelled
         assert rounds["n"] >= 3
         assert worker.cancelled_at == []
-        assert worker.processor.stats == {"done": 1}
+        # (acked once its completion is recorded, by the recording thread)
+        assert wait_for(lambda: worker.processor.stats == {"done": 1}, timeout=5, interval=0.01)
         assert worker.idempotency.healthy
     finally:
         worker.close()
@@ -333,3 +336,122 @@ def test_a_lease_that_ends_while_its_renewal_is_in_flight_is_not_taken_over(
     # Then nothing is cancelled and nobody is told the claim was taken over
     assert not run.ctx.cancelled.is_set()
     assert "taken over" not in caplog.text
+
+
+# --- claims taken as a pull is admitted, completions recorded off the slots ------------------
+
+
+class _PoolWorker:
+    """A pool of ``n`` slots (prefetch 1) with the idempotency middleware on ``store``; its
+    job "t.wait" runs until ``go`` is set, "t.quick" returns at once."""
+
+    def __init__(self, store: FaultyStore, timers: Timers, n: int, *, ttl: float = TTL) -> None:
+        self.jobs = Registry()
+        self.go = threading.Event()
+        self.runs: list[str] = []
+
+        @self.jobs.job("t.wait")
+        def wait(ctx: JobContext, payload: dict[str, Any]) -> None:
+            self.runs.append(ctx.job_id)
+            self.go.wait(10)
+
+        self.jobs.job("t.quick")(lambda ctx, payload: self.runs.append(ctx.job_id))
+        self.acks, leases = FakeAcks(), FakeLeaser()
+        self.idempotency = Idempotency(store, OWNER, timers, ttl=ttl)
+        self.processor = Processor(
+            self.jobs, self.acks, leases, FakeDeadLetters(), [self.idempotency],
+            ProcessorSettings(Backoff(1.0, 10.0)),
+        )  # fmt: skip
+        self.pool = Pool(self.processor, leases, PoolLimits(n, prefetch=1))
+        self.idempotency.start()
+        self.pool.start()
+
+    def admit(self, job: str, count: int) -> None:
+        self.pool.admit(
+            [make_delivery(b"{}", {"job": job, "job_id": f"j{i}"}, message_id=f"m{i}")
+             for i in range(count)]
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.go.set()
+        self.pool.join(time.monotonic() + 5)
+        self.idempotency.close(timeout=5)
+
+
+def test_a_pulls_job_ids_are_claimed_at_once_and_acked_only_once_their_completion_is_recorded(
+    timers: Timers,
+) -> None:
+    # Given a pool of 2 slots whose store stalls every completion
+    store = FaultyStore(MemoryStore())
+    store.stall("complete", 30)
+    worker = _PoolWorker(store, timers, 2)
+    try:
+        # When a pull of 3 no-op jobs is admitted
+        worker.admit("t.quick", 3)
+        # Then their job ids were claimed in one call, and no run claimed again
+        assert wait_for(lambda: len(worker.runs) == 3, timeout=10, interval=0.005)
+        assert store.calls["claim"] == 1
+        # And the slots went on while the first completion was stalled, but nothing was
+        # acked, and every message is still held (none more can be pulled)
+        assert worker.acks.acked == []
+        assert worker.pool.held == 3 and worker.pool.wait_for_room(0) == 0
+        assert worker.pool.running == 0
+        # When the store answers again
+        store.heal()
+        # Then each is acked once its completion is recorded, in batches, not one call each
+        assert wait_for(lambda: len(worker.acks.acked) == 3, timeout=10, interval=0.005)
+        assert store.calls["complete"] in (1, 2)
+        assert all(isinstance(store.inner.claim(f"j{i}", "w2", "m", TTL), Done) for i in range(3))
+        assert wait_for(lambda: worker.pool.held == 0, timeout=5, interval=0.005)
+        assert worker.processor.stats == {"done": 3}
+    finally:
+        store.heal()
+        worker.close()
+
+
+def test_a_claim_taken_at_admission_is_kept_while_its_message_waits_and_released_if_it_never_runs(
+    timers: Timers,
+) -> None:
+    # Given a pool of 1 slot, its one job running, and a second admitted with it that waits
+    store = FaultyStore(MemoryStore())
+    worker = _PoolWorker(store, timers, 1)
+    try:
+        worker.admit("t.wait", 2)
+        assert wait_for(lambda: worker.runs == ["j0"], timeout=10, interval=0.005)
+        # When the waiting message's claim is older than its TTL
+        time.sleep(TTL * 2)
+        # Then it is still held by this worker (renewed), taken in the one admission call
+        assert isinstance(store.inner.claim("j1", "w2", "m", TTL), HeldElsewhere)
+        assert store.calls["claim"] == 1 and store.calls["renew"] >= 2
+        # When the pool drains before it starts
+        assert worker.pool.quiet() == 1
+        # Then its claim is released at once: another worker may take the job id now
+        assert wait_for(
+            lambda: store.inner.claim("j1", "w2", "m", TTL) == Claimed(), timeout=5, interval=0.01
+        )
+        assert worker.runs == ["j0"]
+    finally:
+        worker.close()
+
+
+def test_a_claim_taken_at_admission_that_cannot_be_renewed_is_dropped_and_its_run_claims_anew(
+    timers: Timers,
+) -> None:
+    # Given a pool of 1 slot, its one job running, and a second admitted with it that waits
+    store = FaultyStore(MemoryStore())
+    worker = _PoolWorker(store, timers, 1)
+    try:
+        worker.admit("t.wait", 2)
+        assert wait_for(lambda: worker.runs == ["j0"], timeout=10, interval=0.005)
+        # When renewals fail for longer than the claims' TTL (the running one is handed back)
+        store.fail("renew", StoreUnavailable("down"))
+        assert wait_for(lambda: worker.acks.modacked, timeout=5, interval=0.01)
+        store.heal()
+        # Then the waiting message, once it starts, claims its job id again and runs once
+        assert wait_for(lambda: worker.runs == ["j0", "j1"], timeout=10, interval=0.01)
+        worker.go.set()
+        assert wait_for(lambda: worker.acks.acked == ["ack-m1"], timeout=10, interval=0.01)
+        assert store.calls["claim"] == 2
+    finally:
+        store.heal()
+        worker.close()

@@ -116,6 +116,36 @@ def test_completed_job_is_done_and_no_longer_claimed(
     assert store.claim(JOB, "w1", "m1", TTL) == Done(completed_at)
 
 
+def test_claims_and_completions_in_one_call_decide_as_one_at_a_time(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    # Given a job id held by another worker and one it completed
+    store.claim("held", "w2", "m0", TTL)
+    store.claim("done", "w2", "m0", TTL)
+    store.complete("done", "w2", "m0")
+    before = clock.now
+    clock.advance(1)
+    # When a pull's job ids are claimed in one call (one of them twice: a publisher duplicate)
+    results = store.claim_many(
+        [("new", "m1"), ("held", "m2"), ("done", "m3"), ("new", "m4")], "w1", TTL
+    )
+    # Then each gets what a claim of its own would have
+    assert results == [
+        Claimed(),
+        HeldElsewhere("w2", "m0", before + TTL),
+        Done(before),
+        HeldElsewhere("w1", "m1", clock.now + TTL),
+    ]
+    assert store.claim_many([], "w1", TTL) == []
+    # And completions in one call are each recorded, a claim taken over or not
+    clock.advance(1)
+    store.complete_many([("new", "m1"), ("held", "m2")], "w1")
+    store.complete_many([], "w1")
+    assert store.claim("new", "w3", "m5", TTL) == Done(clock.now)
+    assert store.claim("held", "w3", "m5", TTL) == Done(clock.now)
+    assert not store.renew("held", "w2", "m0", TTL)
+
+
 def test_release_frees_the_job_at_once_but_only_for_the_holder(store: IdempotencyStore) -> None:
     store.claim(JOB, "w1", "m1", TTL)
     store.release(JOB, "w2", "m2")

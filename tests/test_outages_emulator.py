@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -27,19 +28,19 @@ class RecordingStore(FirestoreStore):
         self.unavailable = 0
         self._lock = threading.Lock()
 
-    def complete(self, job_id: str, owner: str, message_id: str) -> None:
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
         try:
-            super().complete(job_id, owner, message_id)
+            super().complete_many(completions, owner)
         except StoreUnavailable:
             with self._lock:
                 self.unavailable += 1
             raise
         with self._lock:
-            self.completed.append(job_id)
+            self.completed.extend(job_id for job_id, _ in completions)
 
-    def claim(self, job_id: str, owner: str, message_id: str, ttl: float) -> Any:
+    def claim_many(self, claims: Sequence[tuple[str, str]], owner: str, ttl: float) -> Any:
         try:
-            return super().claim(job_id, owner, message_id, ttl)
+            return super().claim_many(claims, owner, ttl)
         except StoreUnavailable:
             with self._lock:
                 self.unavailable += 1

@@ -82,17 +82,19 @@ class FaultyStore(IdempotencyStore):
 
             self.inner._guarded(raise_it)  # classified as the backend's own errors are
 
-    def claim(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
+    def claim_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, ttl: float
+    ) -> list[ClaimResult]:
         self._inject("claim")
-        return self.inner.claim(job_id, owner, message_id, ttl)
+        return self.inner.claim_many(claims, owner, ttl)
 
     def renew_many(self, claims: Sequence[tuple[str, str]], owner: str, ttl: float) -> list[bool]:
         self._inject("renew")
         return self.inner.renew_many(claims, owner, ttl)
 
-    def complete(self, job_id: str, owner: str, message_id: str) -> None:
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
         self._inject("complete")
-        self.inner.complete(job_id, owner, message_id)
+        self.inner.complete_many(completions, owner)
 
     def release_many(
         self, claims: Sequence[tuple[str, str]], owner: str, *, failed: bool = False

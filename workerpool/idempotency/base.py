@@ -105,8 +105,15 @@ class IdempotencyStore(ABC):
         return record.completed_at + self.retention > now
 
     def claim(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
-        mutation = self._claiming(owner, message_id, ttl)
-        return self._guarded(lambda: self._mutate(job_id, mutation))
+        return self.claim_many([(job_id, message_id)], owner, ttl)[0]
+
+    def claim_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, ttl: float
+    ) -> list[ClaimResult]:
+        """Claim ``(job_id, message_id)`` pairs for ``owner``, in one round trip where the
+        backend can (a pull's messages as they are admitted); a result for each, in order."""
+        items = [(job_id, self._claiming(owner, message_id, ttl)) for job_id, message_id in claims]
+        return self._guarded(lambda: self._mutate_many(items))
 
     def _claiming(self, owner: str, message_id: str, ttl: float) -> Mutation[ClaimResult]:
         def mutation(record: Record | None, now: float) -> tuple[ClaimResult, Change]:
@@ -138,8 +145,15 @@ class IdempotencyStore(ABC):
         return self._guarded(lambda: self._mutate_many(items))
 
     def complete(self, job_id: str, owner: str, message_id: str) -> None:
-        mutation = self._completing(owner, message_id)
-        self._guarded(lambda: self._mutate(job_id, mutation))
+        self.complete_many([(job_id, message_id)], owner)
+
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
+        """Record ``(job_id, message_id)`` runs of ``owner`` as done, in one round trip where
+        the backend can; all or, on an error, possibly only some of them."""
+        items = [
+            (job_id, self._completing(owner, message_id)) for job_id, message_id in completions
+        ]
+        self._guarded(lambda: self._mutate_many(items))
 
     def _completing(self, owner: str, message_id: str) -> Mutation[None]:
         def mutation(record: Record | None, now: float) -> tuple[None, Change]:

@@ -5,6 +5,14 @@ expires soon and another worker takes over, and a run whose claim cannot be rene
 back before the claim can lapse: two workers never run one job id at once. A job that fails,
 or is interrupted by the drain deadline, has its claim released, so the next delivery can
 start it at once.
+
+A job costs the store a share of two transactions, not two calls of its own: the job ids of a
+pull are claimed together as the pool admits it (the keeper renews those claims while the
+messages wait, and one whose message leaves without running is released), and completions
+are recorded in batches off the slot threads (``Completions``); a message is acked only once
+its completion is recorded, and its job id counts as running here until then. A message that
+has no claim from its admission (the batch claim failed, or another delivery of it held one)
+claims on its own when it starts.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from workerpool import constants as c
 from workerpool.idempotency.base import (
@@ -21,10 +31,11 @@ from workerpool.idempotency.base import (
     HeldElsewhere,
     IdempotencyStore,
     StoreError,
-    StoreUnavailable,
 )
-from workerpool.worker.envelope import Job
-from workerpool.worker.keeper import LeaseKeeper
+from workerpool.idempotency.completions import Completions
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import Job, job_id_of
+from workerpool.worker.keeper import Held, LeaseKeeper
 from workerpool.worker.middleware import Middleware, Next
 from workerpool.worker.outcome import (
     AlreadyDone,
@@ -36,12 +47,22 @@ from workerpool.worker.outcome import (
     Succeeded,
     Unavailable,
 )
-from workerpool.worker.run import Run
+from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
 
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, str]  # (job_id, message_id)
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """What claiming a message's job id found as the pool admitted it."""
+
+    ack_id: str  # of the delivery it was taken for
+    result: ClaimResult
+    sent: float  # monotonic: when the claim was asked for
+    held: Held[_Key] | None  # the claim, kept alive while the message waits (Claimed only)
 
 
 class Idempotency(Middleware):
@@ -56,7 +77,6 @@ class Idempotency(Middleware):
     ) -> None:
         self._store = store
         self._owner = owner
-        self._complete_patience = complete_patience
         self.keeper: LeaseKeeper[_Key] = LeaseKeeper(
             "claim",
             timers,
@@ -65,15 +85,62 @@ class Idempotency(Middleware):
             release=lambda keys: store.release_many(keys, owner),
             close_store=store.close,
         )
-        self._active: set[_Key] = set()  # being processed here, claimed or not yet
+        self._completions = Completions(store, owner, patience=complete_patience)
+        # Being processed here, claimed or not yet, until its completion is recorded.
+        self._active: set[_Key] = set()
+        self._admitted: dict[_Key, _Admitted] = {}  # claimed at admission, not started yet
         self._lock = threading.Lock()
 
     def start(self) -> None:
         self.keeper.start()
+        self._completions.start()
 
     @property
     def healthy(self) -> bool:
         return self.keeper.healthy
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def admitted(self, deliveries: Sequence[Delivery]) -> None:
+        fresh: dict[_Key, Delivery] = {}
+        with self._lock:
+            for delivery in deliveries:
+                key = (job_id_of(delivery), delivery.message_id)
+                if key not in self._active and key not in self._admitted:
+                    fresh.setdefault(key, delivery)
+        if not fresh:
+            return
+        sent = time.monotonic()
+        try:
+            results = self._store.claim_many(list(fresh), self._owner, self.keeper.ttl)
+        except StoreError as exc:
+            log.warning("%d admitted job ids not claimed (%s); each tries when it starts",
+                        len(fresh), exc)  # fmt: skip
+            return
+        given_back: list[_Key] = []
+        with self._lock:
+            for (key, delivery), result in zip(fresh.items(), results, strict=True):
+                if key in self._active:
+                    continue  # another delivery of it started meanwhile, with a claim of its own
+                if not isinstance(result, Claimed):
+                    self._admitted[key] = _Admitted(delivery.ack_id, result, sent, None)
+                elif delivery.settled:  # given back meanwhile (a drain): settled() missed it
+                    given_back.append(key)
+                else:
+                    held = self.keeper.hold(None, key, sent)
+                    self._admitted[key] = _Admitted(delivery.ack_id, result, sent, held)
+        if given_back:
+            self.keeper.release_soon(given_back)
+
+    def settled(self, event: Settled) -> None:
+        key = (event.job_id, event.message_id)
+        with self._lock:
+            admitted = self._admitted.get(key)
+            if admitted is None or admitted.ack_id != event.ack_id:
+                return  # it ran (its run took the claim), or never had one
+            del self._admitted[key]
+        if admitted.held is not None:
+            self.keeper.drop(admitted.held)  # left without running: another may have it now
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -84,52 +151,81 @@ class Idempotency(Middleware):
             if key in self._active:
                 return RedeliveredWhileRunning()  # its first delivery runs right here
             self._active.add(key)
+            admitted = self._admitted.pop(key, None)
+        recording = False
         try:
-            return self._run_claimed(run, call_next, key)
+            outcome, held = self._run_claimed(run, call_next, key, admitted)
+            if held is not None and isinstance(outcome, Succeeded):
+                # The side effect happened: record it, off this thread, before the ack.
+                run.completion = self._completion(run, key, held)
+                recording = True
+            return outcome
         finally:
-            with self._lock:
-                self._active.discard(key)
+            if not recording:
+                with self._lock:
+                    self._active.discard(key)
 
-    def _run_claimed(self, run: Run, call_next: Next, key: _Key) -> Outcome:
+    def _run_claimed(
+        self, run: Run, call_next: Next, key: _Key, admitted: _Admitted | None
+    ) -> tuple[Outcome, Held[_Key] | None]:
+        """The run's outcome, and the claim it still holds if it succeeded."""
         job = run.job
-        sent = time.monotonic()
-        claim: ClaimResult | None
         try:
-            claim = self._store.claim(job.job_id, self._owner, job.message_id, self.keeper.ttl)
-            if self._is_own_stale_claim(claim, job):
-                claim = None  # taken back: its count of failures is not known
+            claim, held, sent = self._claim(run, admitted)
         except StoreError as exc:
-            return Unavailable(f"idempotency store: {exc}")
+            return Unavailable(f"idempotency store: {exc}"), None
         match claim:
             case Done():
-                return AlreadyDone()
+                return AlreadyDone(), None
             case HeldElsewhere(message_id=holder) if holder == job.message_id:
                 # This very message came back while its first delivery still runs somewhere.
-                return RedeliveredWhileRunning()
+                return RedeliveredWhileRunning(), None
             case HeldElsewhere():
-                return DuplicateOfRunning()
+                return DuplicateOfRunning(), None
             case Claimed(failures=failures):
                 run.failures = failures
             case None:
                 pass
+        if held is None:
+            held = self.keeper.hold(run, key, sent)
         if run.delivery.settled:
             # Handed back (the drain deadline) while the claim was being made: never start
             # it, and do not leave the claim to hold the job id until it expires.
+            self.keeper.let_go(held)
             self._release(job)
-            return Interrupted()
-        held = self.keeper.hold(run, key, sent)
+            return Interrupted(), None
         try:
             outcome = call_next(run)
-            if isinstance(outcome, Succeeded):
-                return self._complete(run)
-            # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
-            # counts as deliveries too, never use up its max_attempts. A run that ends after
-            # its message was handed back (the drain deadline, a lost claim) did not fail.
-            failed = isinstance(outcome, Failed) and not run.delivery.settled
-            self._release(job, failed=failed)
-            return outcome
-        finally:
+        except BaseException:
             self.keeper.let_go(held)
+            raise
+        if isinstance(outcome, Succeeded):
+            return outcome, held  # still held, until its completion is recorded
+        self.keeper.let_go(held)
+        # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
+        # counts as deliveries too, never use up its max_attempts. A run that ends after
+        # its message was handed back (the drain deadline, a lost claim) did not fail.
+        failed = isinstance(outcome, Failed) and not run.delivery.settled
+        self._release(job, failed=failed)
+        return outcome, None
+
+    def _claim(
+        self, run: Run, admitted: _Admitted | None
+    ) -> tuple[ClaimResult | None, Held[_Key] | None, float]:
+        """The run's claim (None: taken back, see below), the claim's lease if the run adopted
+        the one its message's admission took, and when the claim was asked for."""
+        if admitted and admitted.held and self.keeper.adopt(admitted.held, run):
+            return admitted.result, admitted.held, admitted.sent
+        job = run.job
+        sent = time.monotonic()
+        claim: ClaimResult | None
+        if admitted is not None and admitted.held is None:
+            claim = admitted.result  # what admission found: done, or held elsewhere
+        else:  # none taken, or dropped while the message waited (not renewed, taken over)
+            claim = self._store.claim(job.job_id, self._owner, job.message_id, self.keeper.ttl)
+        if self._is_own_stale_claim(claim, job):
+            claim = None  # taken back: its count of failures is not known
+        return claim, None, sent
 
     def _is_own_stale_claim(self, claim: ClaimResult, job: Job) -> bool:
         """A claim of ours on this very message that no run here holds (``run`` checked):
@@ -141,25 +237,20 @@ class Idempotency(Middleware):
             and self._store.renew(job.job_id, self._owner, job.message_id, self.keeper.ttl)
         )
 
-    def _complete(self, run: Run) -> Outcome:
-        # The side effect happened: keep trying to record it rather than re-running the job,
-        # but never ack what could not be recorded.
-        job, cancelled = run.job, run.ctx.cancelled
-        deadline = time.monotonic() + self._complete_patience
-        delay = 0.2
-        while True:
-            try:
-                self._store.complete(job.job_id, self._owner, job.message_id)
-                return Succeeded()
-            except StoreUnavailable as exc:
-                if time.monotonic() + delay > deadline or cancelled.is_set():
-                    log.error("job %s done but not recorded: %s", job.job_id, exc)
-                    return Unavailable(f"completion not recorded: {exc}")
-                cancelled.wait(delay)
-                delay = min(delay * 2, 5.0)
-            except StoreError as exc:  # not going to get better by waiting
-                log.error("job %s done but not recorded: %s", job.job_id, exc)
-                return Unavailable(f"completion not recorded: {exc}")
+    def _completion(
+        self, run: Run, key: _Key, held: Held[_Key]
+    ) -> Callable[[Callable[[Outcome], None]], None]:
+        def record(then: Callable[[Outcome], None]) -> None:
+            def recorded(outcome: Outcome) -> None:
+                # Renewed, and busy here, until now: nobody may start the job id meanwhile.
+                self.keeper.let_go(held)
+                with self._lock:
+                    self._active.discard(key)
+                then(outcome)
+
+            self._completions.add(key[0], key[1], run.ctx.cancelled, recorded)
+
+        return record
 
     def _release(self, job: Job, *, failed: bool = False) -> None:
         try:
@@ -173,6 +264,8 @@ class Idempotency(Middleware):
         self.keeper.interrupted((run.job.job_id, run.job.message_id))
 
     def close(self, timeout: float) -> None:
-        """Release the interrupted runs' claims and close the store, within ``timeout``;
-        what does not make it is left to expire."""
-        self.keeper.close(timeout)
+        """Record the completions queued, release the interrupted runs' claims and close the
+        store, within ``timeout``; what does not make it is left to expire."""
+        deadline = time.monotonic() + timeout
+        self._completions.close(timeout)
+        self.keeper.close(max(0.0, deadline - time.monotonic()))

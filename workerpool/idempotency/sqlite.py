@@ -61,12 +61,13 @@ class _Complete:
 
 class _Request:
     """One caller's mutation and, once a leader has committed its batch, its outcome. A claim
-    or a completion also says so (``op``), so a batch can apply them set-wise in SQL."""
+    or a completion is its ``op`` instead, so a batch can apply them set-wise in SQL (its
+    mutation is built only if the batch must run in order: see ``SqliteStore._mutation``)."""
 
     __slots__ = ("done", "error", "job_id", "mutation", "op", "result", "signal")
 
     def __init__(
-        self, job_id: str, mutation: Mutation[Any], op: _Claim | _Complete | None = None
+        self, job_id: str, mutation: Mutation[Any] | None, op: _Claim | _Complete | None = None
     ) -> None:
         self.job_id = job_id
         self.mutation = mutation
@@ -152,9 +153,7 @@ class SqliteStore(IdempotencyStore):
         )
         if alone is not None:
             return alone
-        request = _Request(
-            job_id, self._claiming(owner, message_id, ttl), _Claim(owner, message_id, ttl)
-        )
+        request = _Request(job_id, None, _Claim(owner, message_id, ttl))
         return cast(ClaimResult, self._guarded(lambda: self._submit([request])[0]))
 
     def complete(self, job_id: str, owner: str, message_id: str) -> None:
@@ -162,10 +161,31 @@ class SqliteStore(IdempotencyStore):
             lambda: self._alone(lambda: self._complete_now(job_id, owner, message_id))
         ):
             return
-        request = _Request(
-            job_id, self._completing(owner, message_id), _Complete(owner, message_id)
-        )
+        request = _Request(job_id, None, _Complete(owner, message_id))
         self._guarded(lambda: self._submit([request]))
+
+    def claim_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, ttl: float
+    ) -> list[ClaimResult]:
+        if len(claims) == 1:  # nothing to batch: one statement, if the connection is free
+            job_id, message_id = claims[0]
+            return [self.claim(job_id, owner, message_id, ttl)]
+        # One batch of the group commit, claims applied set-wise: a share of one transaction.
+        requests = [
+            _Request(job_id, None, _Claim(owner, message_id, ttl)) for job_id, message_id in claims
+        ]
+        return cast(list[ClaimResult], self._guarded(lambda: self._submit(requests)))
+
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
+        if len(completions) == 1:
+            job_id, message_id = completions[0]
+            self.complete(job_id, owner, message_id)
+            return
+        requests = [
+            _Request(job_id, None, _Complete(owner, message_id))
+            for job_id, message_id in completions
+        ]
+        self._guarded(lambda: self._submit(requests))
 
     def _alone(self, call: Callable[[], T]) -> T | None:
         """``call()`` with the connection to itself; None when a batch has it, or is queued
@@ -224,6 +244,8 @@ class SqliteStore(IdempotencyStore):
         return self._submit([_Request(job_id, mutation) for job_id, mutation in items])
 
     def _submit(self, requests: list[_Request]) -> list[Any]:
+        if not requests:
+            return []
         with self._queue_lock:
             if self._closed:
                 # Not a programming error: the launcher closes the store while interrupted
@@ -354,7 +376,7 @@ class SqliteStore(IdempotencyStore):
         changed: set[str] = set()
         for request in batch:
             try:
-                request.result, change = request.mutation(
+                request.result, change = self._mutation(request)(
                     records.get(request.job_id), self._clock()
                 )
             except Exception as exc:
@@ -390,6 +412,15 @@ class SqliteStore(IdempotencyStore):
                     )
                 ],
             )
+
+    def _mutation(self, request: _Request) -> Mutation[Any]:
+        match request.op:
+            case _Claim(owner, message_id, ttl):
+                return self._claiming(owner, message_id, ttl)
+            case _Complete(owner, message_id):
+                return self._completing(owner, message_id)
+        assert request.mutation is not None  # every request has one or the other
+        return request.mutation
 
     def _purge(self) -> None:
         _delete_expired(self._conn, self._clock())

@@ -7,6 +7,11 @@ the lease can lapse: a watch timer per lease, independent of the store call that
 cancels the run and nacks its message to come back once the lease has lapsed, so a lease
 never has two holders. Leases of interrupted runs are released by the keeper's thread, all in
 one call, off the drain's path.
+
+A lease may also be held for a message before its run exists (a claim taken as the message is
+admitted, while it waits for a slot): it is renewed the same way, and one that cannot be
+renewed, or was taken over, is simply dropped (nothing runs under it yet). The run that starts
+``adopt``s the lease, or takes its own if it was dropped.
 """
 
 from __future__ import annotations
@@ -32,10 +37,16 @@ _RETRY_EVERY = 2.0
 
 @dataclass(eq=False)
 class Held(Generic[K]):
-    run: Run
+    owner: Run | None  # the run holding it; None while its message waits to start
     key: K
     expires: float  # our clock: the lease may lapse from then on (measured from the request)
     watch: Timer
+
+    @property
+    def run(self) -> Run:
+        """The run holding it (only a lease taken for a run, or adopted by one, has it)."""
+        assert self.owner is not None
+        return self.owner
 
 
 class LeaseKeeper(Generic[K]):
@@ -82,9 +93,9 @@ class LeaseKeeper(Generic[K]):
     def healthy(self) -> bool:
         return self._renewing and self._thread is not None and self._thread.is_alive()
 
-    def hold(self, run: Run, key: K, sent: float) -> Held[K]:
+    def hold(self, run: Run | None, key: K, sent: float) -> Held[K]:
         """Keep the lease ``key``, taken by a request sent at ``sent`` (our clock), alive
-        while ``run`` runs."""
+        while ``run`` runs (None: for a message that waits to start, see ``adopt``)."""
         expires = sent + self.ttl
         held = Held(run, key, expires, self._watch(key, expires))
         with self._lock:
@@ -97,6 +108,26 @@ class LeaseKeeper(Generic[K]):
         with self._lock:
             if self._held.get(held.key) is held:
                 del self._held[held.key]
+
+    def adopt(self, held: Held[K], run: Run) -> bool:
+        """``run`` takes over a lease held for its waiting message; False if it was dropped
+        meanwhile (it could not be renewed, or was taken over): then it is not ours to use."""
+        with self._lock:
+            if self._held.get(held.key) is not held:
+                return False
+            held.owner = run
+            return True
+
+    def drop(self, held: Held[K]) -> None:
+        """A lease held for a message that leaves without running: release it soon, off the
+        caller's thread (unless it was dropped already)."""
+        with self._lock:
+            if self._held.get(held.key) is not held:
+                return
+            del self._held[held.key]
+            held.watch.cancel()
+            self._releases.append(held.key)
+        self._wake.set()
 
     def interrupted(self, key: K) -> None:
         """The run holding ``key`` was handed back: release its lease soon, off this thread."""
@@ -130,6 +161,8 @@ class LeaseKeeper(Generic[K]):
             # Unhealthy whatever the cause, a failed round or none in time (a starved or
             # stuck keeper thread), until a round reaches the store again.
             self._renewing = False
+            if held.owner is None:
+                return  # nothing runs under it: the run that starts takes a claim of its own
         # Off the timer thread: a middleware's interrupted() may call its own store.
         threading.Thread(
             target=self._give_up, args=(held,), name=f"workerpool-{self._what}-lost", daemon=True
@@ -183,7 +216,7 @@ class LeaseKeeper(Generic[K]):
         for lease, still_ours in zip(held, ours, strict=True):
             if still_ours:
                 self._extend(lease, sent + self.ttl)
-            elif self._holds(lease):
+            elif self._holds(lease) and not self._forgot_waiting(lease):
                 # Someone took over (our renewals lapsed): stop rather than share the lease.
                 # (One that ended while the renewal was in flight, completed or released,
                 # is no longer ours either: nothing to stop, nothing to say.)
@@ -197,6 +230,17 @@ class LeaseKeeper(Generic[K]):
     def _holds(self, lease: Held[K]) -> bool:
         with self._lock:
             return self._held.get(lease.key) is lease
+
+    def _forgot_waiting(self, lease: Held[K]) -> bool:
+        """Drop a lease taken over while its message still waits (nothing to stop: the run
+        that starts finds it held elsewhere); False if a run holds it."""
+        with self._lock:
+            if lease.owner is not None:
+                return False
+            if self._held.get(lease.key) is lease:
+                del self._held[lease.key]
+                lease.watch.cancel()
+            return True
 
     def _extend(self, lease: Held[K], expires: float) -> None:
         with self._lock:

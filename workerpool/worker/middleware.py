@@ -2,6 +2,8 @@
 
 ``run`` gets the ``Run`` and the next step, and returns the outcome of the rest of the chain
 (or its own, to short-circuit it, as the idempotency check does for a job already completed).
+``admitted`` hears what the pool took in, before any of it starts, so a middleware can prepare
+a pull's messages in one call (the idempotency store claims their job ids).
 ``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
 ``interrupted`` is called when a run is handed back while its handler still runs (the drain
 deadline, a lost claim), so a middleware can give back what it holds. ``options`` names the
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from workerpool.ratelimit.limiters import RateLimiters
+from workerpool.worker.delivery import Delivery
 from workerpool.worker.outcome import Interrupted, Outcome
 from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
@@ -26,6 +29,9 @@ class Middleware:
 
     def start(self) -> None:
         """The worker starts: start any thread here, never in ``__init__``."""
+
+    def admitted(self, deliveries: Sequence[Delivery]) -> None:
+        """Messages the pool admitted (on the puller's thread); each is settled later."""
 
     def run(self, run: Run, call_next: Next) -> Outcome:
         return call_next(run)

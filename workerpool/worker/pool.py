@@ -7,11 +7,14 @@ message not yet started; ``stop`` waits for running jobs until a deadline, then 
 A message runs only while its slot thread holds one of N permits. There is a thread per
 message held (N + prefetch), so a run that must wait before its handler starts (for a
 concurrency slot, say) can put its permit down, letting another message run meanwhile: up to
-``prefetch`` runs wait so, counted against the prefetch, never against N.
+``prefetch`` runs wait so, counted against the prefetch, never against N. A message whose run
+has ended but whose success is still being recorded (the idempotency store's completion, off
+the slot thread) has given its permit back but is still held until it settles.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -130,6 +133,7 @@ class Pool:
                     released.append(delivery)
         if accepted:
             self._leases.add(accepted)
+            self._processor.admitted(accepted)
             for delivery in accepted:
                 self._waiting.put(delivery)
         if released:
@@ -145,25 +149,40 @@ class Pool:
                 return
             if delivery.settled:  # given back by quiet() while it waited
                 continue
+            later = False  # its run's success is being recorded: it stays held till then
             try:
                 if self._wait_for_permit(permit, delivery):
-                    self._processor.process(delivery, permit)
+                    left = functools.partial(self._left, delivery)
+                    later = self._processor.process(delivery, permit, left)
                 else:  # the pool went quiet while it waited: quiet() gave it back
                     self._processor.give_back([delivery])
             except BaseException:  # the processor maps handler errors; this guards the slot
                 log.exception("%s: processing %s failed", self.name, delivery.message_id)
                 self._processor.give_back([delivery])  # if nothing settled it: now
             finally:
-                self._leases.remove(delivery)
+                if not later:
+                    self._leases.remove(delivery)
                 with self._cond:
                     if permit.state is _HELD:
                         self._free += 1
                     elif permit.state is _PARKED:
                         self._parked -= 1
                     permit.state = _NONE
-                    self._held -= 1
-                    self._held_bytes -= delivery.size
+                    if not later:  # one round trip of the lock, not two, for most messages
+                        self._unhold(delivery)
                     self._cond.notify_all()
+
+    def _left(self, delivery: Delivery) -> None:
+        """``delivery``, settled after its run ended, is held no more."""
+        self._leases.remove(delivery)
+        with self._cond:
+            self._unhold(delivery)
+            self._cond.notify_all()
+
+    def _unhold(self, delivery: Delivery) -> None:
+        """(Under the lock.)"""
+        self._held -= 1
+        self._held_bytes -= delivery.size
 
     def _put_down(self, permit: _Permit) -> bool:
         with self._cond:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,8 +150,23 @@ class Processor:
         self.draining = Flag()
         self._counts: Counts[str] = Counts()
 
-    def process(self, delivery: Delivery, permit: Permit = UNPARKABLE) -> None:
-        """Run one message to its settlement, holding ``permit`` (the pool's right to run)."""
+    def admitted(self, deliveries: Sequence[Delivery]) -> None:
+        """The pool took these in; none has started yet."""
+        for mw in self._middleware:
+            try:
+                mw.admitted(deliveries)
+            except Exception:  # a middleware that could not prepare does it when they run
+                log.exception("%s.admitted failed", type(mw).__name__)
+
+    def process(
+        self,
+        delivery: Delivery,
+        permit: Permit = UNPARKABLE,
+        left: Callable[[], None] | None = None,
+    ) -> bool:
+        """Run one message to its settlement, holding ``permit`` (the pool's right to run).
+        True if it settles later, once its run's success is recorded (``Run.completion``):
+        then ``left`` is called when it has, on the thread that recorded it."""
         attempt = self._attempts.attempt(delivery)
         decoded = decode(
             delivery,
@@ -162,18 +177,34 @@ class Processor:
         if isinstance(decoded, Rejection):
             subject = _Subject(decoded.job_name, decoded.job_id, attempt)
             self._settle(delivery, Rejected(decoded.error_type, decoded.error_message), subject)
-            return
+            return False
         run = self._begin(decoded, delivery, permit)
         if run is None:
             self._settle(delivery, Interrupted(), _Subject.of(decoded))
-            return
+            return False
         try:
             try:
-                run.outcome = self._chain(run)
+                outcome = self._chain(run)
             except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
                 log.exception("job %s: the middleware chain raised", decoded.name)
-                run.outcome = Failed(type(exc).__name__, str(exc), exc)
-            self._settle(delivery, run.outcome, _Subject.of(decoded, run), run)
+                outcome = Failed(type(exc).__name__, str(exc), exc)
+            run.outcome = outcome
+            if run.completion is None:
+                self._settle(delivery, outcome, _Subject.of(decoded, run), run)
+                return False
+
+            def recorded(result: Outcome) -> None:
+                # Recorded: the chain's outcome stands (an outer middleware may have turned
+                # the success into a retry); not recorded: never ack it.
+                try:
+                    final = outcome if isinstance(result, Succeeded) else result
+                    self._settle(delivery, final, _Subject.of(decoded, run), run)
+                finally:
+                    if left is not None:
+                        left()
+
+            run.completion(recorded)
+            return True
         finally:
             with self._lock:  # only now: the end of a drain may still give it back
                 self._running.pop(delivery, None)
@@ -229,7 +260,8 @@ class Processor:
             error_type = ""
         self._finish(
             Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                    subject.attempt, run, error_type, attributes=delivery.attributes)
+                    subject.attempt, run, error_type, attributes=delivery.attributes,
+                    ack_id=delivery.ack_id)
         )  # fmt: skip
 
     def _facts(self, subject: _Subject) -> Facts:
@@ -357,7 +389,8 @@ class Processor:
         for (delivery, subject, run), label in zip(taken, labels, strict=True):
             self._finish(
                 Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                        subject.attempt, run, attributes=delivery.attributes)
+                        subject.attempt, run, attributes=delivery.attributes,
+                        ack_id=delivery.ack_id)
             )  # fmt: skip
 
 

@@ -67,6 +67,11 @@ class Run:
     # How many earlier runs of this job id failed, as the idempotency store counts them (None:
     # not known, and Pub/Sub's delivery attempt, which counts deferrals too, stands in).
     failures: int | None = None
+    # Set by a middleware whose record of the run's success must be durable before its
+    # message is acked (the idempotency store's completion), to record it off the slot
+    # thread: called once the chain has returned, with what to do once recorded (Succeeded)
+    # or not (why). The message stays held meanwhile.
+    completion: Callable[[Callable[[Outcome], None]], None] | None = None
 
     def hand_back(self, outcome: Outcome) -> bool:
         """Cancel this run and settle its message now with ``outcome`` (a lost claim, say);
@@ -90,6 +95,8 @@ class Settled:
     settled_at: float = field(default_factory=time.monotonic)
     # The message's attributes (its batch, say), as it came.
     attributes: Mapping[str, str] = field(default_factory=dict)
+    # Which delivery of the message this was (a redelivery has an ack id of its own).
+    ack_id: str = ""
 
     @property
     def duration(self) -> float | None:

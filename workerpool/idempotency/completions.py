@@ -1,0 +1,154 @@
+"""Completions recorded in batches on a thread of their own, as acks are sent.
+
+A slot whose run succeeded hands its completion over and goes on to its next message; the
+store sees one ``complete_many`` per batch instead of a call, and a wait for the answer, per
+job (with a hundred slots, the waits and the hand-offs of the GIL they cost were most of a
+no-op job's time). Each completion's ``then`` hears Succeeded once it is durable, or why it
+could not be recorded; its message is acked, or not, from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workerpool.context import Flag
+from workerpool.idempotency.base import IdempotencyStore, StoreError, StoreUnavailable
+from workerpool.worker.outcome import Outcome, Succeeded, Unavailable
+
+log = logging.getLogger(__name__)
+
+_FIRST_DELAY = 0.2  # between attempts while the store is unavailable, doubling
+_MAX_DELAY = 5.0
+
+
+@dataclass(frozen=True)
+class _Completion:
+    job_id: str
+    message_id: str
+    give_up_at: float  # monotonic: past it, an unavailable store is not waited for any more
+    cancelled: Flag  # the run's: once set, it is not waited for any more either
+    then: Callable[[Outcome], None]
+
+
+class Completions:
+    def __init__(self, store: IdempotencyStore, owner: str, *, patience: float) -> None:
+        self._store = store
+        self._owner = owner
+        self._patience = patience
+        self._queue: queue.SimpleQueue[_Completion | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="workerpool-completions", daemon=True
+        )
+        self._thread.start()
+
+    def add(
+        self, job_id: str, message_id: str, cancelled: Flag, then: Callable[[Outcome], None]
+    ) -> None:
+        """Record ``job_id`` as done soon; ``then`` hears how it went, on this object's thread
+        (or at once on the caller's, once stopped)."""
+        completion = _Completion(
+            job_id, message_id, time.monotonic() + self._patience, cancelled, then
+        )
+        if self._stopping.is_set():
+            self._answer([completion], Unavailable("completion not recorded: worker stopping"))
+            return
+        self._queue.put(completion)
+
+    def close(self, timeout: float) -> None:
+        """Record what is queued once more (no waiting for an unavailable store), then stop."""
+        self._stopping.set()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- on the thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        pending: list[_Completion] = []
+        delay = _FIRST_DELAY
+        stop = False
+        while not stop or pending:
+            if not pending:
+                first = self._queue.get()
+                if first is None:
+                    stop = True
+                    continue
+                pending.append(first)
+            stop = self._take_queued(pending) or stop
+            try:
+                unavailable = self._record(pending, final=stop)
+            except Exception:  # a bug: no message may stay held for good, nor this thread end
+                log.exception("recording %d completions failed", len(pending))
+                self._answer(pending, Unavailable("completion not recorded"))
+                unavailable = None
+            if unavailable is None:
+                pending, delay = [], _FIRST_DELAY
+                continue
+            pending = self._still_waiting(pending, unavailable)
+            if pending:
+                self._stopping.wait(delay)  # close() ends the wait: one last attempt
+                delay = min(delay * 2, _MAX_DELAY)
+        self._take_queued(pending)  # queued while closing: too late
+        self._answer(pending, Unavailable("completion not recorded: worker stopping"))
+
+    def _take_queued(self, pending: list[_Completion]) -> bool:
+        """Move everything queued to ``pending``; True if the stop sentinel was among it."""
+        stop = False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return stop
+            if item is None:
+                stop = True
+            else:
+                pending.append(item)
+
+    def _record(self, pending: list[_Completion], *, final: bool) -> StoreUnavailable | None:
+        """One attempt at the whole batch, everyone answered; except, unless ``final``, when
+        the store was unavailable: then that, and the batch is to be tried again."""
+        try:
+            self._store.complete_many([(c.job_id, c.message_id) for c in pending], self._owner)
+        except StoreUnavailable as exc:
+            if not final:
+                return exc
+            self._not_recorded(pending, exc)
+        except StoreError as exc:  # not going to get better by waiting
+            self._not_recorded(pending, exc)
+        else:
+            self._answer(pending, Succeeded())
+        return None
+
+    def _still_waiting(
+        self, pending: list[_Completion], exc: StoreUnavailable
+    ) -> list[_Completion]:
+        """Give up on those past their patience, or whose run was cancelled; the rest wait."""
+        now = time.monotonic()
+        waiting: list[_Completion] = []
+        given_up: list[_Completion] = []
+        for c in pending:
+            (waiting if now < c.give_up_at and not c.cancelled.is_set() else given_up).append(c)
+        if given_up:
+            self._not_recorded(given_up, exc)
+        return waiting
+
+    def _not_recorded(self, completions: list[_Completion], exc: StoreError) -> None:
+        for c in completions:
+            log.error("job %s done but not recorded: %s", c.job_id, exc)
+        self._answer(completions, Unavailable(f"completion not recorded: {exc}"))
+
+    def _answer(self, completions: list[_Completion], outcome: Outcome) -> None:
+        for completion in completions:
+            try:
+                completion.then(outcome)
+            except Exception:  # one message's settlement must not stop everyone else's
+                log.exception("settling job %s after its completion failed", completion.job_id)
