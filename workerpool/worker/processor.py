@@ -192,12 +192,16 @@ class Processor:
             if run.completion is None:
                 self._settle(delivery, outcome, _Subject.of(decoded, run), run)
                 return False
+            if self._settings.exactly_once:
+                # Its ack waits for Pub/Sub's confirmation: on the recording thread that wait
+                # would hold up every completion after it, so this slot waits instead.
+                final = _when_recorded(outcome, _wait_for(run.completion))
+                self._settle(delivery, final, _Subject.of(decoded, run), run)
+                return False
 
             def recorded(result: Outcome) -> None:
-                # Recorded: the chain's outcome stands (an outer middleware may have turned
-                # the success into a retry); not recorded: never ack it.
                 try:
-                    final = outcome if isinstance(result, Succeeded) else result
+                    final = _when_recorded(outcome, result)
                     self._settle(delivery, final, _Subject.of(decoded, run), run)
                 finally:
                     if left is not None:
@@ -438,3 +442,23 @@ def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
             "async def, so the worker awaits it",
         )
     return Succeeded()
+
+
+def _when_recorded(outcome: Outcome, recording: Outcome) -> Outcome:
+    """Recorded: the chain's outcome stands (an outer middleware may have turned the success
+    into a retry); not recorded: why, so the message is never acked."""
+    return outcome if isinstance(recording, Succeeded) else recording
+
+
+def _wait_for(completion: Callable[[Callable[[Outcome], None]], None]) -> Outcome:
+    """How recording a run's completion went, waited for on this thread."""
+    answered = threading.Event()
+    heard: list[Outcome] = []
+
+    def answer(result: Outcome) -> None:
+        heard.append(result)
+        answered.set()
+
+    completion(answer)
+    answered.wait()
+    return heard[0]
