@@ -409,15 +409,20 @@ def test_a_pulls_job_ids_are_claimed_at_once_and_acked_only_once_their_completio
         worker.close()
 
 
+def _one_running_one_waiting(timers: Timers) -> tuple[FaultyStore, _PoolWorker]:
+    store = FaultyStore(MemoryStore())
+    worker = _PoolWorker(store, timers, 1)
+    worker.admit("t.wait", 2)
+    assert wait_for(lambda: worker.runs == ["j0"], timeout=10, interval=0.005)
+    return store, worker
+
+
 def test_a_claim_taken_at_admission_is_kept_while_its_message_waits_and_released_if_it_never_runs(
     timers: Timers,
 ) -> None:
     # Given a pool of 1 slot, its one job running, and a second admitted with it that waits
-    store = FaultyStore(MemoryStore())
-    worker = _PoolWorker(store, timers, 1)
+    store, worker = _one_running_one_waiting(timers)
     try:
-        worker.admit("t.wait", 2)
-        assert wait_for(lambda: worker.runs == ["j0"], timeout=10, interval=0.005)
         # When the waiting message's claim is older than its TTL
         time.sleep(TTL * 2)
         # Then it is still held by this worker (renewed), taken in the one admission call
@@ -438,11 +443,8 @@ def test_a_claim_taken_at_admission_that_cannot_be_renewed_is_dropped_and_its_ru
     timers: Timers,
 ) -> None:
     # Given a pool of 1 slot, its one job running, and a second admitted with it that waits
-    store = FaultyStore(MemoryStore())
-    worker = _PoolWorker(store, timers, 1)
+    store, worker = _one_running_one_waiting(timers)
     try:
-        worker.admit("t.wait", 2)
-        assert wait_for(lambda: worker.runs == ["j0"], timeout=10, interval=0.005)
         # When renewals fail for longer than the claims' TTL (the running one is handed back)
         store.fail("renew", StoreUnavailable("down"))
         assert wait_for(lambda: worker.acks.modacked, timeout=5, interval=0.01)
