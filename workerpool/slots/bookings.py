@@ -62,5 +62,7 @@ class BookingWriter:
                     self._store.book_many(batch)
                 except StoreError as exc:
                     log.warning("%d bookings not written: %s", len(batch), exc)
+                except Exception:  # a bug: later bookings must still be written, not pile up
+                    log.exception("%d bookings not written", len(batch))
             elif self._closing:
                 return
