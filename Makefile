@@ -17,7 +17,7 @@ types:
 	$(PYTHON) -m mypy
 
 unit:
-	$(PYTHON) -m pytest -m "not emulator" -q
+	$(PYTHON) -m pytest -m "not emulator" -n 2 -q
 
 test:
 	$(PYTHON) -m pytest -n 2
