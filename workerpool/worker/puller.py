@@ -13,6 +13,7 @@ import logging
 import random
 import threading
 from collections.abc import Sequence
+from datetime import UTC
 from typing import Any, Protocol
 
 from google.api_core import exceptions as gexc
@@ -24,13 +25,19 @@ log = logging.getLogger(__name__)
 
 
 def to_delivery(received: Any) -> Delivery:
+    """A ``ReceivedMessage`` of the protobuf runtime (``_pull`` unwraps the client's
+    proto-plus one: reading its fields through proto-plus cost 26 us a message, measured,
+    reading them here 3 us)."""
     message = received.message
+    publish_time = (
+        message.publish_time.ToDatetime(UTC) if message.HasField("publish_time") else None
+    )
     return Delivery(
         ack_id=received.ack_id,
         message_id=message.message_id,
-        data=bytes(message.data),
+        data=message.data,
         attributes=dict(message.attributes),
-        publish_time=message.publish_time,
+        publish_time=publish_time,
         delivery_attempt=received.delivery_attempt or None,
     )
 
@@ -140,4 +147,10 @@ class Puller:
             return []
         self._failures = 0
         self.healthy.set()
-        return list(response.received_messages)
+        return list(_protobuf(response).received_messages)
+
+
+def _protobuf(response: Any) -> Any:
+    """The protobuf message under the client's proto-plus wrapper (the same object, no copy)."""
+    unwrap = getattr(type(response), "pb", None)
+    return response if unwrap is None else unwrap(response)
