@@ -4,6 +4,13 @@ The puller asks ``wait_for_room`` how many messages it may pull; ``admit`` queue
 slot threads (and releases at once anything beyond the bound); ``quiet`` gives back every
 message not yet started; ``stop`` waits for running jobs until a deadline, then interrupts them.
 
+A pull costs the same whether it brings one message or a hundred, so while enough admitted
+messages still wait to start (more than half the prefetch), the puller waits until half the
+pool's hold is free and pulls that much at once: with short jobs whose slots free one at a
+time, pulls of a few messages each had become most of the worker's CPU. A pool whose waiting
+messages run low pulls at once, whatever the room, so no slot waits for a pull it could
+have had.
+
 A message runs only while its slot thread holds one of N permits. There is a thread per
 message held (N + prefetch), so a run that must wait before its handler starts (for a
 concurrency slot, say) can put its permit down, letting another message run meanwhile: up to
@@ -75,6 +82,9 @@ class Pool:
         self._free = limits.max_outstanding  # permits nobody holds
         self._parked = 0  # runs waiting without their permit
         self._starting: set[Delivery] = set()  # taken by a slot thread, waiting for a permit
+        self._unstarted = 0  # admitted, and not yet running or given back
+        self._low = limits.prefetch // 2  # this few waiting to start: pull now
+        self._batch = max(1, limits.max_held // 2)  # else pull when this much room is free
         self._cond = threading.Condition()
         self._quiet = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -109,7 +119,8 @@ class Pool:
                 room = self.limits.max_held - self._held
                 if startable:
                     room = min(room, self.limits.max_outstanding - self._held + self._parked)
-                if room > 0 and self._held_bytes < self.limits.max_bytes:
+                wanted = room >= self._batch or self._unstarted <= self._low
+                if room > 0 and wanted and self._held_bytes < self.limits.max_bytes:
                     return room
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -127,6 +138,7 @@ class Pool:
                 )
                 if fits and not self._quiet.is_set():
                     self._held += 1
+                    self._unstarted += 1
                     self._held_bytes += delivery.size
                     accepted.append(delivery)
                 else:
@@ -148,6 +160,8 @@ class Pool:
             if delivery is None:
                 return
             if delivery.settled:  # given back by quiet() while it waited
+                with self._cond:
+                    self._started_one()
                 continue
             later = False  # its run's success is being recorded: it stays held till then
             try:
@@ -197,24 +211,33 @@ class Pool:
     def _wait_for_permit(self, permit: _Permit, delivery: Delivery) -> bool:
         with self._cond:
             self._starting.add(delivery)
-        try:
-            return self._pick_up(permit)
-        finally:
-            with self._cond:
+            try:
+                return self._pick_up_locked(permit)
+            finally:
                 self._starting.discard(delivery)
+                self._started_one()
+
+    def _started_one(self) -> None:
+        """(Under the lock.) An admitted message runs now, or will not run here."""
+        self._unstarted -= 1
+        if self._unstarted == self._low:
+            self._cond.notify_all()  # the puller may be waiting for this
 
     def _pick_up(self, permit: _Permit) -> bool:
-        """False once the pool is quiet: nothing that has not started starts any more."""
         with self._cond:
-            while not self._free and not self._quiet.is_set():
-                self._cond.wait()
-            if self._quiet.is_set():
-                return False
-            if permit.state is _PARKED:
-                self._parked -= 1
-            self._free -= 1
-            permit.state = _HELD
-            return True
+            return self._pick_up_locked(permit)
+
+    def _pick_up_locked(self, permit: _Permit) -> bool:
+        """False once the pool is quiet: nothing that has not started starts any more."""
+        while not self._free and not self._quiet.is_set():
+            self._cond.wait()
+        if self._quiet.is_set():
+            return False
+        if permit.state is _PARKED:
+            self._parked -= 1
+        self._free -= 1
+        permit.state = _HELD
+        return True
 
     def quiet(self) -> int:
         """Stop admitting, tell running jobs we are draining, give back what has not started."""
@@ -233,6 +256,7 @@ class Pool:
         released = self._processor.give_back(waiting + starting)
         with self._cond:
             self._held -= len(waiting)
+            self._unstarted -= len(waiting)
             self._held_bytes -= sum(d.size for d in waiting)
             self._cond.notify_all()
         return released
