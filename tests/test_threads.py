@@ -139,6 +139,21 @@ def test_the_leaser_survives_an_exception_and_keeps_extending() -> None:
         leaser.stop(timeout=5)
 
 
+@pytest.mark.parametrize(("granted", "at_receipt"), [(0, True), (10, True), (60, False)])
+def test_the_leaser_extends_at_receipt_only_a_deadline_its_first_pass_could_miss(
+    granted: float, at_receipt: bool
+) -> None:
+    # Given a leaser extending to 30 s every 10 s, on a subscription whose own ack deadline
+    # is ``granted`` seconds (0: not known)
+    acks = FakeAcks()
+    leaser = Leaser(acks, extension=30, granted=granted)
+    # When it is given a message just pulled
+    leaser.add([make_delivery(b"{}", {})])
+    # Then it extends it at once only if the first periodic pass, up to 10 s away, could
+    # come after the message's deadline (under 20 s)
+    assert acks.extended == ([("ack-m-1", 30)] if at_receipt else [])
+
+
 def test_the_leaser_says_it_is_unhealthy_while_extensions_fail() -> None:
     class Fails(FakeAcks):
         def extend(self, deliveries: list[Delivery], seconds: float) -> None:

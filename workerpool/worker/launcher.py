@@ -209,7 +209,10 @@ class Launcher:
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
-            acks, extension=s.lease_extension, on_extend=self.telemetry.metrics.lease_extended
+            acks,
+            extension=s.lease_extension,
+            granted=info.ack_deadline_seconds,
+            on_extend=self.telemetry.metrics.lease_extended,
         )
         records = DeadLetterPublisher(
             clients.publisher,

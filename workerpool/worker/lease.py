@@ -25,10 +25,17 @@ class Leaser:
         acks: Acks,
         *,
         extension: float = c.DEFAULT_LEASE_EXTENSION,
+        granted: float = 0.0,
         on_extend: Callable[[int], None] | None = None,
     ) -> None:
+        """``granted``: the subscription's own ack deadline, which a pulled message starts
+        with (0: not known)."""
         self._acks = acks
         self.extension = extension
+        # The first periodic pass reaches a message within extension / 3 s of its pull. A
+        # deadline shorter than twice that (Pub/Sub's default is 10 s) needs an extension at
+        # receipt; a longer one does not, which saves a request per pull.
+        self._extend_at_receipt = granted < 2 * extension / 3
         self._held: dict[str, Delivery] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -44,8 +51,8 @@ class Leaser:
         with self._lock:
             for delivery in deliveries:
                 self._held[delivery.ack_id] = delivery
-        # The subscription's own deadline may be as short as 10 s: extend at receipt.
-        self._acks.extend(deliveries, self.extension)
+        if self._extend_at_receipt:
+            self._acks.extend(deliveries, self.extension)
 
     def remove(self, delivery: Delivery) -> None:
         with self._lock:
