@@ -520,6 +520,35 @@ def test_a_bad_log_call_never_raises_and_other_handlers_see_the_record_as_logged
     assert [(r.msg, r.args) for r in seen] == [("%d items", ("many",)), ("%s items", ("some",))]
 
 
+def test_lines_queued_from_many_threads_are_each_written_once_by_a_flush() -> None:
+    # Given the worker's log handler, with a filter that drops some lines
+    root, level = logging.getLogger(), logging.getLogger().level
+    stream = io.StringIO()
+    try:
+        handler = setup_logging(stream=stream)
+        handler.addFilter(lambda record: "secret" not in record.getMessage())
+
+        # When 8 threads log 50 lines each (and one line the filter drops), then it flushes
+        def log_lines(thread: int) -> None:
+            for i in range(50):
+                logging.getLogger("t").info("line %d-%d", thread, i)
+
+        threads = [threading.Thread(target=log_lines, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        logging.getLogger("t").info("a secret line")
+        for thread in threads:
+            thread.join()
+        handler.flush()
+        written = stream.getvalue().splitlines()
+    finally:
+        root.removeHandler(setup_logging(stream=io.StringIO()))
+        root.setLevel(level)
+    # Then every line is there once, the filtered one is not, and nothing waits unwritten
+    messages = sorted(json.loads(line)["message"] for line in written)
+    assert messages == sorted(f"line {t}-{i}" for t in range(8) for i in range(50))
+
+
 def test_job_log_lines_carry_the_run_and_never_the_payload(
     pubsub_resources: PubSubResources, caplog: pytest.LogCaptureFixture
 ) -> None:

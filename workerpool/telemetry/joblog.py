@@ -53,11 +53,12 @@ class JobLog(Middleware):
         took = "" if duration is None else f" in {duration:.3f}s"
         span = event.run.span.get_span_context() if event.run is not None else None
         # makeRecord + handle, not log.log: its source is always this line, so the stack walk
-        # that finds the caller (a tenth of the line's cost) is left out.
-        args = (event.job or "?", event.label, took)
+        # that finds the caller (a tenth of the line's cost) is left out. The message is
+        # complete, with no arguments, so the log handler need not copy the record to fix it.
+        message = f"job {event.job or '?'} {event.label}{took}"
         extra = {FIELDS: fields, SPAN_CONTEXT: span}
         record = log.makeRecord(
-            log.name, level, __file__, _SETTLED_LINE, "job %s %s%s", args, None, "settled", extra
+            log.name, level, __file__, _SETTLED_LINE, message, (), None, "settled", extra
         )
         log.handle(record)
 

@@ -79,7 +79,11 @@ class BackgroundHandler(logging.Handler):
     GIL, and in a process of a hundred slot threads winning it back cost more than the line
     (measured: a job log line was 0.2 ms of CPU at N = 100). What must be read where the
     record is made is fixed before it is queued: its message, its traceback, the current span.
-    ``flush`` waits until what is queued is written; ``close`` (``logging.shutdown``) too."""
+    The thread lets lines gather for up to ``_LINGER`` after the first of a batch: woken for
+    every line or two, its wake-ups and writes were most of the job log's cost (measured:
+    83 us of CPU per job at N = 100, against 22 us to make and format the line).
+    ``flush`` waits until what is queued is written, at once; ``close`` (``logging.shutdown``)
+    too."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__()
@@ -87,12 +91,26 @@ class BackgroundHandler(logging.Handler):
         self._queue: queue.SimpleQueue[logging.LogRecord | threading.Event] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
+        self._hurry = threading.Event()  # a flush waits: write without lingering
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        """``logging.Handler.handle`` without the handler's lock: ``emit`` only queues, and
+        with a hundred slot threads queuing a line each, waits for that lock were 4 % of a
+        job-log-only worker's samples (py-spy)."""
+        checked = self.filter(record)
+        if isinstance(checked, logging.LogRecord):  # Python 3.12: a filter may replace it
+            record = checked
+        if checked:
+            self.emit(record)
+        return bool(checked)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            queued = copy.copy(record)  # other handlers see the record as it was logged
-            queued.message = queued.getMessage()
-            queued.msg, queued.args = queued.message, None  # arguments may change after this
+            queued = record
+            fixed = isinstance(record.msg, str) and not record.args and not record.exc_info
+            if not fixed or getattr(record, SPAN_CONTEXT, None) is None:
+                queued = copy.copy(record)  # other handlers see the record as it was logged
+                queued.msg, queued.args = queued.getMessage(), None  # args may change after
             if queued.exc_info:
                 queued.exc_text = _PLAIN.formatException(queued.exc_info)
                 queued.exc_info = None  # its traceback holds the caller's frames
@@ -117,6 +135,7 @@ class BackgroundHandler(logging.Handler):
         if self._thread is not None and self._thread.is_alive():
             written = threading.Event()
             self._queue.put(written)
+            self._hurry.set()
             written.wait(5.0)
 
     def close(self) -> None:
@@ -126,6 +145,9 @@ class BackgroundHandler(logging.Handler):
     def _write(self) -> None:
         while True:
             batch = [self._queue.get()]
+            if not isinstance(batch[0], threading.Event):
+                self._hurry.wait(_LINGER)
+            self._hurry.clear()  # after it, what a flush queued before setting it is taken
             while True:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -153,6 +175,8 @@ class BackgroundHandler(logging.Handler):
 
 
 _PLAIN = logging.Formatter()
+_LINGER = 0.05  # seconds a line may wait for others to share its write
+_JSON = json.JSONEncoder(default=str, ensure_ascii=False)  # made once, not once a line
 
 
 def _span_context(record: logging.LogRecord) -> SpanContext | None:
@@ -198,7 +222,7 @@ class CloudLoggingFormatter(logging.Formatter):
             entry[c.LOG_SPAN_ID] = f"{span.span_id:016x}"
             entry[c.LOG_TRACE_SAMPLED] = span.trace_flags.sampled
         # A handler may log text decoded from a hostile payload: the line must still encode.
-        return safe_text(json.dumps(entry, default=str, ensure_ascii=False))
+        return safe_text(_JSON.encode(entry))
 
 
 class TextFormatter(logging.Formatter):
