@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from opentelemetry.sdk.trace import TracerProvider
@@ -35,7 +36,7 @@ from workerpool.publishing import JobMessage
 from workerpool.ratelimit import LocalLimiters, parse_rate
 from workerpool.registry import Registry
 from workerpool.telemetry import PrometheusReader, Telemetry, extract, inject
-from workerpool.telemetry.exporters import exporter_names, span_processors
+from workerpool.telemetry.exporters import exporter_names, span_processors, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
 from workerpool.telemetry.logs import (
     CloudLoggingFormatter,
@@ -432,6 +433,29 @@ def test_exporters_follow_the_otel_variables(monkeypatch: pytest.MonkeyPatch) ->
     assert str(raised.value) == (
         "OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: pip install 'workerpool[otlp]'"
     )
+
+
+def test_with_the_sdk_disabled_no_job_span_is_made_and_the_publishers_trace_stays_current() -> None:
+    # Given the telemetry of a worker run with OTEL_SDK_DISABLED=true, and a job
+    telemetry = telemetry_from_env({"OTEL_SDK_DISABLED": "true"}, install=False)
+    jobs, seen = Registry(), []
+
+    @jobs.job("t.traced")
+    def traced(ctx: JobContext, payload: dict[str, Any]) -> None:
+        seen.append(trace.get_current_span())
+
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), telemetry.middleware("s")
+    )
+    # When a message published inside a trace runs
+    trace_id, span_id = "ab" * 16, "cd" * 8
+    attributes = {"job": "t.traced", "job_id": "j1", "traceparent": f"00-{trace_id}-{span_id}-01"}
+    processor.process(make_delivery(b"{}", attributes))
+    # Then the span current in the handler is the publisher's own: none was made for the run
+    (span,) = seen
+    context = span.get_span_context()
+    assert (context.trace_id, context.span_id) == (int(trace_id, 16), int(span_id, 16))
+    assert not span.is_recording()
 
 
 # --- logs -------------------------------------------------------------------------------------

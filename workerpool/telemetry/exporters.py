@@ -144,7 +144,9 @@ def telemetry_from_env(
     current, so log lines link to its trace. Call ``Telemetry.shutdown()`` at exit to flush.
     """
     if disabled(env):
-        return Telemetry()
+        # No span per job either: an API tracer would make one only to drop it. The
+        # publisher's trace context is still made current, as without a trace exporter.
+        return Telemetry(spans_exported=False)
     processors = span_processors(env)
     traces = tracer_provider(processors)
     meters = MeterProvider(
