@@ -76,6 +76,16 @@ def _short_stretches(
     return sorted(stretches, key=lambda s: -s[1])[:3]
 
 
+def _stalled(ledger: Path, workers: list[WorkerProcess]) -> str:
+    """What a run that did not finish in time left to read: how far it got, and each worker's
+    last warnings."""
+    lines = [f"{len(ledger_events(ledger, 'done'))} of 200 done"]
+    for worker in workers:
+        warnings = [line for line in worker.output().splitlines() if "INFO" not in line[:40]]
+        lines += [f"worker {worker.pid}:", *warnings[-5:]]
+    return "\n".join(lines)
+
+
 @pytest.mark.alone
 @pytest.mark.parametrize("kind", ["sqlite", "firestore"])
 def test_a_key_limit_is_exact_across_four_worker_processes(
@@ -97,7 +107,8 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
         assert wait_for(lambda: all(w.ready() for w in workers), timeout=60)
         # When 200 jobs of 0.5 s that take a slot of the key are published
         pubsub_resources.publish_many("demo.slot_sleep", jobs)
-        assert wait_for(lambda: len(ledger_events(ledger, "done")) >= 200, timeout=180)
+        finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= 200, timeout=180)
+        assert finished, _stalled(ledger, workers)
         for worker in workers:
             worker.signal(signal.SIGTERM)
         codes = [worker.wait(30) for worker in workers]
