@@ -84,6 +84,22 @@ def test_never_more_than_n_run_and_the_rest_wait_within_the_bound() -> None:
         assert pool.join(time.monotonic() + 5)
 
 
+def test_a_pool_with_enough_waiting_pulls_only_once_half_its_hold_is_free() -> None:
+    # Given a pool of 2 slots and a prefetch of 4 (held at most 6), both slots busy
+    pool, gate, _, _ = _pool(2, 4)
+    try:
+        pool.admit(_deliveries(4))
+        assert wait_for(lambda: gate.running == 2, timeout=10, interval=0.005)
+        # When 2 wait to start (half the prefetch), Then the 2 free places are pulled for
+        assert pool.wait_for_room(0) == 2
+        # When 3 wait, Then the 1 free place is not: a pull waits for half the hold (3)
+        pool.admit(_deliveries(1, start=4))
+        assert pool.wait_for_room(0) == 0
+    finally:
+        gate.release.set()
+        pool.join(time.monotonic() + 5)
+
+
 def test_quiet_gives_back_what_has_not_started_and_lets_the_rest_finish() -> None:
     # Given 2 slots busy and 2 messages waiting
     pool, gate, acks, processor = _pool(2, 2)
