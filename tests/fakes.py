@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from workerpool.autoscale.actuator import Beat
+from workerpool.worker.middleware import Middleware, Steps
+from workerpool.worker.outcome import Outcome
+from workerpool.worker.run import Run
 
 
 class FakeClock:
@@ -45,3 +49,10 @@ def beat(host: str, running: int, *, slots: int = 4, draining: bool = False) -> 
         subscription="projects/ads-prod/subscriptions/jobs-sub", host=host, pid=1, slots=slots,
         running=running, draining=draining,
     )  # fmt: skip
+
+
+def through(middleware: Middleware, run: Run, handler: Callable[[Run], Outcome]) -> Outcome:
+    """``run`` through one middleware to ``handler``, on this thread, as the processor does."""
+    steps = Steps([middleware], run)
+    ended = steps.enter()
+    return steps.leave(handler(run) if ended is None else ended)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +27,7 @@ from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.middleware import Middleware, TimeLimit
-from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
@@ -204,6 +204,50 @@ def test_the_runs_span_is_current_inside_the_coroutine(loop: EventLoop) -> None:
     assert trace.get_current_span() is trace.INVALID_SPAN  # nothing leaked to this thread
 
 
+def test_an_async_run_goes_on_with_no_thread_and_a_thread_carries_its_end(
+    loop: EventLoop, timers: Timers
+) -> None:
+    # Given an async job that waits to be let go, traced and with a time limit
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    jobs, go = Registry(), threading.Event()
+
+    @jobs.job("t.carried")
+    async def carried(ctx: AsyncJobContext, payload: dict[str, Any]) -> None:
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+        with provider.get_tracer("handler").start_as_current_span("call upstream"):
+            pass
+
+    middleware = [*Telemetry(tracer_provider=provider).middleware("s"), TimeLimit(timers)]
+    processor, acks, _ = build(jobs, loop, middleware)
+    rest: list[Callable[[], Ending]] = []
+    # When its message is processed by a caller that can resume it
+    ending = processor.process(make_delivery(b"{}", {"job": "t.carried"}), resume=rest.append)
+    # Then the call returns while the handler still runs, with nothing settled
+    assert ending is Ending.CARRIED and not go.is_set()
+    assert rest == [] and acks.acked == [] and processor.stats == {}
+    # And once the task ends, the rest of the run is handed over once, not yet carried out
+    go.set()
+    wait_for(lambda: rest, timeout=5)
+    assert len(rest) == 1 and acks.acked == []
+    # When another thread carries it
+    carried_by: list[Ending] = []
+    other = threading.Thread(target=lambda: carried_by.append(rest[0]()))
+    other.start()
+    other.join(5)
+    # Then the message is acked there, and the span the middleware made current before the
+    # handler (in the run's own context) was the handler's parent and has ended
+    assert carried_by == [Ending.SETTLED] and acks.acked == ["ack-m-1"]
+    assert processor.stats == {"done": 1}
+    by_name = {span.name: span for span in spans.get_finished_spans()}
+    child, parent = by_name["call upstream"], by_name["t.carried"]
+    assert child.parent is not None and parent.context is not None
+    assert child.parent.span_id == parent.context.span_id
+    assert trace.get_current_span() is trace.INVALID_SPAN  # nothing leaked to this thread
+
+
 def test_a_handler_that_blocks_the_loop_is_named_in_a_warning(
     loop: EventLoop, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -300,13 +344,16 @@ def test_the_pools_of_a_process_share_one_loop_until_the_last_lets_go() -> None:
     first, second = EventLoop.shared(), EventLoop.shared()
     assert first is second
 
-    async def where() -> int:
-        return id(asyncio.get_running_loop())
+    loops: list[asyncio.AbstractEventLoop] = []
 
-    jobs_loop = first.run(lambda ctx, payload: where(), _context(), None)
+    async def where() -> None:
+        loops.append(asyncio.get_running_loop())
+
+    first.run(lambda ctx, payload: where(), _context(), None)
     # When one lets go, Then the other still runs on the same loop
     first.release(1.0)
-    assert second.run(lambda ctx, payload: where(), _context(), None) == jobs_loop
+    second.run(lambda ctx, payload: where(), _context(), None)
+    assert len(loops) == 2 and loops[0] is loops[1]
     # And when the last lets go, it is closed, and the next pool gets a new one
     second.release(1.0)
     with pytest.raises(RuntimeError, match="closed"):

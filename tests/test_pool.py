@@ -16,8 +16,7 @@ from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.launcher import Launcher, Phase
-from workerpool.worker.middleware import Middleware, Next
-from workerpool.worker.outcome import Outcome
+from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
@@ -187,13 +186,13 @@ class _WaitsWithoutPermit(Middleware):
         self.go = threading.Event()
         self.put_down: list[bool] = []
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         if run.job.job_id.startswith("wait"):
             self.put_down.append(run.permit.put_down())
             self.go.wait(10)
             if self.put_down[-1]:
                 assert run.permit.pick_up()
-        return call_next(run)
+        return (yield)
 
 
 def test_a_run_waiting_without_its_permit_lets_another_run_within_the_prefetch() -> None:

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, through
 from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.cli import main
@@ -287,7 +287,7 @@ def test_a_job_not_due_yet_is_scheduled_and_acked_instead_of_run() -> None:
         return Succeeded()
 
     ahead = not_before_text(timedelta(seconds=90), NOW)
-    outcome = delays.run(_run({c.ATTR_NOT_BEFORE: ahead}), handler)
+    outcome = through(delays, _run({c.ATTR_NOT_BEFORE: ahead}), handler)
     assert outcome == Scheduled(ahead) and ran == []
     [entry] = store.entries()
     assert (entry.job_id, entry.due, entry.data) == ("j-1", NOW.timestamp() + 90, b'{"x":1}')
@@ -296,16 +296,16 @@ def test_a_job_not_due_yet_is_scheduled_and_acked_instead_of_run() -> None:
     assert decide(outcome, facts) == Ack(Label.SCHEDULED)
     # Due (or past): it runs; without a not_before too
     clock.advance(90)
-    assert delays.run(_run({c.ATTR_NOT_BEFORE: ahead}), handler) == Succeeded()
-    assert delays.run(_run({}), handler) == Succeeded()
+    assert through(delays, _run({c.ATTR_NOT_BEFORE: ahead}), handler) == Succeeded()
+    assert through(delays, _run({}), handler) == Succeeded()
     assert ran == ["j-1", "j-1"]
     # A bad not_before can never run: recorded as such
-    bad = delays.run(_run({c.ATTR_NOT_BEFORE: "soon"}), handler)
+    bad = through(delays, _run({c.ATTR_NOT_BEFORE: "soon"}), handler)
     assert isinstance(bad, Rejected) and bad.error_type == c.ERR_INVALID_NOT_BEFORE
     # Without a schedule (the store is none) it rides on its ack deadline, 600 s a step
     riding = Delays(TOPIC, None, None, clock=clock)
     later = not_before_text(timedelta(hours=2), datetime.fromtimestamp(clock(), UTC))
-    assert riding.run(_run({c.ATTR_NOT_BEFORE: later}), handler) == Deferred(
+    assert through(riding, _run({c.ATTR_NOT_BEFORE: later}), handler) == Deferred(
         f"not before {later}", 600
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, through
 from tests.support import book, store_handles, wait_for
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
@@ -701,7 +701,7 @@ def test_a_run_is_freed_as_soon_as_its_chain_returns_not_by_the_cyclic_collector
     gc.disable()
     try:
         # When its chain returns and nothing else holds the run
-        assert isinstance(concurrency.run(run, handler), Succeeded)
+        assert isinstance(through(concurrency, run, handler), Succeeded)
         del run
         # Then it is freed at once: its context leads back to it no more
         assert gone() is None

@@ -22,7 +22,7 @@ from workerpool.errors import PermanentError
 from workerpool.schedule.delays import Firer
 from workerpool.schedule.store import ScheduleStore
 from workerpool.stores import StoreError
-from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import AlreadyDone, Outcome, Rejected, Succeeded, Unavailable
 from workerpool.worker.run import Run, Settled
 
@@ -48,10 +48,10 @@ class Batches(Middleware):
         self._firer = firer
         self._clock = clock
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         if run.job.name == DEADLINE_JOB:
             return self._expire(run.job.payload)
-        outcome = call_next(run)
+        outcome = yield
         batch_id = run.job.attributes.get(c.ATTR_BATCH_ID)
         if batch_id and isinstance(outcome, Succeeded | AlreadyDone):
             try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 from workerpool import constants as c
@@ -36,7 +36,7 @@ from workerpool.idempotency.completions import Completions
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job, job_id_of
 from workerpool.worker.keeper import Held, LeaseKeeper
-from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import (
     AlreadyDone,
     DuplicateOfRunning,
@@ -144,7 +144,7 @@ class Idempotency(Middleware):
 
     # --- the run -----------------------------------------------------------------------------
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         job = run.job
         key = (job.job_id, job.message_id)
         with self._lock:
@@ -154,7 +154,7 @@ class Idempotency(Middleware):
             admitted = self._admitted.pop(key, None)
         recording = False
         try:
-            outcome, held = self._run_claimed(run, call_next, key, admitted)
+            outcome, held = yield from self._run_claimed(run, key, admitted)
             if held is not None and isinstance(outcome, Succeeded):
                 # The side effect happened: record it, off this thread, before the ack.
                 run.completion = self._completion(run, key, held)
@@ -166,8 +166,8 @@ class Idempotency(Middleware):
                     self._active.discard(key)
 
     def _run_claimed(
-        self, run: Run, call_next: Next, key: _Key, admitted: _Admitted | None
-    ) -> tuple[Outcome, Held[_Key] | None]:
+        self, run: Run, key: _Key, admitted: _Admitted | None
+    ) -> Generator[None, Outcome, tuple[Outcome, Held[_Key] | None]]:
         """The run's outcome, and the claim it still holds if it succeeded."""
         job = run.job
         try:
@@ -195,7 +195,7 @@ class Idempotency(Middleware):
             self._release(job)
             return Interrupted(), None
         try:
-            outcome = call_next(run)
+            outcome = yield
         except BaseException:
             self.keeper.let_go(held)
             raise

@@ -31,7 +31,7 @@ from workerpool.slots.keys import KeyTemplate, Limits, MissingField
 from workerpool.slots.store import Granted, SlotStore
 from workerpool.stores import StoreError
 from workerpool.worker.keeper import Held, LeaseKeeper
-from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import (
     Deferred,
     Interrupted,
@@ -351,7 +351,7 @@ class Concurrency(Middleware):
     def healthy(self) -> bool:
         return self._leases.keeper.healthy
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         slots = run.ctx.slots = _RunSlots(self, run)
         taken: list[_Taken] = []
         try:
@@ -363,7 +363,7 @@ class Concurrency(Middleware):
                 if not isinstance(slot, _Taken):
                     return slot
                 taken.append(slot)
-            return call_next(run)
+            return (yield)
         finally:
             try:
                 for slot in reversed(taken):

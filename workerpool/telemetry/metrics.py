@@ -21,8 +21,7 @@ from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from workerpool import constants as c
 from workerpool.worker.counts import Counts
-from workerpool.worker.middleware import Middleware, Next
-from workerpool.worker.outcome import Outcome
+from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.run import Run, Settled
 
 
@@ -134,14 +133,14 @@ class Metrics(Middleware):
 
     # --- the middleware: a run starts, a message leaves ----------------------------------
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         job = run.job
         self._known_jobs.add(job.name)  # a set's add is atomic; reads tolerate a late one
         self._started.add(job.name)
         if job.publish_time is not None:
             latency = (datetime.now(UTC) - job.publish_time).total_seconds()
             self._queue_latency.record(max(0.0, latency), _attributes(job.name))
-        return call_next(run)
+        return (yield)
 
     def settled(self, event: Settled) -> None:
         job = self._job_label(event)

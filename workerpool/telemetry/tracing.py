@@ -16,7 +16,7 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 
 from workerpool import constants as c
 from workerpool.telemetry.propagation import extract
-from workerpool.worker.middleware import Middleware, Next
+from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import Failed, Outcome, Rejected, Unavailable
 from workerpool.worker.run import Run, Settled
 from workerpool.worker.text import safe_text
@@ -39,10 +39,10 @@ class Tracing(Middleware):
         self._subscription = subscription
         self._record = record
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         job = run.job
         if not self._record:
-            return self._in_publishers_context(run, call_next)
+            return (yield from self._in_publishers_context(run))
         span = self._tracer.start_span(
             job.name,
             context=extract(job.attributes),
@@ -60,18 +60,18 @@ class Tracing(Middleware):
         run.span = span
         try:
             with trace.use_span(span, end_on_exit=False):
-                return call_next(run)
+                return (yield)
         except BaseException:
             # A middleware bug (handlers cannot raise through ``_invoke``): the span is done.
             span.end()
             raise
 
-    def _in_publishers_context(self, run: Run, call_next: Next) -> Outcome:
+    def _in_publishers_context(self, run: Run) -> Around:
         if c.ATTR_TRACEPARENT not in run.job.attributes:
-            return call_next(run)
+            return (yield)
         run.span = trace.get_current_span(extract(run.job.attributes))
         with trace.use_span(run.span, end_on_exit=False):
-            return call_next(run)
+            return (yield)
 
     def settled(self, event: Settled) -> None:
         if event.run is None or not event.run.span.is_recording():

@@ -1,16 +1,18 @@
 """The event loop that runs a pool's ``async def`` handlers.
 
-A slot thread still carries every run, sync or async, through the middleware, so the pool's
-one bound counts both kinds and the claim, rate-limit, tracing and timeout code is one code.
-At the innermost step an async handler's coroutine becomes a task on this loop and the slot
-thread waits for it: blocking store and gRPC calls stay on slot threads, never on the loop.
-The task starts in a copy of the slot thread's context, so the run's span is current inside
-the coroutine; setting ``ctx.cancelled`` cancels the task. A watchdog names the job whose
-handler holds the loop (``time.sleep`` in an ``async def``), since that stalls every other
-async run. The loop's thread starts with the first async run, so a worker without async jobs
-has none. The pools of one process share one loop (``EventLoop.shared``), so an async client
-a job module keeps for the process (an ``httpx.AsyncClient``) is bound to the loop every
-async job runs on.
+A slot thread carries every run, sync or async, through the part of the middleware before
+the handler, so the pool's one bound counts both kinds and the claim, rate-limit, tracing and
+timeout code is one code. There an async handler's coroutine becomes a task on this loop, in
+the context the middleware ran in (so the run's span is current inside the coroutine), and
+the slot thread goes back to the pool: no thread waits while the task runs. ``finished``
+hears the task's end on the loop's thread; the pool then has a slot thread carry the rest of
+the run (the middleware after the handler, the settlement), since that may block, and
+blocking store and gRPC calls never run on the loop. Setting ``ctx.cancelled`` cancels the
+task. A watchdog names the job whose handler holds the loop (``time.sleep`` in an
+``async def``), since that stalls every other async run. The loop's thread starts with the
+first async run, so a worker without async jobs has none. The pools of one process share one
+loop (``EventLoop.shared``), so an async client a job module keeps for the process (an
+``httpx.AsyncClient``) is bound to the loop every async job runs on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from workerpool import constants as c
@@ -30,6 +33,8 @@ from workerpool.context import RunContext, call_soon
 log = logging.getLogger(__name__)
 
 AsyncHandler = Callable[[RunContext, Any], Coroutine[Any, Any, Any]]
+# Hears how a run's task ended: None if it returned, else what it raised.
+Finished = Callable[[BaseException | None], None]
 
 
 class EventLoop:
@@ -71,11 +76,23 @@ class EventLoop:
         self._wake_pending = False
         self._stopped = False  # the loop ran its last callback
 
-    def run(self, handler: AsyncHandler, ctx: RunContext, payload: Any) -> Any:
-        """Run ``handler(ctx, payload)`` to its end as a task; the calling thread waits and
-        gets its result or its exception (``CancelledError`` once it was cancelled)."""
-        loop = self._started()
-        submitted = _Submission(handler, ctx, payload, contextvars.copy_context())
+    def start(
+        self,
+        handler: AsyncHandler,
+        ctx: RunContext,
+        payload: Any,
+        context: contextvars.Context,
+        finished: Finished,
+    ) -> None:
+        """Start ``handler(ctx, payload)`` as a task in ``context``; ``finished`` hears what it
+        raised (None: it returned; ``CancelledError`` once it was cancelled), on the loop's
+        thread, or on this one if the loop is closed."""
+        submitted = _Submission(handler, ctx, payload, context, finished)
+        try:
+            loop = self._started()
+        except RuntimeError as exc:
+            finished(exc)
+            return
         self._inbox.append(submitted)
         if self._stopped:  # after the loop's last look at the inbox: nobody else will
             self._refuse_inbox()
@@ -84,7 +101,12 @@ class EventLoop:
         elif not self._wake_pending:
             self._wake_pending = True
             call_soon(loop, self._drain)
-        return submitted.result()
+
+    def run(self, handler: AsyncHandler, ctx: RunContext, payload: Any) -> None:
+        """``start``, and wait on this thread for the end; raises what the handler raised."""
+        waiter = _Waiter()
+        self.start(handler, ctx, payload, contextvars.copy_context(), waiter.finished)
+        waiter.wait()
 
     def _drain(self) -> None:
         self._wake_pending = False  # first: a run submitted from here on wakes the loop again
@@ -101,20 +123,17 @@ class EventLoop:
                 coroutine, name=f"{ctx.job} {ctx.job_id}", context=submitted.context
             )
         except BaseException as exc:  # the call itself raised, or returned no coroutine
-            submitted.fail(exc)
+            submitted.finished(exc)
             return
         forget = ctx.cancelled.when_set(lambda: call_soon(loop, task.cancel))
 
-        def finished(task: asyncio.Task[Any]) -> None:
+        def done(task: asyncio.Task[Any]) -> None:
+            # In the loop's context, not the task's: ``finished`` may hand the task's context
+            # to another thread, which could not enter it while this callback is in it.
             forget()
-            if task.cancelled():
-                submitted.fail(asyncio.CancelledError())
-            elif (exc := task.exception()) is not None:
-                submitted.fail(exc)
-            else:
-                submitted.succeed(task.result())
+            submitted.finished(asyncio.CancelledError() if task.cancelled() else task.exception())
 
-        task.add_done_callback(finished)
+        task.add_done_callback(done)
 
     def _started(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -148,7 +167,7 @@ class EventLoop:
                 submitted = self._inbox.popleft()
             except IndexError:
                 return
-            submitted.fail(RuntimeError("the event loop for async jobs is closed"))
+            submitted.finished(RuntimeError("the event loop for async jobs is closed"))
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Every quarter of ``blocked_after``, ask the loop for a heartbeat; when none came for
@@ -188,34 +207,34 @@ class EventLoop:
             thread.join(timeout)
 
 
+@dataclass(frozen=True, slots=True)
 class _Submission:
-    """One run handed to the loop, and how the slot thread that handed it waits for its end:
-    a lock held until then (lighter than a Future, which is a Condition and its lock)."""
+    handler: AsyncHandler
+    ctx: RunContext
+    payload: Any
+    context: contextvars.Context
+    finished: Finished
 
-    __slots__ = ("_done", "_error", "_value", "context", "ctx", "handler", "payload")
 
-    def __init__(
-        self, handler: AsyncHandler, ctx: RunContext, payload: Any, context: contextvars.Context
-    ) -> None:
-        self.handler, self.ctx, self.payload, self.context = handler, ctx, payload, context
-        self._value: Any = None
+class _Waiter:
+    """How a thread waits for a run's end: a lock held until then (lighter than a Future,
+    which is a Condition and its lock)."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
         self._error: BaseException | None = None
         self._done = threading.Lock()
         self._done.acquire()
 
-    def succeed(self, value: Any) -> None:
-        self._value = value
-        self._done.release()
-
-    def fail(self, error: BaseException) -> None:
+    def finished(self, error: BaseException | None) -> None:
         self._error = error
         self._done.release()
 
-    def result(self) -> Any:
+    def wait(self) -> None:
         self._done.acquire()
         if self._error is not None:
             raise self._error
-        return self._value
 
 
 async def _stop(loop: asyncio.AbstractEventLoop, timeout: float) -> None:

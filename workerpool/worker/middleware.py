@@ -1,7 +1,12 @@
 """Concerns that wrap a job run, each one class with do-nothing hooks (Dramatiq's shape).
 
-``run`` gets the ``Run`` and the next step, and returns the outcome of the rest of the chain
-(or its own, to short-circuit it, as the idempotency check does for a job already completed).
+``around`` is a generator: what comes before its one ``yield`` runs before the rest of the
+chain, the ``yield`` gives it the outcome of the rest (or raises what the rest raised), and
+it returns the run's outcome; returning before the ``yield`` ends the run there (as the
+idempotency check does for a job already completed). A generator rather than a wrapper that
+calls ``next``, so that ``Steps`` can stop between the two halves: an ``async def`` handler
+runs as a task on the event loop while no thread waits for it, and the halves after it run
+once it has ended.
 ``admitted`` hears what the pool took in, before any of it starts, so a middleware can prepare
 a pull's messages in one call (the idempotency store claims their job ids).
 ``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
@@ -12,8 +17,8 @@ deadline, a lost claim), so a middleware can give back what it holds. ``options`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import ClassVar
+from collections.abc import Generator, Sequence
+from typing import Any, ClassVar
 
 from workerpool.ratelimit.limiters import RateLimiters
 from workerpool.worker.delivery import Delivery
@@ -21,11 +26,21 @@ from workerpool.worker.outcome import Interrupted, Outcome
 from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
 
-Next = Callable[[Run], Outcome]
+# What comes before the yield, the outcome of the rest of the chain, the run's outcome.
+Around = Generator[None, Outcome, Outcome]
 
 
 class Middleware:
     options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "run" in vars(cls):  # the wrapper form before ``around``: never skip it silently
+            raise TypeError(
+                f"{cls.__qualname__} defines run(run, call_next), which workerpool no longer "
+                "calls: write it as around(run), a generator whose one yield stands for "
+                "call_next(run) (see workerpool.worker.middleware)"
+            )
 
     def start(self) -> None:
         """The worker starts: start any thread here, never in ``__init__``."""
@@ -33,8 +48,8 @@ class Middleware:
     def admitted(self, deliveries: Sequence[Delivery]) -> None:
         """Messages the pool admitted (on the puller's thread); each is settled later."""
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
-        return call_next(run)
+    def around(self, run: Run) -> Around:
+        return (yield)
 
     def settled(self, event: Settled) -> None:
         """A message left the pool (acked, nacked or recorded). Must be quick, must not raise."""
@@ -51,16 +66,57 @@ class Middleware:
         """The worker is stopping: release what is held within ``timeout`` seconds."""
 
 
-def chain(middleware: Sequence[Middleware], innermost: Next) -> Next:
-    """Compose so that ``middleware[0]`` runs outermost."""
-    call = innermost
-    for mw in reversed(middleware):
-        call = _bind(mw, call)
-    return call
+class Steps:
+    """One run's middleware, stepped: ``enter`` runs the part of each one before its yield,
+    outermost first; ``leave`` the part after, innermost first. The two may run on different
+    threads, one after the other (an async handler runs in between, on the loop)."""
 
+    __slots__ = ("_entered", "_middleware", "run")
 
-def _bind(mw: Middleware, call_next: Next) -> Next:
-    return lambda run: mw.run(run, call_next)
+    def __init__(self, middleware: Sequence[Middleware], run: Run) -> None:
+        self._middleware = middleware
+        self.run = run
+        self._entered: list[Around] = []
+
+    def enter(self) -> Outcome | BaseException | None:
+        """None: the handler may start. Else what ended the run before it: a middleware's
+        outcome, or what one raised (a bug); either way hand it to ``leave``."""
+        run = self.run
+        entered = self._entered
+        for mw in self._middleware:
+            steps = mw.around(run)
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            except BaseException as exc:
+                return exc
+            entered.append(steps)
+        return None
+
+    def leave(self, result: Outcome | BaseException) -> Outcome:
+        """The run's outcome, given what happened inside the middleware entered; raises what
+        a middleware raised and no outer one handled."""
+        entered = self._entered
+        while entered:
+            steps = entered.pop()
+            try:
+                if isinstance(result, BaseException):
+                    steps.throw(result)
+                else:
+                    steps.send(result)
+            except StopIteration as stop:
+                result = stop.value
+                continue
+            except BaseException as exc:
+                result = exc
+                continue
+            steps.close()
+            name = getattr(steps, "__qualname__", "a middleware's around")
+            result = RuntimeError(f"{name} yielded more than once")
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
 
 def declared_options() -> frozenset[str]:
@@ -84,7 +140,7 @@ class TimeLimit(Middleware):
     def __init__(self, timers: Timers) -> None:
         self._timers = timers
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         ctx = run.ctx
 
         def expire() -> None:
@@ -93,7 +149,7 @@ class TimeLimit(Middleware):
 
         timer = self._timers.call_after(run.job.spec.timeout, expire)
         try:
-            return call_next(run)
+            return (yield)
         finally:
             timer.cancel()
 
@@ -106,8 +162,8 @@ class RateLimit(Middleware):
     def __init__(self, limiters: RateLimiters) -> None:
         self._limiters = limiters
 
-    def run(self, run: Run, call_next: Next) -> Outcome:
+    def around(self, run: Run) -> Around:
         name = run.job.spec.options.get("rate_limit")
         if name and self._limiters.acquire(name, 1, run.ctx.draining) is None:
             return Interrupted()  # draining: give the message back now, it never started
-        return call_next(run)
+        return (yield)

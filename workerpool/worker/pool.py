@@ -21,17 +21,19 @@ the slot thread) has given its permit back but is still held until it settles.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workerpool import constants as c
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.interfaces import Leases
-from workerpool.worker.processor import Processor
+from workerpool.worker.processor import Ending, Processor
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,13 @@ class Pool:
         self.name = name
         self._processor = processor
         self._leases = leases
-        self._waiting: queue.SimpleQueue[Delivery | None] = queue.SimpleQueue()
+        # Admitted messages, a slot thread's wake-up to carry on async runs (``_RESUME``),
+        # and, at the end, one None per slot thread.
+        self._waiting: queue.SimpleQueue[Delivery | _Resume | None] = queue.SimpleQueue()
+        self._resumed: collections.deque[tuple[_Permit, Delivery, Callable[[], Ending]]] = (
+            collections.deque()
+        )
+        self._resume_pending = False
         self._held = 0
         self._held_bytes = 0
         self._free = limits.max_outstanding  # permits nobody holds
@@ -156,35 +164,71 @@ class Pool:
     def _slot(self) -> None:
         permit = _Permit(self)
         while True:
-            delivery = self._waiting.get()
-            if delivery is None:
+            item = self._waiting.get()
+            if item is None:
                 return
+            if isinstance(item, _Resume):
+                self._resume_all()
+                continue
+            delivery = item
             if delivery.settled:  # given back by quiet() while it waited
                 with self._cond:
                     self._started_one()
                 continue
-            later = False  # its run's success is being recorded: it stays held till then
-            try:
-                if self._wait_for_permit(permit, delivery):
-                    left = functools.partial(self._left, delivery)
-                    later = self._processor.process(delivery, permit, left)
-                else:  # the pool went quiet while it waited: quiet() gave it back
-                    self._processor.give_back([delivery])
-            except BaseException:  # the processor maps handler errors; this guards the slot
-                log.exception("%s: processing %s failed", self.name, delivery.message_id)
-                self._processor.give_back([delivery])  # if nothing settled it: now
-            finally:
-                if not later:
-                    self._leases.remove(delivery)
-                with self._cond:
-                    if permit.state is _HELD:
-                        self._free += 1
-                    elif permit.state is _PARKED:
-                        self._parked -= 1
-                    permit.state = _NONE
-                    if not later:  # one round trip of the lock, not two, for most messages
-                        self._unhold(delivery)
-                    self._cond.notify_all()
+            start = functools.partial(self._start, permit, delivery)
+            if self._carry(permit, delivery, start) is Ending.CARRIED:
+                permit = _Permit(self)  # the run keeps this one until it ends
+
+    def _start(self, permit: _Permit, delivery: Delivery) -> Ending:
+        if not self._wait_for_permit(permit, delivery):
+            self._processor.give_back([delivery])  # the pool went quiet: quiet() gave it back
+            return Ending.SETTLED
+        left = functools.partial(self._left, delivery)
+        resume = functools.partial(self._resume, permit, delivery)
+        return self._processor.process(delivery, permit, left, resume)
+
+    def _carry(self, permit: _Permit, delivery: Delivery, step: Callable[[], Ending]) -> Ending:
+        """Carry ``delivery``'s run through ``step`` on this thread; unless the run goes on
+        without it, give its permit back (and, if it settled, its place in the hold)."""
+        ending = Ending.SETTLED
+        try:
+            ending = step()
+        except BaseException:  # the processor maps handler errors; this guards the slot
+            log.exception("%s: processing %s failed", self.name, delivery.message_id)
+            self._processor.give_back([delivery])  # if nothing settled it: now
+        finally:
+            if ending is not Ending.CARRIED:
+                self._end_run(permit, delivery, settled=ending is Ending.SETTLED)
+        return ending
+
+    def _end_run(self, permit: _Permit, delivery: Delivery, *, settled: bool) -> None:
+        if settled:
+            self._leases.remove(delivery)
+        with self._cond:
+            if permit.state is _HELD:
+                self._free += 1
+            elif permit.state is _PARKED:
+                self._parked -= 1
+            permit.state = _NONE
+            if settled:  # one round trip of the lock, not two, for most messages
+                self._unhold(delivery)
+            self._cond.notify_all()
+
+    def _resume(self, permit: _Permit, delivery: Delivery, rest: Callable[[], Ending]) -> None:
+        """(From the event loop's thread.) Have a slot thread carry the rest of an async run
+        whose task ended. One wake-up for all the runs that end before a slot thread looks:
+        a thread woken per run would cost most of what the run saved by holding none."""
+        self._resumed.append((permit, delivery, rest))
+        if not self._resume_pending:
+            self._resume_pending = True
+            self._waiting.put(_RESUME)
+
+    def _resume_all(self) -> None:
+        # One after another: the rest of a run rarely blocks (a dead-letter record does).
+        self._resume_pending = False  # first: a run that ends from here on wakes one again
+        while self._resumed:
+            permit, delivery, rest = self._resumed.popleft()
+            self._carry(permit, delivery, rest)
 
     def _left(self, delivery: Delivery) -> None:
         """``delivery``, settled after its run ended, is held no more."""
@@ -244,13 +288,18 @@ class Pool:
         self._quiet.set()
         self._processor.draining.set()
         waiting: list[Delivery] = []
+        resumes = 0
         while True:
             try:
                 item = self._waiting.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if isinstance(item, _Resume):
+                resumes += 1
+            elif item is not None:
                 waiting.append(item)
+        for _ in range(resumes):  # async runs that ended still need a slot thread
+            self._waiting.put(_RESUME)
         with self._cond:
             starting = list(self._starting)  # their threads count them out of held
         released = self._processor.give_back(waiting + starting)
@@ -283,6 +332,12 @@ class Pool:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)
 
+
+class _Resume:
+    """In the slot threads' queue: wake up and carry on the async runs whose tasks ended."""
+
+
+_RESUME = _Resume()
 
 # A slot thread's permit: none yet, held (its run may run), or parked (its run waits without).
 _NONE, _HELD, _PARKED = "none", "held", "parked"

@@ -11,6 +11,8 @@ its label in ``stats`` and is told to every middleware's ``settled``, once.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import enum
 import functools
 import inspect
 import logging
@@ -34,7 +36,7 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job, Rejection, decode, job_id_of
 from workerpool.worker.failures import Failure
 from workerpool.worker.interfaces import Acks, FailureRecords, Leases
-from workerpool.worker.middleware import Middleware, chain
+from workerpool.worker.middleware import Middleware, Steps
 from workerpool.worker.outcome import (
     Ack,
     DeadLetter,
@@ -67,6 +69,18 @@ class ProcessorSettings:
     # (converted to the job's ``config`` dataclass, if it declares one: ``Registry.configs``).
     job_config: Mapping[str, Any] = field(default_factory=dict)
 
+
+class Ending(enum.Enum):
+    """How far the thread that called ``Processor.process`` carried the message."""
+
+    SETTLED = "settled"  # it settled: the message is held no more
+    RECORDING = "recording"  # its run ended; it settles once its success is recorded
+    CARRIED = "carried"  # its async handler runs on, with no thread; the rest is resumed
+
+
+# Has a thread that may block carry the rest of an async run; what it returns is how far
+# that thread carried it (SETTLED or RECORDING).
+Resume = Callable[[Callable[[], Ending]], None]
 
 # How long a worker thread waits to learn whether an exactly-once ack took.
 _ACK_CONFIRM_TIMEOUT = 60.0
@@ -141,7 +155,6 @@ class Processor:
         self._leases = leases
         self._records = records
         self._middleware = list(middleware)
-        self._chain = chain(self._middleware, self._start_handler)
         self._settings = settings
         self._attempts = AttemptCounter()
         self._running: dict[Delivery, Run] = {}  # started, until settled
@@ -163,10 +176,13 @@ class Processor:
         delivery: Delivery,
         permit: Permit = UNPARKABLE,
         left: Callable[[], None] | None = None,
-    ) -> bool:
-        """Run one message to its settlement, holding ``permit`` (the pool's right to run).
-        True if it settles later, once its run's success is recorded (``Run.completion``):
-        then ``left`` is called when it has, on the thread that recorded it."""
+        resume: Resume | None = None,
+    ) -> Ending:
+        """Run one message, holding ``permit`` (the pool's right to run), as far as this
+        thread carries it (see ``Ending``): ``left`` is called once a message that settles
+        later (``RECORDING``) has settled, on the thread that recorded it; ``resume`` is
+        given the rest of an async run (``CARRIED``) when its task ends. Without ``resume``
+        this thread waits for the task."""
         attempt = self._attempts.attempt(delivery)
         decoded = decode(
             delivery,
@@ -177,38 +193,73 @@ class Processor:
         if isinstance(decoded, Rejection):
             subject = _Subject(decoded.job_name, decoded.job_id, attempt)
             self._settle(delivery, Rejected(decoded.error_type, decoded.error_message), subject)
-            return False
+            return Ending.SETTLED
         run = self._begin(decoded, delivery, permit)
         if run is None:
             self._settle(delivery, Interrupted(), _Subject.of(decoded))
-            return False
+            return Ending.SETTLED
+        steps = Steps(self._middleware, run)
+        if decoded.spec.is_async and resume is not None and not self._settings.exactly_once:
+            # (An exactly-once ack waits for Pub/Sub's confirmation: a slot thread carrying
+            # the ends of several runs one after another would make each wait for the last.)
+            return self._start_async(run, steps, left, resume)
+        ended = steps.enter()
+        if ended is None:
+            ended = self._start_handler(run)
+        return self._end(run, self._leave(steps, ended), left)
+
+    def _start_async(
+        self, run: Run, steps: Steps, left: Callable[[], None] | None, resume: Resume
+    ) -> Ending:
+        # The middleware runs in a context of the run's own, which its task runs in too (a
+        # span made current before the handler is current inside it) and which the slot
+        # thread that resumes the run enters again to run the middleware after it.
+        context = contextvars.copy_context()
+        ended = context.run(steps.enter)
+        if ended is None and not self._lease_from_now(run):
+            ended = Interrupted()
+        if ended is not None:
+            return self._end(run, context.run(self._leave, steps, ended), left)
+
+        def finished(error: BaseException | None) -> None:
+            outcome = Succeeded() if error is None else _failure(run.job, run.ctx, error)
+            resume(lambda: self._end(run, context.run(self._leave, steps, outcome), left))
+
+        self._loop.start(run.job.spec.handler, run.ctx, run.job.payload, context, finished)
+        return Ending.CARRIED
+
+    def _leave(self, steps: Steps, result: Outcome | BaseException) -> Outcome:
         try:
-            try:
-                outcome = self._chain(run)
-            except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
-                log.exception("job %s: the middleware chain raised", decoded.name)
-                outcome = Failed(type(exc).__name__, str(exc), exc)
+            return steps.leave(result)
+        except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
+            log.exception("job %s: the middleware raised", steps.run.job.name)
+            return Failed(type(exc).__name__, str(exc), exc)
+
+    def _end(self, run: Run, outcome: Outcome, left: Callable[[], None] | None) -> Ending:
+        """Settle ``run``'s message by ``outcome``: now, or once its success is recorded."""
+        delivery = run.delivery
+        try:
             run.outcome = outcome
             if run.completion is None:
-                self._settle(delivery, outcome, _Subject.of(decoded, run), run)
-                return False
+                self._settle(delivery, outcome, _Subject.of(run.job, run), run)
+                return Ending.SETTLED
             if self._settings.exactly_once:
                 # Its ack waits for Pub/Sub's confirmation: on the recording thread that wait
                 # would hold up every completion after it, so this slot waits instead.
                 final = _when_recorded(outcome, _wait_for(run.completion))
-                self._settle(delivery, final, _Subject.of(decoded, run), run)
-                return False
+                self._settle(delivery, final, _Subject.of(run.job, run), run)
+                return Ending.SETTLED
 
             def recorded(result: Outcome) -> None:
                 try:
                     final = _when_recorded(outcome, result)
-                    self._settle(delivery, final, _Subject.of(decoded, run), run)
+                    self._settle(delivery, final, _Subject.of(run.job, run), run)
                 finally:
                     if left is not None:
                         left()
 
             run.completion(recorded)
-            return True
+            return Ending.RECORDING
         finally:
             with self._lock:  # only now: the end of a drain may still give it back
                 self._running.pop(delivery, None)
@@ -234,12 +285,18 @@ class Processor:
         return run
 
     def _start_handler(self, run: Run) -> Outcome:
-        """Innermost step. The lease follows the job's own timeout, however long, and stops
-        soon after it; it starts counting here, after any wait for a rate-limit token."""
-        if run.delivery.settled:
-            return Interrupted()  # handed back while a middleware waited: never start it
-        run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
+        if not self._lease_from_now(run):
+            return Interrupted()
         return _invoke(run.job, run.ctx, self._loop)
+
+    def _lease_from_now(self, run: Run) -> bool:
+        """Just before the handler starts: False if the message was handed back while a
+        middleware waited (it never starts). The lease follows the job's own timeout, however
+        long, and stops soon after it; it counts from here, after any wait for a token."""
+        if run.delivery.settled:
+            return False
+        run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
+        return True
 
     def _settle(
         self, delivery: Delivery, outcome: Outcome, subject: _Subject, run: Run | None = None
@@ -408,27 +465,11 @@ def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
     happened; nothing it raises escapes."""
     try:
         if job.spec.is_async:
-            result = loop.run(job.spec.handler, ctx, job.payload)
-        else:
-            result = job.spec.handler(ctx, job.payload)
-    except PermanentError as exc:
-        return Rejected(exc.error_type, str(exc) or type(exc).__name__, exc)
-    except Defer as exc:
-        return Deferred(str(exc), exc.delay)
-    except RateLimitedError as exc:
-        if exc.limiter:
-            ctx.throttled(exc.limiter, exc.retry_after)
-        return Failed(type(exc).__name__, str(exc), exc)
-    except RetryableError as exc:
-        return Failed(type(exc).__name__, str(exc), exc)
-    except BaseException as exc:  # sys.exit(), a stray CancelledError: never end the slot
-        if isinstance(exc, asyncio.CancelledError) and ctx.timed_out.is_set():
-            timeout = f"ran past its timeout of {job.spec.timeout:g} s and was cancelled"
-            return Failed(c.ERR_TIMED_OUT, timeout, exc)
-        if isinstance(exc, asyncio.CancelledError) and ctx.cancelled.is_set():
-            return Failed(type(exc).__name__, "cancelled: its message was handed back", exc)
-        ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
-        return Failed(type(exc).__name__, str(exc), exc)
+            loop.run(job.spec.handler, ctx, job.payload)
+            return Succeeded()
+        result = job.spec.handler(ctx, job.payload)
+    except BaseException as exc:
+        return _failure(job, ctx, exc)
     if inspect.isawaitable(result) or inspect.isgenerator(result):
         # Registration refuses generator functions and knows async ones; a plain def can
         # still return a coroutine (a lambda around one, say). Its body never ran: never
@@ -442,6 +483,29 @@ def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
             "async def, so the worker awaits it",
         )
     return Succeeded()
+
+
+def _failure(job: Job, ctx: RunContext, exc: BaseException) -> Outcome:
+    """What a handler's raising ``exc`` means."""
+    match exc:
+        case PermanentError():
+            return Rejected(exc.error_type, str(exc) or type(exc).__name__, exc)
+        case Defer():
+            return Deferred(str(exc), exc.delay)
+        case RateLimitedError():
+            if exc.limiter:
+                ctx.throttled(exc.limiter, exc.retry_after)
+            return Failed(type(exc).__name__, str(exc), exc)
+        case RetryableError():
+            return Failed(type(exc).__name__, str(exc), exc)
+        case asyncio.CancelledError() if ctx.timed_out.is_set():
+            timeout = f"ran past its timeout of {job.spec.timeout:g} s and was cancelled"
+            return Failed(c.ERR_TIMED_OUT, timeout, exc)
+        case asyncio.CancelledError() if ctx.cancelled.is_set():
+            return Failed(type(exc).__name__, "cancelled: its message was handed back", exc)
+    # sys.exit(), a stray CancelledError, any other exception: never end the slot
+    ctx.logger.exception("job %s raised %s", job.name, type(exc).__name__)
+    return Failed(type(exc).__name__, str(exc), exc)
 
 
 def _when_recorded(outcome: Outcome, recording: Outcome) -> Outcome:

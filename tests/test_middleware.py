@@ -1,0 +1,105 @@
+"""How ``Steps`` runs the two halves of each middleware's ``around``, in order, and what it
+does with a middleware that ends a run early, raises, or does not keep to one yield."""
+
+from __future__ import annotations
+
+import pytest
+
+from workerpool.context import Flag, JobContext
+from workerpool.registry import Registry
+from workerpool.testing.fakes import make_delivery
+from workerpool.worker.envelope import Job, decode
+from workerpool.worker.middleware import Around, Middleware, Steps
+from workerpool.worker.outcome import AlreadyDone, Failed, Outcome, Succeeded
+from workerpool.worker.run import Run
+
+
+class Recorder(Middleware):
+    """Writes down when each half of it runs and what it saw."""
+
+    def __init__(self, name: str, heard: list[str], *, early: Outcome | None = None) -> None:
+        self.name, self.heard, self.early = name, heard, early
+
+    def around(self, run: Run) -> Around:
+        self.heard.append(f"{self.name} before")
+        if self.early is not None:
+            return self.early
+        try:
+            outcome = yield
+        except RuntimeError as exc:
+            self.heard.append(f"{self.name} saw {exc}")
+            raise
+        self.heard.append(f"{self.name} after {type(outcome).__name__}")
+        return outcome
+
+
+class Raises(Middleware):
+    def around(self, run: Run) -> Around:
+        raise RuntimeError("a bug before the yield")
+        yield  # a generator, as every around is
+
+
+class YieldsTwice(Middleware):
+    def around(self, run: Run) -> Around:
+        yield
+        yield
+        return Succeeded()
+
+
+def _run() -> Run:
+    jobs = Registry()
+    jobs.job("t.ok")(lambda ctx, payload: None)
+    job = decode(make_delivery(b"{}", {"job": "t.ok", "job_id": "a"}), jobs, attempt=1)
+    assert isinstance(job, Job)
+    ctx = JobContext("t.ok", "a", "m-1", 1, None, Flag())
+    return Run(job, ctx, make_delivery(b"{}", {"job": "t.ok"}), lambda run, outcome: False)
+
+
+def test_the_halves_before_run_outermost_first_and_the_halves_after_innermost_first() -> None:
+    heard: list[str] = []
+    steps = Steps([Recorder("outer", heard), Recorder("inner", heard)], _run())
+    assert steps.enter() is None
+    heard.append("handler")
+    assert steps.leave(Succeeded()) == Succeeded()
+    assert heard == [
+        "outer before", "inner before", "handler", "inner after Succeeded",
+        "outer after Succeeded",
+    ]  # fmt: skip
+
+
+def test_a_middleware_that_ends_the_run_early_is_left_by_the_ones_outside_it_only() -> None:
+    heard: list[str] = []
+    steps = Steps(
+        [Recorder("outer", heard), Recorder("early", heard, early=AlreadyDone()),
+         Recorder("never", heard)],
+        _run(),
+    )  # fmt: skip
+    ended = steps.enter()
+    assert ended == AlreadyDone()
+    assert steps.leave(ended) == AlreadyDone()
+    assert heard == ["outer before", "early before", "outer after AlreadyDone"]
+
+
+def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_caller() -> None:
+    heard: list[str] = []
+    steps = Steps([Recorder("outer", heard), Raises()], _run())
+    ended = steps.enter()
+    assert isinstance(ended, RuntimeError)
+    with pytest.raises(RuntimeError, match="a bug before the yield"):
+        steps.leave(ended)
+    assert heard == ["outer before", "outer saw a bug before the yield"]
+
+
+def test_a_middleware_that_yields_twice_is_a_bug_named_by_the_error() -> None:
+    steps = Steps([YieldsTwice()], _run())
+    assert steps.enter() is None
+    with pytest.raises(RuntimeError, match=r"YieldsTwice.around yielded more than once"):
+        steps.leave(Failed("X", "y"))
+
+
+def test_the_wrapper_form_of_earlier_versions_is_refused_where_it_is_defined() -> None:
+    with pytest.raises(TypeError, match=r"around\(run\)"):
+
+        class Old(Middleware):
+            def run(self, run: Run, call_next: object) -> Outcome:
+                return Succeeded()
