@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
 
 from tests.support import wait_for
-from workerpool import JobContext
+from workerpool import JobContext, PermanentError
 from workerpool.config import Settings
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
@@ -234,3 +236,84 @@ def test_a_run_waiting_without_its_permit_lets_another_run_within_the_prefetch()
         waiting.go.set()
         gate.release.set()
         assert pool.join(time.monotonic() + 5)
+
+
+class _SlowDeadLetters(FakeDeadLetters):
+    """A dead-letter topic whose publish waits until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.publishing = threading.Event()
+
+    def publish(self, delivery: Delivery, failure: Any) -> str:
+        self.publishing.set()
+        self.go.wait(10)
+        return super().publish(delivery, failure)
+
+
+def _slot_threads_idle(pool: Pool) -> bool:
+    """Every slot thread of ``pool`` waits for work (its innermost Python frame is the slot
+    loop itself, blocked in the queue), none for a run."""
+    frames = sys._current_frames()
+    slots = [t for t in threading.enumerate() if t.name.startswith(f"{pool.name}-slot-")]
+    return bool(slots) and all(
+        t.ident is not None and frames[t.ident].f_code.co_name == "_slot" for t in slots
+    )
+
+
+def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() -> None:
+    # Given a pool of 2 slots and 2 slot threads (no prefetch), and async jobs: one that
+    # waits until let go, and one that fails for good, whose failure record is slow to publish
+    jobs, go, running = Registry(), threading.Event(), Counter[str]()
+
+    @jobs.job("t.waits")
+    async def waits(ctx: Any, payload: dict[str, Any]) -> None:
+        running["now"] += 1
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+        running["now"] -= 1
+
+    @jobs.job("t.fails")
+    async def fails(ctx: Any, payload: dict[str, Any]) -> None:
+        raise PermanentError("bad input")
+
+    acks, leases, records = FakeAcks(), FakeLeaser(), _SlowDeadLetters()
+    processor = Processor(jobs, acks, leases, records, (), ProcessorSettings())
+    pool = Pool(processor, leases, PoolLimits(2, 0), name="carry")
+    pool.start()
+    try:
+        # When two of the waiting kind run
+        pool.admit([
+            make_delivery(b"{}", {"job": "t.waits", "job_id": f"w{i}"}, message_id=f"w{i}")
+            for i in range(2)
+        ])  # fmt: skip
+        assert wait_for(lambda: running["now"] == 2, timeout=10, interval=0.005)
+        # Then both run, and both slot threads are free meanwhile
+        assert pool.running == 2
+        assert wait_for(lambda: _slot_threads_idle(pool), timeout=5, interval=0.01)
+        # When they end, and a failing one follows whose record waits to be published
+        go.set()
+        assert wait_for(lambda: len(acks.acked) == 2, timeout=10, interval=0.005)
+        pool.admit([make_delivery(b"{}", {"job": "t.fails", "job_id": "f"}, message_id="f")])
+        assert records.publishing.wait(10)
+        go.clear()
+        pool.admit([
+            make_delivery(b"{}", {"job": "t.waits", "job_id": f"x{i}"}, message_id=f"x{i}")
+            for i in range(1)
+        ])  # fmt: skip
+        assert wait_for(lambda: running["now"] == 1, timeout=10, interval=0.005)
+        go.set()
+        # Then the run that ended after it is acked while the record still waits
+        assert wait_for(lambda: "ack-x0" in acks.acked, timeout=10, interval=0.005)
+        assert not records.records and "ack-f" not in acks.acked
+        # And once the record is published, the failed one is acked too
+        records.go.set()
+        assert wait_for(lambda: "ack-f" in acks.acked, timeout=10, interval=0.005)
+        assert pool.wait_idle(time.monotonic() + 5)
+        assert processor.stats == {"done": 3, "dead_lettered": 1}
+    finally:
+        go.set()
+        records.go.set()
+        pool.quiet()
+        pool.join(time.monotonic() + 5)

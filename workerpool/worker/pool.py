@@ -224,10 +224,15 @@ class Pool:
             self._waiting.put(_RESUME)
 
     def _resume_all(self) -> None:
-        # One after another: the rest of a run rarely blocks (a dead-letter record does).
         self._resume_pending = False  # first: a run that ends from here on wakes one again
-        while self._resumed:
-            permit, delivery, rest = self._resumed.popleft()
+        # One after another. The rest of a run rarely blocks (a dead-letter record does);
+        # while it does, runs that end meanwhile wake another thread, which takes them and
+        # any left here: so another thread may empty the queue under this one.
+        while True:
+            try:
+                permit, delivery, rest = self._resumed.popleft()
+            except IndexError:
+                return
             self._carry(permit, delivery, rest)
 
     def _left(self, delivery: Delivery) -> None:
