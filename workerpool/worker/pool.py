@@ -16,7 +16,10 @@ message held (N + prefetch), so a run that must wait before its handler starts (
 concurrency slot, say) can put its permit down, letting another message run meanwhile: up to
 ``prefetch`` runs wait so, counted against the prefetch, never against N. A message whose run
 has ended but whose success is still being recorded (the idempotency store's completion, off
-the slot thread) has given its permit back but is still held until it settles.
+the slot thread) has given its permit back but is still held until it settles. An async run
+keeps its permit while its task runs on the event loop, but not its thread: the thread takes
+the next message (waiting for a permit like any other), and when the task ends a slot thread
+is woken to carry the rest of the run (``_resume``), one wake-up for all that ended meanwhile.
 """
 
 from __future__ import annotations
