@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workerpool.autoscale.actuator import Beat
-from workerpool.worker.middleware import Middleware, Steps
+from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import Outcome
 from workerpool.worker.run import Run
 
@@ -53,6 +53,6 @@ def beat(host: str, running: int, *, slots: int = 4, draining: bool = False) -> 
 
 def through(middleware: Middleware, run: Run, handler: Callable[[Run], Outcome]) -> Outcome:
     """``run`` through one middleware to ``handler``, on this thread, as the processor does."""
-    steps = Steps([middleware], run)
+    steps = Steps(Chain([middleware]), run)
     ended = steps.enter()
     return steps.leave(handler(run) if ended is None else ended)

@@ -9,7 +9,7 @@ from workerpool.context import Flag, JobContext
 from workerpool.registry import Registry
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job, decode
-from workerpool.worker.middleware import Around, Middleware, Steps
+from workerpool.worker.middleware import Around, Chain, Middleware, Steps
 from workerpool.worker.outcome import AlreadyDone, Failed, Outcome, Succeeded
 from workerpool.worker.run import Run
 
@@ -31,6 +31,17 @@ class Recorder(Middleware):
             raise
         self.heard.append(f"{self.name} after {type(outcome).__name__}")
         return outcome
+
+
+class Before(Middleware):
+    """Only a ``before``: writes down that it ran, and ends the run if told to."""
+
+    def __init__(self, heard: list[str], *, early: Outcome | None = None) -> None:
+        self.heard, self.early = heard, early
+
+    def before(self, run: Run) -> Outcome | None:
+        self.heard.append("before-only")
+        return self.early
 
 
 class Raises(Middleware):
@@ -57,7 +68,7 @@ def _run() -> Run:
 
 def test_the_halves_before_run_outermost_first_and_the_halves_after_innermost_first() -> None:
     heard: list[str] = []
-    steps = Steps([Recorder("outer", heard), Recorder("inner", heard)], _run())
+    steps = Steps(Chain([Recorder("outer", heard), Recorder("inner", heard)]), _run())
     assert steps.enter() is None
     heard.append("handler")
     assert steps.leave(Succeeded()) == Succeeded()
@@ -70,8 +81,8 @@ def test_the_halves_before_run_outermost_first_and_the_halves_after_innermost_fi
 def test_a_middleware_that_ends_the_run_early_is_left_by_the_ones_outside_it_only() -> None:
     heard: list[str] = []
     steps = Steps(
-        [Recorder("outer", heard), Recorder("early", heard, early=AlreadyDone()),
-         Recorder("never", heard)],
+        Chain([Recorder("outer", heard), Recorder("early", heard, early=AlreadyDone()),
+               Recorder("never", heard)]),
         _run(),
     )  # fmt: skip
     ended = steps.enter()
@@ -80,9 +91,27 @@ def test_a_middleware_that_ends_the_run_early_is_left_by_the_ones_outside_it_onl
     assert heard == ["outer before", "early before", "outer after AlreadyDone"]
 
 
+def test_a_before_hook_runs_in_its_place_and_an_outcome_from_it_ends_the_run() -> None:
+    heard: list[str] = []
+    chain = Chain([Recorder("outer", heard), Before(heard), Middleware(), Recorder("inner", heard)])
+    assert len(chain.hooks) == 3  # a middleware that overrides neither hook is left out
+    steps = Steps(chain, _run())
+    assert steps.enter() is None
+    assert steps.leave(Succeeded()) == Succeeded()
+    assert heard == [
+        "outer before", "before-only", "inner before", "inner after Succeeded",
+        "outer after Succeeded",
+    ]  # fmt: skip
+    heard.clear()
+    steps = Steps(Chain([Recorder("outer", heard), Before(heard, early=AlreadyDone()),
+                         Recorder("never", heard)]), _run())  # fmt: skip
+    assert steps.leave(steps.enter() or Succeeded()) == AlreadyDone()
+    assert heard == ["outer before", "before-only", "outer after AlreadyDone"]
+
+
 def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_caller() -> None:
     heard: list[str] = []
-    steps = Steps([Recorder("outer", heard), Raises()], _run())
+    steps = Steps(Chain([Recorder("outer", heard), Raises()]), _run())
     ended = steps.enter()
     assert isinstance(ended, RuntimeError)
     with pytest.raises(RuntimeError, match="a bug before the yield"):
@@ -91,7 +120,7 @@ def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_calle
 
 
 def test_a_middleware_that_yields_twice_is_a_bug_named_by_the_error() -> None:
-    steps = Steps([YieldsTwice()], _run())
+    steps = Steps(Chain([YieldsTwice()]), _run())
     assert steps.enter() is None
     with pytest.raises(RuntimeError, match=r"YieldsTwice.around yielded more than once"):
         steps.leave(Failed("X", "y"))

@@ -25,8 +25,8 @@ from workerpool import constants as c
 from workerpool.schedule.store import Entry, ScheduleStore
 from workerpool.schedule.when import parse_not_before
 from workerpool.stores import StoreError
-from workerpool.worker.middleware import Around, Middleware
-from workerpool.worker.outcome import Deferred, Rejected, Scheduled, Unavailable
+from workerpool.worker.middleware import Middleware
+from workerpool.worker.outcome import Deferred, Outcome, Rejected, Scheduled, Unavailable
 from workerpool.worker.run import Run
 
 log = logging.getLogger(__name__)
@@ -133,17 +133,17 @@ class Delays(Middleware):
         if self._firer is not None:
             self._firer.start()
 
-    def around(self, run: Run) -> Around:
+    def before(self, run: Run) -> Outcome | None:
         text = run.job.attributes.get(c.ATTR_NOT_BEFORE)
         if not text:
-            return (yield)
+            return None
         try:
             due = parse_not_before(text)
         except ValueError as exc:
             return Rejected(c.ERR_INVALID_NOT_BEFORE, str(exc))
         wait = due - self._clock()
         if wait <= 0:
-            return (yield)
+            return None
         if self._schedule is None or self._firer is None:
             return Deferred(f"not before {text}", min(wait, c.MAX_ACK_DEADLINE_SECONDS))
         delivery = run.delivery

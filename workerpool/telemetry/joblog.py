@@ -13,7 +13,7 @@ import logging
 
 from workerpool import constants as c
 from workerpool.telemetry.logs import FIELDS, SPAN_CONTEXT
-from workerpool.worker.middleware import Around, Middleware
+from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
 
 log = logging.getLogger("workerpool.jobs")
@@ -22,7 +22,7 @@ log = logging.getLogger("workerpool.jobs")
 class JobLog(Middleware):
     """The start line (``run``, DEBUG) and the line of how it ended (``settled``)."""
 
-    def around(self, run: Run) -> Around:
+    def before(self, run: Run) -> None:
         if log.isEnabledFor(logging.DEBUG):
             job = run.job
             fields = {
@@ -32,7 +32,6 @@ class JobLog(Middleware):
                 c.LOG_ATTEMPT: job.delivery_attempt,
             }
             log.debug("job %s started", job.name, extra={FIELDS: fields})
-        return (yield)
 
     def settled(self, event: Settled) -> None:
         level = logging.WARNING if event.label in c.FAILED_LABELS else logging.INFO

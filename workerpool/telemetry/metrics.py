@@ -21,7 +21,7 @@ from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from workerpool import constants as c
 from workerpool.worker.counts import Counts
-from workerpool.worker.middleware import Around, Middleware
+from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
 
 
@@ -133,14 +133,13 @@ class Metrics(Middleware):
 
     # --- the middleware: a run starts, a message leaves ----------------------------------
 
-    def around(self, run: Run) -> Around:
+    def before(self, run: Run) -> None:
         job = run.job
         self._known_jobs.add(job.name)  # a set's add is atomic; reads tolerate a late one
         self._started.add(job.name)
         if job.publish_time is not None:
             latency = (datetime.now(UTC) - job.publish_time).total_seconds()
             self._queue_latency.record(max(0.0, latency), _attributes(job.name))
-        return (yield)
 
     def settled(self, event: Settled) -> None:
         job = self._job_label(event)

@@ -42,7 +42,12 @@ class Tracing(Middleware):
     def around(self, run: Run) -> Around:
         job = run.job
         if not self._record:
-            return (yield from self._in_publishers_context(run))
+            # No span of its own: the publisher's context is made current, if it sent one.
+            if c.ATTR_TRACEPARENT not in job.attributes:
+                return (yield)
+            run.span = trace.get_current_span(extract(job.attributes))
+            with trace.use_span(run.span, end_on_exit=False):
+                return (yield)
         span = self._tracer.start_span(
             job.name,
             context=extract(job.attributes),
@@ -65,13 +70,6 @@ class Tracing(Middleware):
             # A middleware bug (handlers cannot raise through ``_invoke``): the span is done.
             span.end()
             raise
-
-    def _in_publishers_context(self, run: Run) -> Around:
-        if c.ATTR_TRACEPARENT not in run.job.attributes:
-            return (yield)
-        run.span = trace.get_current_span(extract(run.job.attributes))
-        with trace.use_span(run.span, end_on_exit=False):
-            return (yield)
 
     def settled(self, event: Settled) -> None:
         if event.run is None or not event.run.span.is_recording():

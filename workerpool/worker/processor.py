@@ -36,7 +36,7 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job, Rejection, decode, job_id_of
 from workerpool.worker.failures import Failure
 from workerpool.worker.interfaces import Acks, FailureRecords, Leases
-from workerpool.worker.middleware import Middleware, Steps
+from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import (
     Ack,
     DeadLetter,
@@ -155,6 +155,7 @@ class Processor:
         self._leases = leases
         self._records = records
         self._middleware = list(middleware)
+        self._chain = Chain(self._middleware)
         self._settings = settings
         self._attempts = AttemptCounter()
         self._running: dict[Delivery, Run] = {}  # started, until settled
@@ -198,7 +199,7 @@ class Processor:
         if run is None:
             self._settle(delivery, Interrupted(), _Subject.of(decoded))
             return Ending.SETTLED
-        steps = Steps(self._middleware, run)
+        steps = Steps(self._chain, run)
         if decoded.spec.is_async and resume is not None and not self._settings.exactly_once:
             # (An exactly-once ack waits for Pub/Sub's confirmation: a slot thread carrying
             # the ends of several runs one after another would make each wait for the last.)
@@ -206,7 +207,7 @@ class Processor:
         ended = steps.enter()
         if ended is None:
             ended = self._start_handler(run)
-        return self._end(run, self._leave(steps, ended), left)
+        return self._end(run, steps, ended, left)
 
     def _start_async(
         self, run: Run, steps: Steps, left: Callable[[], None] | None, resume: Resume
@@ -219,26 +220,31 @@ class Processor:
         if ended is None and not self._lease_from_now(run):
             ended = Interrupted()
         if ended is not None:
-            return self._end(run, context.run(self._leave, steps, ended), left)
+            return context.run(self._end, run, steps, ended, left)
 
         def finished(error: BaseException | None) -> None:
             outcome = Succeeded() if error is None else _failure(run.job, run.ctx, error)
-            resume(lambda: self._end(run, context.run(self._leave, steps, outcome), left))
+            resume(lambda: context.run(self._end, run, steps, outcome, left))
 
         self._loop.start(run.job.spec.handler, run.ctx, run.job.payload, context, finished)
         return Ending.CARRIED
 
-    def _leave(self, steps: Steps, result: Outcome | BaseException) -> Outcome:
-        try:
-            return steps.leave(result)
-        except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
-            log.exception("job %s: the middleware raised", steps.run.job.name)
-            return Failed(type(exc).__name__, str(exc), exc)
-
-    def _end(self, run: Run, outcome: Outcome, left: Callable[[], None] | None) -> Ending:
-        """Settle ``run``'s message by ``outcome``: now, or once its success is recorded."""
+    def _end(
+        self,
+        run: Run,
+        steps: Steps,
+        ended: Outcome | BaseException,
+        left: Callable[[], None] | None,
+    ) -> Ending:
+        """Leave the middleware with what ``ended`` the run, and settle its message by the
+        outcome: now, or once its success is recorded."""
         delivery = run.delivery
         try:
+            try:
+                outcome = steps.leave(ended)
+            except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
+                log.exception("job %s: the middleware raised", run.job.name)
+                outcome = Failed(type(exc).__name__, str(exc), exc)
             run.outcome = outcome
             if run.completion is None:
                 self._settle(delivery, outcome, _Subject.of(run.job, run), run)
