@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from collections import Counter
@@ -16,6 +15,7 @@ from workerpool import JobContext, PermanentError
 from workerpool.config import Settings
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.launcher import Launcher, Phase
 from workerpool.worker.middleware import Around, Middleware
@@ -252,14 +252,16 @@ class _SlowDeadLetters(FakeDeadLetters):
         return super().publish(delivery, failure)
 
 
-def _slot_threads_idle(pool: Pool) -> bool:
-    """Every slot thread of ``pool`` waits for work (its innermost Python frame is the slot
-    loop itself, blocked in the queue), none for a run."""
-    frames = sys._current_frames()
-    slots = [t for t in threading.enumerate() if t.name.startswith(f"{pool.name}-slot-")]
-    return bool(slots) and all(
-        t.ident is not None and frames[t.ident].f_code.co_name == "_slot" for t in slots
-    )
+class _WaitCountingLoop(EventLoop):
+    """The event loop, counting the runs a thread waited for (``run``) rather than started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = 0
+
+    def run(self, handler: Any, ctx: Any, payload: Any) -> None:
+        self.waited += 1
+        super().run(handler, ctx, payload)
 
 
 def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() -> None:
@@ -279,7 +281,8 @@ def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() ->
         raise PermanentError("bad input")
 
     acks, leases, records = FakeAcks(), FakeLeaser(), _SlowDeadLetters()
-    processor = Processor(jobs, acks, leases, records, (), ProcessorSettings())
+    loop = _WaitCountingLoop()
+    processor = Processor(jobs, acks, leases, records, (), ProcessorSettings(), loop=loop)
     pool = Pool(processor, leases, PoolLimits(2, 0), name="carry")
     pool.start()
     try:
@@ -289,9 +292,8 @@ def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() ->
             for i in range(2)
         ])  # fmt: skip
         assert wait_for(lambda: running["now"] == 2, timeout=10, interval=0.005)
-        # Then both run, and both slot threads are free meanwhile
-        assert pool.running == 2
-        assert wait_for(lambda: _slot_threads_idle(pool), timeout=5, interval=0.01)
+        # Then both run, and no slot thread waits for either
+        assert pool.running == 2 and loop.waited == 0
         # When they end, and a failing one follows whose record waits to be published
         go.set()
         assert wait_for(lambda: len(acks.acked) == 2, timeout=10, interval=0.005)
@@ -311,9 +313,10 @@ def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() ->
         records.go.set()
         assert wait_for(lambda: "ack-f" in acks.acked, timeout=10, interval=0.005)
         assert pool.wait_idle(time.monotonic() + 5)
-        assert processor.stats == {"done": 3, "dead_lettered": 1}
+        assert processor.stats == {"done": 3, "dead_lettered": 1} and loop.waited == 0
     finally:
         go.set()
         records.go.set()
         pool.quiet()
         pool.join(time.monotonic() + 5)
+        loop.close(2.0)
