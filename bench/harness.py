@@ -23,7 +23,7 @@ from google.cloud import pubsub_v1
 from google.pubsub_v1 import PubsubMessage
 
 from bench.consumer import ACK_DEADLINE, JOB
-from workerpool.constants import DEFAULT_PREFETCH
+from workerpool.config import Settings
 from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.testing.emulator import free_port
 
@@ -250,7 +250,9 @@ class Consumer:
             f"--report={self.report_path}",
             f"--sample-ms={sample_ms}",
             f"--metrics-port={free_port()}",
-            f"--prefetch={DEFAULT_PREFETCH}",
+            # workerpool's default prefetch, given explicitly so that a baseline revision runs
+            # with the same one
+            f"--prefetch={Settings(max_outstanding=n).held_beyond_n}",
         ]
         if intervals:
             command.append("--intervals")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.scenarios import Context, Row, Table
-from workerpool.constants import DEFAULT_PREFETCH
+from workerpool.config import Settings
 
 NOTES_MARKER = "<!-- notes: written by hand below this line; `python -m bench` keeps them -->"
 LIBRARIES = (
@@ -28,7 +28,8 @@ LIBRARIES = (
 )
 IMPL_TEXT = {
     "workerpool": "`workerpool run` with its defaults: SQLite idempotency store, metrics "
-    "(Prometheus reader), JSON job log lines to a file, tracing sampled off; prefetch 2",
+    "(Prometheus reader), JSON job log lines to a file, tracing sampled off, and the default "
+    "prefetch (N // 4, at least 2; passed explicitly, so a baseline revision runs with it too)",
     "workerpool-bare": "`workerpool run` with the idempotency store off, OpenTelemetry disabled "
     "and `--log-level warning`",
     "workerpool-store": "bare, with only the SQLite idempotency store on",
@@ -139,7 +140,7 @@ def targets(ctx: Context) -> list[str]:
     drain = f"3. Drain, N = {ctx.plan.drain_n}"
     held = find(ctx, drain, "messages held")
     if held and held.values.get("workerpool"):
-        limit = ctx.plan.drain_n + DEFAULT_PREFETCH
+        limit = ctx.plan.drain_n + Settings(max_outstanding=ctx.plan.drain_n).held_beyond_n
         most = max(held.values["workerpool"])
         add(f"held <= N + prefetch = {limit}", f"at most {fmt(most)}", most <= limit)
     for n in ctx.plan.util_backlogs:

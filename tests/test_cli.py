@@ -220,6 +220,19 @@ def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         raise AssertionError(f"accepted {bad!r}")
 
 
+def test_prefetch_is_a_quarter_of_n_unless_set(tmp_path: Path) -> None:
+    defaults = {
+        n: load_settings(None, {"max_outstanding": n}, {}).held_beyond_n for n in (1, 8, 9, 64, 100)
+    }
+    assert defaults == {1: 2, 8: 2, 9: 2, 64: 16, 100: 25}
+    set_to_zero = load_settings(None, {"max_outstanding": 64}, {"WORKERPOOL_PREFETCH": "0"})
+    assert set_to_zero.held_beyond_n == 0
+    config = tmp_path / "w.toml"
+    config.write_text("[worker]\nprefetch = -1\n")
+    with pytest.raises(ConfigError, match="prefetch must not be negative"):
+        load_settings(str(config), {}, {})
+
+
 def test_concurrency_limits_from_file_env_and_flags(tmp_path: Path) -> None:
     config = tmp_path / "w.toml"
     config.write_text('[concurrency]\nexports = 2\n"partner:*" = 1\n')

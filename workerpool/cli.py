@@ -72,7 +72,11 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
         help="Topic for failure records (default: the subscription's dead-letter topic).",
     ),
     click.option("--max-outstanding", type=int, help="Jobs running at once, at most."),
-    click.option("--prefetch", type=int, help="Messages held beyond max-outstanding."),
+    click.option(
+        "--prefetch",
+        type=int,
+        help="Messages held beyond max-outstanding [default: a quarter of it, at least 2].",
+    ),
     click.option("--max-bytes", type=int, help="Bytes held at most."),
     click.option(
         "--max-payload-bytes", type=int, help="Bigger message data is dead-lettered as oversize."

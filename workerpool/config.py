@@ -28,7 +28,7 @@ class Settings:
     subscription: str = ""
     dead_letter_topic: str = ""
     max_outstanding: int = c.DEFAULT_MAX_OUTSTANDING
-    prefetch: int = c.DEFAULT_PREFETCH
+    prefetch: int | None = None  # not set: ``held_beyond_n`` says how many
     max_bytes: int = c.DEFAULT_MAX_HELD_BYTES
     max_payload_bytes: int = c.MAX_MESSAGE_BYTES
     drain_timeout: float = c.DEFAULT_DRAIN_TIMEOUT
@@ -71,7 +71,7 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("prefetch", "drain_timeout", "min_backoff", "slot_wait", "heartbeat_interval"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 10 <= self.lease_extension <= 600:
             raise ConfigError(f"lease_extension must be 10..600 s, got {self.lease_extension}")
@@ -82,6 +82,13 @@ class Settings:
         if self.pools and not all(pool.subscription for pool in self.pool_settings()):
             raise ConfigError("every [[pools]] entry needs a subscription")
         return self
+
+    @property
+    def held_beyond_n(self) -> int:
+        """The prefetch: as set, or else a quarter of N and at least 2."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return max(c.MIN_DEFAULT_PREFETCH, self.max_outstanding // c.PREFETCH_SHARE_OF_N)
 
     def pool_settings(self) -> list[Settings]:
         """One Settings per pool: the ``[[pools]]`` entries over these, or just these."""
@@ -116,7 +123,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _STR
 def _coerce(name: str, value: Any, source: str) -> Any:
     kind = _FIELDS[name].type
     try:
-        if kind == "int" and not isinstance(value, bool):
+        if kind in ("int", "int | None") and not isinstance(value, bool):
             return int(value)
         if kind == "float" and not isinstance(value, bool):
             return float(value)

@@ -71,7 +71,12 @@ DEFAULT_TIMEOUT_SECONDS: Final = 3600.0
 # is logged by name: asyncio debug mode's slow-callback figure is 0.1 s, but that mode costs
 # every task; half a second is surely a blocking call, not a busy loop.
 LOOP_BLOCKED_AFTER_SECONDS: Final = 0.5
-DEFAULT_PREFETCH: Final = 2
+# Messages held beyond N, unless set: N // 4, and never fewer than this. Enough to start runs
+# while a pull refills the pool (at N = 64 with 50 ms jobs a wave of ends waited 10-12 ms for
+# its pull, store and claims; BENCHMARKS.md), few enough that a pool of long jobs (small N)
+# leaves the backlog to other replicas.
+MIN_DEFAULT_PREFETCH: Final = 2
+PREFETCH_SHARE_OF_N: Final = 4
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 DEFAULT_LEASE_EXTENSION: Final = 30.0
 DEFAULT_MIN_BACKOFF: Final = 2.0

@@ -238,7 +238,7 @@ class Launcher:
             limiters=self._limiters,
             loop=loop,
         )
-        pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.prefetch, s.max_bytes))
+        pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes))
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
         heartbeat = self._heartbeat(pool, puller, processor)
@@ -395,7 +395,7 @@ class Launcher:
             self.worker_id,
             self.subscription,
             s.max_outstanding,
-            s.prefetch,
+            s.held_beyond_n,
         )
 
     # --- stop --------------------------------------------------------------------------------

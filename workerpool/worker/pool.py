@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PoolLimits:
     max_outstanding: int
-    prefetch: int = c.DEFAULT_PREFETCH
+    prefetch: int
     max_bytes: int = c.DEFAULT_MAX_HELD_BYTES
 
     def __post_init__(self) -> None:
@@ -96,7 +96,12 @@ class Pool:
         self._unstarted = 0  # admitted, and not yet running or given back
         self._low = limits.prefetch // 2  # this few waiting to start: pull now
         self._batch = max(1, limits.max_held // 2)  # else pull when this much room is free
-        self._cond = threading.Condition()
+        # One lock, two conditions: the puller and ``wait_idle`` watch the hold; slot threads
+        # wait for a permit. A freed permit wakes one waiting thread, not all (up to
+        # ``prefetch`` may wait, and each woken for nothing costs a GIL hand-off).
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._permits = threading.Condition(lock)
         self._quiet = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -210,6 +215,7 @@ class Pool:
         with self._cond:
             if permit.state is _HELD:
                 self._free += 1
+                self._permits.notify()
             elif permit.state is _PARKED:
                 self._parked -= 1
             permit.state = _NONE
@@ -257,6 +263,7 @@ class Pool:
             permit.state = _PARKED
             self._parked += 1
             self._free += 1
+            self._permits.notify()
             self._cond.notify_all()
             return True
 
@@ -282,7 +289,7 @@ class Pool:
     def _pick_up_locked(self, permit: _Permit) -> bool:
         """False once the pool is quiet: nothing that has not started starts any more."""
         while not self._free and not self._quiet.is_set():
-            self._cond.wait()
+            self._permits.wait()
         if self._quiet.is_set():
             return False
         if permit.state is _PARKED:
@@ -315,6 +322,7 @@ class Pool:
             self._held -= len(waiting)
             self._unstarted -= len(waiting)
             self._held_bytes -= sum(d.size for d in waiting)
+            self._permits.notify_all()
             self._cond.notify_all()
         return released
 
