@@ -4,6 +4,7 @@ sharing an SQLite store on one host or the Firestore emulator's store."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
 import time
@@ -77,12 +78,19 @@ def _short_stretches(
 
 
 def _stalled(ledger: Path, workers: list[WorkerProcess]) -> str:
-    """What a run that did not finish in time left to read: how far it got, and each worker's
-    last warnings."""
-    lines = [f"{len(ledger_events(ledger, 'done'))} of 200 done"]
+    """What a run that did not finish in time left to read: how far it got, each worker's
+    last warnings, and what the ledger and the workers' logs say of the jobs not done."""
+    done = {r["job_id"] for r in ledger_events(ledger, "done")}
+    started = {r["job_id"] for r in ledger_events(ledger, "start")}
+    missing = sorted({f"export-{i}" for i in range(200)} - done)
+    began = sorted(started & set(missing))
+    lines = [f"{len(done)} of 200 done; not done: {missing[:5]}, of them started: {began}"]
+    named = re.compile("|".join(rf"\b{re.escape(job_id)}\b" for job_id in missing[:5]) or "$^")
     for worker in workers:
-        warnings = [line for line in worker.output().splitlines() if "INFO" not in line[:40]]
-        lines += [f"worker {worker.pid}:", *warnings[-5:]]
+        output = worker.output().splitlines()
+        warnings = [line for line in output if "INFO" not in line[:40]]
+        about = [line for line in output if named.search(line)]
+        lines += [f"worker {worker.pid}:", *warnings[-5:], *about[-10:]]
     return "\n".join(lines)
 
 
@@ -95,6 +103,7 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
     pubsub_resources.provision(retry_policy=False)  # deferrals keep their own delays
     ledger = tmp_path / "ledger.jsonl"
     store, extra_env = shared_store(kind, request, tmp_path, warm=True)
+    extra_env["WORKERPOOL_DEMO_LEDGER_STARTS"] = "1"  # if it stalls: did a job not done start?
     jobs = [(f"export-{i}", {"seconds": 0.5}) for i in range(200)]
     with worker_processes() as workers:
         for _ in range(4):
