@@ -44,6 +44,7 @@ from workerpool.telemetry.logs import (
     set_trace_project,
     setup_logging,
 )
+from workerpool.telemetry.metrics import Metrics
 from workerpool.telemetry.prometheus import metric_name
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.testing.pubsub import PubSubResources
@@ -456,6 +457,11 @@ def test_with_the_sdk_disabled_no_job_span_is_made_and_the_publishers_trace_stay
     context = span.get_span_context()
     assert (context.trace_id, context.span_id) == (int(trace_id, 16), int(span_id, 16))
     assert not span.is_recording()
+    # And no run is measured: nothing could read the metrics (with the SDK on, runs are)
+    assert not any(isinstance(mw, Metrics) for mw in telemetry.middleware("s"))
+    enabled = telemetry_from_env({}, install=False)
+    assert any(isinstance(mw, Metrics) for mw in enabled.middleware("s"))
+    enabled.shutdown()
 
 
 # --- logs -------------------------------------------------------------------------------------

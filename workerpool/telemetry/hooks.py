@@ -35,20 +35,26 @@ class Telemetry:
         job_logs: bool = True,
         owned: bool = False,
         spans_exported: bool = True,
+        metrics_read: bool = True,
     ) -> None:
         """``owned``: ``shutdown()`` shuts the providers down too (flushing exporters).
         ``spans_exported``: False when no exporter takes the tracer provider's spans (then job
-        spans are not made at all; log lines still carry the publisher's trace)."""
+        spans are not made at all; log lines still carry the publisher's trace).
+        ``metrics_read``: False when no reader can ever collect the job metrics
+        (``OTEL_SDK_DISABLED``): no run pays for measuring them."""
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self._record_spans = spans_exported and not _never_samples(tracer_provider)
         self.metrics = Metrics(meter_provider)
+        self._measure_runs = metrics_read
         self._job_log = JobLog() if job_logs else None
         self._owned = owned
 
     def middleware(self, subscription: str) -> list[Middleware]:
         tracing = Tracing(subscription, self.tracer_provider, record=self._record_spans)
-        chain: list[Middleware] = [tracing, self.metrics]
+        chain: list[Middleware] = [tracing]
+        if self._measure_runs:
+            chain.append(self.metrics)
         if self._job_log is not None:
             chain.append(self._job_log)
         return chain
