@@ -46,14 +46,14 @@ class Telemetry:
         self.meter_provider = meter_provider
         self._record_spans = spans_exported and not _never_samples(tracer_provider)
         self.metrics = Metrics(meter_provider)
-        self._measure_runs = metrics_read
+        self._metrics_read = metrics_read
         self._job_log = JobLog() if job_logs else None
         self._owned = owned
 
     def middleware(self, subscription: str) -> list[Middleware]:
         tracing = Tracing(subscription, self.tracer_provider, record=self._record_spans)
         chain: list[Middleware] = [tracing]
-        if self._measure_runs:
+        if self._metrics_read:
             chain.append(self.metrics)
         if self._job_log is not None:
             chain.append(self._job_log)
