@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workerpool import JobContext, PermanentError, RetryableError
+from workerpool import Defer, JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.constants import Label
 from workerpool.errors import ConfigError
 from workerpool.registry import Registry
+from workerpool.schedule.when import parse_not_before
 from workerpool.telemetry.logs import CloudLoggingFormatter, TextFormatter
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
@@ -38,11 +41,13 @@ from workerpool.worker.outcome import (
     RecordFailed,
     RedeliveredWhileRunning,
     Rejected,
+    Renew,
     Succeeded,
     Unavailable,
     decide,
 )
 from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.renewal import Renewer
 from workerpool.worker.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
@@ -97,6 +102,95 @@ def test_decision_table() -> None:
     assert last == DeadLetter(c.ERR_ATTEMPTS_EXHAUSTED, "RetryableError after 5 attempts: flaky")
     # A record that could not be published is retried, also on the last attempt
     assert decide(RecordFailed("down"), _facts(5)).label == Label.RETRIED  # type: ignore[union-attr]
+
+
+def test_on_the_last_delivery_a_wait_renews_the_message_and_a_failure_is_recorded() -> None:
+    last = Facts(5, 8, BACKOFF, last_delivery=True)
+    # Waiting is not failing: a copy comes back instead, after the same delay
+    waits = {
+        Deferred("at the cap", 7.0): Renew(7.0, Nack(7.0, Label.DEFERRED)),
+        LostLease(after=12.5): Renew(12.5, Nack(12.5, Label.DEFERRED)),
+        Interrupted(): Renew(0.0, Nack(0.0, Label.DRAINED)),
+        NotStarted(): Renew(0.0, Nack(0.0, Label.RELEASED)),
+    }
+    for outcome, action in waits.items():
+        assert decide(outcome, last) == action
+    for outcome in (RedeliveredWhileRunning(), Unavailable("down"), RecordFailed("down")):
+        renew = decide(outcome, last)
+        assert isinstance(renew, Renew) and renew.after == renew.otherwise.delay > 0
+    # With a retry policy the copy keeps the delay that the nack leaves to the policy
+    policy = Facts(5, 8, BACKOFF, retry_policy=True, last_delivery=True)
+    assert decide(Deferred("later", 30.0), policy) == Renew(30.0, Nack(0.0, Label.DEFERRED))
+    # A failure counted per job id goes on in a copy; counted per delivery, it ends here
+    counted = Facts(3, 8, BACKOFF, last_delivery=True, tries_outlive_message=True)
+    assert isinstance(decide(Failed("E", "x"), counted), Renew)
+    assert decide(Failed("RetryableError", "flaky"), last) == DeadLetter(
+        c.ERR_DELIVERY_LIMIT,
+        "RetryableError at delivery 5, the last the subscription's dead-letter policy allows:"
+        " flaky",
+    )
+    # What decided before still decides: success, duplicates, bad input, the last attempt
+    assert decide(Succeeded(), last) == Ack(Label.DONE)
+    assert decide(AlreadyDone(), last) == Ack(Label.DUPLICATE)
+    assert decide(Rejected("not_json", "x"), last) == DeadLetter("not_json", "x")
+    exhausted = decide(Failed("E", "x"), Facts(8, 8, BACKOFF, last_delivery=True))
+    assert isinstance(exhausted, DeadLetter) and exhausted.error_type == c.ERR_ATTEMPTS_EXHAUSTED
+
+
+class _Publisher:
+    """Publishes into a list; or fails, as a topic that cannot be reached."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.published: list[tuple[str, bytes, dict[str, str]]] = []
+        self.fail = fail
+
+    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        future: Future[str] = Future()
+        if self.fail:
+            future.set_exception(RuntimeError("topic unreachable"))
+        else:
+            self.published.append((topic, data, attributes))
+            future.set_result(f"copy-{len(self.published)}")
+        return future
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["published", "not-published"])
+def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
+    fail: bool,
+) -> None:
+    jobs = Registry()
+
+    @jobs.job("t.wait")
+    def wait(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise Defer("a slot is not free", delay=30)
+
+    publisher = _Publisher(fail=fail)
+    acks = FakeAcks()
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(BACKOFF),
+        renewer=Renewer(publisher, "projects/p/topics/jobs", max_deliveries=5),
+    )  # fmt: skip
+    # Given messages on deliveries 4 and 5 of the 5 the subscription allows, one without a job id
+    processor.process(make_delivery(b"{}", {"job": "t.wait"}, message_id="m4", attempt=4))
+    processor.process(make_delivery(b'{"a": 1}', {"job": "t.wait"}, message_id="m5", attempt=5))
+    # and one given back unstarted on its last delivery (a drain)
+    drained = make_delivery(b"{}", {"job": "t.wait", "job_id": "j-9"}, message_id="m9", attempt=5)
+    processor.give_back([drained])
+    # Then the 4th is nacked as before
+    assert acks.modacked[0] == ("ack-m4", 30)
+    assert processor.stats == {"deferred": 2, "released": 1}
+    if fail:
+        # Copies not published: the others are nacked too (the policy's forward is the backstop)
+        assert acks.modacked == [("ack-m4", 30), ("ack-m5", 30), ("ack-m9", 0)]
+        assert acks.acked == []
+        return
+    # and the others are published again, as the same jobs, then acked
+    (topic, data, deferred), (_, _, released) = publisher.published
+    assert (topic, data) == ("projects/p/topics/jobs", b'{"a": 1}')
+    assert deferred["job"] == "t.wait" and deferred[c.ATTR_JOB_ID] == "m5"
+    assert 25 < parse_not_before(deferred[c.ATTR_NOT_BEFORE]) - time.time() <= 30  # its delay
+    assert released == {"job": "t.wait", "job_id": "j-9"}  # due at once
+    assert acks.acked == ["ack-m5", "ack-m9"] and len(acks.modacked) == 1
 
 
 def test_with_a_retry_policy_every_nack_is_immediate_and_pub_sub_spaces_them() -> None:

@@ -310,6 +310,23 @@ def test_a_job_not_due_yet_is_scheduled_and_acked_instead_of_run() -> None:
     )
 
 
+def test_a_delayed_job_without_a_job_id_is_published_again_as_the_same_job() -> None:
+    # Given a message that goes by its message id (no job_id attribute), not due yet
+    store = MemorySchedule()
+    delays = Delays(TOPIC, store, Firer(store, TOPIC, Publisher()))
+    ahead = not_before_text(timedelta(seconds=90))
+    attributes = {c.ATTR_JOB: "t.job", c.ATTR_NOT_BEFORE: ahead}
+    spec = JobSpec("t.job", lambda ctx, payload: None)
+    delivery = make_delivery(b"{}", attributes, message_id="m-7")
+    job = Job(spec, "m-7", {}, "m-7", 1, None, attributes)
+    run = Run(job, JobContext("t.job", "m-7", "m-7", 1, None, Flag()), delivery, lambda r, o: True)
+    # When it is scheduled
+    assert through(delays, run, lambda run: Succeeded()) == Scheduled(ahead)
+    # Then its copy carries the job id, so a copy fired twice still runs once
+    [entry] = store.entries()
+    assert entry.attributes == {**attributes, c.ATTR_JOB_ID: "m-7"}
+
+
 def _cli(*args: str) -> Result:
     """The CLI run in this process: the subprocess a user starts costs a second each."""
     return CliRunner().invoke(main, list(args))

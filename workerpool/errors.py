@@ -35,7 +35,8 @@ class Defer(JobError):
     """Not now, and not a failure: redeliver later without counting toward ``max_attempts``
     (a shared resource is at its cap, say). ``delay`` in seconds, or None for the backoff.
 
-    Each deferral still counts as a delivery for the subscription's own dead-letter policy.
+    Each deferral still counts as a delivery for the subscription's own dead-letter policy; on
+    the last one it allows, the message is published again as the same job and then acked.
     """
 
     def __init__(self, reason: str, *, delay: float | None = None) -> None:

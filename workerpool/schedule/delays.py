@@ -25,6 +25,7 @@ from workerpool import constants as c
 from workerpool.schedule.store import Entry, ScheduleStore
 from workerpool.schedule.when import parse_not_before
 from workerpool.stores import StoreError
+from workerpool.worker.envelope import copy_attributes
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.outcome import Deferred, Outcome, Rejected, Scheduled, Unavailable
 from workerpool.worker.run import Run
@@ -147,7 +148,7 @@ class Delays(Middleware):
         if self._schedule is None or self._firer is None:
             return Deferred(f"not before {text}", min(wait, c.MAX_ACK_DEADLINE_SECONDS))
         delivery = run.delivery
-        entry = Entry(self._topic, run.job.job_id, due, delivery.data, delivery.attributes)
+        entry = Entry(self._topic, run.job.job_id, due, delivery.data, copy_attributes(delivery))
         try:
             self._schedule.add(entry)
         except StoreError as exc:

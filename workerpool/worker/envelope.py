@@ -100,6 +100,12 @@ def job_id_of(delivery: Delivery) -> str:
     return delivery.attributes.get(c.ATTR_JOB_ID) or delivery.message_id
 
 
+def copy_attributes(delivery: Delivery) -> dict[str, str]:
+    """The attributes that publish ``delivery`` again as the same job: its job id written
+    out (a message without one goes by its message id, which a copy would not share)."""
+    return {**delivery.attributes, c.ATTR_JOB_ID: job_id_of(delivery)}
+
+
 def decode(
     delivery: Delivery,
     registry: Registry,

@@ -61,6 +61,7 @@ from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
+from workerpool.worker.renewal import Renewer
 from workerpool.worker.timers import Timers
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class Launcher:
             ),
             limiters=self._limiters,
             loop=loop,
+            renewer=Renewer(clients.publisher, info.topic, info.max_delivery_attempts),
         )
         pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes))
         gate = concurrency.gate if concurrency is not None else None

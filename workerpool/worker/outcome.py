@@ -132,6 +132,12 @@ class Facts:
     # On the emulator, delaying with modify_ack_deadline(d) on such a subscription lost
     # messages for minutes (a batch of 2 or 6, per-message calls too), so every nack is 0 there.
     retry_policy: bool = False
+    # This delivery is the last the subscription's dead-letter policy allows: if the message
+    # comes back once more, Pub/Sub forwards it, raw, to the dead-letter topic, its job not run.
+    last_delivery: bool = False
+    # ``attempt`` counts the job id's tries in the idempotency store, not this message's
+    # deliveries, so a fresh copy of the message carries the count on.
+    tries_outlive_message: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,17 @@ class DeadLetter:
     error_message: str
 
 
-Action = Ack | Nack | DeadLetter
+@dataclass(frozen=True)
+class Renew:
+    """Publish a fresh copy of the message (job id and all, not run for ``after`` seconds),
+    then ack this one: the subscription's dead-letter policy would take it if it came back.
+    If the copy is not published, ``otherwise`` (the policy's forward is then the backstop)."""
+
+    after: float
+    otherwise: Nack
+
+
+Action = Ack | Nack | DeadLetter | Renew
 
 
 # One branch per row of DESIGN.md's table, side by side on purpose: not split up.
@@ -168,6 +184,15 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
             return DeadLetter(
                 c.ERR_ATTEMPTS_EXHAUSTED,
                 f"{error_type} after {facts.attempt} attempts: {error_message}",
+            )
+        case Failed(error_type, error_message) if facts.last_delivery and not (
+            facts.tries_outlive_message
+        ):
+            # Pub/Sub would forward it raw, and a copy would count its tries from 1 again.
+            return DeadLetter(
+                c.ERR_DELIVERY_LIMIT,
+                f"{error_type} at delivery {facts.attempt}, the last the subscription's "
+                f"dead-letter policy allows: {error_message}",
             )
         case Failed():
             # Transient: come back later, spaced by the attempt number, never in a hot loop.
@@ -192,7 +217,7 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
             return Ack(Label.SCHEDULED)
         case Interrupted():
             # Give it to another worker now; the handler has seen ctx.cancelled.
-            return Nack(0.0, Label.DRAINED)
+            return _later(0.0, Label.DRAINED, facts)
         case LostLease(after):
             # Not a failure: come back once the lease has lapsed, so nobody runs it meanwhile.
             # (With a retry policy the nack is 0 as every nack there is, and the policy spaces
@@ -200,12 +225,15 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
             return _later(after, Label.DEFERRED, facts)
         case NotStarted():
             # Another worker can start it now.
-            return Nack(0.0, Label.RELEASED)
+            return _later(0.0, Label.RELEASED, facts)
         case Unavailable() | RecordFailed():
             # We could not record what happened: neither run-and-ack nor drop; retry later.
             return _later(facts.backoff.delay(facts.attempt), Label.RETRIED, facts)
     raise AssertionError(f"unhandled outcome {outcome!r}")
 
 
-def _later(delay: float, label: Label, facts: Facts) -> Nack:
-    return Nack(0.0 if facts.retry_policy else delay, label)
+def _later(delay: float, label: Label, facts: Facts) -> Nack | Renew:
+    """Give the message back, to come again in ``delay`` seconds. Waiting is not failing,
+    but Pub/Sub counts each delivery: on the last one a copy comes back instead."""
+    nack = Nack(0.0 if facts.retry_policy else delay, label)
+    return Renew(delay, nack) if facts.last_delivery else nack

@@ -49,9 +49,11 @@ from workerpool.worker.outcome import (
     Outcome,
     RecordFailed,
     Rejected,
+    Renew,
     Succeeded,
     decide,
 )
+from workerpool.worker.renewal import Renewer
 from workerpool.worker.run import UNPARKABLE, Permit, Run, Settled
 
 log = logging.getLogger(__name__)
@@ -97,12 +99,16 @@ class _Subject:
     # This run's number among the job id's tries: its earlier failures + 1 where the
     # idempotency store counts them, else the delivery attempt (deferrals included).
     tries: int = 0
+    tries_by_job: bool = False  # the store counts them: a copy of the message goes on from them
 
     @classmethod
     def of(cls, job: Job, run: Run | None = None) -> _Subject:
         failures = None if run is None else run.failures
         tries = job.delivery_attempt if failures is None else failures + 1
-        return cls(job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts, tries)
+        return cls(
+            job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts, tries,
+            tries_by_job=failures is not None,
+        )  # fmt: skip
 
     @classmethod
     def unstarted(cls, delivery: Delivery) -> _Subject:
@@ -145,15 +151,18 @@ class Processor:
         settings: ProcessorSettings = ProcessorSettings(),
         limiters: RateLimiters | None = None,
         loop: EventLoop | None = None,
+        renewer: Renewer | None = None,
     ) -> None:
         """``loop`` runs the ``async def`` handlers (default: one of its own, whose thread
-        starts with the first async run)."""
+        starts with the first async run); ``renewer`` publishes a fresh copy of a message
+        that must wait on the last delivery the subscription allows (None: it is nacked)."""
         self._registry = registry
         self._loop = loop or EventLoop()
         self._limiters = limiters
         self._acks = acks
         self._leases = leases
         self._records = records
+        self._renewer = renewer
         self._middleware = list(middleware)
         self._chain = Chain(self._middleware)
         self._settings = settings
@@ -310,13 +319,16 @@ class Processor:
         facts = self._facts(subject)
         action = decide(outcome, facts)
         error_type = ""
-        if isinstance(action, DeadLetter):
-            # The lease stays extended while the record is published (SETTLING), and a
-            # hand-back that came first means no record at all.
+        if isinstance(action, DeadLetter | Renew):
+            # The lease stays extended while a record or a copy is published (SETTLING), and
+            # a hand-back that came first means nothing is published.
             if not delivery.begin_settle():
                 return
-            error_type = action.error_type
-            action = self._record(delivery, action, subject, facts)
+            if isinstance(action, DeadLetter):
+                error_type = action.error_type
+                action = self._record(delivery, action, subject, facts)
+            if isinstance(action, Renew):  # also a record not published on the last delivery
+                action = self._renewed([(delivery, action)])[0]
             if not delivery.finish_settle():
                 return  # the end of a drain gave it back meanwhile
         elif not delivery.take():
@@ -332,14 +344,26 @@ class Processor:
         )  # fmt: skip
 
     def _facts(self, subject: _Subject) -> Facts:
+        renewer = self._renewer
         return Facts(
             subject.tries or subject.attempt, subject.max_attempts, self._settings.backoff,
             self._settings.retry_policy,
+            last_delivery=renewer is not None and renewer.last(subject.attempt),
+            tries_outlive_message=subject.tries_by_job,
         )  # fmt: skip
+
+    def _renewed(self, renewals: Sequence[tuple[Delivery, Renew]]) -> list[Ack | Nack]:
+        """Each message's action once its copy is published (an ack) or not (its nack)."""
+        assert self._renewer is not None, "only a renewer says a delivery is the last"
+        published = self._renewer.renew([(delivery, r.after) for delivery, r in renewals])
+        return [
+            Ack(r.otherwise.label) if ok else r.otherwise
+            for (_, r), ok in zip(renewals, published, strict=True)
+        ]
 
     def _record(
         self, delivery: Delivery, action: DeadLetter, subject: _Subject, facts: Facts
-    ) -> Ack | Nack:
+    ) -> Ack | Nack | Renew:
         record = Failure(
             action.error_type, action.error_message, subject.job_name, subject.job_id,
             subject.attempt,
@@ -442,15 +466,29 @@ class Processor:
     def _nack_now(
         self, taken: Sequence[tuple[Delivery, _Subject, Run | None]], outcome: Outcome
     ) -> None:
-        """Settle messages already taken with ``outcome``, one request per delay for all."""
+        """Settle messages already taken with ``outcome``, one request per delay for all (and
+        their copies published together, for those on their last delivery)."""
+        decided = [decide(outcome, self._facts(subject)) for _, subject, _ in taken]
+        renewals = [
+            (delivery, action)
+            for (delivery, _, _), action in zip(taken, decided, strict=True)
+            if isinstance(action, Renew)
+        ]
+        renewed = iter(self._renewed(renewals) if renewals else ())
         by_delay: dict[float, list[str]] = defaultdict(list)
         labels = []
-        for delivery, subject, _ in taken:
+        for (delivery, _, _), action in zip(taken, decided, strict=True):
             self._leases.remove(delivery)
-            action = decide(outcome, self._facts(subject))
-            assert isinstance(action, Nack), f"{outcome!r} must give the message back"
-            by_delay[action.delay].append(delivery.ack_id)
-            labels.append(action.label)
+            if isinstance(action, Renew):
+                action = next(renewed)
+            match action:
+                case Ack(label):
+                    self._acks.ack(delivery.ack_id)  # its copy is out: a lost ack, a duplicate
+                case Nack(delay, label):
+                    by_delay[delay].append(delivery.ack_id)
+                case _:
+                    raise AssertionError(f"{outcome!r} must give the message back")
+            labels.append(label)
         for delay, ack_ids in by_delay.items():
             self._acks.modack(ack_ids, delay)
         for (delivery, subject, run), label in zip(taken, labels, strict=True):

@@ -1,0 +1,84 @@
+"""Fresh copies of messages that the subscription's dead-letter policy would otherwise take.
+
+Pub/Sub counts every delivery of a message, and once the policy's ``max_delivery_attempts``
+are used it forwards the message, raw, to the dead-letter topic. A job that waits its turn is
+not failing, but each wait is a delivery: a deferral for want of a concurrency slot, a copy
+that came back while the first still runs, a drain. A key with a long line used up 20
+deliveries in 30 s on the emulator, and its job never ran. So on a message's last delivery a
+wait publishes a fresh copy to the topic, then acks the message: the copy goes by the same job
+id (the idempotency store keeps the job's completion, its failures and its place in a key's
+line by job id), and its ``not_before`` keeps the wait's delay. A copy published and then not
+acked (a lost ack) is a duplicate, which the store turns away like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from workerpool import constants as c
+from workerpool.schedule.when import not_before_text, parse_not_before
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import copy_attributes
+
+log = logging.getLogger(__name__)
+
+
+class Renewer:
+    def __init__(
+        self, publisher: Any, topic: str, max_deliveries: int, *, timeout: float = 10.0
+    ) -> None:
+        """``max_deliveries``: the subscription's ``max_delivery_attempts`` (0: no policy,
+        nothing is ever renewed); ``timeout``: how long a renewal waits for its copies."""
+        self._publisher = publisher
+        self._topic = topic
+        self._max_deliveries = max_deliveries
+        self._timeout = timeout
+
+    def last(self, delivery_attempt: int) -> bool:
+        """Whether a message on this delivery is forwarded by the policy if it comes back."""
+        return 0 < self._max_deliveries <= delivery_attempt
+
+    def renew(self, copies: Sequence[tuple[Delivery, float]]) -> list[bool]:
+        """Publish a copy of each delivery, not to run for its number of seconds; whether
+        each was published (within the timeout, for all together)."""
+        futures = [
+            self._publisher.publish(self._topic, delivery.data, **_attributes(delivery, after))
+            for delivery, after in copies
+        ]
+        deadline = time.monotonic() + self._timeout
+        published = []
+        for (delivery, _), future in zip(copies, futures, strict=True):
+            try:
+                copy_id = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # nacked instead: the policy's forward is the backstop
+                log.warning("message %s not renewed: %s", delivery.message_id, exc)
+                published.append(False)
+            else:
+                log.info(
+                    "message %s renewed as %s: its delivery %s was the last the "
+                    "subscription's dead-letter policy allows",
+                    delivery.message_id, copy_id, delivery.delivery_attempt,
+                )  # fmt: skip
+                published.append(True)
+        return published
+
+
+def _attributes(delivery: Delivery, after: float) -> dict[str, str]:
+    attributes = copy_attributes(delivery)
+    own = attributes.get(c.ATTR_NOT_BEFORE)
+    if after > 0 and not (own and _due_after(own, time.time() + after)):
+        attributes[c.ATTR_NOT_BEFORE] = not_before_text(timedelta(seconds=after))
+    return attributes
+
+
+def _due_after(not_before: str, when: float) -> bool:
+    """Whether the message's own ``not_before`` is later than ``when`` (an invalid one is
+    kept as it is: the copy is rejected for it, as the message would have been)."""
+    try:
+        return parse_not_before(not_before) > when
+    except ValueError:
+        return True
