@@ -140,13 +140,15 @@ def test_on_the_last_delivery_a_wait_renews_the_message_and_a_failure_is_recorde
 class _Publisher:
     """Publishes into a list; or fails, as a topic that cannot be reached."""
 
-    def __init__(self, *, fail: bool = False) -> None:
+    def __init__(self, fail: str = "") -> None:
         self.published: list[tuple[str, bytes, dict[str, str]]] = []
         self.fail = fail
 
     def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
         future: Future[str] = Future()
-        if self.fail:
+        if self.fail == "at-once":
+            raise ValueError("refused before it was sent")
+        if self.fail == "later":
             future.set_exception(RuntimeError("topic unreachable"))
         else:
             self.published.append((topic, data, attributes))
@@ -154,9 +156,11 @@ class _Publisher:
         return future
 
 
-@pytest.mark.parametrize("fail", [False, True], ids=["published", "not-published"])
+@pytest.mark.parametrize(
+    "fail", ["", "later", "at-once"], ids=["published", "not-published", "refused"]
+)
 def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
-    fail: bool,
+    fail: str,
 ) -> None:
     jobs = Registry()
 
@@ -164,7 +168,7 @@ def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
     def wait(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise Defer("a slot is not free", delay=30)
 
-    publisher = _Publisher(fail=fail)
+    publisher = _Publisher(fail)
     acks = FakeAcks()
     processor = Processor(
         jobs, acks, FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(BACKOFF),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -45,14 +46,13 @@ class Renewer:
     def renew(self, copies: Sequence[tuple[Delivery, float]]) -> list[bool]:
         """Publish a copy of each delivery, not to run for its number of seconds; whether
         each was published (within the timeout, for all together)."""
-        futures = [
-            self._publisher.publish(self._topic, delivery.data, **_attributes(delivery, after))
-            for delivery, after in copies
-        ]
+        futures = [self._publish(delivery, after) for delivery, after in copies]
         deadline = time.monotonic() + self._timeout
         published = []
         for (delivery, _), future in zip(copies, futures, strict=True):
             try:
+                if isinstance(future, Exception):
+                    raise future
                 copy_id = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # nacked instead: the policy's forward is the backstop
                 log.warning("message %s not renewed: %s", delivery.message_id, exc)
@@ -65,6 +65,17 @@ class Renewer:
                 )  # fmt: skip
                 published.append(True)
         return published
+
+    def _publish(self, delivery: Delivery, after: float) -> Future[str] | Exception:
+        """The copy's future, or what refused it at once (an attribute too many, say): a
+        renewal never raises, since its message must still be nacked."""
+        try:
+            future: Future[str] = self._publisher.publish(
+                self._topic, delivery.data, **_attributes(delivery, after)
+            )
+        except Exception as exc:
+            return exc
+        return future
 
 
 def _attributes(delivery: Delivery, after: float) -> dict[str, str]:
