@@ -51,6 +51,7 @@ from workerpool.worker.renewal import Renewer
 from workerpool.worker.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
+SUBSCRIPTION = "projects/p/subscriptions/s"
 
 
 @dataclass
@@ -172,7 +173,7 @@ def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
     acks = FakeAcks()
     processor = Processor(
         jobs, acks, FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(BACKOFF),
-        renewer=Renewer(publisher, "projects/p/topics/jobs", max_deliveries=5),
+        renewer=Renewer(publisher, "projects/p/topics/jobs", SUBSCRIPTION, 5),
     )  # fmt: skip
     # Given messages on deliveries 4 and 5 of the 5 the subscription allows, one without a job id
     processor.process(make_delivery(b"{}", {"job": "t.wait"}, message_id="m4", attempt=4))
@@ -192,8 +193,17 @@ def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
     (topic, data, deferred), (_, _, released) = publisher.published
     assert (topic, data) == ("projects/p/topics/jobs", b'{"a": 1}')
     assert deferred["job"] == "t.wait" and deferred[c.ATTR_JOB_ID] == "m5"
+    assert (deferred[c.ATTR_COPY_OF], deferred[c.ATTR_COPY_FOR]) == (
+        "m5",
+        "projects/p/subscriptions/s",
+    )
     assert 25 < parse_not_before(deferred[c.ATTR_NOT_BEFORE]) - time.time() <= 30  # its delay
-    assert released == {"job": "t.wait", "job_id": "j-9"}  # due at once
+    assert released == {  # due at once
+        "job": "t.wait",
+        "job_id": "j-9",
+        "copy_of": "m9",
+        "copy_for": "projects/p/subscriptions/s",
+    }
     assert acks.acked == ["ack-m5", "ack-m9"] and len(acks.modacked) == 1
 
 

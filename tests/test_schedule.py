@@ -325,6 +325,12 @@ def test_a_delayed_job_without_a_job_id_is_published_again_as_the_same_job() -> 
     # Then its copy carries the job id, so a copy fired twice still runs once
     [entry] = store.entries()
     assert entry.attributes == {**attributes, c.ATTR_JOB_ID: "m-7"}
+    # With no room left for it (Pub/Sub allows 100 attributes), as it came: else never fired
+    crowded = {**attributes, **{f"a{i}": "x" for i in range(98)}}
+    run.delivery = make_delivery(b"{}", crowded, message_id="m-8")
+    run.job = replace(job, job_id="m-8", message_id="m-8", attributes=crowded)
+    assert through(delays, run, lambda run: Succeeded()) == Scheduled(ahead)
+    assert [e.attributes for e in store.entries() if e.job_id == "m-8"] == [crowded]
 
 
 def _cli(*args: str) -> Result:

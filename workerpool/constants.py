@@ -10,6 +10,11 @@ ATTR_TRACEPARENT: Final = "traceparent"
 ATTR_TRACESTATE: Final = "tracestate"
 # RFC 3339 time in UTC before which the job must not start (a delayed job).
 ATTR_NOT_BEFORE: Final = "not_before"
+# On a copy published on a message's last delivery (``worker.renewal``): the id of the message
+# it is a copy of (the first, across copies of copies), under which claims know them all; and
+# the one subscription it was made for (the topic's other subscriptions get it too).
+ATTR_COPY_OF: Final = "copy_of"
+ATTR_COPY_FOR: Final = "copy_for"
 # The batch a child job belongs to (``workerpool.publish_batch``).
 ATTR_BATCH_ID: Final = "batch_id"
 # On a batch's completion job: the W3C traceparent of the batch's publisher, which the

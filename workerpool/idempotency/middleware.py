@@ -34,7 +34,7 @@ from workerpool.idempotency.base import (
 )
 from workerpool.idempotency.completions import Completions
 from workerpool.worker.delivery import Delivery
-from workerpool.worker.envelope import Job, job_id_of
+from workerpool.worker.envelope import Job, first_message_id, job_id_of
 from workerpool.worker.keeper import Held, LeaseKeeper
 from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import (
@@ -52,7 +52,7 @@ from workerpool.worker.timers import Timers
 
 log = logging.getLogger(__name__)
 
-_Key = tuple[str, str]  # (job_id, message_id)
+_Key = tuple[str, str]  # (job_id, message_id): the first message's id, for a copy
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,10 @@ class Idempotency(Middleware):
         fresh: dict[_Key, Delivery] = {}
         with self._lock:
             for delivery in deliveries:
-                key = (job_id_of(delivery), delivery.message_id)
+                key = (
+                    job_id_of(delivery),
+                    first_message_id(delivery.attributes, delivery.message_id),
+                )
                 if key not in self._active and key not in self._admitted:
                     fresh.setdefault(key, delivery)
         if not fresh:
@@ -133,7 +136,7 @@ class Idempotency(Middleware):
             self.keeper.release_soon(given_back)
 
     def settled(self, event: Settled) -> None:
-        key = (event.job_id, event.message_id)
+        key = (event.job_id, first_message_id(event.attributes, event.message_id))
         with self._lock:
             admitted = self._admitted.get(key)
             if admitted is None or admitted.ack_id != event.ack_id:
@@ -145,8 +148,7 @@ class Idempotency(Middleware):
     # --- the run -----------------------------------------------------------------------------
 
     def around(self, run: Run) -> Around:
-        job = run.job
-        key = (job.job_id, job.message_id)
+        key = _key(run.job)
         with self._lock:
             if key in self._active:
                 return RedeliveredWhileRunning()  # its first delivery runs right here
@@ -169,16 +171,16 @@ class Idempotency(Middleware):
         self, run: Run, key: _Key, admitted: _Admitted | None
     ) -> Generator[None, Outcome, tuple[Outcome, Held[_Key] | None]]:
         """The run's outcome, and the claim it still holds if it succeeded."""
-        job = run.job
         try:
-            claim, held, sent = self._claim(run, admitted)
+            claim, held, sent = self._claim(run, key, admitted)
         except StoreError as exc:
             return Unavailable(f"idempotency store: {exc}"), None
         match claim:
             case Done():
                 return AlreadyDone(), None
-            case HeldElsewhere(message_id=holder) if holder == job.message_id:
-                # This very message came back while its first delivery still runs somewhere.
+            case HeldElsewhere(message_id=holder) if holder == key[1]:
+                # This very message (or a copy of it) came back while its first delivery
+                # still runs somewhere, or its claim is still being let go.
                 return RedeliveredWhileRunning(), None
             case HeldElsewhere():
                 return DuplicateOfRunning(), None
@@ -192,7 +194,7 @@ class Idempotency(Middleware):
             # Handed back (the drain deadline) while the claim was being made: never start
             # it, and do not leave the claim to hold the job id until it expires.
             self.keeper.let_go(held)
-            self._release(job)
+            self._release(key)
             return Interrupted(), None
         try:
             outcome = yield
@@ -206,35 +208,34 @@ class Idempotency(Middleware):
         # counts as deliveries too, never use up its max_attempts. A run that ends after
         # its message was handed back (the drain deadline, a lost claim) did not fail.
         failed = isinstance(outcome, Failed) and not run.delivery.settled
-        self._release(job, failed=failed)
+        self._release(key, failed=failed)
         return outcome, None
 
     def _claim(
-        self, run: Run, admitted: _Admitted | None
+        self, run: Run, key: _Key, admitted: _Admitted | None
     ) -> tuple[ClaimResult | None, Held[_Key] | None, float]:
         """The run's claim (None: taken back, see below), the claim's lease if the run adopted
         the one its message's admission took, and when the claim was asked for."""
         if admitted and admitted.held and self.keeper.adopt(admitted.held, run):
             return admitted.result, admitted.held, admitted.sent
-        job = run.job
         sent = time.monotonic()
         claim: ClaimResult | None
         if admitted is not None and admitted.held is None:
             claim = admitted.result  # what admission found: done, or held elsewhere
         else:  # none taken, or dropped while the message waited (not renewed, taken over)
-            claim = self._store.claim(job.job_id, self._owner, job.message_id, self.keeper.ttl)
-        if self._is_own_stale_claim(claim, job):
+            claim = self._store.claim(key[0], self._owner, key[1], self.keeper.ttl)
+        if self._is_own_stale_claim(claim, key):
             claim = None  # taken back: its count of failures is not known
         return claim, None, sent
 
-    def _is_own_stale_claim(self, claim: ClaimResult, job: Job) -> bool:
+    def _is_own_stale_claim(self, claim: ClaimResult, key: _Key) -> bool:
         """A claim of ours on this very message that no run here holds (``run`` checked):
         left by a claim whose reply was lost in an outage. Taking it back beats its TTL."""
         return (
             isinstance(claim, HeldElsewhere)
             and claim.owner == self._owner
-            and claim.message_id == job.message_id
-            and self._store.renew(job.job_id, self._owner, job.message_id, self.keeper.ttl)
+            and claim.message_id == key[1]
+            and self._store.renew(key[0], self._owner, key[1], self.keeper.ttl)
         )
 
     def _completion(
@@ -252,16 +253,16 @@ class Idempotency(Middleware):
 
         return record
 
-    def _release(self, job: Job, *, failed: bool = False) -> None:
+    def _release(self, key: _Key, *, failed: bool = False) -> None:
         try:
-            self._store.release(job.job_id, self._owner, job.message_id, failed=failed)
+            self._store.release(key[0], self._owner, key[1], failed=failed)
         except StoreError as exc:
-            log.warning("claim on %s not released (%s); it expires on its own", job.job_id, exc)
+            log.warning("claim on %s not released (%s); it expires on its own", key[0], exc)
 
         # --- interrupted runs and stopping ---------------------------------------------------
 
     def interrupted(self, run: Run) -> None:
-        self.keeper.interrupted((run.job.job_id, run.job.message_id))
+        self.keeper.interrupted(_key(run.job))
 
     def close(self, timeout: float) -> None:
         """Record the completions queued, release the interrupted runs' claims and close the
@@ -269,3 +270,8 @@ class Idempotency(Middleware):
         deadline = time.monotonic() + timeout
         self._completions.close(timeout)
         self.keeper.close(max(0.0, deadline - time.monotonic()))
+
+
+def _key(job: Job) -> _Key:
+    """A claim's job id and message: every copy of a message claims as its first."""
+    return job.job_id, first_message_id(job.attributes, job.message_id)

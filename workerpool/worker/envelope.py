@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -100,10 +101,20 @@ def job_id_of(delivery: Delivery) -> str:
     return delivery.attributes.get(c.ATTR_JOB_ID) or delivery.message_id
 
 
+def first_message_id(attributes: Mapping[str, str], message_id: str) -> str:
+    """The id of the message this one first was: a copy made on a last delivery names it, so
+    that a claim taken for one of them is known for the same message by all the others."""
+    return attributes.get(c.ATTR_COPY_OF) or message_id
+
+
 def copy_attributes(delivery: Delivery) -> dict[str, str]:
     """The attributes that publish ``delivery`` again as the same job: its job id written
-    out (a message without one goes by its message id, which a copy would not share)."""
-    return {**delivery.attributes, c.ATTR_JOB_ID: job_id_of(delivery)}
+    out (a message without one goes by its message id, which a copy would not share), if
+    Pub/Sub's limit on attributes leaves room for it."""
+    attributes = dict(delivery.attributes)
+    if c.ATTR_JOB_ID in attributes or len(attributes) < c.MAX_ATTRIBUTES:
+        attributes[c.ATTR_JOB_ID] = job_id_of(delivery)
+    return attributes
 
 
 def decode(

@@ -238,7 +238,7 @@ class Launcher:
             ),
             limiters=self._limiters,
             loop=loop,
-            renewer=Renewer(clients.publisher, info.topic, info.max_delivery_attempts),
+            renewer=Renewer(clients.publisher, info.topic, info.name, info.max_delivery_attempts),
         )
         pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes))
         gate = concurrency.gate if concurrency is not None else None

@@ -45,6 +45,12 @@ class AlreadyDone:
 
 
 @dataclass(frozen=True)
+class CopyForAnother:
+    """A copy of a message made on its last delivery for another subscription of the topic
+    (``worker.renewal``): this one had the message itself."""
+
+
+@dataclass(frozen=True)
 class DuplicateOfRunning:
     """Another message carries a job id that a live worker is running."""
 
@@ -109,6 +115,7 @@ Outcome = (
     | Failed
     | Rejected
     | AlreadyDone
+    | CopyForAnother
     | DuplicateOfRunning
     | RedeliveredWhileRunning
     | Deferred
@@ -200,9 +207,10 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
         case Rejected(error_type, error_message):
             # Retrying cannot help: record why, then ack so it never loops.
             return DeadLetter(error_type, error_message)
-        case AlreadyDone() | DuplicateOfRunning():
+        case AlreadyDone() | DuplicateOfRunning() | CopyForAnother():
             # At-least-once delivery: the work is done, drop the copy. Or it runs elsewhere,
-            # and the holder's own message stays unacked until its job ends: nothing is lost.
+            # and the holder's own message (or its copy) stays unacked until its job ends:
+            # nothing is lost. Or the copy was made for another subscription.
             return Ack(Label.DUPLICATE)
         case RedeliveredWhileRunning():
             # Never ack: the holder may still fail and need this message. Never run a second

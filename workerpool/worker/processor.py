@@ -39,6 +39,7 @@ from workerpool.worker.interfaces import Acks, FailureRecords, Leases
 from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import (
     Ack,
+    CopyForAnother,
     DeadLetter,
     Deferred,
     Facts,
@@ -194,6 +195,12 @@ class Processor:
         given the rest of an async run (``CARRIED``) when its task ends. Without ``resume``
         this thread waits for the task."""
         attempt = self._attempts.attempt(delivery)
+        if self._renewer is not None and not self._renewer.ours(delivery.attributes):
+            subject = _Subject(
+                delivery.attributes.get(c.ATTR_JOB, ""), job_id_of(delivery), attempt
+            )
+            self._settle(delivery, CopyForAnother(), subject)
+            return Ending.SETTLED
         decoded = decode(
             delivery,
             self._registry,
@@ -343,12 +350,13 @@ class Processor:
                     ack_id=delivery.ack_id)
         )  # fmt: skip
 
-    def _facts(self, subject: _Subject) -> Facts:
+    def _facts(self, subject: _Subject, *, renewable: bool = True) -> Facts:
+        """``renewable``: a copy may be published now (not at the end of a drain)."""
         renewer = self._renewer
         return Facts(
             subject.tries or subject.attempt, subject.max_attempts, self._settings.backoff,
             self._settings.retry_policy,
-            last_delivery=renewer is not None and renewer.last(subject.attempt),
+            last_delivery=renewable and renewer is not None and renewer.last(subject.attempt),
             tries_outlive_message=subject.tries_by_job,
         )  # fmt: skip
 
@@ -434,6 +442,7 @@ class Processor:
             [(d, _Subject.of(run.job) if run else _Subject.unstarted(d), run)
              for d, run in zip(taken, runs, strict=True)],
             Interrupted() if force else NotStarted(),
+            renewable=not force,
         )  # fmt: skip
         return len(taken)
 
@@ -443,18 +452,22 @@ class Processor:
         with self._lock:
             self._stopping = True
             running = list(self._running.values())
-        return self._hand_back_all(running, Interrupted())
+        return self._hand_back_all(running, Interrupted(), renewable=False)
 
     def _hand_back(self, run: Run, outcome: Outcome) -> bool:
         return self._hand_back_all([run], outcome) == 1
 
-    def _hand_back_all(self, runs: Sequence[Run], outcome: Outcome) -> int:
+    def _hand_back_all(
+        self, runs: Sequence[Run], outcome: Outcome, *, renewable: bool = True
+    ) -> int:
         # Take first, then cancel: a cancelled handler (an async one's task at once) may end
         # and settle its own message before a take made after the cancel.
         taken = [run for run in runs if run.delivery.take()]
         for run in runs:
             run.ctx.cancelled.set()
-        self._nack_now([(run.delivery, _Subject.of(run.job), run) for run in taken], outcome)
+        self._nack_now(
+            [(run.delivery, _Subject.of(run.job), run) for run in taken], outcome, renewable
+        )
         for run in taken:
             for mw in self._middleware:
                 try:
@@ -464,11 +477,16 @@ class Processor:
         return len(taken)
 
     def _nack_now(
-        self, taken: Sequence[tuple[Delivery, _Subject, Run | None]], outcome: Outcome
+        self,
+        taken: Sequence[tuple[Delivery, _Subject, Run | None]],
+        outcome: Outcome,
+        renewable: bool = True,
     ) -> None:
-        """Settle messages already taken with ``outcome``, one request per delay for all (and
-        their copies published together, for those on their last delivery)."""
-        decided = [decide(outcome, self._facts(subject)) for _, subject, _ in taken]
+        """Settle messages already taken with ``outcome``, one request per delay for all (and,
+        if ``renewable``, their copies published together, for those on their last delivery)."""
+        decided = [
+            decide(outcome, self._facts(subject, renewable=renewable)) for _, subject, _ in taken
+        ]
         renewals = [
             (delivery, action)
             for (delivery, _, _), action in zip(taken, decided, strict=True)

@@ -7,37 +7,60 @@ that came back while the first still runs, a drain. A key with a long line used 
 deliveries in 30 s on the emulator, and its job never ran. So on a message's last delivery a
 wait publishes a fresh copy to the topic, then acks the message: the copy goes by the same job
 id (the idempotency store keeps the job's completion, its failures and its place in a key's
-line by job id), and its ``not_before`` keeps the wait's delay. A copy published and then not
-acked (a lost ack) is a duplicate, which the store turns away like any other.
+line by job id), and its ``not_before`` keeps the wait's delay.
+
+A copy names the message it copies (``copy_of``): claims are taken under that first message's
+id, so a copy that arrives while the job still runs from it, or while its claim is being let
+go, waits as a redelivery of that message would, never acked as a duplicate (the job's only
+live message may be this copy now). A copy published and then not acked (a lost ack) is such
+a redelivery too. A topic's every subscription receives the copy: it names the one it was made
+for (``copy_for``), and workers of the others ack it unrun; other consumers of the topic see
+it as a duplicate.
+
+At the end of a drain there is no time to wait for a publish: what is still held then is
+nacked, and on its last delivery the policy's forward is the backstop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.schedule.when import not_before_text, parse_not_before
+from workerpool.schedule.when import MAX_AHEAD, not_before_text, parse_not_before
 from workerpool.worker.delivery import Delivery
-from workerpool.worker.envelope import copy_attributes
+from workerpool.worker.envelope import copy_attributes, first_message_id
 
 log = logging.getLogger(__name__)
+
+_LONGEST = MAX_AHEAD.total_seconds()  # the furthest not_before a worker takes
 
 
 class Renewer:
     def __init__(
-        self, publisher: Any, topic: str, max_deliveries: int, *, timeout: float = 10.0
+        self,
+        publisher: Any,
+        topic: str,
+        subscription: str,
+        max_deliveries: int,
+        *,
+        timeout: float = 10.0,
     ) -> None:
         """``max_deliveries``: the subscription's ``max_delivery_attempts`` (0: no policy,
         nothing is ever renewed); ``timeout``: how long a renewal waits for its copies."""
         self._publisher = publisher
         self._topic = topic
+        self._subscription = subscription
         self._max_deliveries = max_deliveries
         self._timeout = timeout
+
+    def ours(self, attributes: Mapping[str, str]) -> bool:
+        """False for a copy made for another subscription of the topic."""
+        return attributes.get(c.ATTR_COPY_FOR, self._subscription) == self._subscription
 
     def last(self, delivery_attempt: int) -> bool:
         """Whether a message on this delivery is forwarded by the policy if it comes back."""
@@ -71,19 +94,26 @@ class Renewer:
         renewal never raises, since its message must still be nacked."""
         try:
             future: Future[str] = self._publisher.publish(
-                self._topic, delivery.data, **_attributes(delivery, after)
+                self._topic, delivery.data, **self._attributes(delivery, after)
             )
         except Exception as exc:
             return exc
         return future
 
-
-def _attributes(delivery: Delivery, after: float) -> dict[str, str]:
-    attributes = copy_attributes(delivery)
-    own = attributes.get(c.ATTR_NOT_BEFORE)
-    if after > 0 and not (own and _due_after(own, time.time() + after)):
-        attributes[c.ATTR_NOT_BEFORE] = not_before_text(timedelta(seconds=after))
-    return attributes
+    def _attributes(self, delivery: Delivery, after: float) -> dict[str, str]:
+        attributes = copy_attributes(delivery)
+        attributes[c.ATTR_COPY_OF] = first_message_id(delivery.attributes, delivery.message_id)
+        attributes[c.ATTR_COPY_FOR] = self._subscription
+        after = min(after, _LONGEST)
+        own = attributes.get(c.ATTR_NOT_BEFORE)
+        if after > 0 and not (own and _due_after(own, time.time() + after)):
+            attributes[c.ATTR_NOT_BEFORE] = not_before_text(timedelta(seconds=after))
+        if c.ATTR_JOB_ID not in attributes or len(attributes) > c.MAX_ATTRIBUTES:
+            raise ValueError(
+                f"no room for a copy's {len(attributes) - len(delivery.attributes)} attributes"
+                f" beside the message's {len(delivery.attributes)} ({c.MAX_ATTRIBUTES} at most)"
+            )
+        return attributes
 
 
 def _due_after(not_before: str, when: float) -> bool:

@@ -1,0 +1,173 @@
+"""Copies made on a message's last delivery, with the idempotency claims of two workers
+sharing one store (pure logic: in-process fakes for Pub/Sub)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.support import wait_for
+from workerpool import JobContext, RetryableError
+from workerpool import constants as c
+from workerpool.idempotency.memory import MemoryStore
+from workerpool.idempotency.middleware import Idempotency
+from workerpool.registry import Registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.renewal import Renewer
+from workerpool.worker.timers import Timers
+
+TOPIC, SUBSCRIPTION = "projects/p/topics/jobs", "projects/p/subscriptions/workers"
+LAST = 5  # the subscription's max_delivery_attempts
+
+
+class Topic:
+    """A publisher whose messages are kept, to be delivered by hand."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[bytes, dict[str, str]]] = []
+
+    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        self.published.append((data, attributes))
+        future: Future[str] = Future()
+        future.set_result(f"copy-{len(self.published)}")
+        return future
+
+    def delivery(self, index: int, attempt: int = 1) -> Delivery:
+        data, attributes = self.published[index]
+        return make_delivery(data, attributes, message_id=f"copy-{index + 1}", attempt=attempt)
+
+
+@dataclass
+class Worker:
+    processor: Processor
+    acks: FakeAcks
+    middleware: Idempotency
+    runs: list[str] = field(default_factory=list)
+
+
+def _worker(
+    owner: str, store: MemoryStore, timers: Timers, topic: Topic, release: threading.Event
+) -> Worker:
+    jobs = Registry()
+    runs: list[str] = []
+
+    @jobs.job("t.j")
+    def handler(ctx: JobContext, payload: dict[str, Any]) -> None:
+        runs.append(ctx.message_id)
+        if owner == "A":
+            release.wait(10)
+            raise RetryableError("the holder failed")
+
+    middleware = Idempotency(store, owner, timers, ttl=30)
+    middleware.start()
+    acks = FakeAcks()
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [middleware],
+        ProcessorSettings(Backoff(1.0, 10.0)), renewer=Renewer(topic, TOPIC, SUBSCRIPTION, LAST),
+    )  # fmt: skip
+    return Worker(processor, acks, middleware, runs)
+
+
+@pytest.fixture
+def two_workers() -> Iterator[tuple[Topic, Worker, Worker, threading.Event]]:
+    """Workers A and B on one store and topic; A's runs of job ``t.j`` wait for the event,
+    then fail; B's succeed."""
+    store, timers, topic, release = MemoryStore(), Timers(), Topic(), threading.Event()
+    timers.start()
+    a, b = (_worker(owner, store, timers, topic, release) for owner in ("A", "B"))
+    yield topic, a, b, release
+    release.set()
+    for worker in (a, b):
+        worker.middleware.close(5)
+    timers.close(5)
+
+
+def test_a_copy_of_a_message_whose_job_still_runs_waits_and_runs_if_the_holder_fails(
+    two_workers: tuple[Topic, Worker, Worker, threading.Event],
+) -> None:
+    topic, a, b, release = two_workers
+    attributes = {"job": "t.j", "job_id": "J"}
+    # Given A running job J from message M
+    holder = threading.Thread(
+        target=a.processor.process, args=(make_delivery(b"{}", attributes, message_id="M"),)
+    )
+    holder.start()
+    assert wait_for(lambda: a.runs == ["M"], timeout=5)
+    # When M's lease lapses and B gets it on its last delivery: a copy is made, M acked
+    b.processor.process(make_delivery(b"{}", attributes, message_id="M", attempt=LAST))
+    assert b.acks.acked == ["ack-M"] and len(topic.published) == 1
+    assert topic.published[0][1][c.ATTR_COPY_OF] == "M"
+    # Then the copy, delivered while A still runs J, waits (it is not acked as a duplicate)
+    b.processor.process(topic.delivery(0))
+    assert b.acks.acked == ["ack-M"] and b.runs == []
+    # and once A's run fails, the copy runs J
+    release.set()
+    holder.join(10)
+    b.processor.process(topic.delivery(0, attempt=2))
+    assert b.runs == ["copy-1"]
+    assert wait_for(lambda: b.acks.acked == ["ack-M", "ack-copy-1"], timeout=5)  # once recorded
+    assert dict(b.processor.stats) == {"deferred": 2, "done": 1}
+
+
+def test_a_copy_of_a_message_given_back_waits_for_its_claim_to_be_let_go(
+    two_workers: tuple[Topic, Worker, Worker, threading.Event],
+) -> None:
+    topic, a, b, _ = two_workers
+    # Given A holding M on its last delivery, claimed as it was admitted
+    held = make_delivery(b"{}", {"job": "t.j", "job_id": "J"}, message_id="M", attempt=LAST)
+    a.processor.admitted([held])
+    # When A gives it back unstarted (a drain): a copy is made and M acked
+    a.processor.give_back([held])
+    assert a.acks.acked == ["ack-M"] and a.acks.modacked == []
+    # Then the copy, delivered to B before the claim was let go, waits; after, it runs
+    b.processor.process(topic.delivery(0))
+    assert b.runs == [] and b.acks.acked == []
+    assert wait_for(lambda: _let_go(a.middleware, "J"), timeout=5)
+    b.processor.process(topic.delivery(0, attempt=2))
+    assert b.runs == ["copy-1"]
+    assert wait_for(lambda: b.acks.acked == ["ack-copy-1"], timeout=5)
+
+
+def test_at_the_end_of_a_drain_nothing_is_copied_and_a_copy_for_another_subscription_is_not_run(
+    two_workers: tuple[Topic, Worker, Worker, threading.Event],
+) -> None:
+    topic, a, b, _ = two_workers
+    # At the drain deadline there is no time for a publish: a plain nack
+    held = make_delivery(b"{}", {"job": "t.j", "job_id": "J"}, message_id="M", attempt=LAST)
+    a.processor.give_back([held], force=True)
+    assert topic.published == [] and a.acks.modacked == [("ack-M", 0)]
+    # A copy the topic's other subscription made reaches this one too: acked, never run
+    other = {"job": "t.j", "job_id": "K", c.ATTR_COPY_OF: "N", c.ATTR_COPY_FOR: "other"}
+    b.processor.process(make_delivery(b"{}", other, message_id="N2"))
+    assert b.runs == [] and b.acks.acked == ["ack-N2"]
+    assert dict(b.processor.stats) == {"duplicate": 1}
+
+
+def test_a_message_with_no_room_for_a_copys_attributes_is_nacked() -> None:
+    # Pub/Sub allows 100 attributes: a copy adds its own (job id, copy_of, copy_for)
+    topic = Topic()
+    renewer = Renewer(topic, TOPIC, SUBSCRIPTION, LAST)
+    crowded = {f"a{i}": "x" for i in range(98)} | {"job": "t.j"}
+    full = make_delivery(b"{}", crowded, message_id="M", attempt=LAST)
+    roomy = make_delivery(b"{}", {"job": "t.j"}, message_id="M1", attempt=LAST)
+    assert renewer.renew([(full, 0.0), (roomy, 10**9)]) == [False, True]
+    [(_, copy)] = topic.published
+    assert copy[c.ATTR_JOB_ID] == "M1" and copy[c.ATTR_COPY_FOR] == SUBSCRIPTION
+    assert copy[c.ATTR_NOT_BEFORE] > "2027"  # a delay beyond a year is held to one
+
+
+def _let_go(middleware: Idempotency, job_id: str) -> bool:
+    """Whether no live claim holds ``job_id`` (read from the memory store's own records)."""
+    store = middleware._store
+    assert isinstance(store, MemoryStore)
+    record = store._records.get(job_id)
+    return record is None or (record.completed_at is None and record.until <= time.time())
