@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +137,47 @@ def test_a_copy_of_a_message_given_back_waits_for_its_claim_to_be_let_go(
     assert wait_for(lambda: b.acks.acked == ["ack-copy-1"], timeout=5)
 
 
+class _SlowReleases(MemoryStore):
+    """Its releases wait for ``go``: one is in flight until then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go, self.releasing = threading.Event(), threading.Event()
+
+    def release_many(
+        self, claims: Sequence[tuple[str, str]], owner: str, *, failed: bool = False
+    ) -> None:
+        self.releasing.set()
+        self.go.wait(10)
+        super().release_many(claims, owner, failed=failed)
+
+
+def test_a_copy_reaching_the_worker_that_lets_its_claim_go_waits_for_the_release() -> None:
+    store, timers, topic = _SlowReleases(), Timers(), Topic()
+    timers.start()
+    worker = _worker("B", store, timers, topic, threading.Event())
+    try:
+        # Given a message given back on its last delivery, its claim's release in flight
+        held = make_delivery(b"{}", {"job": "t.j", "job_id": "J"}, message_id="M", attempt=LAST)
+        worker.processor.admitted([held])
+        worker.processor.give_back([held])
+        assert store.releasing.wait(5)
+        # When its copy reaches the same worker: it waits (taking the claim back now would
+        # have it released from under the run, and a duplicate could run beside it)
+        worker.processor.admitted([topic.delivery(0)])
+        worker.processor.process(topic.delivery(0))
+        assert worker.runs == [] and dict(worker.processor.stats) == {"released": 1, "deferred": 1}
+        # Then, once the release is done, the copy runs
+        store.go.set()
+        assert wait_for(lambda: _let_go(worker.middleware, "J"), timeout=5)
+        worker.processor.process(topic.delivery(0, attempt=2))
+        assert worker.runs == ["copy-1"]
+    finally:
+        store.go.set()
+        worker.middleware.close(5)
+        timers.close(5)
+
+
 def test_at_the_end_of_a_drain_nothing_is_copied_and_a_copy_for_another_subscription_is_not_run(
     two_workers: tuple[Topic, Worker, Worker, threading.Event],
 ) -> None:
@@ -150,6 +191,9 @@ def test_at_the_end_of_a_drain_nothing_is_copied_and_a_copy_for_another_subscrip
     b.processor.process(make_delivery(b"{}", other, message_id="N2"))
     assert b.runs == [] and b.acks.acked == ["ack-N2"]
     assert dict(b.processor.stats) == {"duplicate": 1}
+    # A message with only one of a copy's marks (a publisher's own attribute) runs
+    b.processor.process(make_delivery(b"{}", {"job": "t.j", c.ATTR_COPY_FOR: "x"}, message_id="P"))
+    assert b.runs == ["P"]
 
 
 def test_a_message_with_no_room_for_a_copys_attributes_is_nacked() -> None:

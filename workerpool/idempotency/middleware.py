@@ -230,11 +230,14 @@ class Idempotency(Middleware):
 
     def _is_own_stale_claim(self, claim: ClaimResult, key: _Key) -> bool:
         """A claim of ours on this very message that no run here holds (``run`` checked):
-        left by a claim whose reply was lost in an outage. Taking it back beats its TTL."""
+        left by a claim whose reply was lost in an outage. Taking it back beats its TTL;
+        not while its release is on the way, which would release it from under the run (a
+        message given back, then a copy or redelivery of it here: it waits instead)."""
         return (
             isinstance(claim, HeldElsewhere)
             and claim.owner == self._owner
             and claim.message_id == key[1]
+            and not self.keeper.releasing(key)
             and self._store.renew(key[0], self._owner, key[1], self.keeper.ttl)
         )
 

@@ -77,6 +77,7 @@ class LeaseKeeper(Generic[K]):
         self._margin = min(ttl / 6, 10.0)
         self._held: dict[K, Held[K]] = {}
         self._releases: list[K] = []
+        self._releasing: list[K] = []  # the release in flight
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -138,6 +139,12 @@ class LeaseKeeper(Generic[K]):
             held.watch.cancel()
             self._releases.append(key)
         self._wake.set()
+
+    def releasing(self, key: K) -> bool:
+        """Whether a release of ``key`` is queued or in flight: a lease taken again under it
+        meanwhile would be released with it."""
+        with self._lock:
+            return key in self._releases or key in self._releasing
 
     def release_soon(self, keys: Sequence[K]) -> None:
         """Release leases no run holds (taken for a message that never ran), soon, off the
@@ -257,12 +264,16 @@ class LeaseKeeper(Generic[K]):
     def _release_interrupted(self) -> None:
         with self._lock:
             keys, self._releases = self._releases, []
+            self._releasing = keys
         if not keys:
             return
         try:
             self._release(keys)
         except StoreError as exc:
             log.warning("%d %ss not released (%s); they expire", len(keys), self._what, exc)
+        finally:
+            with self._lock:
+                self._releasing = []
 
     def close(self, timeout: float) -> None:
         """Release the interrupted runs' leases and close the store, within ``timeout``;

@@ -176,6 +176,8 @@ class Processor:
 
     def admitted(self, deliveries: Sequence[Delivery]) -> None:
         """The pool took these in; none has started yet."""
+        if self._renewer is not None:  # a copy for another subscription is only acked here
+            deliveries = [d for d in deliveries if self._renewer.ours(d.attributes)]
         for mw in self._middleware:
             try:
                 mw.admitted(deliveries)

@@ -59,8 +59,12 @@ class Renewer:
         self._timeout = timeout
 
     def ours(self, attributes: Mapping[str, str]) -> bool:
-        """False for a copy made for another subscription of the topic."""
-        return attributes.get(c.ATTR_COPY_FOR, self._subscription) == self._subscription
+        """False for a copy made for another subscription of the topic (a copy carries
+        both attributes: a message with only one of them is taken as it is)."""
+        made_for = attributes.get(c.ATTR_COPY_FOR)
+        return (
+            made_for is None or made_for == self._subscription or c.ATTR_COPY_OF not in attributes
+        )
 
     def last(self, delivery_attempt: int) -> bool:
         """Whether a message on this delivery is forwarded by the policy if it comes back."""
