@@ -17,7 +17,7 @@ from tests.support import ledger_events, spawn_worker, wait_for, worker_processe
 from workerpool import AsyncJobContext, RetryableError
 from workerpool import constants as c
 from workerpool.registry import Registry
-from workerpool.testing.pubsub import PubSubResources
+from workerpool.testing.pubsub import PubSubResources, wait_settled
 
 
 def _peak(runs: list[dict[str, Any]]) -> int:
@@ -111,7 +111,7 @@ def test_an_async_job_past_its_timeout_gets_cancelled_error_and_is_retried(
     # When a worker runs it
     with pubsub_resources.worker(jobs, max_outstanding=2, min_backoff=1.0) as worker:
         assert wait_for(lambda: len(seen) == 2, timeout=60), seen
-        stats = dict(worker.processor.stats)
+        stats = wait_settled(worker, 2)  # the retry's end, once its success is recorded
     # Then CancelledError reached it at its timeout, and the retry ran to the end
     assert seen == [(1, "cancelled", True), (2, "done", False)]
     assert stats == {"retried": 1, "done": 1}

@@ -14,7 +14,7 @@ from tests.support import wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.registry import Registry
-from workerpool.testing.pubsub import PubSubResources
+from workerpool.testing.pubsub import PubSubResources, wait_settled
 
 
 @dataclass
@@ -58,7 +58,7 @@ def test_each_poison_case_yields_one_failure_record_on_first_delivery(
     with pubsub_resources.worker(jobs, max_payload_bytes=2048) as worker:
         records = pubsub_resources.dead_letters(expected=len(poison), timeout=30)
         assert wait_for(lambda: len(done) == 10, timeout=30)
-        stats = dict(worker.processor.stats)
+        stats = wait_settled(worker, 10 + len(poison))  # a success counts once recorded
     # Then each poison case has exactly one record with its error type, from delivery 1
     by_type = {r.attributes[c.ATTR_ERROR_TYPE]: r for r in records}
     assert sorted(by_type) == sorted(poison) and len(records) == len(poison)
