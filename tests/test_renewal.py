@@ -3,6 +3,7 @@ sharing one store (pure logic: in-process fakes for Pub/Sub)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -77,18 +78,30 @@ def _worker(
     return Worker(processor, acks, middleware, runs)
 
 
+@contextlib.contextmanager
+def _workers(
+    store: MemoryStore, topic: Topic, release: threading.Event, *owners: str
+) -> Iterator[list[Worker]]:
+    """Workers of these owners on one store and topic, started, and closed at the end."""
+    timers = Timers()
+    timers.start()
+    workers = [_worker(owner, store, timers, topic, release) for owner in owners]
+    try:
+        yield workers
+    finally:
+        release.set()
+        for worker in workers:
+            worker.middleware.close(5)
+        timers.close(5)
+
+
 @pytest.fixture
 def two_workers() -> Iterator[tuple[Topic, Worker, Worker, threading.Event]]:
     """Workers A and B on one store and topic; A's runs of job ``t.j`` wait for the event,
     then fail; B's succeed."""
-    store, timers, topic, release = MemoryStore(), Timers(), Topic(), threading.Event()
-    timers.start()
-    a, b = (_worker(owner, store, timers, topic, release) for owner in ("A", "B"))
-    yield topic, a, b, release
-    release.set()
-    for worker in (a, b):
-        worker.middleware.close(5)
-    timers.close(5)
+    topic, release = Topic(), threading.Event()
+    with _workers(MemoryStore(), topic, release, "A", "B") as (a, b):
+        yield topic, a, b, release
 
 
 def test_a_copy_of_a_message_whose_job_still_runs_waits_and_runs_if_the_holder_fails(
@@ -153,10 +166,8 @@ class _SlowReleases(MemoryStore):
 
 
 def test_a_copy_reaching_the_worker_that_lets_its_claim_go_waits_for_the_release() -> None:
-    store, timers, topic = _SlowReleases(), Timers(), Topic()
-    timers.start()
-    worker = _worker("B", store, timers, topic, threading.Event())
-    try:
+    store, topic = _SlowReleases(), Topic()
+    with _workers(store, topic, store.go, "B") as (worker,):
         # Given a message given back on its last delivery, its claim's release in flight
         held = make_delivery(b"{}", {"job": "t.j", "job_id": "J"}, message_id="M", attempt=LAST)
         worker.processor.admitted([held])
@@ -172,10 +183,6 @@ def test_a_copy_reaching_the_worker_that_lets_its_claim_go_waits_for_the_release
         assert wait_for(lambda: _let_go(worker.middleware, "J"), timeout=5)
         worker.processor.process(topic.delivery(0, attempt=2))
         assert worker.runs == ["copy-1"]
-    finally:
-        store.go.set()
-        worker.middleware.close(5)
-        timers.close(5)
 
 
 def test_at_the_end_of_a_drain_nothing_is_copied_and_a_copy_for_another_subscription_is_not_run(

@@ -198,10 +198,7 @@ class Processor:
         this thread waits for the task."""
         attempt = self._attempts.attempt(delivery)
         if self._renewer is not None and not self._renewer.ours(delivery.attributes):
-            subject = _Subject(
-                delivery.attributes.get(c.ATTR_JOB, ""), job_id_of(delivery), attempt
-            )
-            self._settle(delivery, CopyForAnother(), subject)
+            self._settle(delivery, CopyForAnother(), _Subject.unstarted(delivery))
             return Ending.SETTLED
         decoded = decode(
             delivery,
