@@ -80,6 +80,32 @@ def _pull_back(pubsub_resources: PubSubResources, expected: set[str], timeout: f
     return seen
 
 
+def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count: int) -> None:
+    """Pull and nack ``job_ids`` until each has been delivered ``count`` times."""
+    used = dict.fromkeys(job_ids, 0)
+    deadline = time.monotonic() + 60
+    while min(used.values()) < count:
+        assert time.monotonic() < deadline, f"deliveries seen: {used}"
+        try:
+            response = pubsub_resources.subscriber.pull(
+                request={"subscription": pubsub_resources.subscription_path, "max_messages": 10},
+                timeout=3,
+            )
+        except gexc.DeadlineExceeded:
+            continue
+        for received in response.received_messages:
+            job_id = received.message.attributes["job_id"]
+            used[job_id] = max(used[job_id], received.delivery_attempt)
+        if response.received_messages:
+            pubsub_resources.subscriber.modify_ack_deadline(
+                request={
+                    "subscription": pubsub_resources.subscription_path,
+                    "ack_ids": [m.ack_id for m in response.received_messages],
+                    "ack_deadline_seconds": 0,
+                }
+            )
+
+
 def _running(ledger: Path, count: int, timeout: float = 30) -> None:
     assert wait_for(lambda: len(ledger_events(ledger, "start")) >= count, timeout=timeout)
 
@@ -162,6 +188,41 @@ def test_drain_stays_within_its_budget_when_pubsub_is_cut_off(
         _drain(worker, 2)
     # And nothing is lost: every message comes back once its ack deadline passes
     assert _pull_back(pubsub_resources, job_ids, timeout=30) == job_ids
+
+
+def test_drain_stays_within_its_budget_when_copies_on_a_last_delivery_cannot_be_published(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given 3 jobs of 30 s on their last delivery (a dead-letter policy of 5; 4 used here)
+    pubsub_resources.provision(retry_policy=False, ack_deadline=10, max_delivery_attempts=5)
+    ledger = tmp_path / "ledger.jsonl"
+    job_ids = set(_jobs(pubsub_resources, 3, seconds=30))
+    _use_deliveries(pubsub_resources, job_ids, 4)
+    with FaultProxy(pubsub_resources.host) as proxy, worker_processes() as workers:
+        # and a worker running one of them, the other two waiting in its prefetch
+        worker = spawn_worker(
+            pubsub_resources, ledger, "--max-outstanding", "1", "--prefetch", "2",
+            "--drain-timeout", "2", extra_env={"PUBSUB_EMULATOR_HOST": proxy.address},
+        )  # fmt: skip
+        workers.append(worker)
+        _running(ledger, 1)
+        time.sleep(1)  # the pull that brought them all has been admitted
+        # When Pub/Sub stops answering and the worker gets SIGTERM: the two waiting must be
+        # copied (a nack would let the policy forward them), and no copy can be published
+        proxy.stall()
+        _drain(worker, 2)
+        # Then it exited within the budget, having waited for the copies until its deadline
+        assert "released 2 waiting messages" in worker.output()
+        assert worker.output().count("not renewed") == 2, worker.output()[-3000:]
+    # And nothing is lost: once their ack deadline passes, the next pull has the policy
+    # forward all three to the dead-letter topic
+    found: set[str] = set()
+    deadline = time.monotonic() + 60
+    while found != job_ids and time.monotonic() < deadline:
+        found |= _pull_back(pubsub_resources, job_ids, timeout=1)
+        records = pubsub_resources.dead_letters(expected=len(job_ids - found), timeout=1)
+        found |= {record.attributes["job_id"] for record in records}
+    assert found == job_ids
 
 
 def test_drain_does_not_wait_for_100_handlers_that_ignore_cancelled(

@@ -222,3 +222,49 @@ def _let_go(middleware: Idempotency, job_id: str) -> bool:
     assert isinstance(store, MemoryStore)
     record = store._records.get(job_id)
     return record is None or (record.completed_at is None and record.until <= time.time())
+
+
+class _Unanswered(Future[str]):
+    """A publish Pub/Sub never answers: says how long it was waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[float | None] = []
+
+    def result(self, timeout: float | None = None) -> str:
+        self.waited.append(timeout)
+        raise TimeoutError
+
+
+class _Unreachable:
+    def __init__(self) -> None:
+        self.futures: list[_Unanswered] = []
+
+    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        self.futures.append(_Unanswered())
+        return self.futures[-1]
+
+
+def test_a_drain_waits_for_copies_no_later_than_its_deadline() -> None:
+    topic = _Unreachable()
+    acks = FakeAcks()
+    processor = Processor(
+        Registry(), acks, FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(Backoff(1, 10)),
+        renewer=Renewer(topic, TOPIC, SUBSCRIPTION, LAST, timeout=10),
+    )  # fmt: skip
+    waiting = [
+        make_delivery(b"{}", {"job": "t.j", "job_id": f"J{i}"}, message_id=f"M{i}", attempt=LAST)
+        for i in range(3)
+    ]
+    # Given a drain that must end within 2 s (the platform's kill follows)
+    processor.settle_by(time.monotonic() + 2)
+    # When it gives back messages on their last delivery and Pub/Sub does not answer
+    processor.give_back(waiting[:2])
+    # Then their copies are waited for until the deadline, not the renewal's own 10 s
+    waited = [timeout for future in topic.futures for timeout in future.waited]
+    assert len(waited) == 2 and all(t is not None and t <= 2 for t in waited), waited
+    assert acks.modacked == [("ack-M0", 0), ("ack-M1", 0)] and acks.acked == []
+    # And past the deadline no copy is published at all (it would outlive its nack)
+    processor.settle_by(time.monotonic())
+    processor.give_back(waiting[2:])
+    assert len(topic.futures) == 2 and acks.modacked[-1] == ("ack-M2", 0)

@@ -402,10 +402,13 @@ class Launcher:
 
     # --- stop --------------------------------------------------------------------------------
 
-    def quiet(self) -> int:
-        """Stop pulling and give back every message not started; returns how many."""
+    def quiet(self, deadline: float | None = None) -> int:
+        """Stop pulling and give back every message not started; returns how many. With a
+        drain's monotonic ``deadline``, nothing from here on waits for Pub/Sub beyond it."""
         if self._parts is None:
             return 0
+        if deadline is not None:
+            self._parts.processor.settle_by(deadline)
         first = not self._parts.pool.quieted
         if first:
             self._released_before = self._parts.processor.stats[Label.RELEASED]
@@ -427,7 +430,7 @@ class Launcher:
         if phase is not Phase.RUNNING or self._parts is None:
             return DrainReport(0, 0, 0, 0.0)
         parts = self._parts
-        self.quiet()
+        self.quiet(deadline)
         # A pull in flight is waited for (bounded by its 2 s deadline), so nothing it brings
         # is lost; anything it brings is given back at once.
         parts.puller.stop(timeout=max(0.0, deadline - time.monotonic()))
@@ -602,7 +605,7 @@ class Fleet:
 
     def stop(self, deadline: float, abort: threading.Event | None = None) -> list[DrainReport]:
         for launcher in self.launchers:
-            launcher.quiet()
+            launcher.quiet(deadline)
         # Side by side: one pool's wait, interrupt and flush must not delay another's past
         # the shared deadline (the platform's SIGKILL follows it closely).
         with ThreadPoolExecutor(max_workers=len(self.launchers)) as stopping:

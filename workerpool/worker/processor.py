@@ -170,9 +170,15 @@ class Processor:
         self._attempts = AttemptCounter()
         self._running: dict[Delivery, Run] = {}  # started, until settled
         self._stopping = False  # the drain deadline passed: nothing starts any more
+        self._settle_by: float | None = None  # a drain's deadline: no copy waited for beyond
         self._lock = threading.Lock()
         self.draining = Flag()
         self._counts: Counts[str] = Counts()
+
+    def settle_by(self, deadline: float) -> None:
+        """A drain ends at the monotonic ``deadline``: from now on a message's copy is waited
+        for no longer, and none is published after it (the message is nacked instead)."""
+        self._settle_by = deadline
 
     def admitted(self, deliveries: Sequence[Delivery]) -> None:
         """The pool took these in; none has started yet."""
@@ -362,7 +368,9 @@ class Processor:
     def _renewed(self, renewals: Sequence[tuple[Delivery, Renew]]) -> list[Ack | Nack]:
         """Each message's action once its copy is published (an ack) or not (its nack)."""
         assert self._renewer is not None, "only a renewer says a delivery is the last"
-        published = self._renewer.renew([(delivery, r.after) for delivery, r in renewals])
+        published = self._renewer.renew(
+            [(delivery, r.after) for delivery, r in renewals], deadline=self._settle_by
+        )
         return [
             Ack(r.otherwise.label) if ok else r.otherwise
             for (_, r), ok in zip(renewals, published, strict=True)

@@ -17,7 +17,8 @@ a redelivery too. A topic's every subscription receives the copy: it names the o
 for (``copy_for``), and workers of the others ack it unrun; other consumers of the topic see
 it as a duplicate.
 
-At the end of a drain there is no time to wait for a publish: what is still held then is
+A drain waits for copies no later than its deadline, since the platform's kill follows it, and
+at the deadline there is no time to wait for a publish at all: what is still held then is
 nacked, and on its last delivery the policy's forward is the backstop.
 """
 
@@ -70,17 +71,24 @@ class Renewer:
         """Whether a message on this delivery is forwarded by the policy if it comes back."""
         return 0 < self._max_deliveries <= delivery_attempt
 
-    def renew(self, copies: Sequence[tuple[Delivery, float]]) -> list[bool]:
+    def renew(
+        self, copies: Sequence[tuple[Delivery, float]], *, deadline: float | None = None
+    ) -> list[bool]:
         """Publish a copy of each delivery, not to run for its number of seconds; whether
-        each was published (within the timeout, for all together)."""
+        each was published (within the timeout for all together, and by the monotonic
+        ``deadline``: a drain's, when the platform's kill follows)."""
+        until = time.monotonic() + self._timeout
+        if deadline is not None:
+            if deadline <= time.monotonic():  # published unawaited: copied and forwarded both
+                return [False] * len(copies)
+            until = min(until, deadline)
         futures = [self._publish(delivery, after) for delivery, after in copies]
-        deadline = time.monotonic() + self._timeout
         published = []
         for (delivery, _), future in zip(copies, futures, strict=True):
             try:
                 if isinstance(future, Exception):
                     raise future
-                copy_id = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                copy_id = future.result(timeout=max(0.0, until - time.monotonic()))
             except Exception as exc:  # nacked instead: the policy's forward is the backstop
                 log.warning("message %s not renewed: %s", delivery.message_id, exc)
                 published.append(False)
