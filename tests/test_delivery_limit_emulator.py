@@ -7,11 +7,14 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from tests.support import wait_for
 from workerpool import Defer, JobContext, RetryableError
 from workerpool import constants as c
 from workerpool.registry import Registry
+from workerpool.telemetry import Telemetry
 from workerpool.testing.pubsub import PubSubResources
 
 DELIVERIES = 5  # the fewest a dead-letter policy allows
@@ -24,12 +27,14 @@ def test_a_job_that_waits_longer_than_the_policy_allows_still_runs_once(
     pubsub_resources.provision(retry_policy=False, max_delivery_attempts=DELIVERIES)
     jobs, lock = Registry(), threading.Lock()
     calls: dict[str, list[int]] = defaultdict(list)
+    messages: dict[str, set[str]] = defaultdict(set)
     done: list[str] = []
 
     @jobs.job("t.patient")
     def patient(ctx: JobContext, payload: dict[str, Any]) -> None:
         with lock:
             calls[ctx.job_id].append(ctx.delivery_attempt)
+            messages[ctx.job_id].add(ctx.message_id)
             if len(calls[ctx.job_id]) <= payload["waits"]:
                 raise Defer("its turn has not come", delay=payload["delay"])
             done.append(ctx.job_id)
@@ -40,7 +45,9 @@ def test_a_job_that_waits_longer_than_the_policy_allows_still_runs_once(
     pubsub_resources.publish("t.patient", {"waits": 11, "delay": 1}, job_id="later")
     first_id = pubsub_resources.publish("t.patient", {"waits": 11, "delay": 0})
     # When a worker runs them
-    with pubsub_resources.worker(jobs, max_outstanding=3):
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    with pubsub_resources.worker(jobs, max_outstanding=3, telemetry=telemetry):
         finished = wait_for(lambda: len(done) >= 3, timeout=90)
         records = pubsub_resources.dead_letters(expected=1, timeout=3)
     # Then each ran to its end once, after 11 waits over more deliveries than the policy allows
@@ -52,6 +59,10 @@ def test_a_job_that_waits_longer_than_the_policy_allows_still_runs_once(
         assert attempts.count(1) >= 3, f"not renewed as fresh messages: {attempts}"
     # and nothing reached the dead-letter topic
     assert records == []
+    # And every copy is counted once: a job's messages, but its first, were copies
+    copies = sum(len(ids) - 1 for ids in messages.values())
+    assert copies >= 6
+    assert _renewed(reader) == {"t.patient": copies}
 
 
 @pytest.mark.parametrize(
@@ -85,3 +96,17 @@ def test_a_failing_job_allowed_more_tries_than_deliveries_ends_as_one_record(
     assert "upstream said no" in attributes[c.ATTR_ERROR_MESSAGE]
     assert attributes[c.ATTR_JOB_ID] == "flaky-1"
     assert len(tries) == runs and max(tries) <= DELIVERIES
+
+
+def _renewed(reader: InMemoryMetricReader) -> dict[str, int]:
+    """The renewed-messages counter, by job."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        str((point.attributes or {})[c.LABEL_JOB]): point.value  # type: ignore[union-attr]
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == c.METRIC_MESSAGES_RENEWED
+        for point in metric.data.data_points
+    }

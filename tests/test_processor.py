@@ -25,7 +25,7 @@ from workerpool.telemetry.logs import CloudLoggingFormatter, TextFormatter
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import failure_attributes
-from workerpool.worker.middleware import TimeLimit
+from workerpool.worker.middleware import Middleware, TimeLimit
 from workerpool.worker.outcome import (
     Ack,
     AlreadyDone,
@@ -48,6 +48,7 @@ from workerpool.worker.outcome import (
 )
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.renewal import Renewer
+from workerpool.worker.run import Settled
 from workerpool.worker.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
@@ -157,6 +158,16 @@ class _Publisher:
         return future
 
 
+class _Heard(Middleware):
+    """Every settlement, as the telemetry hears it."""
+
+    def __init__(self) -> None:
+        self.events: list[Settled] = []
+
+    def settled(self, event: Settled) -> None:
+        self.events.append(event)
+
+
 @pytest.mark.parametrize(
     "fail", ["", "later", "at-once"], ids=["published", "not-published", "refused"]
 )
@@ -171,8 +182,9 @@ def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
 
     publisher = _Publisher(fail)
     acks = FakeAcks()
+    heard = _Heard()
     processor = Processor(
-        jobs, acks, FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(BACKOFF),
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [heard], ProcessorSettings(BACKOFF),
         renewer=Renewer(publisher, "projects/p/topics/jobs", SUBSCRIPTION, 5),
     )  # fmt: skip
     # Given messages on deliveries 4 and 5 of the 5 the subscription allows, one without a job id
@@ -184,6 +196,9 @@ def test_a_deferral_on_the_last_delivery_is_a_copy_of_the_same_job_then_an_ack(
     # Then the 4th is nacked as before
     assert acks.modacked[0] == ("ack-m4", 30)
     assert processor.stats == {"deferred": 2, "released": 1}
+    # (a settlement says whether its message was renewed; its label says why it came back)
+    renewed = {event.message_id: event.renewed for event in heard.events}
+    assert renewed == {"m4": False, "m5": not fail, "m9": not fail}
     if fail:
         # Copies not published: the others are nacked too (the policy's forward is the backstop)
         assert acks.modacked == [("ack-m4", 30), ("ack-m5", 30), ("ack-m9", 0)]

@@ -38,6 +38,7 @@ from workerpool.registry import Registry
 from workerpool.telemetry import PrometheusReader, Telemetry, extract, inject
 from workerpool.telemetry.exporters import exporter_names, span_processors, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
+from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.logs import (
     CloudLoggingFormatter,
     TextFormatter,
@@ -313,6 +314,33 @@ def test_unregistered_job_names_do_not_become_label_values() -> None:
         (("job", "(unknown)"), ("outcome", "dead_lettered")): 2,
         (("job", "t.known"), ("outcome", "dead_lettered")): 1,
     }
+
+
+def test_messages_renewed_on_their_last_delivery_are_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, reader, telemetry = _in_memory()
+    telemetry.metrics.know_jobs(["t.wait"])
+    job_log = JobLog()
+    events = [
+        Settled(Label.DEFERRED, "t.wait", "a", "m1", 5, renewed=True),
+        Settled(Label.RELEASED, "t.wait", "b", "m2", 5, renewed=True),
+        Settled(Label.DEFERRED, "t.wait", "c", "m3", 4),
+    ]
+    with caplog.at_level(logging.INFO, logger="workerpool.jobs"):
+        for event in events:
+            telemetry.metrics.settled(event)
+            job_log.settled(event)
+    # The counter counts the copies, by job; the finished counter keeps why they came back
+    data = reader.get_metrics_data()
+    assert _points(data, c.METRIC_MESSAGES_RENEWED) == {(("job", "t.wait"),): 2}
+    assert _points(data, c.METRIC_JOBS_FINISHED) == {
+        (("job", "t.wait"), ("outcome", "deferred")): 2,
+        (("job", "t.wait"), ("outcome", "released")): 1,
+    }
+    # and the end line says so only where it happened
+    fields = [record.fields for record in caplog.records]
+    assert [f.get("renewed") for f in fields] == [True, True, None]
 
 
 def test_a_failing_settled_hook_never_breaks_settling() -> None:

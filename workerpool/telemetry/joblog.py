@@ -1,9 +1,10 @@
 """One structured log line per job, when its message leaves the pool (INFO; a warning when
 the run failed); with DEBUG on, one more when a run starts.
 
-Fields: job, job_id, message_id, attempt, duration (seconds), outcome, and error_type when
-dead-lettered. Payloads are never logged: they may hold personal data. The line carries the
-run's trace although its span is no longer current by then. Nothing is formatted for a level
+Fields: job, job_id, message_id, attempt, duration (seconds), outcome, error_type when
+dead-lettered, and renewed when the message was published again on its last delivery.
+Payloads are never logged: they may hold personal data. The line carries the run's trace
+although its span is no longer current by then. Nothing is formatted for a level
 that is off: two lines a job, always formatted, were most of the job log's cost.
 """
 
@@ -48,6 +49,8 @@ class JobLog(Middleware):
         }
         if event.error_type:
             fields[c.LOG_ERROR_TYPE] = event.error_type
+        if event.renewed:
+            fields[c.LOG_RENEWED] = True
         took = "" if duration is None else f" in {duration:.3f}s"
         span = event.run.span.get_span_context() if event.run is not None else None
         # makeRecord + handle, not log.log: its source is always this line, so the stack walk

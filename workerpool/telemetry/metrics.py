@@ -66,6 +66,7 @@ class Metrics(Middleware):
         # of the metrics' cost per job; two histograms remain.
         self._started: Counts[str] = Counts()
         self._finished: Counts[tuple[str, str]] = Counts()
+        self._renewed: Counts[str] = Counts()
         meter.create_observable_counter(
             c.METRIC_JOBS_STARTED,
             callbacks=[self._observe_started],
@@ -79,6 +80,13 @@ class Metrics(Middleware):
             description="Messages that left the pool, by job and outcome ("
             + ", ".join(c.Label)
             + ").",
+        )
+        meter.create_observable_counter(
+            c.METRIC_MESSAGES_RENEWED,
+            callbacks=[self._observe_renewed],
+            unit="{message}",
+            description="Messages published again as a fresh copy, then acked, on the last "
+            "delivery their subscription's dead-letter policy allows, by job.",
         )
         self._duration = meter.create_histogram(
             c.METRIC_JOB_DURATION,
@@ -144,6 +152,8 @@ class Metrics(Middleware):
     def settled(self, event: Settled) -> None:
         job = self._job_label(event)
         self._finished.add((job, event.label))
+        if event.renewed:
+            self._renewed.add(job)
         duration = event.duration
         if duration is not None:
             self._duration.record(duration, _attributes(job, event.label))
@@ -161,6 +171,9 @@ class Metrics(Middleware):
     def _observe_finished(self, options: CallbackOptions) -> Iterable[Observation]:
         totals = self._finished.totals()
         return [Observation(n, _attributes(job, label)) for (job, label), n in totals.items()]
+
+    def _observe_renewed(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, _attributes(job)) for job, n in self._renewed.totals().items()]
 
     def know_jobs(self, names: Iterable[str]) -> None:
         """Jobs that are registered: their name labels even a message that never ran."""

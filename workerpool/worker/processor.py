@@ -331,6 +331,7 @@ class Processor:
         facts = self._facts(subject)
         action = decide(outcome, facts)
         error_type = ""
+        renewed = False
         if isinstance(action, DeadLetter | Renew):
             # The lease stays extended while a record or a copy is published (SETTLING), and
             # a hand-back that came first means nothing is published.
@@ -341,6 +342,7 @@ class Processor:
                 action = self._record(delivery, action, subject, facts)
             if isinstance(action, Renew):  # also a record not published on the last delivery
                 action = self._renewed([(delivery, action)])[0]
+                renewed = isinstance(action, Ack)
             if not delivery.finish_settle():
                 return  # the end of a drain gave it back meanwhile
         elif not delivery.take():
@@ -352,7 +354,7 @@ class Processor:
         self._finish(
             Settled(label, subject.job_name, subject.job_id, delivery.message_id,
                     subject.attempt, run, error_type, attributes=delivery.attributes,
-                    ack_id=delivery.ack_id)
+                    ack_id=delivery.ack_id, renewed=renewed)
         )  # fmt: skip
 
     def _facts(self, subject: _Subject, *, renewable: bool = True) -> Facts:
@@ -499,13 +501,13 @@ class Processor:
             for (delivery, _, _), action in zip(taken, decided, strict=True)
             if isinstance(action, Renew)
         ]
-        renewed = iter(self._renewed(renewals) if renewals else ())
+        copied = iter(self._renewed(renewals) if renewals else ())
         by_delay: dict[float, list[str]] = defaultdict(list)
         labels = []
         for (delivery, _, _), action in zip(taken, decided, strict=True):
             self._leases.remove(delivery)
             if isinstance(action, Renew):
-                action = next(renewed)
+                action = next(copied)
             match action:
                 case Ack(label):
                     self._acks.ack(delivery.ack_id)  # its copy is out: a lost ack, a duplicate
@@ -513,14 +515,14 @@ class Processor:
                     by_delay[delay].append(delivery.ack_id)
                 case _:
                     raise AssertionError(f"{outcome!r} must give the message back")
-            labels.append(label)
+            labels.append((label, isinstance(action, Ack)))
         for delay, ack_ids in by_delay.items():
             self._acks.modack(ack_ids, delay)
-        for (delivery, subject, run), label in zip(taken, labels, strict=True):
+        for (delivery, subject, run), (label, renewed) in zip(taken, labels, strict=True):
             self._finish(
                 Settled(label, subject.job_name, subject.job_id, delivery.message_id,
                         subject.attempt, run, attributes=delivery.attributes,
-                        ack_id=delivery.ack_id)
+                        ack_id=delivery.ack_id, renewed=renewed)
             )  # fmt: skip
 
 

@@ -97,6 +97,9 @@ class Settled:
     attributes: Mapping[str, str] = field(default_factory=dict)
     # Which delivery of the message this was (a redelivery has an ack id of its own).
     ack_id: str = ""
+    # On the last delivery its subscription's dead-letter policy allows, it was published
+    # again as a fresh copy before its ack (``label`` still says why it had to come back).
+    renewed: bool = False
 
     @property
     def duration(self) -> float | None:
