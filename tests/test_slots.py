@@ -515,6 +515,55 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     assert not isinstance(leases.take(KEY, _run("4"), patience=1), GaveUp)
 
 
+def test_a_job_deferred_before_goes_first_and_waits_with_its_permit_if_there_is_no_room(
+    timers: Timers,
+) -> None:
+    # Given a key of limit 1 held, a job that found it full and was deferred, and a newer
+    # message now waiting for it (without its permit, filling the pool's room to wait so)
+    store = MemorySlots()
+    leases = SlotLeases(store, "w", Limits({KEY: 1, "other": 1}), timers)
+    held = leases.take(KEY, _run("0"), patience=5)
+    assert not isinstance(held, GaveUp)
+    book(store, KEY, "old", 1)
+    order: list[str] = []
+    results: dict[str, object] = {}
+
+    def wait_then_hold(run: Run) -> None:
+        taken = results[run.job.job_id] = leases.take(KEY, run, patience=30)
+        if not isinstance(taken, GaveUp):
+            order.append(run.job.job_id)
+            leases.give(taken)
+
+    newer = threading.Thread(target=wait_then_hold, args=(_run("new"),))
+    newer.start()
+    time.sleep(0.2)
+    # When the deferred job comes back and the pool has no room for it to wait without its
+    # permit, Then it waits all the same, holding it, ahead of the newer message
+    returning = threading.Thread(target=wait_then_hold, args=(_run("old", UNPARKABLE),))
+    returning.start()
+    time.sleep(0.2)
+    assert returning.is_alive() and "old" not in results
+    # (one deferred after the newer message came is behind it: deferred again)
+    book(store, KEY, "later", 1)
+    assert leases.take(KEY, _run("later", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
+    # And one run waits so at a time: the first of another key's line is deferred
+    other = leases.take("other", _run("o-0"), patience=5)
+    assert not isinstance(other, GaveUp)
+    book(store, "other", "o-1", 1)
+    assert leases.take("other", _run("o-1", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
+    leases.give(other)
+    # When the slot is freed, the job deferred before gets it first
+    leases.give(held)
+    newer.join(10)
+    returning.join(10)
+    assert order == ["old", "new"]
+    # And a newcomer with no room is deferred at once, as before
+    blocker = leases.take(KEY, _run("1"), patience=5)
+    assert not isinstance(blocker, GaveUp)
+    assert leases.take(KEY, _run("2", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
+    leases.give(blocker)
+
+
 class _Counted(_Permit):
     def __init__(self) -> None:
         super().__init__()

@@ -4,6 +4,7 @@ sharing an SQLite store on one host or the Firestore emulator's store."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import threading
@@ -94,6 +95,16 @@ def _stalled(ledger: Path, workers: list[WorkerProcess]) -> str:
     return "\n".join(lines)
 
 
+def _deferrals(workers: list[WorkerProcess]) -> Counter[str]:
+    """How many times each job was deferred, from the workers' job log lines."""
+    deferred: Counter[str] = Counter()
+    for worker in workers:
+        for line in worker.output().splitlines():
+            if line.startswith("{") and '"outcome": "deferred"' in line:
+                deferred[json.loads(line)["job_id"]] += 1
+    return deferred
+
+
 @pytest.mark.alone
 @pytest.mark.parametrize("kind", ["sqlite", "firestore"])
 def test_a_key_limit_is_exact_across_four_worker_processes(
@@ -128,11 +139,13 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
     peak, busy = _overlap(runs, until=backlog_until)
     per_worker = Counter(r["pid"] for r in done)
     attempts = sorted(r["attempt"] for r in done)
+    waits = sorted(_deferrals(workers).get(job_id, 0) for job_id, _ in jobs)
     print(
         f"{kind}: peak {peak} running, {busy / 3:.3f} of 3 slots busy while the backlog "
         f"lasted ({_overlap(runs)[1] / 3:.3f} to the last end), per worker "
         f"{sorted(per_worker.values())}, delivery attempts median {attempts[100]} max "
-        f"{attempts[-1]}; longest stretches below 3 (from the first start, length): "
+        f"{attempts[-1]}, deferrals a job median {waits[100]} 90th {waits[180]} max "
+        f"{waits[-1]}; longest stretches below 3 (from the first start, length): "
         f"{_short_stretches(runs, 3, backlog_until)}"
     )
     # Then never more than 3 ran at once across the fleet (the jobs' own ledger), the 3 slots

@@ -11,13 +11,14 @@ outcome; a holder killed outright frees its slot when the lease's TTL runs out.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
+import math
 import random
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -85,11 +86,20 @@ class _Taken:
 
 
 @dataclass(eq=False)
+class _Ticket:
+    """A run's place in this process's line: its place in the key's line once the store has
+    told it (a job deferred before keeps the place it had then), until then last."""
+
+    since: float = math.inf
+
+
+@dataclass(eq=False)
 class _Line:
-    """This process's runs waiting for one key, in arrival order."""
+    """This process's runs waiting for one key, by their places in the key's line (in
+    arrival order, but for jobs deferred before: they go ahead of those that came later)."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
-    queue: deque[object] = field(default_factory=deque)
+    queue: list[_Ticket] = field(default_factory=list)
     # Changes whenever a slot of the key is released here or the line moves, so the first
     # in line never sleeps through a slot freed while it was asking the store.
     version: int = 0
@@ -100,8 +110,8 @@ class _Line:
             self.cond.notify_all()
 
     @contextmanager
-    def joined(self) -> Iterator[object]:
-        ticket = object()
+    def joined(self) -> Iterator[_Ticket]:
+        ticket = _Ticket()
         with self.cond:
             self.queue.append(ticket)
         try:
@@ -111,10 +121,22 @@ class _Line:
                 self.queue.remove(ticket)
             self.moved()
 
-    def first(self, ticket: object) -> tuple[bool, int]:
+    def first(self, ticket: _Ticket) -> tuple[bool, int]:
         """Whether ``ticket`` is first in line, and the line's version now."""
         with self.cond:
             return self.queue[0] is ticket, self.version
+
+    def place(self, ticket: _Ticket, since: float) -> None:
+        """``ticket``'s place in the key's line is ``since``: ahead of every run here whose
+        place is later."""
+        with self.cond:
+            if since >= ticket.since:
+                return
+            self.queue.remove(ticket)
+            ticket.since = since
+            bisect.insort_right(self.queue, ticket, key=lambda t: t.since)
+            self.version += 1
+            self.cond.notify_all()
 
     def wait(self, version: int, timeout: float) -> bool:
         """Wait up to ``timeout`` unless the line moved since ``version``; False if there
@@ -155,6 +177,8 @@ class SlotLeases:
         self._bookings = BookingWriter(store)
         self._lines: dict[str, _Line] = {}
         self._taken: dict[Run, list[_Taken]] = {}
+        # The one run that may wait holding its permit (see ``_wait_in_front``).
+        self._front: Run | None = None
         self._lock = threading.Lock()
 
     def take(
@@ -173,7 +197,7 @@ class SlotLeases:
         line = self._line(key)
         deadline = self._clock() + patience
         poll = _FIRST_POLL
-        asked = waited = queued = False
+        asked = waited = queued = booked = False
         # A run not started yet asks without its permit where the pool has room for that:
         # an ask can take a while (a Firestore write), and arrivals that held permits while
         # asking kept the runs already granted a slot from taking theirs back.
@@ -205,22 +229,45 @@ class SlotLeases:
                                 self._drop(taken)
                                 return GaveUp.STOPPED
                             return taken
+                        booked = booked or result.booked
+                        line.place(ticket, result.since)
+                        first = line.first(ticket)[0]
                         if first:
                             wait = poll * random.uniform(0.5, 1.0)
                             poll = min(poll * 2, self._store.poll_every)
                     # A run not started yet waits without its permit; a running handler
                     # (ctx.slot) keeps it.
                     if park and not parked:
-                        if not run.permit.put_down():
+                        if run.permit.put_down():
+                            parked = True
+                            self._leave_front(run)
+                        elif not (booked and first and self._wait_in_front(run)):
                             return GaveUp.NO_ROOM
-                        parked = True
                     waited = True
                     if not line.wait(version, min(wait, deadline - self._clock())):
                         return GaveUp.PATIENCE
                 return GaveUp.STOPPED
             finally:
+                self._leave_front(run)
                 if queued:
                     self._leave(key, holder)
+
+    def _wait_in_front(self, run: Run) -> bool:
+        """Whether ``run`` may wait holding its permit, as the one run of this process that
+        does. It is a job deferred before and first in its key's line here, and the pool
+        has no room for it to wait without (the runs waiting so fill the prefetch, newer
+        messages that took the room while it was away). Deferred again, the front of the
+        line was sent away on every return and ran late, after many deliveries; one permit
+        is the cost, one at a time so the pool's N stays for runs that can start."""
+        with self._lock:
+            if self._front is None:
+                self._front = run
+            return self._front is run
+
+    def _leave_front(self, run: Run) -> None:
+        with self._lock:
+            if self._front is run:
+                self._front = None
 
     def _leave(self, key: str, holder: str) -> None:
         try:

@@ -90,10 +90,13 @@ class Granted:
 @dataclass(frozen=True)
 class Full:
     """No slot of the key is free for the caller: ``holders`` hold one, ``ahead`` waiters
-    came first."""
+    came first. ``since``: the caller's place in the key's line (the store's clock), kept
+    from its booking where it was deferred before (``booked``)."""
 
     holders: int
     ahead: int = 0
+    since: float = field(default=0.0, compare=False)
+    booked: bool = field(default=False, compare=False)
 
 
 def encode(table: Table) -> dict[str, Any]:
@@ -258,7 +261,7 @@ class SlotStore(ABC):
                 live[holder] = Holding(now + ttl, token, now, job_id if booking else "")
                 granted = replace(table, holders=live, waiters=line, next_token=token + 1)
                 return Granted(key, holder, token), granted
-            full = Full(len(live), ahead)
+            full = Full(len(live), ahead, since, booked=booking is not None)
             if not wait:
                 return full, None
             if place is not None and place.until - now > WAITER_TTL / 2:
