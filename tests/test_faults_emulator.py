@@ -81,8 +81,10 @@ def _pull_back(pubsub_resources: PubSubResources, expected: set[str], timeout: f
 
 
 def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count: int) -> None:
-    """Pull and nack ``job_ids`` until each has been delivered ``count`` times."""
+    """Pull and nack ``job_ids`` until each has been delivered ``count`` times (one that
+    has is held until all have: nacked again, it would use a delivery more)."""
     used = dict.fromkeys(job_ids, 0)
+    held: list[str] = []
     deadline = time.monotonic() + 60
     while min(used.values()) < count:
         assert time.monotonic() < deadline, f"deliveries seen: {used}"
@@ -93,17 +95,24 @@ def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count:
             )
         except gexc.DeadlineExceeded:
             continue
+        again = []
         for received in response.received_messages:
             job_id = received.message.attributes["job_id"]
             used[job_id] = max(used[job_id], received.delivery_attempt)
-        if response.received_messages:
-            pubsub_resources.subscriber.modify_ack_deadline(
-                request={
-                    "subscription": pubsub_resources.subscription_path,
-                    "ack_ids": [m.ack_id for m in response.received_messages],
-                    "ack_deadline_seconds": 0,
-                }
-            )
+            (held if used[job_id] >= count else again).append(received.ack_id)
+        _nack(pubsub_resources, again)
+    _nack(pubsub_resources, held)
+
+
+def _nack(pubsub_resources: PubSubResources, ack_ids: list[str]) -> None:
+    if ack_ids:
+        pubsub_resources.subscriber.modify_ack_deadline(
+            request={
+                "subscription": pubsub_resources.subscription_path,
+                "ack_ids": ack_ids,
+                "ack_deadline_seconds": 0,
+            }
+        )
 
 
 def _running(ledger: Path, count: int, timeout: float = 30) -> None:

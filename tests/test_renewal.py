@@ -225,14 +225,16 @@ def _let_go(middleware: Idempotency, job_id: str) -> bool:
 
 
 class _Unanswered(Future[str]):
-    """A publish Pub/Sub never answers: says how long it was waited for."""
+    """A publish Pub/Sub never answers: says how long it was waited for, each time."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.waited: list[float | None] = []
+        self.waited: list[float] = []
 
     def result(self, timeout: float | None = None) -> str:
+        assert timeout is not None, "a copy is never waited for without a timeout"
         self.waited.append(timeout)
+        time.sleep(timeout)
         raise TimeoutError
 
 
@@ -245,6 +247,13 @@ class _Unreachable:
         return self.futures[-1]
 
 
+def _waiting(count: int) -> list[Delivery]:
+    return [
+        make_delivery(b"{}", {"job": "t.j", "job_id": f"J{i}"}, message_id=f"M{i}", attempt=LAST)
+        for i in range(count)
+    ]
+
+
 def test_a_drain_waits_for_copies_no_later_than_its_deadline() -> None:
     topic = _Unreachable()
     acks = FakeAcks()
@@ -252,19 +261,30 @@ def test_a_drain_waits_for_copies_no_later_than_its_deadline() -> None:
         Registry(), acks, FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings(Backoff(1, 10)),
         renewer=Renewer(topic, TOPIC, SUBSCRIPTION, LAST, timeout=10),
     )  # fmt: skip
-    waiting = [
-        make_delivery(b"{}", {"job": "t.j", "job_id": f"J{i}"}, message_id=f"M{i}", attempt=LAST)
-        for i in range(3)
-    ]
+    waiting = _waiting(3)
     # Given a drain that must end within 2 s (the platform's kill follows)
-    processor.settle_by(time.monotonic() + 2)
+    processor.renew_until(time.monotonic() + 2)
     # When it gives back messages on their last delivery and Pub/Sub does not answer
     processor.give_back(waiting[:2])
     # Then their copies are waited for until the deadline, not the renewal's own 10 s
     waited = [timeout for future in topic.futures for timeout in future.waited]
-    assert len(waited) == 2 and all(t is not None and t <= 2 for t in waited), waited
+    assert len(topic.futures) == 2 and sum(waited) <= 2, waited
     assert acks.modacked == [("ack-M0", 0), ("ack-M1", 0)] and acks.acked == []
-    # And past the deadline no copy is published at all (it would outlive its nack)
-    processor.settle_by(time.monotonic())
+    # And in its last second no copy is published at all (it could land after the nack)
     processor.give_back(waiting[2:])
     assert len(topic.futures) == 2 and acks.modacked[-1] == ("ack-M2", 0)
+
+
+def test_a_copy_waited_for_when_the_drain_starts_is_waited_for_until_its_deadline() -> None:
+    topic = _Unreachable()
+    renewer = Renewer(topic, TOPIC, SUBSCRIPTION, LAST, timeout=10)
+    result: list[list[bool]] = []
+    # Given a renewal waiting for a copy Pub/Sub does not answer (it may wait 10 s)
+    renewing = threading.Thread(target=lambda: result.append(renewer.renew([(_waiting(1)[0], 0)])))
+    renewing.start()
+    assert wait_for(lambda: len(topic.futures) == 1, timeout=5, interval=0.01)
+    # When a drain that ends in 0.3 s starts, Then the renewal gives up by its deadline
+    renewer.stop_by(time.monotonic() + 0.3)
+    renewing.join(5)
+    assert result == [[False]]
+    assert sum(topic.futures[0].waited) < 5

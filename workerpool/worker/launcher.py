@@ -404,11 +404,12 @@ class Launcher:
 
     def quiet(self, deadline: float | None = None) -> int:
         """Stop pulling and give back every message not started; returns how many. With a
-        drain's monotonic ``deadline``, nothing from here on waits for Pub/Sub beyond it."""
+        drain's monotonic ``deadline``, no copy of a message on its last delivery is waited
+        for beyond it."""
         if self._parts is None:
             return 0
         if deadline is not None:
-            self._parts.processor.settle_by(deadline)
+            self._parts.processor.renew_until(deadline)
         first = not self._parts.pool.quieted
         if first:
             self._released_before = self._parts.processor.stats[Label.RELEASED]
@@ -569,8 +570,8 @@ def _logged(name: str, step: Callable[[], object]) -> Callable[[], None]:
 
 class Fleet:
     """The pools of one process, one per subscription (``[[pools]]``), each with its own bound
-    and sharing the rate limiters. Draining quiets every pool first, then waits for them all
-    against one deadline."""
+    and sharing the rate limiters. Draining quiets every pool at once, side by side, then waits
+    for them all against one deadline."""
 
     def __init__(
         self,
@@ -604,10 +605,9 @@ class Fleet:
         return self
 
     def stop(self, deadline: float, abort: threading.Event | None = None) -> list[DrainReport]:
-        for launcher in self.launchers:
-            launcher.quiet(deadline)
-        # Side by side: one pool's wait, interrupt and flush must not delay another's past
-        # the shared deadline (the platform's SIGKILL follows it closely).
+        # Side by side, each quieted first: one pool's give-back (which may wait for copies
+        # of messages on their last delivery), wait, interrupt and flush must not delay
+        # another's past the shared deadline (the platform's SIGKILL follows it closely).
         with ThreadPoolExecutor(max_workers=len(self.launchers)) as stopping:
             return list(
                 stopping.map(lambda launcher: launcher.stop(deadline, abort), self.launchers)

@@ -170,15 +170,15 @@ class Processor:
         self._attempts = AttemptCounter()
         self._running: dict[Delivery, Run] = {}  # started, until settled
         self._stopping = False  # the drain deadline passed: nothing starts any more
-        self._settle_by: float | None = None  # a drain's deadline: no copy waited for beyond
         self._lock = threading.Lock()
         self.draining = Flag()
         self._counts: Counts[str] = Counts()
 
-    def settle_by(self, deadline: float) -> None:
-        """A drain ends at the monotonic ``deadline``: from now on a message's copy is waited
-        for no longer, and none is published after it (the message is nacked instead)."""
-        self._settle_by = deadline
+    def renew_until(self, deadline: float) -> None:
+        """A drain ends at the monotonic ``deadline``: no message's copy is waited for beyond
+        it (the message is nacked instead; see ``Renewer.stop_by``)."""
+        if self._renewer is not None:
+            self._renewer.stop_by(deadline)
 
     def admitted(self, deliveries: Sequence[Delivery]) -> None:
         """The pool took these in; none has started yet."""
@@ -370,9 +370,7 @@ class Processor:
     def _renewed(self, renewals: Sequence[tuple[Delivery, Renew]]) -> list[Ack | Nack]:
         """Each message's action once its copy is published (an ack) or not (its nack)."""
         assert self._renewer is not None, "only a renewer says a delivery is the last"
-        published = self._renewer.renew(
-            [(delivery, r.after) for delivery, r in renewals], deadline=self._settle_by
-        )
+        published = self._renewer.renew([(delivery, r.after) for delivery, r in renewals])
         return [
             Ack(r.otherwise.label) if ok else r.otherwise
             for (_, r), ok in zip(renewals, published, strict=True)
@@ -504,10 +502,9 @@ class Processor:
         copied = iter(self._renewed(renewals) if renewals else ())
         by_delay: dict[float, list[str]] = defaultdict(list)
         labels = []
-        for (delivery, _, _), action in zip(taken, decided, strict=True):
+        for (delivery, _, _), decision in zip(taken, decided, strict=True):
             self._leases.remove(delivery)
-            if isinstance(action, Renew):
-                action = next(copied)
+            action = next(copied) if isinstance(decision, Renew) else decision
             match action:
                 case Ack(label):
                     self._acks.ack(delivery.ack_id)  # its copy is out: a lost ack, a duplicate
@@ -515,7 +512,7 @@ class Processor:
                     by_delay[delay].append(delivery.ack_id)
                 case _:
                     raise AssertionError(f"{outcome!r} must give the message back")
-            labels.append((label, isinstance(action, Ack)))
+            labels.append((label, isinstance(decision, Renew) and isinstance(action, Ack)))
         for delay, ack_ids in by_delay.items():
             self._acks.modack(ack_ids, delay)
         for (delivery, subject, run), (label, renewed) in zip(taken, labels, strict=True):

@@ -18,13 +18,15 @@ for (``copy_for``), and workers of the others ack it unrun; other consumers of t
 it as a duplicate.
 
 A drain waits for copies no later than its deadline, since the platform's kill follows it, and
-at the deadline there is no time to wait for a publish at all: what is still held then is
-nacked, and on its last delivery the policy's forward is the backstop.
+starts none in its last second; at the deadline there is no time to wait for a publish at
+all: what is still held then is nacked, and on its last delivery the policy's forward is the
+backstop.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -39,6 +41,12 @@ from workerpool.worker.envelope import copy_attributes, first_message_id
 log = logging.getLogger(__name__)
 
 _LONGEST = MAX_AHEAD.total_seconds()  # the furthest not_before a worker takes
+# A copy published after its message was nacked would be both a copy and, the delivery being
+# the last, a forward to the dead-letter topic (a publish cannot be called back): close to a
+# drain's deadline none is started.
+_LAST_START = 1.0
+# How often a wait for copies looks whether a drain has set a deadline meanwhile.
+_LOOK_AGAIN = 0.1
 
 
 class Renewer:
@@ -58,6 +66,7 @@ class Renewer:
         self._subscription = subscription
         self._max_deliveries = max_deliveries
         self._timeout = timeout
+        self._deadline = math.inf  # a drain's: see ``stop_by``
 
     def ours(self, attributes: Mapping[str, str]) -> bool:
         """False for a copy made for another subscription of the topic (a copy carries
@@ -71,26 +80,31 @@ class Renewer:
         """Whether a message on this delivery is forwarded by the policy if it comes back."""
         return 0 < self._max_deliveries <= delivery_attempt
 
-    def renew(
-        self, copies: Sequence[tuple[Delivery, float]], *, deadline: float | None = None
-    ) -> list[bool]:
+    def stop_by(self, deadline: float) -> None:
+        """A drain ends at the monotonic ``deadline``, and the platform's kill follows: from
+        now on no copy is waited for beyond it, those already waited for included, and in its
+        last ``_LAST_START`` seconds none is published (nor waited for)."""
+        self._deadline = deadline
+
+    def renew(self, copies: Sequence[tuple[Delivery, float]]) -> list[bool]:
         """Publish a copy of each delivery, not to run for its number of seconds; whether
-        each was published (within the timeout for all together, and by the monotonic
-        ``deadline``: a drain's, when the platform's kill follows)."""
-        until = time.monotonic() + self._timeout
-        if deadline is not None:
-            if deadline <= time.monotonic():  # published unawaited: copied and forwarded both
-                return [False] * len(copies)
-            until = min(until, deadline)
+        each was published (within the timeout for all together, and a drain's deadline)."""
+        started = time.monotonic()
+        if self._deadline - started < _LAST_START:
+            log.warning(
+                "%d messages not renewed: the drain ends in %.1f s",
+                len(copies), max(0.0, self._deadline - started),
+            )  # fmt: skip
+            return [False] * len(copies)
         futures = [self._publish(delivery, after) for delivery, after in copies]
         published = []
         for (delivery, _), future in zip(copies, futures, strict=True):
             try:
                 if isinstance(future, Exception):
                     raise future
-                copy_id = future.result(timeout=max(0.0, until - time.monotonic()))
+                copy_id = self._wait(future, started)
             except Exception as exc:  # nacked instead: the policy's forward is the backstop
-                log.warning("message %s not renewed: %s", delivery.message_id, exc)
+                log.warning("message %s not renewed: %r", delivery.message_id, exc)
                 published.append(False)
             else:
                 log.info(
@@ -100,6 +114,17 @@ class Renewer:
                 )  # fmt: skip
                 published.append(True)
         return published
+
+    def _wait(self, future: Future[str], started: float) -> str:
+        """The copy's message id, once published; raises ``TimeoutError`` when the timeout
+        or the drain's deadline (which may be set meanwhile) comes first."""
+        while True:
+            left = min(started + self._timeout, self._deadline) - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(left, _LOOK_AGAIN)))
+            except TimeoutError:
+                if left <= _LOOK_AGAIN:
+                    raise TimeoutError("Pub/Sub did not confirm it in time") from None
 
     def _publish(self, delivery: Delivery, after: float) -> Future[str] | Exception:
         """The copy's future, or what refused it at once (an attribute too many, say): a
