@@ -10,14 +10,18 @@ Config (``[jobs."http.delivery"]``):
 
 Link-local addresses (169.254.0.0/16, which holds the metadata server, and fe80::/10) are always
 refused, so a message can never make the worker fetch its own credentials. The host is
-resolved and every address checked before the request; redirects are not followed (a redirect
-could lead anywhere). Responses: 2xx done; 429 and 503 throttle the limiter and retry; other
-5xx retry; 4xx and 3xx are permanent. Header values are never logged.
+resolved and every address checked before the request, and again when a connection is made:
+the connection goes to an address from that check, never to a second lookup's answer (a name
+whose DNS changes between the two, rebinding, would otherwise reach what was refused).
+Redirects are not followed (a redirect could lead anywhere). Responses: 2xx done; 429 and 503
+throttle the limiter and retry; other 5xx retry; 4xx and 3xx are permanent. Header values are
+never logged.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import ipaddress
 import socket
 import threading
@@ -28,6 +32,10 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConnectionError
 
 from workerpool import JobContext, PermanentError, RetryableError, job
 from workerpool.errors import RateLimitedError
@@ -123,17 +131,74 @@ def _classify(response: requests.Response, limiter: str | None) -> None:
     raise PermanentError(f"HTTP {status}: {response.reason}", error_type=f"http.{status}")
 
 
+class _Pinned(HTTPConnection):
+    """A connection to an address its own lookup found allowed (``policy``), so what is
+    checked is what is reached; TLS still verifies the certificate against the name."""
+
+    policy: HttpConfig
+
+    def _new_conn(self) -> socket.socket:
+        name = self._dns_host
+        try:
+            infos = socket.getaddrinfo(name, self.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise NameResolutionError(self.host, self, exc) from exc  # type: ignore[arg-type]
+        addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+        for address in addresses:
+            _check_address(address, self.host, self.policy)
+        failure: Exception | None = None
+        for address in dict.fromkeys(addresses):
+            self._dns_host = str(address)  # a literal: urllib3 connects without a lookup
+            try:
+                return super()._new_conn()
+            except (NewConnectionError, ConnectTimeoutError) as exc:
+                failure = exc
+            finally:
+                self._dns_host = name
+        assert failure is not None, "getaddrinfo answers at least one address or raises"
+        raise failure
+
+
+@functools.cache
+def _pinned_pools(allow_loopback: bool, allow_private: bool) -> dict[str, type]:
+    """urllib3's pool classes by scheme, their connections pinned under this policy."""
+    policy = {"policy": HttpConfig(allow_loopback=allow_loopback, allow_private=allow_private)}
+    http = type("PinnedHTTPConnection", (_Pinned,), policy)
+    https = type("PinnedHTTPSConnection", (_Pinned, HTTPSConnection), policy)
+    return {
+        "http": type("PinnedHTTPPool", (HTTPConnectionPool,), {"ConnectionCls": http}),
+        "https": type("PinnedHTTPSPool", (HTTPSConnectionPool,), {"ConnectionCls": https}),
+    }
+
+
+class _PinnedAdapter(HTTPAdapter):
+    def __init__(self, config: HttpConfig) -> None:
+        self._pools = _pinned_pools(config.allow_loopback, config.allow_private)
+        super().__init__()
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = self._pools
+
+
 _local = threading.local()
 
 
-def _session() -> requests.Session:
-    """One keep-alive session per slot thread: no TCP handshake per request, so requests
-    leave when the limiter says, not a connection set-up later (sessions are not shared
-    across threads, which requests does not promise to be safe)."""
-    session: requests.Session | None = getattr(_local, "session", None)
+def _session(config: HttpConfig) -> requests.Session:
+    """One keep-alive session per slot thread (and address policy): no TCP handshake per
+    request, so requests leave when the limiter says, not a connection set-up later
+    (sessions are not shared across threads, which requests does not promise to be safe)."""
+    sessions: dict[tuple[bool, bool], requests.Session] | None = getattr(_local, "sessions", None)
+    if sessions is None:
+        sessions = _local.sessions = {}
+    policy = (config.allow_loopback, config.allow_private)
+    session = sessions.get(policy)
     if session is None:
-        session = _local.session = requests.Session()
+        session = sessions[policy] = requests.Session()
         session.trust_env = False  # no proxy or netrc from the environment
+        adapter = _PinnedAdapter(config)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
     return session
 
 
@@ -149,7 +214,7 @@ def deliver(ctx: JobContext, request: HttpRequest) -> None:
         ctx.acquire(limiter)
     timeout = config.timeout
     try:
-        response = _session().request(
+        response = _session(config).request(
             request.method,
             request.url,
             json=request.body,
