@@ -34,7 +34,7 @@ from workerpool.slots import (
     slot_store_opener,
 )
 from workerpool.slots.keys import MissingField
-from workerpool.slots.middleware import GaveUp
+from workerpool.slots.middleware import GaveUp, _Taken
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Booking, Table
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job
@@ -515,6 +515,12 @@ def test_a_waiter_gives_up_after_its_patience_or_when_the_pool_drains(timers: Ti
     assert not isinstance(leases.take(KEY, _run("4"), patience=1), GaveUp)
 
 
+def _in_front(leases: SlotLeases, job_id: str) -> bool:
+    """Whether ``job_id``'s run is the one waiting for a slot holding its permit."""
+    front = leases._front
+    return front is not None and front[0].job.job_id == job_id
+
+
 def test_a_job_deferred_before_goes_first_and_waits_with_its_permit_if_there_is_no_room(
     timers: Timers,
 ) -> None:
@@ -526,23 +532,25 @@ def test_a_job_deferred_before_goes_first_and_waits_with_its_permit_if_there_is_
     assert not isinstance(held, GaveUp)
     book(store, KEY, "old", 1)
     order: list[str] = []
-    results: dict[str, object] = {}
 
     def wait_then_hold(run: Run) -> None:
-        taken = results[run.job.job_id] = leases.take(KEY, run, patience=30)
+        taken = leases.take(KEY, run, patience=30)
         if not isinstance(taken, GaveUp):
             order.append(run.job.job_id)
             leases.give(taken)
 
     newer = threading.Thread(target=wait_then_hold, args=(_run("new"),))
     newer.start()
-    time.sleep(0.2)
+    assert wait_for(lambda: len(store.table(KEY).waiters) == 1, timeout=5, interval=0.01)
     # When the deferred job comes back and the pool has no room for it to wait without its
     # permit, Then it waits all the same, holding it, ahead of the newer message
     returning = threading.Thread(target=wait_then_hold, args=(_run("old", UNPARKABLE),))
     returning.start()
-    time.sleep(0.2)
-    assert returning.is_alive() and "old" not in results
+    assert wait_for(lambda: _in_front(leases, "old"), timeout=5, interval=0.01)
+    # and the newer message gives its place in the key's line up at once (a release would
+    # hand it the slot while it no longer asks), long before the place would lapse
+    places = lambda: [w.job_id for w in store.table(KEY).waiters.values()]  # noqa: E731
+    assert wait_for(lambda: places() == ["old"], timeout=WAITER_TTL / 2, interval=0.01)
     # (one deferred after the newer message came is behind it: deferred again)
     book(store, KEY, "later", 1)
     assert leases.take(KEY, _run("later", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
@@ -556,12 +564,123 @@ def test_a_job_deferred_before_goes_first_and_waits_with_its_permit_if_there_is_
     leases.give(held)
     newer.join(10)
     returning.join(10)
-    assert order == ["old", "new"]
+    assert order == ["old", "new"] and leases._front is None
     # And a newcomer with no room is deferred at once, as before
     blocker = leases.take(KEY, _run("1"), patience=5)
     assert not isinstance(blocker, GaveUp)
     assert leases.take(KEY, _run("2", UNPARKABLE), patience=30) is GaveUp.NO_ROOM
     leases.give(blocker)
+
+
+def test_the_earliest_deferred_job_takes_the_front_over_from_a_later_one(timers: Timers) -> None:
+    # Given a key held, and two jobs deferred one after the other
+    store = MemorySlots()
+    leases = SlotLeases(store, "w", Limits({KEY: 1}), timers)
+    held = leases.take(KEY, _run("0"), patience=5)
+    assert not isinstance(held, GaveUp)
+    book(store, KEY, "earlier", 1)
+    book(store, KEY, "later", 1)
+    results: dict[str, object] = {}
+
+    def take(job_id: str) -> None:
+        results[job_id] = taken = leases.take(KEY, _run(job_id, UNPARKABLE), patience=30)
+        if not isinstance(taken, GaveUp):
+            leases.give(taken)
+
+    # When the later one comes back first, with no room to wait without its permit
+    threads = [threading.Thread(target=take, args=("later",))]
+    threads[0].start()
+    assert wait_for(lambda: _in_front(leases, "later"), timeout=5, interval=0.01)
+    # and then the earlier one
+    threads.append(threading.Thread(target=take, args=("earlier",)))
+    threads[1].start()
+    # Then the earlier one takes the front over, the later one is deferred again
+    assert wait_for(lambda: results.get("later") is GaveUp.NO_ROOM, timeout=5, interval=0.01)
+    assert _in_front(leases, "earlier")
+    leases.give(held)
+    for thread in threads:
+        thread.join(10)
+    assert not isinstance(results["earlier"], GaveUp)
+
+
+class _Pool:
+    """Permits as workerpool/worker/pool.py gives them: ``n`` to run, ``prefetch`` runs
+    may wait without theirs."""
+
+    def __init__(self, n: int, prefetch: int) -> None:
+        self.cond = threading.Condition()
+        self.free, self.parked, self.prefetch = n, 0, prefetch
+
+
+class _PoolPermit:
+    def __init__(self, pool: _Pool, state: str = "none") -> None:
+        self.pool, self.state = pool, state
+
+    def take(self) -> None:
+        with self.pool.cond:
+            while not self.pool.free:
+                self.pool.cond.wait()
+            self.pool.free -= 1
+            self.state = "held"
+
+    def put_down(self) -> bool:
+        with self.pool.cond:
+            if self.state != "held" or self.pool.parked >= self.pool.prefetch:
+                return False
+            self.state = "parked"
+            self.pool.parked += 1
+            self.pool.free += 1
+            self.pool.cond.notify_all()
+            return True
+
+    def pick_up(self) -> bool:
+        with self.pool.cond:
+            while not self.pool.free:
+                self.pool.cond.wait()
+            self.pool.parked -= self.state == "parked"
+            self.pool.free -= 1
+            self.state = "held"
+            return True
+
+    def end(self) -> None:
+        with self.pool.cond:
+            self.pool.free += self.state == "held"
+            self.pool.parked -= self.state == "parked"
+            self.state = "none"
+            self.pool.cond.notify_all()
+
+
+def test_with_one_permit_a_returning_job_never_holds_it_from_a_run_granted_its_slot(
+    timers: Timers,
+) -> None:
+    # Given a pool of N = 1 (a prefetch of 1), a key held by another replica, a job deferred
+    # earlier, and a newer message waiting for the key without its permit
+    store = MemorySlots()
+    leases = SlotLeases(store, "w", Limits({KEY: 1}), timers)
+    assert isinstance(store.acquire(KEY, "elsewhere", 1, 60), Granted)
+    book(store, KEY, "old", 1)
+    pool = _Pool(1, 1)
+    waiting = _PoolPermit(pool)
+    waiting.take()
+    got: dict[str, object] = {}
+    newer = threading.Thread(
+        target=lambda: got.update(new=leases.take(KEY, _run("new", waiting), patience=30))
+    )
+    newer.start()
+    assert wait_for(lambda: len(store.table(KEY).waiters) == 1, timeout=5, interval=0.01)
+    # and another job running on the pool's one permit
+    running = _PoolPermit(pool)
+    running.take()
+    # When the other replica lets the slot go (handed to the waiting message's place, which
+    # now waits for the permit), and the running job's permit goes to the returning job
+    store.release(KEY, "elsewhere", held_for=1, limit=1, ttl=60)
+    assert wait_for(lambda: leases._picking_up == 1, timeout=5, interval=0.01)
+    returning = _PoolPermit(pool, state=running.state)  # the permit, handed on
+    # Then the returning job does not wait with the permit the granted one needs: deferred
+    assert leases.take(KEY, _run("old", returning), patience=30) is GaveUp.NO_ROOM
+    returning.end()
+    newer.join(10)
+    assert isinstance(got["new"], _Taken) and waiting.state == "held"
 
 
 class _Counted(_Permit):

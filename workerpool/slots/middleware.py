@@ -132,11 +132,13 @@ class _Line:
         with self.cond:
             if since >= ticket.since:
                 return
+            first = self.queue[0]
             self.queue.remove(ticket)
             ticket.since = since
             bisect.insort_right(self.queue, ticket, key=lambda t: t.since)
-            self.version += 1
-            self.cond.notify_all()
+            if self.queue[0] is not first:  # the one it displaced must stop asking
+                self.version += 1
+                self.cond.notify_all()
 
     def wait(self, version: int, timeout: float) -> bool:
         """Wait up to ``timeout`` unless the line moved since ``version``; False if there
@@ -177,8 +179,9 @@ class SlotLeases:
         self._bookings = BookingWriter(store)
         self._lines: dict[str, _Line] = {}
         self._taken: dict[Run, list[_Taken]] = {}
-        # The one run that may wait holding its permit (see ``_wait_in_front``).
-        self._front: Run | None = None
+        # The one run that may wait holding its permit, and its line (``_wait_in_front``).
+        self._front: tuple[Run, _Line] | None = None
+        self._picking_up = 0  # runs granted a slot, waiting to take their permits back
         self._lock = threading.Lock()
 
     def take(
@@ -198,6 +201,7 @@ class SlotLeases:
         deadline = self._clock() + patience
         poll = _FIRST_POLL
         asked = waited = queued = booked = False
+        ahead = 0
         # A run not started yet asks without its permit where the pool has room for that:
         # an ask can take a while (a Firestore write), and arrivals that held permits while
         # asking kept the runs already granted a slot from taking theirs back.
@@ -206,6 +210,12 @@ class SlotLeases:
             try:
                 while not _should_stop(run):
                     first, version = line.first(ticket)
+                    if queued and not first:
+                        # A job deferred before went ahead of it here: its place in the
+                        # key's line goes, or a release could hand it a slot it no longer
+                        # asks for (given up so, a slot it was handed is freed too).
+                        self._leave(key, holder)
+                        queued = False
                     wait = _CHECK_EVERY
                     # The first in this process's line asks the store; so does every run
                     # once, on arrival: a job deferred earlier may be ahead of all here.
@@ -225,11 +235,12 @@ class SlotLeases:
                             taken = self.keep(run, lease, sent - result.age, named=named)
                             # Asked without its permit: it takes one back only now, its
                             # slot kept alive meanwhile.
-                            if parked and not run.permit.pick_up():
+                            if parked and not self._pick_up(run):
                                 self._drop(taken)
                                 return GaveUp.STOPPED
                             return taken
                         booked = booked or result.booked
+                        ahead = result.ahead
                         line.place(ticket, result.since)
                         first = line.first(ticket)[0]
                         if first:
@@ -238,11 +249,10 @@ class SlotLeases:
                     # A run not started yet waits without its permit; a running handler
                     # (ctx.slot) keeps it.
                     if park and not parked:
-                        if run.permit.put_down():
-                            parked = True
-                            self._leave_front(run)
-                        elif not (booked and first and self._wait_in_front(run)):
+                        where = self._wait_where(run, line, booked and first and not ahead)
+                        if where is None:
                             return GaveUp.NO_ROOM
+                        parked = where
                     waited = True
                     if not line.wait(version, min(wait, deadline - self._clock())):
                         return GaveUp.PATIENCE
@@ -252,22 +262,47 @@ class SlotLeases:
                 if queued:
                     self._leave(key, holder)
 
-    def _wait_in_front(self, run: Run) -> bool:
+    def _wait_where(self, run: Run, line: _Line, may_lead: bool) -> bool | None:
+        """Where a run not started waits: without its permit (True), holding it at the
+        front of the line (False, if it ``may_lead``), or nowhere (None: no room)."""
+        if run.permit.put_down():
+            self._leave_front(run)
+            return True
+        if may_lead and self._wait_in_front(run, line):
+            return False
+        return None
+
+    def _wait_in_front(self, run: Run, line: _Line) -> bool:
         """Whether ``run`` may wait holding its permit, as the one run of this process that
-        does. It is a job deferred before and first in its key's line here, and the pool
-        has no room for it to wait without (the runs waiting so fill the prefetch, newer
-        messages that took the room while it was away). Deferred again, the front of the
-        line was sent away on every return and ran late, after many deliveries; one permit
-        is the cost, one at a time so the pool's N stays for runs that can start."""
+        does. It is a job deferred before, first in its key's line here and in the key's
+        line (no replica's waiter is ahead of it), and the pool has no room for it to wait
+        without (the prefetch is taken by runs waiting so, often newer messages that came
+        while it was away). Deferred again, the front of the line was sent away on every
+        return and ran late, after many deliveries. One permit is the cost, one at a time:
+        the first of the same line takes it over (the one it displaced gives up), and none
+        waits so while a run granted its slot waits for a permit (with N = 1, this one's)."""
         with self._lock:
-            if self._front is None:
-                self._front = run
-            return self._front is run
+            if self._picking_up:
+                return False
+            if self._front is None or self._front[0] is run or self._front[1] is line:
+                self._front = (run, line)
+                return True
+            return False
 
     def _leave_front(self, run: Run) -> None:
         with self._lock:
-            if self._front is run:
+            if self._front is not None and self._front[0] is run:
                 self._front = None
+
+    def _pick_up(self, run: Run) -> bool:
+        """``run.permit.pick_up()``, counted while it waits (see ``_wait_in_front``)."""
+        with self._lock:
+            self._picking_up += 1
+        try:
+            return run.permit.pick_up()
+        finally:
+            with self._lock:
+                self._picking_up -= 1
 
     def _leave(self, key: str, holder: str) -> None:
         try:

@@ -11,6 +11,7 @@ the decisions live here, once, so every backend behaves the same.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -90,12 +91,12 @@ class Granted:
 @dataclass(frozen=True)
 class Full:
     """No slot of the key is free for the caller: ``holders`` hold one, ``ahead`` waiters
-    came first. ``since``: the caller's place in the key's line (the store's clock), kept
-    from its booking where it was deferred before (``booked``)."""
+    came first. ``since``: the caller's place in the key's line (wall time, as every place
+    in it is), kept from its booking where it was deferred before (``booked``)."""
 
     holders: int
     ahead: int = 0
-    since: float = field(default=0.0, compare=False)
+    since: float = field(default=math.inf, compare=False)
     booked: bool = field(default=False, compare=False)
 
 
