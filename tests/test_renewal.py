@@ -288,3 +288,28 @@ def test_a_copy_waited_for_when_the_drain_starts_is_waited_for_until_its_deadlin
     renewing.join(5)
     assert result == [[False]]
     assert sum(topic.futures[0].waited) < 5
+
+
+class _Counting(Future[str]):
+    """A publish that failed with a timeout of its own (a socket's), counting its reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+        self.set_exception(TimeoutError("socket timed out"))
+
+    def result(self, timeout: float | None = None) -> str:
+        self.reads += 1
+        return super().result(timeout)
+
+
+def test_a_copy_whose_publish_failed_with_a_timeout_is_not_waited_for() -> None:
+    failed = _Counting()
+
+    class Topic:
+        def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+            return failed
+
+    renewer = Renewer(Topic(), TOPIC, SUBSCRIPTION, LAST, timeout=10)
+    assert renewer.renew([(_waiting(1)[0], 0)]) == [False]
+    assert failed.reads == 1  # read once, not again and again until the timeout

@@ -123,6 +123,8 @@ class Renewer:
             try:
                 return future.result(timeout=max(0.0, min(left, _LOOK_AGAIN)))
             except TimeoutError:
+                if future.done():  # the publish itself failed so (a socket's timeout)
+                    raise
                 if left <= _LOOK_AGAIN:
                     raise TimeoutError("Pub/Sub did not confirm it in time") from None
 
