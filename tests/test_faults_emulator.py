@@ -62,22 +62,28 @@ def _pull_back(pubsub_resources: PubSubResources, expected: set[str], timeout: f
     seen: set[str] = set()
     deadline = time.monotonic() + timeout
     while not expected <= seen and time.monotonic() < deadline:
-        try:
-            response = pubsub_resources.subscriber.pull(
-                request={"subscription": pubsub_resources.subscription_path, "max_messages": 100},
-                timeout=3,
-            )
-        except gexc.DeadlineExceeded:
-            continue
-        if response.received_messages:
-            seen.update(m.message.attributes["job_id"] for m in response.received_messages)
+        received = _pull(pubsub_resources)
+        if received:
+            seen.update(m.message.attributes["job_id"] for m in received)
             pubsub_resources.subscriber.acknowledge(
                 request={
                     "subscription": pubsub_resources.subscription_path,
-                    "ack_ids": [m.ack_id for m in response.received_messages],
+                    "ack_ids": [m.ack_id for m in received],
                 }
             )
     return seen
+
+
+def _pull(pubsub_resources: PubSubResources) -> list[Any]:
+    """One pull of up to 100 messages from the subscription (none if it timed out)."""
+    try:
+        response = pubsub_resources.subscriber.pull(
+            request={"subscription": pubsub_resources.subscription_path, "max_messages": 100},
+            timeout=3,
+        )
+    except gexc.DeadlineExceeded:
+        return []
+    return list(response.received_messages)
 
 
 def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count: int) -> None:
@@ -88,15 +94,8 @@ def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count:
     deadline = time.monotonic() + 60
     while min(used.values()) < count:
         assert time.monotonic() < deadline, f"deliveries seen: {used}"
-        try:
-            response = pubsub_resources.subscriber.pull(
-                request={"subscription": pubsub_resources.subscription_path, "max_messages": 10},
-                timeout=3,
-            )
-        except gexc.DeadlineExceeded:
-            continue
         again = []
-        for received in response.received_messages:
+        for received in _pull(pubsub_resources):
             job_id = received.message.attributes["job_id"]
             used[job_id] = max(used[job_id], received.delivery_attempt)
             (held if used[job_id] >= count else again).append(received.ack_id)
