@@ -10,6 +10,8 @@ import signal
 import sqlite3
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from tests.support import (
     wait_for,
     worker_processes,
 )
+from workerpool.heartbeats import Beat, SqliteHeartbeats
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
@@ -45,9 +48,13 @@ def _jobs(pubsub_resources: PubSubResources, count: int, **payload: Any) -> list
     return job_ids
 
 
-def _drain(worker: WorkerProcess, drain_timeout: float) -> float:
-    """SIGTERM ``worker``; assert it exits 0 within the budget; return the seconds it took."""
+def _drain(
+    worker: WorkerProcess, drain_timeout: float, meanwhile: Callable[[], object] = lambda: None
+) -> float:
+    """SIGTERM ``worker``, call ``meanwhile`` (it sees the drain under way), assert the worker
+    exits 0 within the budget; return the seconds it took."""
     sent = worker.signal(signal.SIGTERM)
+    meanwhile()
     code = worker.wait(drain_timeout + 30)
     took = time.monotonic() - sent
     print(f"\nexit {code} {took:.2f}s after SIGTERM (drain_timeout {drain_timeout:g}s)")
@@ -55,6 +62,11 @@ def _drain(worker: WorkerProcess, drain_timeout: float) -> float:
     assert took <= drain_timeout + BUDGET_MARGIN, worker.output()[-3000:]
     assert "Traceback" not in worker.output(), worker.output()[-3000:]
     return took
+
+
+def _logged_at(line: str) -> float:
+    """The wall-clock time of one of the worker's JSON log lines."""
+    return datetime.fromisoformat(json.loads(line)["time"]).timestamp()
 
 
 def _pull_back(pubsub_resources: PubSubResources, expected: set[str], timeout: float) -> set[str]:
@@ -210,7 +222,8 @@ def test_drain_stays_within_its_budget_when_copies_on_a_last_delivery_cannot_be_
         # and a worker running one of them, the other two waiting in its prefetch
         worker = spawn_worker(
             pubsub_resources, ledger, "--max-outstanding", "1", "--prefetch", "2",
-            "--drain-timeout", "2", extra_env={"PUBSUB_EMULATOR_HOST": proxy.address},
+            "--drain-timeout", "2", "--heartbeat-interval", "30",
+            extra_env={"PUBSUB_EMULATOR_HOST": proxy.address},
         )  # fmt: skip
         workers.append(worker)
         _running(ledger, 1)
@@ -218,10 +231,24 @@ def test_drain_stays_within_its_budget_when_copies_on_a_last_delivery_cannot_be_
         # When Pub/Sub stops answering and the worker gets SIGTERM: the two waiting must be
         # copied (a nack would let the policy forward them), and no copy can be published
         proxy.stall()
-        _drain(worker, 2)
+        beats = SqliteHeartbeats(tmp_path / "claims.db")
+        draining: list[Beat] = []
+
+        def draining_beat() -> bool:
+            live = beats.live(pubsub_resources.subscription_path, time.time())
+            draining.extend(beat for beat in live if beat.draining)
+            return bool(draining) or worker.process.poll() is not None
+
+        _drain(worker, 2, meanwhile=lambda: wait_for(draining_beat, timeout=10, interval=0.02))
+        beats.close()
         # Then it exited within the budget, having waited for the copies until its deadline
-        assert "released 2 waiting messages" in worker.output()
-        assert worker.output().count("not renewed") == 2, worker.output()[-3000:]
+        output = worker.output()
+        assert "released 2 waiting messages" in output
+        given_up = [_logged_at(line) for line in output.splitlines() if "not renewed" in line]
+        assert len(given_up) == 2, output[-3000:]
+        # ... and its beat (every 30 s, and at once on a drain) said it was draining before
+        # it stopped waiting for them, so the autoscaler did not count its slot meanwhile
+        assert draining and draining[0].at < min(given_up), (draining, given_up)
     # And nothing is lost: once their ack deadline passes, the next pull has the policy
     # forward all three to the dead-letter topic
     found: set[str] = set()

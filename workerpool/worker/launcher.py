@@ -414,9 +414,13 @@ class Launcher:
         if first:
             self._released_before = self._parts.processor.stats[Label.RELEASED]
         self._parts.puller.stop(timeout=0)
-        released = self._parts.pool.quiet()
-        if self._parts.heartbeat is not None:
-            self._parts.heartbeat.poke()  # the autoscaler counts this replica out at once
+        heartbeat = self._parts.heartbeat
+        self._parts.pool.stop_starting()
+        if heartbeat is not None:
+            heartbeat.poke()  # the autoscaler counts this replica's slots out at once
+        released = self._parts.pool.quiet()  # may wait for copies until the deadline
+        if heartbeat is not None and released:
+            heartbeat.poke()  # and no longer counts what it gave back as waiting here
         if first or released:
             log.info("draining: stopped pulling, released %d waiting messages", released)
         return released

@@ -298,10 +298,15 @@ class Pool:
         permit.state = _HELD
         return True
 
-    def quiet(self) -> int:
-        """Stop admitting, tell running jobs we are draining, give back what has not started."""
+    def stop_starting(self) -> None:
+        """Admit nothing more and start nothing more; tell running jobs we are draining."""
         self._quiet.set()
         self._processor.draining.set()
+
+    def quiet(self) -> int:
+        """``stop_starting``, and give back what has not started (a message on its last
+        delivery waits for its copy, up to the drain's deadline)."""
+        self.stop_starting()
         waiting: list[Delivery] = []
         resumes = 0
         while True:
