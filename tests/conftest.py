@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from workerpool.testing.emulator import LocalEmulator, gcloud_available
+from workerpool.worker.timers import Timers
 
 # The project the Firestore emulator's stores live in (idempotency claims, slots).
 FIRESTORE_PROJECT = "workerpool-idempotency"
@@ -63,6 +64,15 @@ def _alone_when_marked(
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
             fcntl.flock(turn, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def timers() -> Iterator[Timers]:
+    """A running timer thread, closed after the test."""
+    timers = Timers()
+    timers.start()
+    yield timers
+    timers.close(1.0)
 
 
 @pytest.fixture(scope="session")

@@ -40,14 +40,6 @@ def loop() -> Iterator[EventLoop]:
     loop.close(2.0)
 
 
-@pytest.fixture
-def timers() -> Iterator[Timers]:
-    timers = Timers()
-    timers.start()
-    yield timers
-    timers.close(1.0)
-
-
 def build(
     jobs: Registry, loop: EventLoop, middleware: list[Middleware] | None = None, **kw: Any
 ) -> tuple[Processor, FakeAcks, FakeDeadLetters]:

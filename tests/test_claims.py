@@ -7,7 +7,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -42,14 +41,6 @@ STORE_ERRORS = [
     sqlite3.DatabaseError("database disk image is malformed"),
     RuntimeError("a bug in a backend"),
 ]
-
-
-@pytest.fixture
-def timers() -> Iterator[Timers]:
-    running = Timers()
-    running.start()
-    yield running
-    running.close()
 
 
 class _Worker:

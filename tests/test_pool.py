@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import Counter
@@ -18,10 +19,11 @@ from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.launcher import Launcher, Phase
-from workerpool.worker.middleware import Around, Middleware
+from workerpool.worker.middleware import Around, Middleware, TimeLimit
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
+from workerpool.worker.timers import Timers
 
 
 class _Gate:
@@ -320,3 +322,178 @@ def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() ->
         pool.quiet()
         pool.join(time.monotonic() + 5)
         loop.close(2.0)
+
+
+class _AsyncGate:
+    """Async jobs that record the order they start in and how many run at once, and wait
+    (without blocking the loop) until let go; sync ones (``t.sync``) that do the same."""
+
+    def __init__(self, jobs: Registry) -> None:
+        self.lock = threading.Lock()
+        self.started: list[str] = []
+        self.running = 0
+        self.peak = 0
+        self.go = threading.Event()
+        jobs.job("t.async")(self.run_async)
+        jobs.job("t.sync")(self.run_sync)
+        jobs.job("t.timed", timeout=2.0)(self.sleep)
+
+    def _begin(self, job_id: str) -> None:
+        with self.lock:
+            self.started.append(job_id)
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+
+    def _end(self) -> None:
+        with self.lock:
+            self.running -= 1
+
+    async def run_async(self, ctx: Any, payload: dict[str, Any]) -> None:
+        self._begin(ctx.job_id)
+        while not self.go.is_set():
+            await asyncio.sleep(0.005)
+        self._end()
+
+    def run_sync(self, ctx: Any, payload: dict[str, Any]) -> None:
+        self._begin(ctx.job_id)
+        self.go.wait(10)
+        self._end()
+
+    async def sleep(self, ctx: Any, payload: dict[str, Any]) -> None:
+        self._begin(ctx.job_id)
+        await asyncio.sleep(payload["seconds"])
+        self._end()
+
+
+class _Entered(Middleware):
+    """Records, for each run, how many handlers ran when the middleware before it ran."""
+
+    def __init__(self, gate: _AsyncGate) -> None:
+        self._gate = gate
+        self.entered: dict[str, int] = {}
+
+    def before(self, run: Run) -> None:
+        self.entered[run.job.job_id] = self._gate.running
+
+
+def _async_pool(
+    n: int, prefetch: int, *middleware: Middleware
+) -> tuple[Pool, Processor, FakeAcks, EventLoop]:
+    jobs = Registry()
+    gate = _AsyncGate(jobs)
+    acks, leases, loop = FakeAcks(), FakeLeaser(), EventLoop()
+    processor = Processor(
+        jobs, acks, leases, FakeDeadLetters(), [_Entered(gate), *middleware], ProcessorSettings(),
+        loop=loop,
+    )  # fmt: skip
+    pool = Pool(processor, leases, PoolLimits(n, prefetch), name="ahead")
+    pool.start()
+    return pool, processor, acks, loop
+
+
+def _gate_of(processor: Processor) -> tuple[_AsyncGate, _Entered]:
+    entered = processor._middleware[0]
+    assert isinstance(entered, _Entered)
+    return entered._gate, entered
+
+
+def _message(job: str, job_id: str, **payload: Any) -> Delivery:
+    data = json.dumps(payload).encode()
+    return make_delivery(data, {"job": job, "job_id": job_id}, message_id=job_id)
+
+
+def _close(pool: Pool, loop: EventLoop) -> None:
+    pool.quiet()
+    pool.join(time.monotonic() + 5)
+    loop.close(2.0)
+
+
+def test_async_runs_made_ready_while_every_permit_is_taken_start_as_one_ends() -> None:
+    # Given 2 slots, a prefetch of 2, and 2 async jobs running
+    pool, processor, acks, loop = _async_pool(2, 2)
+    gate, entered = _gate_of(processor)
+    try:
+        pool.admit([_message("t.async", f"a{i}") for i in range(2)])
+        assert wait_for(lambda: gate.running == 2, timeout=10, interval=0.005)
+        # When 2 more come
+        pool.admit([_message("t.async", f"b{i}") for i in range(2)])
+        # Then both go through the middleware before their handler while every permit is
+        # taken, and neither starts
+        assert wait_for(lambda: len(entered.entered) == 4, timeout=10, interval=0.005)
+        assert (entered.entered["b0"], entered.entered["b1"]) == (2, 2)
+        time.sleep(0.05)
+        assert (gate.running, pool.running, pool.held) == (2, 2, 4)
+        # And once the running ones end, they start, never more than 2 at once
+        gate.go.set()
+        assert wait_for(lambda: len(acks.acked) == 4, timeout=10, interval=0.005)
+        assert gate.peak == 2 and sorted(gate.started[2:]) == ["b0", "b1"]
+        assert processor.stats == {"done": 4}
+        assert pool.wait_idle(time.monotonic() + 5) and pool.running == 0
+    finally:
+        gate.go.set()
+        _close(pool, loop)
+
+
+def test_a_sync_message_that_waited_first_gets_the_permit_before_async_runs_made_ready() -> None:
+    # Given 1 slot, a prefetch of 2, an async job running, then a sync job waiting for the
+    # permit on its slot thread, then an async one made ready ahead
+    pool, processor, acks, loop = _async_pool(1, 2)
+    gate, entered = _gate_of(processor)
+    try:
+        pool.admit([_message("t.async", "first")])
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.sync", "sync")])
+        assert wait_for(lambda: len(pool._starting) == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.async", "ready")])
+        assert wait_for(lambda: "ready" in entered.entered, timeout=10, interval=0.005)
+        assert "sync" not in entered.entered
+        # When the running one ends
+        gate.go.set()
+        # Then they run in the order they came
+        assert wait_for(lambda: len(acks.acked) == 3, timeout=10, interval=0.005)
+        assert gate.started == ["first", "sync", "ready"] and gate.peak == 1
+    finally:
+        gate.go.set()
+        _close(pool, loop)
+
+
+def test_a_drain_releases_async_runs_made_ready_without_starting_them() -> None:
+    # Given 1 slot, a prefetch of 1, an async job running and another made ready ahead
+    pool, processor, acks, loop = _async_pool(1, 1)
+    gate, entered = _gate_of(processor)
+    try:
+        pool.admit([_message("t.async", "running")])
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.async", "ready")])
+        assert wait_for(lambda: "ready" in entered.entered, timeout=10, interval=0.005)
+        # When the pool drains
+        pool.quiet()
+        # Then the ready one is released at once, never started; the running one finishes
+        assert wait_for(lambda: processor.stats == {"released": 1}, timeout=10, interval=0.005)
+        assert acks.modacked == [("ack-ready", 0)]
+        gate.go.set()
+        assert pool.wait_idle(time.monotonic() + 5)
+        assert processor.stats == {"released": 1, "done": 1}
+        assert gate.started == ["running"]
+    finally:
+        gate.go.set()
+        _close(pool, loop)
+
+
+def test_an_async_run_made_ready_ahead_counts_its_timeout_from_its_start(
+    timers: Timers,
+) -> None:
+    # Given 1 slot, jobs with a timeout of 2 s: one runs for 1.2 s, and one made ready ahead
+    # meanwhile runs for 1 s once it starts (2.2 s after its middleware ran)
+    pool, processor, acks, loop = _async_pool(1, 1, TimeLimit(timers))
+    gate, entered = _gate_of(processor)
+    try:
+        pool.admit([_message("t.timed", "first", seconds=1.2)])
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.timed", "second", seconds=1.0)])
+        assert wait_for(lambda: "second" in entered.entered, timeout=10, interval=0.005)
+        # When both have run, Then neither ran past its timeout
+        assert wait_for(lambda: len(acks.acked) == 2, timeout=10, interval=0.01)
+        assert processor.stats == {"done": 2} and gate.started == ["first", "second"]
+    finally:
+        _close(pool, loop)

@@ -407,14 +407,6 @@ def _run(job_id: str, permit: Permit | None = None) -> Run:
     return Run(job, ctx, delivery, lambda run, outcome: True, permit=permit or _Permit())
 
 
-@pytest.fixture
-def timers() -> Iterator[Timers]:
-    running = Timers()
-    running.start()
-    yield running
-    running.close(1.0)
-
-
 def test_runs_of_one_process_get_a_key_first_come_first_served(timers: Timers) -> None:
     # Given a key of limit 1 held by run 0, and runs 1..5 queueing behind it in order
     leases = SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from workerpool import constants as c
 from workerpool.errors import Defer
+from workerpool.registry import JobSpec
 from workerpool.slots.bookings import BookingWriter
 from workerpool.slots.keys import KeyTemplate, Limits, MissingField
 from workerpool.slots.store import Granted, SlotStore
@@ -425,6 +426,10 @@ class Concurrency(Middleware):
         self._leases = leases
         self._patience = patience
         self.gate = gate
+
+    def ready_ahead(self, spec: JobSpec) -> bool:
+        # A slot taken ahead would idle, while every other replica waits for it.
+        return self.gate is None and not spec.options.get("concurrency")
 
     def start(self) -> None:
         self._leases.keeper.start()

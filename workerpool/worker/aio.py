@@ -75,6 +75,7 @@ class EventLoop:
         self._inbox: collections.deque[_Submission] = collections.deque()
         self._wake_pending = False
         self._stopped = False  # the loop ran its last callback
+        self._ident: int | None = None  # the loop's thread
 
     def start(
         self,
@@ -92,6 +93,9 @@ class EventLoop:
             loop = self._started()
         except RuntimeError as exc:
             finished(exc)
+            return
+        if threading.get_ident() == self._ident:
+            self._begin(loop, submitted)  # a task's end started it: in the same iteration
             return
         self._inbox.append(submitted)
         if self._stopped:  # after the loop's last look at the inbox: nobody else will
@@ -155,6 +159,7 @@ class EventLoop:
             return self._loop
 
     def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._ident = threading.get_ident()
         asyncio.set_event_loop(loop)
         loop.run_forever()
         loop.close()  # from here, a heartbeat is refused

@@ -19,14 +19,16 @@ deadline, a lost claim), so a middleware can give back what it holds. ``options`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
 from workerpool.ratelimit.limiters import RateLimiters
+from workerpool.registry import JobSpec
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.outcome import Interrupted, Outcome
 from workerpool.worker.run import Run, Settled
-from workerpool.worker.timers import Timers
+from workerpool.worker.timers import Timer, Timers
 
 # What comes before the yield, the outcome of the rest of the chain, the run's outcome.
 Around = Generator[None, Outcome, Outcome]
@@ -53,6 +55,13 @@ class Middleware:
     def before(self, run: Run) -> Outcome | None:
         """Before the rest of the chain: None goes on, an outcome ends the run with it."""
         return None
+
+    def ready_ahead(self, spec: JobSpec) -> bool:
+        """Whether an async run of ``spec`` may go through this middleware's part before the
+        handler and then wait for a permit (see ``pool``): not where what that part takes is
+        spent or scarce meanwhile (a rate-limit token, a fleet-wide slot). What counts time
+        from the start counts from ``run.started_at``, set when the handler starts."""
+        return True
 
     def around(self, run: Run) -> Around:
         """Wraps the rest of the chain (see the module); runs after ``before``."""
@@ -170,16 +179,27 @@ class TimeLimit(Middleware):
 
     def around(self, run: Run) -> Around:
         ctx = run.ctx
+        timeout = run.job.spec.timeout
+        ended = False
+        timers: list[Timer] = []
 
         def expire() -> None:
+            if ended:
+                return
+            left = run.started_at + timeout - time.monotonic()
+            if left > 0:  # its handler started after this timer did (it waited, ready)
+                timers.append(self._timers.call_after(left, expire))
+                return
             ctx.timed_out.set()  # first: a handler woken by cancelled already knows why
             ctx.cancelled.set()
 
-        timer = self._timers.call_after(run.job.spec.timeout, expire)
+        timers.append(self._timers.call_after(timeout, expire))
         try:
             return (yield)
         finally:
-            timer.cancel()
+            ended = True
+            for timer in timers:
+                timer.cancel()
 
 
 class RateLimit(Middleware):
@@ -189,6 +209,9 @@ class RateLimit(Middleware):
 
     def __init__(self, limiters: RateLimiters) -> None:
         self._limiters = limiters
+
+    def ready_ahead(self, spec: JobSpec) -> bool:
+        return not spec.options.get("rate_limit")  # a token taken is spent from then on
 
     def before(self, run: Run) -> Outcome | None:
         name = run.job.spec.options.get("rate_limit")

@@ -20,12 +20,24 @@ the slot thread) has given its permit back but is still held until it settles. A
 keeps its permit while its task runs on the event loop, but not its thread: the thread takes
 the next message (waiting for a permit like any other), and when the task ends a slot thread
 is woken to carry the rest of the run (``_resume``), one wake-up for all that ended meanwhile.
+
+An async run whose middleware lets it (``Processor.starts_ahead``) need not wait for a permit
+before its middleware: while every permit is taken, up to ``prefetch`` such runs (counted
+with the parked ones) go through the middleware before the handler and wait, ready, without a
+thread. A permit freed then goes to the oldest of them, and the run starts on the thread that
+freed it: on the loop's own thread when an async run's task ends, so the next one starts in
+the same loop iteration. Measured at N = 64 with 50 ms async jobs, each run otherwise waited
+for three thread hand-offs between one run's end and the next one's start (0.2-0.4 ms each,
+queued behind each other for the GIL, since ends come in bursts), and 0.03 of the slots were
+idle for it. A message that waits for a permit on a slot thread and came first still gets
+the permit first, so sync runs of a mixed pool are not passed over.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -92,7 +104,11 @@ class Pool:
         self._held_bytes = 0
         self._free = limits.max_outstanding  # permits nobody holds
         self._parked = 0  # runs waiting without their permit
-        self._starting: set[Delivery] = set()  # taken by a slot thread, waiting for a permit
+        # Taken by a slot thread, waiting for a permit: by when each came (a ticket).
+        self._starting: dict[Delivery, int] = {}
+        # Async runs made ready ahead, oldest first: their permit, and how to start them.
+        self._ready: collections.deque[tuple[_Permit, Start]] = collections.deque()
+        self._tickets = itertools.count()
         self._unstarted = 0  # admitted, and not yet running or given back
         self._low = limits.prefetch // 2  # this few waiting to start: pull now
         self._batch = max(1, limits.max_held // 2)  # else pull when this much room is free
@@ -188,7 +204,9 @@ class Pool:
                 permit = _Permit(self)  # the run keeps this one until it ends
 
     def _start(self, permit: _Permit, delivery: Delivery) -> Ending:
-        if not self._wait_for_permit(permit, delivery):
+        if self._processor.starts_ahead(delivery) and self._go_ahead(permit):
+            pass  # its middleware runs now; it starts once it is granted a permit
+        elif not self._wait_for_permit(permit, delivery):
             self._processor.give_back([delivery])  # the pool went quiet: quiet() gave it back
             return Ending.SETTLED
         left = functools.partial(self._left, delivery)
@@ -212,21 +230,87 @@ class Pool:
     def _end_run(self, permit: _Permit, delivery: Delivery, *, settled: bool) -> None:
         if settled:
             self._leases.remove(delivery)
+        start = None
         with self._cond:
-            if permit.state is _HELD:
-                self._free += 1
-                self._permits.notify()
-            elif permit.state is _PARKED:
-                self._parked -= 1
-            permit.state = _NONE
+            start = self._let_go(permit)
             if settled:  # one round trip of the lock, not two, for most messages
                 self._unhold(delivery)
             self._cond.notify_all()
+        if start is not None:
+            start(True)
+
+    def _let_go(self, permit: _Permit) -> Start | None:
+        """(Under the lock.) The run is done with ``permit``, whatever its state; if it held
+        one, what to start with it now (outside the lock)."""
+        start = None
+        if permit.state is _HELD:
+            start = self._free_one()
+        elif permit.state is _PARKED:
+            self._parked -= 1
+        elif permit.state is _AHEAD:  # it ended before it was ready (a middleware ended it)
+            self._parked -= 1
+            self._started_one()
+        permit.state = _NONE
+        return start
+
+    def _free_one(self) -> Start | None:
+        """(Under the lock.) A permit is free: it goes to the oldest async run made ready
+        ahead, returned to be started outside the lock, unless a slot thread has waited for
+        one longer; else to a waiting slot thread."""
+        if self._ready and not self._quiet.is_set():
+            ahead, start = self._ready[0]
+            waiting = next(iter(self._starting.values()), None)
+            if waiting is None or ahead.ticket < waiting:
+                self._ready.popleft()
+                self._parked -= 1
+                self._started_one()
+                ahead.state = _HELD
+                return start
+        self._free += 1
+        self._permits.notify()
+        return None
+
+    def _go_ahead(self, permit: _Permit) -> bool:
+        """Make an async run ready ahead, without a permit, if every permit is taken and
+        there is room to wait (shared with parked runs)."""
+        with self._cond:
+            if self._quiet.is_set() or self._free or self._parked >= self.limits.prefetch:
+                return False
+            permit.state = _AHEAD
+            permit.ticket = next(self._tickets)
+            self._parked += 1
+            return True
+
+    def _start_when_held(self, permit: _Permit, start: Start) -> None:
+        with self._cond:
+            if permit.state is _AHEAD:
+                if self._quiet.is_set():
+                    self._let_go(permit)
+                    granted: bool | None = False
+                elif self._free:
+                    self._free -= 1
+                    self._parked -= 1
+                    self._started_one()
+                    permit.state = _HELD
+                    granted = True
+                else:
+                    self._ready.append((permit, start))
+                    granted = None  # started by whoever frees a permit, or refused by quiet()
+            else:
+                granted = permit.state is _HELD
+        if granted is not None:
+            start(granted)
 
     def _resume(self, permit: _Permit, delivery: Delivery, rest: Callable[[], Ending]) -> None:
-        """(From the event loop's thread.) Have a slot thread carry the rest of an async run
-        whose task ended. One wake-up for all the runs that end before a slot thread looks:
-        a thread woken per run would cost most of what the run saved by holding none."""
+        """(From the event loop's thread, or wherever a run that was ready ahead was refused.)
+        Have a slot thread carry the rest of an async run whose task ended, once its permit
+        went to the next run, started right here. One wake-up for all the runs that end
+        before a slot thread looks: a thread woken per run would cost most of what the run
+        saved by holding none."""
+        with self._cond:
+            start = self._let_go(permit)
+        if start is not None:
+            start(True)
         self._resumed.append((permit, delivery, rest))
         if not self._resume_pending:
             self._resume_pending = True
@@ -262,18 +346,19 @@ class Pool:
                 return False
             permit.state = _PARKED
             self._parked += 1
-            self._free += 1
-            self._permits.notify()
+            start = self._free_one()
             self._cond.notify_all()
-            return True
+        if start is not None:
+            start(True)
+        return True
 
     def _wait_for_permit(self, permit: _Permit, delivery: Delivery) -> bool:
         with self._cond:
-            self._starting.add(delivery)
+            self._starting[delivery] = next(self._tickets)
             try:
                 return self._pick_up_locked(permit)
             finally:
-                self._starting.discard(delivery)
+                del self._starting[delivery]
                 self._started_one()
 
     def _started_one(self) -> None:
@@ -292,16 +377,25 @@ class Pool:
             self._permits.wait()
         if self._quiet.is_set():
             return False
-        if permit.state is _PARKED:
+        if permit.state is _AHEAD:
+            self._started_one()
+        if permit.state is _PARKED or permit.state is _AHEAD:
             self._parked -= 1
         self._free -= 1
         permit.state = _HELD
         return True
 
     def stop_starting(self) -> None:
-        """Admit nothing more and start nothing more; tell running jobs we are draining."""
-        self._quiet.set()
+        """Admit nothing more and start nothing more (an async run made ready ahead ends
+        unstarted); tell running jobs we are draining."""
+        with self._cond:
+            self._quiet.set()
+            refused = [start for _, start in self._ready]
+            while self._ready:
+                self._let_go(self._ready.popleft()[0])
         self._processor.draining.set()
+        for start in refused:
+            start(False)
 
     def quiet(self) -> int:
         """``stop_starting``, and give back what has not started (a message on its last
@@ -354,27 +448,37 @@ class Pool:
         return not any(thread.is_alive() for thread in self._threads)
 
 
+# How a run made ready ahead starts once granted a permit (True), or ends unstarted (False).
+Start = Callable[[bool], None]
+
+
 class _Resume:
     """In the slot threads' queue: wake up and carry on the async runs whose tasks ended."""
 
 
 _RESUME = _Resume()
 
-# A slot thread's permit: none yet, held (its run may run), or parked (its run waits without).
-_NONE, _HELD, _PARKED = "none", "held", "parked"
+# A slot thread's permit: none yet, held (its run may run), parked (its run waits without), or
+# ahead (an async run made ready without one, counted with the parked).
+_NONE, _HELD, _PARKED, _AHEAD = "none", "held", "parked", "ahead"
 
 
 class _Permit:
-    """A slot thread's permit (``run.Permit``); ``state`` is guarded by the pool's lock."""
+    """A slot thread's permit (``run.Permit``); ``state`` and ``ticket`` (when a run made
+    ready ahead came) are guarded by the pool's lock."""
 
-    __slots__ = ("_pool", "state")
+    __slots__ = ("_pool", "state", "ticket")
 
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self.state = _NONE
+        self.ticket = 0
 
     def put_down(self) -> bool:
         return self._pool._put_down(self)
 
     def pick_up(self) -> bool:
         return self._pool._pick_up(self)
+
+    def start_when_held(self, start: Start) -> None:
+        self._pool._start_when_held(self, start)

@@ -173,6 +173,24 @@ class Processor:
         self._lock = threading.Lock()
         self.draining = Flag()
         self._counts: Counts[str] = Counts()
+        self._ahead: dict[str, bool] = {}  # by job name: see ``starts_ahead``
+
+    def starts_ahead(self, delivery: Delivery) -> bool:
+        """Whether ``delivery``'s run may go through the middleware before its handler while
+        it waits for a permit, and start once granted one (see ``pool``): an async job whose
+        every middleware lets it (``Middleware.ready_ahead``)."""
+        name = delivery.attributes.get(c.ATTR_JOB, "")
+        ahead = self._ahead.get(name)
+        if ahead is None:
+            spec = self._registry.get(name)
+            ahead = (
+                spec is not None
+                and spec.is_async
+                and not self._settings.exactly_once
+                and all(mw.ready_ahead(spec) for mw in self._middleware)
+            )
+            self._ahead[name] = ahead
+        return ahead
 
     def renew_until(self, deadline: float) -> None:
         """A drain ends at the monotonic ``deadline``: no message's copy is waited for beyond
@@ -238,16 +256,27 @@ class Processor:
         # thread that resumes the run enters again to run the middleware after it.
         context = contextvars.copy_context()
         ended = context.run(steps.enter)
-        if ended is None and not self._lease_from_now(run):
-            ended = Interrupted()
         if ended is not None:
             return context.run(self._end, run, steps, ended, left)
 
-        def finished(error: BaseException | None) -> None:
-            outcome = Succeeded() if error is None else _failure(run.job, run.ctx, error)
+        def end(outcome: Outcome) -> None:
             resume(lambda: context.run(self._end, run, steps, outcome, left))
 
-        self._loop.start(run.job.spec.handler, run.ctx, run.job.payload, context, finished)
+        def finished(error: BaseException | None) -> None:
+            end(Succeeded() if error is None else _failure(run.job, run.ctx, error))
+
+        def start(granted: bool) -> None:
+            # On whichever thread granted the permit: the loop's own, when a task ended.
+            if not granted:
+                end(NotStarted())  # the pool drained while it waited, ready: release it
+                return
+            if not self._lease_from_now(run):
+                end(Interrupted())  # handed back meanwhile (a lost claim, the drain deadline)
+                return
+            run.started_at = time.monotonic()  # it may have waited, ready, since its middleware
+            self._loop.start(run.job.spec.handler, run.ctx, run.job.payload, context, finished)
+
+        run.permit.start_when_held(start)
         return Ending.CARRIED
 
     def _end(

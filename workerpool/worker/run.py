@@ -37,6 +37,12 @@ class Permit(Protocol):
         """Take a permit back, waiting for one; False once the pool drains."""
         ...
 
+    def start_when_held(self, start: Callable[[bool], None]) -> None:
+        """Call ``start(True)`` once the run holds a permit: now if it does, else (an async
+        run made ready ahead, without one) on the thread that frees one for it; or
+        ``start(False)`` if the pool drains first and the run must not start."""
+        ...
+
 
 class Unparkable:
     """The permit of a run outside a pool: it never waits without it."""
@@ -46,6 +52,9 @@ class Unparkable:
 
     def pick_up(self) -> bool:
         return True
+
+    def start_when_held(self, start: Callable[[bool], None]) -> None:
+        start(True)
 
 
 UNPARKABLE: Permit = Unparkable()
