@@ -20,6 +20,7 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.launcher import Launcher, Phase
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
+from workerpool.worker.outcome import Interrupted
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
@@ -483,17 +484,108 @@ def test_a_drain_releases_async_runs_made_ready_without_starting_them() -> None:
 def test_an_async_run_made_ready_ahead_counts_its_timeout_from_its_start(
     timers: Timers,
 ) -> None:
-    # Given 1 slot, jobs with a timeout of 2 s: one runs for 1.2 s, and one made ready ahead
-    # meanwhile runs for 1 s once it starts (2.2 s after its middleware ran)
+    # Given 1 slot and jobs with a timeout of 2 s: one that runs for 2.5 s, and one made ready
+    # ahead meanwhile, which runs for 0.5 s once it starts (3 s after its middleware ran)
     pool, processor, acks, loop = _async_pool(1, 1, TimeLimit(timers))
     gate, entered = _gate_of(processor)
     try:
-        pool.admit([_message("t.timed", "first", seconds=1.2)])
+        pool.admit([_message("t.async", "first")])
         assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
-        pool.admit([_message("t.timed", "second", seconds=1.0)])
+        pool.admit([_message("t.timed", "second", seconds=0.5)])
         assert wait_for(lambda: "second" in entered.entered, timeout=10, interval=0.005)
+        time.sleep(2.5)
+        gate.go.set()
         # When both have run, Then neither ran past its timeout
         assert wait_for(lambda: len(acks.acked) == 2, timeout=10, interval=0.01)
         assert processor.stats == {"done": 2} and gate.started == ["first", "second"]
     finally:
+        gate.go.set()
+        _close(pool, loop)
+
+
+class _ParksForASlot(Middleware):
+    """As a run of a job with a fleet-wide slot does: asks for its slot holding its permit
+    until ``asked``, then waits without it until ``granted``, then picks one up again."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.granted = threading.Event()
+        self.put_down: list[bool] = []
+
+    def before(self, run: Run) -> None:
+        if run.job.job_id.startswith("wait"):
+            self.asked.wait(10)
+            self.put_down.append(run.permit.put_down())
+            self.granted.wait(10)
+            if self.put_down[-1]:
+                assert run.permit.pick_up()
+
+
+def test_a_run_waiting_without_its_permit_keeps_its_place_beside_runs_made_ready_ahead() -> None:
+    # Given 2 slots, a prefetch of 3: an async job running, and a sync one asking for its
+    # fleet-wide slot
+    parks = _ParksForASlot()
+    pool, processor, acks, loop = _async_pool(2, 3, parks)
+    gate, entered = _gate_of(processor)
+    try:
+        pool.admit([_message("t.async", "a0")])
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.sync", "wait-p")])
+        assert wait_for(lambda: "wait-p" in entered.entered, timeout=10, interval=0.005)
+        # When 2 async runs are made ready ahead, and then it waits for its slot without its
+        # permit
+        pool.admit([_message("t.async", "a1"), _message("t.async", "a2")])
+        assert wait_for(lambda: len(entered.entered) == 4, timeout=10, interval=0.005)
+        parks.asked.set()
+        # Then it may (runs made ready ahead hold no thread, and take no place of the
+        # prefetch's), and one of them runs meanwhile
+        assert wait_for(lambda: parks.put_down == [True], timeout=10, interval=0.005)
+        assert wait_for(lambda: gate.running == 2, timeout=10, interval=0.005)
+        # When its slot is granted and it waits for a permit, and another async run comes
+        parks.granted.set()
+        assert wait_for(lambda: len(pool._waiters) == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.async", "a3")])
+        assert wait_for(lambda: "a3" in entered.entered, timeout=10, interval=0.005)
+        # Then it gets a permit before the run that came after it
+        gate.go.set()
+        assert wait_for(lambda: len(acks.acked) == 5, timeout=10, interval=0.005)
+        assert gate.started.index("wait-p") < gate.started.index("a3"), gate.started
+        assert gate.peak == 2 and processor.stats == {"done": 5}
+    finally:
+        gate.go.set()
+        parks.asked.set()
+        parks.granted.set()
+        _close(pool, loop)
+
+
+class _Runs(Middleware):
+    """Keeps every run, to hand some back as a lost claim would."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, Run] = {}
+
+    def before(self, run: Run) -> None:
+        self.runs[run.job.job_id] = run
+
+
+def test_a_long_line_of_ready_runs_handed_back_meanwhile_ends_without_nesting() -> None:
+    # Given 1 slot, a prefetch of 400, an async job running and 400 made ready ahead
+    runs = _Runs()
+    pool, processor, _, loop = _async_pool(1, 400, runs)
+    gate, _ = _gate_of(processor)
+    try:
+        pool.admit([_message("t.async", "running")])
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        pool.admit([_message("t.async", f"r{i}") for i in range(400)])
+        assert wait_for(lambda: len(runs.runs) == 401, timeout=30, interval=0.01)
+        # When every ready one is handed back (their claims were lost), then the running one ends
+        for i in range(400):
+            assert runs.runs[f"r{i}"].hand_back(Interrupted())
+        gate.go.set()
+        # Then each, granted the permit in turn, ends unstarted, and the pool is idle
+        assert pool.wait_idle(time.monotonic() + 30), (pool.held, pool.running)
+        assert gate.started == ["running"] and pool.running == 0
+        assert processor.stats == {"done": 1, "drained": 400}
+    finally:
+        gate.go.set()
         _close(pool, loop)

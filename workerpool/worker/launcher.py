@@ -415,10 +415,10 @@ class Launcher:
             self._released_before = self._parts.processor.stats[Label.RELEASED]
         self._parts.puller.stop(timeout=0)
         heartbeat = self._parts.heartbeat
-        self._parts.pool.stop_starting()
+        released = self._parts.pool.stop_starting()
         if heartbeat is not None:
             heartbeat.poke()  # the autoscaler counts this replica's slots out at once
-        released = self._parts.pool.quiet()  # may wait for copies until the deadline
+        released += self._parts.pool.quiet()  # may wait for copies until the deadline
         if heartbeat is not None and released:
             heartbeat.poke()  # and no longer counts what it gave back as waiting here
         if first or released:

@@ -186,8 +186,11 @@ class TimeLimit(Middleware):
         def expire() -> None:
             if ended:
                 return
+            if run.waiting_since is not None:  # ready ahead, waiting for a permit: not begun
+                timers.append(self._timers.call_after(timeout, expire))
+                return
             left = run.started_at + timeout - time.monotonic()
-            if left > 0:  # its handler started after this timer did (it waited, ready)
+            if left > 0:  # it waited, ready, before its handler started
                 timers.append(self._timers.call_after(left, expire))
                 return
             ctx.timed_out.set()  # first: a handler woken by cancelled already knows why

@@ -22,15 +22,16 @@ the next message (waiting for a permit like any other), and when the task ends a
 is woken to carry the rest of the run (``_resume``), one wake-up for all that ended meanwhile.
 
 An async run whose middleware lets it (``Processor.starts_ahead``) need not wait for a permit
-before its middleware: while every permit is taken, up to ``prefetch`` such runs (counted
-with the parked ones) go through the middleware before the handler and wait, ready, without a
-thread. A permit freed then goes to the oldest of them, and the run starts on the thread that
-freed it: on the loop's own thread when an async run's task ends, so the next one starts in
-the same loop iteration. Measured at N = 64 with 50 ms async jobs, each run otherwise waited
-for three thread hand-offs between one run's end and the next one's start (0.2-0.4 ms each,
-queued behind each other for the GIL, since ends come in bursts), and 0.03 of the slots were
-idle for it. A message that waits for a permit on a slot thread and came first still gets
-the permit first, so sync runs of a mixed pool are not passed over.
+before its middleware: while every permit is taken, such runs go through the middleware
+before the handler and wait, ready, with no thread (the hold bounds them: with every permit
+taken, at most ``prefetch`` are held beyond). A freed permit goes to the oldest of them, and
+the run starts on the thread that freed it: on the loop's own thread when an async run's task
+ends, so the next one starts in the same loop iteration. Measured at N = 64 with 50 ms async
+jobs, each run otherwise waited for three thread hand-offs between one run's end and the next
+one's start (0.2-0.4 ms each, queued behind each other for the GIL, since ends come in
+bursts), and 0.03 of the slots were idle for it. A thread that waits for a permit (a message
+not made ready ahead, a parked run picking its permit up again) and came first still gets it
+first, so sync runs of a mixed pool, and runs holding a fleet-wide slot, are not passed over.
 """
 
 from __future__ import annotations
@@ -104,11 +105,13 @@ class Pool:
         self._held_bytes = 0
         self._free = limits.max_outstanding  # permits nobody holds
         self._parked = 0  # runs waiting without their permit
-        # Taken by a slot thread, waiting for a permit: by when each came (a ticket).
-        self._starting: dict[Delivery, int] = {}
-        # Async runs made ready ahead, oldest first: their permit, and how to start them.
+        self._starting: set[Delivery] = set()  # taken by a slot thread, waiting for a permit
+        # Async runs made ready ahead, oldest first: their permit, and how to start them; and
+        # every thread waiting for a permit, in the order they came (both hold a ticket).
         self._ready: collections.deque[tuple[_Permit, Start]] = collections.deque()
+        self._waiters: dict[_Permit, int] = {}
         self._tickets = itertools.count()
+        self._launching = threading.local()  # see ``_launch``
         self._unstarted = 0  # admitted, and not yet running or given back
         self._low = limits.prefetch // 2  # this few waiting to start: pull now
         self._batch = max(1, limits.max_held // 2)  # else pull when this much room is free
@@ -230,76 +233,92 @@ class Pool:
     def _end_run(self, permit: _Permit, delivery: Delivery, *, settled: bool) -> None:
         if settled:
             self._leases.remove(delivery)
-        start = None
         with self._cond:
-            start = self._let_go(permit)
+            starts = self._let_go(permit)
             if settled:  # one round trip of the lock, not two, for most messages
                 self._unhold(delivery)
             self._cond.notify_all()
-        if start is not None:
-            start(True)
+        self._launch(starts)
 
-    def _let_go(self, permit: _Permit) -> Start | None:
-        """(Under the lock.) The run is done with ``permit``, whatever its state; if it held
-        one, what to start with it now (outside the lock)."""
-        start = None
+    def _let_go(self, permit: _Permit) -> list[Start]:
+        """(Under the lock.) The run is done with ``permit``, whatever its state; what to
+        start with a permit it freed (outside the lock, ``_launch``)."""
+        starts = []
         if permit.state is _HELD:
-            start = self._free_one()
+            self._free += 1
+            starts = self._dispatch()
+            if self._free:
+                self._permits.notify()
         elif permit.state is _PARKED:
             self._parked -= 1
         elif permit.state is _AHEAD:  # it ended before it was ready (a middleware ended it)
-            self._parked -= 1
             self._started_one()
         permit.state = _NONE
-        return start
+        return starts
 
-    def _free_one(self) -> Start | None:
-        """(Under the lock.) A permit is free: it goes to the oldest async run made ready
-        ahead, returned to be started outside the lock, unless a slot thread has waited for
-        one longer; else to a waiting slot thread."""
-        if self._ready and not self._quiet.is_set():
+    def _dispatch(self) -> list[Start]:
+        """(Under the lock.) Free permits go to the async runs made ready ahead, oldest
+        first, each unless that many threads waiting for a permit came before it (the free
+        permits are theirs); the starts are returned, to be launched outside the lock."""
+        starts = []
+        while self._free and self._ready and not self._quiet.is_set():
             ahead, start = self._ready[0]
-            waiting = next(iter(self._starting.values()), None)
-            if waiting is None or ahead.ticket < waiting:
-                self._ready.popleft()
-                self._parked -= 1
-                self._started_one()
-                ahead.state = _HELD
-                return start
-        self._free += 1
-        self._permits.notify()
-        return None
+            older = 0
+            for ticket in self._waiters.values():  # in the order they came
+                if ticket > ahead.ticket or older >= self._free:
+                    break
+                older += 1
+            if older >= self._free:
+                break
+            self._ready.popleft()
+            self._free -= 1
+            self._started_one()
+            ahead.state = _HELD
+            starts.append(start)
+        return starts
+
+    def _launch(self, starts: list[Start]) -> None:
+        """Start runs granted a permit, one after another on this thread. A start that ends
+        at once (its message was handed back while it waited) frees its permit for the next
+        ready run: that one is queued here, not started inside it, so a long line of such
+        runs never nests."""
+        if not starts:
+            return
+        queued: collections.deque[Start] | None = getattr(self._launching, "queue", None)
+        if queued is not None:
+            queued.extend(starts)  # a start below launches it when this one returns
+            return
+        self._launching.queue = queued = collections.deque(starts)
+        try:
+            while queued:
+                queued.popleft()(True)
+        finally:
+            self._launching.queue = None
 
     def _go_ahead(self, permit: _Permit) -> bool:
-        """Make an async run ready ahead, without a permit, if every permit is taken and
-        there is room to wait (shared with parked runs)."""
+        """Make an async run ready ahead, without a permit, if every permit is taken. (Its
+        place is in the hold, which bounds it: it holds no thread.)"""
         with self._cond:
-            if self._quiet.is_set() or self._free or self._parked >= self.limits.prefetch:
+            if self._quiet.is_set() or self._free:
                 return False
             permit.state = _AHEAD
             permit.ticket = next(self._tickets)
-            self._parked += 1
             return True
 
     def _start_when_held(self, permit: _Permit, start: Start) -> None:
         with self._cond:
-            if permit.state is _AHEAD:
-                if self._quiet.is_set():
-                    self._let_go(permit)
-                    granted: bool | None = False
-                elif self._free:
-                    self._free -= 1
-                    self._parked -= 1
-                    self._started_one()
-                    permit.state = _HELD
-                    granted = True
-                else:
-                    self._ready.append((permit, start))
-                    granted = None  # started by whoever frees a permit, or refused by quiet()
+            if permit.state is _AHEAD and not self._quiet.is_set():
+                self._ready.append((permit, start))
+                starts = self._dispatch()
+                granted: bool | None = None  # by whoever frees a permit, or refused by quiet()
             else:
+                starts = []
                 granted = permit.state is _HELD
+                if not granted:
+                    self._let_go(permit)
         if granted is not None:
             start(granted)
+        self._launch(starts)
 
     def _resume(self, permit: _Permit, delivery: Delivery, rest: Callable[[], Ending]) -> None:
         """(From the event loop's thread, or wherever a run that was ready ahead was refused.)
@@ -308,9 +327,8 @@ class Pool:
         before a slot thread looks: a thread woken per run would cost most of what the run
         saved by holding none."""
         with self._cond:
-            start = self._let_go(permit)
-        if start is not None:
-            start(True)
+            starts = self._let_go(permit)
+        self._launch(starts)
         self._resumed.append((permit, delivery, rest))
         if not self._resume_pending:
             self._resume_pending = True
@@ -344,21 +362,23 @@ class Pool:
         with self._cond:
             if permit.state is not _HELD or self._parked >= self.limits.prefetch:
                 return False
-            permit.state = _PARKED
             self._parked += 1
-            start = self._free_one()
+            self._free += 1
+            permit.state = _PARKED
+            starts = self._dispatch()
+            if self._free:
+                self._permits.notify()
             self._cond.notify_all()
-        if start is not None:
-            start(True)
+        self._launch(starts)
         return True
 
     def _wait_for_permit(self, permit: _Permit, delivery: Delivery) -> bool:
         with self._cond:
-            self._starting[delivery] = next(self._tickets)
+            self._starting.add(delivery)
             try:
                 return self._pick_up_locked(permit)
             finally:
-                del self._starting[delivery]
+                self._starting.discard(delivery)
                 self._started_one()
 
     def _started_one(self) -> None:
@@ -372,22 +392,26 @@ class Pool:
             return self._pick_up_locked(permit)
 
     def _pick_up_locked(self, permit: _Permit) -> bool:
-        """False once the pool is quiet: nothing that has not started starts any more."""
-        while not self._free and not self._quiet.is_set():
-            self._permits.wait()
+        """False once the pool is quiet: nothing that has not started starts any more. The
+        wait is in line with the runs made ready ahead (``_dispatch``)."""
+        if not self._free and not self._quiet.is_set():
+            self._waiters[permit] = next(self._tickets)
+            try:
+                while not self._free and not self._quiet.is_set():
+                    self._permits.wait()
+            finally:
+                del self._waiters[permit]
         if self._quiet.is_set():
             return False
-        if permit.state is _AHEAD:
-            self._started_one()
-        if permit.state is _PARKED or permit.state is _AHEAD:
+        if permit.state is _PARKED:
             self._parked -= 1
         self._free -= 1
         permit.state = _HELD
         return True
 
-    def stop_starting(self) -> None:
-        """Admit nothing more and start nothing more (an async run made ready ahead ends
-        unstarted); tell running jobs we are draining."""
+    def stop_starting(self) -> int:
+        """Admit nothing more and start nothing more; tell running jobs we are draining.
+        Returns how many async runs made ready ahead it released unstarted."""
         with self._cond:
             self._quiet.set()
             refused = [start for _, start in self._ready]
@@ -396,11 +420,12 @@ class Pool:
         self._processor.draining.set()
         for start in refused:
             start(False)
+        return len(refused)
 
     def quiet(self) -> int:
         """``stop_starting``, and give back what has not started (a message on its last
         delivery waits for its copy, up to the drain's deadline)."""
-        self.stop_starting()
+        released_ready = self.stop_starting()
         waiting: list[Delivery] = []
         resumes = 0
         while True:
@@ -423,7 +448,7 @@ class Pool:
             self._held_bytes -= sum(d.size for d in waiting)
             self._permits.notify_all()
             self._cond.notify_all()
-        return released
+        return released + released_ready
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no job runs, or the monotonic ``deadline`` passes."""

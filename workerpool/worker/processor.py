@@ -183,9 +183,10 @@ class Processor:
         ahead = self._ahead.get(name)
         if ahead is None:
             spec = self._registry.get(name)
+            if spec is None:
+                return False  # any name may come: only registered ones are remembered
             ahead = (
-                spec is not None
-                and spec.is_async
+                spec.is_async
                 and not self._settings.exactly_once
                 and all(mw.ready_ahead(spec) for mw in self._middleware)
             )
@@ -273,9 +274,12 @@ class Processor:
             if not self._lease_from_now(run):
                 end(Interrupted())  # handed back meanwhile (a lost claim, the drain deadline)
                 return
-            run.started_at = time.monotonic()  # it may have waited, ready, since its middleware
+            if run.waiting_since is not None:  # first: TimeLimit reads the two in this order
+                run.started_at += time.monotonic() - run.waiting_since
+                run.waiting_since = None
             self._loop.start(run.job.spec.handler, run.ctx, run.job.payload, context, finished)
 
+        run.waiting_since = time.monotonic()
         run.permit.start_when_held(start)
         return Ending.CARRIED
 

@@ -68,6 +68,9 @@ class Run:
     # Hands the message back now with the given outcome, while the handler may still run.
     _hand_back: Callable[[Run, Outcome], bool] = field(repr=False)
     started_at: float = field(default_factory=time.monotonic)
+    # Since when an async run made ready ahead waits for a permit (None: it is not waiting).
+    # Its start moves ``started_at`` on by the wait, so its timeout and duration leave it out.
+    waiting_since: float | None = None
     # The run's span while it is traced (the tracing middleware sets it), for log lines too.
     span: Span = INVALID_SPAN
     # What the chain returned, once it has.
