@@ -297,15 +297,18 @@ class Pool:
 
     def _go_ahead(self, permit: _Permit) -> bool:
         """Make an async run ready ahead, without a permit, if every permit is taken. (Its
-        place is in the hold, which bounds it: it holds no thread.)"""
-        with self._cond:
-            if self._quiet.is_set() or self._free:
-                return False
-            permit.state = _AHEAD
-            permit.ticket = next(self._tickets)
-            return True
+        place is in the hold, which bounds it: it holds no thread.) Read without the lock: a
+        permit freed meanwhile goes to it when it is ready (``_start_when_held``)."""
+        if self._quiet.is_set() or self._free:
+            return False
+        permit.state = _AHEAD  # nobody else sees this permit yet
+        permit.ticket = next(self._tickets)
+        return True
 
     def _start_when_held(self, permit: _Permit, start: Start) -> None:
+        if permit.state is _HELD:  # held: only its run changes its state, and that is us
+            start(True)
+            return
         with self._cond:
             if permit.state is _AHEAD and not self._quiet.is_set():
                 self._ready.append((permit, start))
@@ -326,9 +329,10 @@ class Pool:
         went to the next run, started right here. One wake-up for all the runs that end
         before a slot thread looks: a thread woken per run would cost most of what the run
         saved by holding none."""
-        with self._cond:
-            starts = self._let_go(permit)
-        self._launch(starts)
+        if self._ready:  # (read without the lock: else the rest lets the permit go, as ever)
+            with self._cond:
+                starts = self._let_go(permit)
+            self._launch(starts)
         self._resumed.append((permit, delivery, rest))
         if not self._resume_pending:
             self._resume_pending = True
