@@ -178,33 +178,41 @@ class TimeLimit(Middleware):
         self._timers = timers
 
     def around(self, run: Run) -> Around:
-        ctx = run.ctx
-        timeout = run.job.spec.timeout
-        # The run until it ends (then None, for a timer set again below). A cancelled timer
-        # stays in the timers' heap until a sweep: holding the whole run that long cost
-        # 10 us per run in garbage collection, measured.
-        running: list[Run | None] = [run]
-
-        def expire() -> None:
-            now = running[0]
-            if now is None:
-                return
-            if now.waiting_since is not None:  # ready ahead, waiting for a permit: not begun
-                self._timers.call_after(timeout, expire)
-                return
-            left = now.started_at + timeout - time.monotonic()
-            if left > 0:  # it waited, ready, before its handler started
-                self._timers.call_after(left, expire)
-                return
-            ctx.timed_out.set()  # first: a handler woken by cancelled already knows why
-            ctx.cancelled.set()
-
-        timer = self._timers.call_after(timeout, expire)
+        deadline = _Deadline(self._timers, run)
+        timer = self._timers.call_after(run.job.spec.timeout, deadline.expire)
         try:
             return (yield)
         finally:
-            running[0] = None
+            deadline.run = None
             timer.cancel()
+
+
+class _Deadline:
+    """A run's timeout, counted from its handler's start: a run made ready ahead may wait
+    for a permit after its middleware. Until the run ends it holds the run; it never holds
+    its own timer, nor does a closure hold itself: each would be a reference cycle per run,
+    left to the garbage collector (measured: 6-10 us more CPU per run)."""
+
+    __slots__ = ("_timers", "run")
+
+    def __init__(self, timers: Timers, run: Run) -> None:
+        self._timers = timers
+        self.run: Run | None = run
+
+    def expire(self) -> None:
+        run = self.run
+        if run is None:
+            return  # it ended before this timer, set again below, came due
+        timeout = run.job.spec.timeout
+        if run.waiting_since is not None:  # ready ahead, waiting for a permit: not begun
+            self._timers.call_after(timeout, self.expire)
+            return
+        left = run.started_at + timeout - time.monotonic()
+        if left > 0:  # it waited, ready, before its handler started
+            self._timers.call_after(left, self.expire)
+            return
+        run.ctx.timed_out.set()  # first: a handler woken by cancelled already knows why
+        run.ctx.cancelled.set()
 
 
 class RateLimit(Middleware):
