@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
+from google.api_core import exceptions as gexc
 
 from workerpool.slots import SlotStore
 from workerpool.testing.pubsub import PubSubResources
@@ -230,3 +231,16 @@ def book(store: SlotStore, key: str, job_id: str, limit: int) -> float:
     booking = store.come_back(key, job_id, limit)
     store.book_many([(key, job_id, booking)])
     return booking.at
+
+
+def pull_once(env: PubSubResources, max_messages: int = 100) -> list[Any]:
+    """One pull from ``env``'s subscription, nothing acked: the received messages (none if
+    the pull timed out)."""
+    try:
+        response = env.subscriber.pull(
+            request={"subscription": env.subscription_path, "max_messages": max_messages},
+            timeout=3,
+        )
+    except gexc.DeadlineExceeded:
+        return []
+    return list(response.received_messages)

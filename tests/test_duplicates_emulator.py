@@ -9,11 +9,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from google.api_core import exceptions as gexc
 
 from tests.support import (
     WorkerProcess,
     ledger_events,
+    pull_once,
     shared_store,
     spawn_worker,
     wait_for,
@@ -26,14 +26,7 @@ JOBS = 200
 
 def _leftovers(pubsub_resources: PubSubResources) -> list[str]:
     """Job ids still on the subscription (nothing should be: every copy was acked)."""
-    try:
-        response = pubsub_resources.subscriber.pull(
-            request={"subscription": pubsub_resources.subscription_path, "max_messages": 100},
-            timeout=3,
-        )
-    except gexc.DeadlineExceeded:
-        return []
-    return [m.message.attributes["job_id"] for m in response.received_messages]
+    return [m.message.attributes["job_id"] for m in pull_once(pubsub_resources)]
 
 
 def _tails(ledger: Path, workers: list[WorkerProcess]) -> str:

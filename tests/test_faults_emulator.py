@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google.api_core import exceptions as gexc
 
 from tests.faults.inject import ENV as FAULTS_ENV
 from tests.faults.inject import ERRORS
@@ -25,6 +24,7 @@ from tests.support import (
     WorkerProcess,
     http_get,
     ledger_events,
+    pull_once,
     read_ledger,
     spawn_worker,
     wait_for,
@@ -74,7 +74,7 @@ def _pull_back(pubsub_resources: PubSubResources, expected: set[str], timeout: f
     seen: set[str] = set()
     deadline = time.monotonic() + timeout
     while not expected <= seen and time.monotonic() < deadline:
-        received = _pull(pubsub_resources)
+        received = pull_once(pubsub_resources)
         if received:
             seen.update(m.message.attributes["job_id"] for m in received)
             pubsub_resources.subscriber.acknowledge(
@@ -86,18 +86,6 @@ def _pull_back(pubsub_resources: PubSubResources, expected: set[str], timeout: f
     return seen
 
 
-def _pull(pubsub_resources: PubSubResources) -> list[Any]:
-    """One pull of up to 100 messages from the subscription (none if it timed out)."""
-    try:
-        response = pubsub_resources.subscriber.pull(
-            request={"subscription": pubsub_resources.subscription_path, "max_messages": 100},
-            timeout=3,
-        )
-    except gexc.DeadlineExceeded:
-        return []
-    return list(response.received_messages)
-
-
 def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count: int) -> None:
     """Pull and nack ``job_ids`` until each has been delivered ``count`` times (one that
     has is held until all have: nacked again, it would use a delivery more)."""
@@ -107,7 +95,7 @@ def _use_deliveries(pubsub_resources: PubSubResources, job_ids: set[str], count:
     while min(used.values()) < count:
         assert time.monotonic() < deadline, f"deliveries seen: {used}"
         again = []
-        for received in _pull(pubsub_resources):
+        for received in pull_once(pubsub_resources):
             job_id = received.message.attributes["job_id"]
             used[job_id] = max(used[job_id], received.delivery_attempt)
             (held if used[job_id] >= count else again).append(received.ack_id)

@@ -589,3 +589,20 @@ def test_a_long_line_of_ready_runs_handed_back_meanwhile_ends_without_nesting() 
     finally:
         gate.go.set()
         _close(pool, loop)
+
+
+def test_a_start_that_raises_does_not_stop_the_starts_queued_after_it() -> None:
+    # Given a pool, and two runs granted a permit at once, the first of whose start raises
+    pool, _, _, loop = _async_pool(1, 1)
+    started: list[bool] = []
+
+    def broken(granted: bool) -> None:
+        raise RuntimeError("a bug")
+
+    try:
+        # When both are launched on one thread
+        pool._launch([broken, started.append])
+        # Then the second still starts
+        assert started == [True]
+    finally:
+        _close(pool, loop)

@@ -245,15 +245,21 @@ class Pool:
         start with a permit it freed (outside the lock, ``_launch``)."""
         starts = []
         if permit.state is _HELD:
-            self._free += 1
-            starts = self._dispatch()
-            if self._free:
-                self._permits.notify()
+            starts = self._free_permit()
         elif permit.state is _PARKED:
             self._parked -= 1
         elif permit.state is _AHEAD:  # it ended before it was ready (a middleware ended it)
             self._started_one()
         permit.state = _NONE
+        return starts
+
+    def _free_permit(self) -> list[Start]:
+        """(Under the lock.) One permit is free: to a run made ready ahead (returned, to be
+        launched outside the lock), or else to a waiting thread."""
+        self._free += 1
+        starts = self._dispatch()
+        if self._free:
+            self._permits.notify()
         return starts
 
     def _dispatch(self) -> list[Start]:
@@ -291,7 +297,11 @@ class Pool:
         self._launching.queue = queued = collections.deque(starts)
         try:
             while queued:
-                queued.popleft()(True)
+                start = queued.popleft()
+                try:
+                    start(True)
+                except Exception:  # a bug; the runs queued after it must still start
+                    log.exception("%s: starting a run made ready ahead failed", self.name)
         finally:
             self._launching.queue = None
 
@@ -367,11 +377,8 @@ class Pool:
             if permit.state is not _HELD or self._parked >= self.limits.prefetch:
                 return False
             self._parked += 1
-            self._free += 1
             permit.state = _PARKED
-            starts = self._dispatch()
-            if self._free:
-                self._permits.notify()
+            starts = self._free_permit()
             self._cond.notify_all()
         self._launch(starts)
         return True
