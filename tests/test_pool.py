@@ -327,7 +327,8 @@ def test_async_runs_hold_no_slot_thread_and_a_blocked_end_holds_up_no_other() ->
 
 class _AsyncGate:
     """Async jobs that record the order they start in and how many run at once, and wait
-    (without blocking the loop) until let go; sync ones (``t.sync``) that do the same."""
+    (without blocking the loop) until let go, all (``go``) or by job id (``let_go``); sync
+    ones (``t.sync``) that do the same, let go with all."""
 
     def __init__(self, jobs: Registry) -> None:
         self.lock = threading.Lock()
@@ -335,6 +336,7 @@ class _AsyncGate:
         self.running = 0
         self.peak = 0
         self.go = threading.Event()
+        self.let_go: set[str] = set()
         jobs.job("t.async")(self.run_async)
         jobs.job("t.sync")(self.run_sync)
         jobs.job("t.timed", timeout=2.0)(self.sleep)
@@ -351,7 +353,7 @@ class _AsyncGate:
 
     async def run_async(self, ctx: Any, payload: dict[str, Any]) -> None:
         self._begin(ctx.job_id)
-        while not self.go.is_set():
+        while not self.go.is_set() and ctx.job_id not in self.let_go:
             await asyncio.sleep(0.005)
         self._end()
 
@@ -546,10 +548,16 @@ def test_a_run_waiting_without_its_permit_keeps_its_place_beside_runs_made_ready
         assert wait_for(lambda: len(pool._waiters) == 1, timeout=10, interval=0.005)
         pool.admit([_message("t.async", "a3")])
         assert wait_for(lambda: "a3" in entered.entered, timeout=10, interval=0.005)
-        # Then it gets a permit before the run that came after it
+        # Then, as the two running end, the permits go to the run made ready before it
+        # waited, and to it, not to the run that came after it
+        gate.let_go.update({"a0", "a1"})
+        # (which of the two begins its handler first is up to the threads)
+        assert wait_for(lambda: len(gate.started) == 4, timeout=10, interval=0.005)
+        assert gate.started[:2] == ["a0", "a1"]
+        assert sorted(gate.started[2:]) == ["a2", "wait-p"], gate.started
         gate.go.set()
         assert wait_for(lambda: len(acks.acked) == 5, timeout=10, interval=0.005)
-        assert gate.started.index("wait-p") < gate.started.index("a3"), gate.started
+        assert gate.started[-1] == "a3"
         assert gate.peak == 2 and processor.stats == {"done": 5}
     finally:
         gate.go.set()
