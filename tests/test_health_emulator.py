@@ -108,6 +108,13 @@ def test_metrics_port_serves_metrics_health_and_readiness_that_drops_on_drain(
         assert f'workerpool_pool_limit{{pool="{pubsub_resources.subscription}"}} 2' in lines
         assert f'workerpool_pool_held{{pool="{pubsub_resources.subscription}"}} 1' in lines
         assert "# TYPE workerpool_job_duration_seconds histogram" in lines
+        # ... and the job histograms, recorded by the worker's own readers: one run timed to
+        # its end, two runs' queue latency
+        done = 'job="demo.sleep",outcome="done"'
+        assert f"workerpool_job_duration_seconds_count{{{done}}} 1" in lines, text
+        assert f'workerpool_job_duration_seconds_bucket{{{done},le="0.05"}} 0' in lines
+        assert f'workerpool_job_duration_seconds_bucket{{{done},le="+Inf"}} 1' in lines
+        assert 'workerpool_job_queue_latency_seconds_count{job="demo.sleep"} 2' in lines, text
 
         # When it gets SIGTERM while the long job runs (the drain lasts its 4 s timeout)
         sent = worker.signal(signal.SIGTERM)

@@ -38,6 +38,7 @@ from workerpool.registry import Registry
 from workerpool.telemetry import PrometheusReader, Telemetry, extract, inject
 from workerpool.telemetry.exporters import exporter_names, span_processors, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
+from workerpool.telemetry.histograms import TakesJobHistograms
 from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.logs import (
     CloudLoggingFormatter,
@@ -55,13 +56,31 @@ from workerpool.worker.processor import Processor
 from workerpool.worker.run import Settled
 
 
-def _in_memory() -> tuple[InMemorySpanExporter, InMemoryMetricReader, Telemetry]:
+class OwnInMemoryReader(TakesJobHistograms, InMemoryMetricReader):
+    """An in-memory reader that takes the job histograms, as the worker's own readers do."""
+
+    def _receive_metrics(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> None:
+        super()._receive_metrics(self.with_job_histograms(metrics_data), timeout_millis, **kwargs)
+
+
+def _in_memory(
+    *, own_histograms: bool = False
+) -> tuple[InMemorySpanExporter, InMemoryMetricReader, Telemetry]:
+    """With ``own_histograms``, the job histograms are recorded by workerpool, as with the
+    readers ``workerpool run`` makes; else by the SDK, as with a meter provider of a user's."""
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    reader = InMemoryMetricReader()
+    reader = OwnInMemoryReader() if own_histograms else InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
-    return spans, reader, Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    telemetry = Telemetry(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        metric_readers=[reader] if own_histograms else (),
+    )
+    return spans, reader, telemetry
 
 
 def _points(data: MetricsData | None, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
@@ -227,10 +246,13 @@ def test_publishing_injects_the_current_trace_context_and_keeps_a_given_one() ->
 # --- metrics ---------------------------------------------------------------------------------
 
 
-def test_counters_match_the_outcomes_of_20_jobs_exactly(pubsub_resources: PubSubResources) -> None:
+@pytest.mark.parametrize("own_histograms", [False, True], ids=["sdk-histograms", "own-histograms"])
+def test_counters_match_the_outcomes_of_20_jobs_exactly(
+    pubsub_resources: PubSubResources, own_histograms: bool
+) -> None:
     # Given 20 jobs: 12 that succeed, 4 that fail once then succeed, 4 that fail permanently
     pubsub_resources.provision()
-    _, reader, telemetry = _in_memory()
+    _, reader, telemetry = _in_memory(own_histograms=own_histograms)
     jobs = Registry()
 
     @jobs.job("t.ok")

@@ -22,6 +22,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
     MetricReader,
+    MetricsData,
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -36,6 +37,7 @@ from opentelemetry.trace import SpanKind
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
+from workerpool.telemetry.histograms import TakesJobHistograms
 from workerpool.telemetry.hooks import Telemetry
 from workerpool.telemetry.propagation import extract
 
@@ -110,8 +112,17 @@ def metric_readers(env: Mapping[str, str] | None = None) -> list[MetricReader]:
     readers: list[MetricReader] = []
     for name in exporter_names("metrics", env):
         exporter = ConsoleMetricExporter() if name == "console" else _otlp("metrics", env)
-        readers.append(PeriodicExportingMetricReader(exporter))
+        readers.append(PeriodicReader(exporter))
     return readers
+
+
+class PeriodicReader(TakesJobHistograms, PeriodicExportingMetricReader):
+    """The SDK's periodic exporting reader, exporting the job histograms too."""
+
+    def _receive_metrics(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> None:
+        super()._receive_metrics(self.with_job_histograms(metrics_data), timeout_millis, **kwargs)
 
 
 def resource() -> Resource:
@@ -150,14 +161,17 @@ def telemetry_from_env(
         return Telemetry(spans_exported=False, metrics_read=False)
     processors = span_processors(env)
     traces = tracer_provider(processors)
-    meters = MeterProvider(
-        resource=resource(), metric_readers=[*metric_readers(env), *extra_readers]
-    )
+    readers = [*metric_readers(env), *extra_readers]
+    meters = MeterProvider(resource=resource(), metric_readers=readers)
     if install:
         trace.set_tracer_provider(traces)
         metrics.set_meter_provider(meters)
     return Telemetry(
-        tracer_provider=traces, meter_provider=meters, owned=True, spans_exported=bool(processors)
+        tracer_provider=traces,
+        meter_provider=meters,
+        owned=True,
+        spans_exported=bool(processors),
+        metric_readers=readers,
     )
 
 

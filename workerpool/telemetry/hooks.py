@@ -7,8 +7,11 @@ so every run is seen, even one the idempotency check short-circuits).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import TracerProvider
@@ -36,16 +39,19 @@ class Telemetry:
         owned: bool = False,
         spans_exported: bool = True,
         metrics_read: bool = True,
+        metric_readers: Sequence[MetricReader] = (),
     ) -> None:
         """``owned``: ``shutdown()`` shuts the providers down too (flushing exporters).
         ``spans_exported``: False when no exporter takes the tracer provider's spans (then job
         spans are not made at all; log lines still carry the publisher's trace).
         ``metrics_read``: False when no reader can ever collect the job metrics
-        (``OTEL_SDK_DISABLED``): no run pays for measuring them."""
+        (``OTEL_SDK_DISABLED``): no run pays for measuring them.
+        ``metric_readers``: the meter provider's readers, when the caller made them (see
+        ``Metrics``)."""
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self._record_spans = spans_exported and not _never_samples(tracer_provider)
-        self.metrics = Metrics(meter_provider)
+        self.metrics = Metrics(meter_provider, readers=metric_readers)
         self._metrics_read = metrics_read
         self._job_log = JobLog() if job_logs else None
         self._owned = owned

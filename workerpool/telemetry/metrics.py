@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Protocol
 
 from opentelemetry import metrics
-from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+from opentelemetry.sdk.metrics.export import MetricReader
 
 from workerpool import constants as c
+from workerpool.telemetry.histograms import JobHistogram, JobHistograms, Labels, TakesJobHistograms
 from workerpool.worker.counts import Counts
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
@@ -58,8 +60,17 @@ class WatchedPool(Protocol):
     def limits(self) -> _Limits: ...
 
 
+_Record = Callable[[float, Labels], None]
+
+
 class Metrics(Middleware):
-    def __init__(self, meter_provider: MeterProvider | None = None) -> None:
+    """With ``readers`` (the meter provider's, every one a ``TakesJobHistograms``), the two
+    histograms measured once a job (duration, queue latency) are ours, recorded without an
+    SDK call (see ``histograms``); else, with a provider of the caller's, they are the SDK's."""
+
+    def __init__(
+        self, meter_provider: MeterProvider | None = None, *, readers: Sequence[MetricReader] = ()
+    ) -> None:
         meter = metrics.get_meter(c.INSTRUMENTATION_NAME, meter_provider=meter_provider)
         # Counted by the slots without a lock or an SDK call, observed when a reader collects:
         # four SDK measurements per job (each cleaning and hashing its attributes) were most
@@ -88,18 +99,30 @@ class Metrics(Middleware):
             description="Messages published again as a fresh copy, then acked, on the last "
             "delivery their subscription's dead-letter policy allows, by job.",
         )
-        self._duration = meter.create_histogram(
+        duration = JobHistogram(
             c.METRIC_JOB_DURATION,
             unit="s",
             description="From the start of a run to its ack or nack, by job and outcome.",
-            explicit_bucket_boundaries_advisory=_SECONDS,
+            bounds=_SECONDS,
+            label_names=(c.LABEL_JOB, c.LABEL_OUTCOME),
         )
-        self._queue_latency = meter.create_histogram(
+        queue_latency = JobHistogram(
             c.METRIC_QUEUE_LATENCY,
             unit="s",
             description="From the message's publish time to the start of its run, by job.",
-            explicit_bucket_boundaries_advisory=_SECONDS,
+            bounds=_SECONDS,
+            label_names=(c.LABEL_JOB,),
         )
+        ours = [r for r in readers if isinstance(r, TakesJobHistograms)]
+        if readers and len(ours) == len(readers):
+            given = JobHistograms([duration, queue_latency], c.INSTRUMENTATION_NAME)
+            for reader in ours:
+                reader.job_histograms = given
+            self._record_duration: _Record = duration.record
+            self._record_queue_latency: _Record = queue_latency.record
+        else:
+            self._record_duration = _sdk_histogram(meter, duration)
+            self._record_queue_latency = _sdk_histogram(meter, queue_latency)
         self._extensions = meter.create_counter(
             c.METRIC_LEASE_EXTENSIONS,
             unit="{extension}",
@@ -147,7 +170,7 @@ class Metrics(Middleware):
         self._started.add(job.name)
         if job.publish_time is not None:
             latency = (datetime.now(UTC) - job.publish_time).total_seconds()
-            self._queue_latency.record(max(0.0, latency), _attributes(job.name))
+            self._record_queue_latency(max(0.0, latency), (job.name,))
 
     def settled(self, event: Settled) -> None:
         job = self._job_label(event)
@@ -156,7 +179,7 @@ class Metrics(Middleware):
             self._renewed.add(job)
         duration = event.duration
         if duration is not None:
-            self._duration.record(duration, _attributes(job, event.label))
+            self._record_duration(duration, (job, event.label))
 
     def _job_label(self, event: Settled) -> str:
         # A message that never ran may name any job at all: keep label values bounded.
@@ -212,3 +235,18 @@ class Metrics(Middleware):
             return [Observation(value(pool), {c.LABEL_POOL: name}) for name, pool in pools]
 
         return observe
+
+
+def _sdk_histogram(meter: Meter, histogram: JobHistogram) -> _Record:
+    """``histogram`` as an SDK instrument of ``meter``: its ``record``, for our labels."""
+    instrument = meter.create_histogram(
+        histogram.name,
+        unit=histogram.unit,
+        description=histogram.description,
+        explicit_bucket_boundaries_advisory=histogram.bounds,
+    )
+
+    def record(value: float, labels: Labels) -> None:
+        instrument.record(value, _attributes(*labels))
+
+    return record

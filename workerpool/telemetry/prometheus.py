@@ -26,12 +26,14 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
+from workerpool.telemetry.histograms import TakesJobHistograms
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _INVALID = re.compile(r"[^a-zA-Z0-9_:]")
 _UNITS = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": "ratio"}
 
 
-class PrometheusReader(MetricReader):
+class PrometheusReader(TakesJobHistograms, MetricReader):
     """Register it on a MeterProvider; ``render()`` collects and returns the text format."""
 
     def __init__(self) -> None:
@@ -48,7 +50,7 @@ class PrometheusReader(MetricReader):
     def _receive_metrics(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> None:
-        self._latest = metrics_data
+        self._latest = self.with_job_histograms(metrics_data)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         pass

@@ -1,0 +1,228 @@
+"""The job histograms workerpool records itself: the same points the SDK would make, from
+many threads at once, in the temporality each reader asks for, through the readers the
+worker makes."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import Histogram as SdkHistogram
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+)
+
+from workerpool import constants as c
+from workerpool.telemetry import PrometheusReader
+from workerpool.telemetry.exporters import PeriodicReader
+from workerpool.telemetry.histograms import JobHistogram, JobHistograms
+from workerpool.telemetry.metrics import Metrics
+
+BOUNDS = (0.1, 1.0, 10.0)
+# On a bound (counted in its bucket: upper bounds are inclusive), between, beyond, zero.
+VALUES = (0.0, 0.05, 0.1, 0.1000001, 0.7, 1.0, 3.0, 10.0, 11.0, 1e6)
+
+
+def _histogram(labels: Sequence[str] = ("job",)) -> JobHistogram:
+    return JobHistogram("t.seconds", unit="s", description="T.", bounds=BOUNDS, label_names=labels)
+
+
+class _Exporter(MetricExporter):
+    """Keeps what it is given, and asks for the temporality it is made with."""
+
+    def __init__(self, histograms: AggregationTemporality) -> None:
+        super().__init__(preferred_temporality={SdkHistogram: histograms})
+        self.exported: list[MetricsData] = []
+
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
+        self.exported.append(metrics_data)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        pass
+
+
+def _job_points(data: MetricsData, name: str) -> dict[str, HistogramDataPoint]:
+    found = {}
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        found[str((point.attributes or {})["job"])] = point
+    return found
+
+
+def _summary(point: HistogramDataPoint) -> tuple[Any, ...]:
+    return (
+        tuple(point.bucket_counts), point.count, point.sum, point.min, point.max,
+        tuple(point.explicit_bounds),
+    )  # fmt: skip
+
+
+def test_points_are_the_ones_the_sdk_makes_for_the_same_values() -> None:
+    # Given the same values recorded by the SDK and by a job histogram
+    sdk_reader = InMemoryMetricReader()
+    sdk = (
+        MeterProvider(metric_readers=[sdk_reader])
+        .get_meter("t")
+        .create_histogram("t.seconds", unit="s", explicit_bucket_boundaries_advisory=BOUNDS)
+    )
+    ours = _histogram()
+    for value in VALUES:
+        sdk.record(value, {"job": "a"})
+        ours.record(value, ("a",))
+    sdk.record(0.5, {"job": "b"})
+    ours.record(0.5, ("b",))
+
+    # When a reader of ours collects
+    exporter = _Exporter(AggregationTemporality.CUMULATIVE)
+    reader = PeriodicReader(exporter, export_interval_millis=math.inf)
+    provider = MeterProvider(metric_readers=[reader])
+    reader.job_histograms = JobHistograms([ours], "workerpool")
+    provider.get_meter("other").create_counter("t.count").add(1)  # the SDK has points too
+    reader.collect()
+
+    # Then its points are the SDK's: buckets, count, sum, min and max, by label
+    expected = _job_points(sdk_reader.get_metrics_data(), "t.seconds")
+    got = _job_points(exporter.exported[-1], "t.seconds")
+    assert {job: _summary(p) for job, p in got.items()} == {
+        job: _summary(p) for job, p in expected.items()
+    }
+    assert got["a"].bucket_counts == (3, 3, 2, 2)
+    # ... beside the SDK's own metrics, in a scope of its own
+    names = {
+        (scope.scope.name, metric.name)
+        for rm in exporter.exported[-1].resource_metrics
+        for scope in rm.scope_metrics
+        for metric in scope.metrics
+    }
+    assert names == {("other", "t.count"), ("workerpool", "t.seconds")}
+    provider.shutdown()
+
+
+def test_values_the_sdk_would_drop_are_dropped() -> None:
+    ours = _histogram()
+    for value in (-1.0, math.nan, math.inf, -math.inf):
+        ours.record(value, ("a",))
+    assert ours.totals() == {}
+    ours.record(2.0, ("a",))
+    assert ours.totals()[("a",)].count == 1
+
+
+def test_many_threads_recording_at_once_lose_nothing() -> None:
+    # Given 16 threads recording 5,000 values each under two labels, while a reader collects
+    ours = _histogram()
+    start = threading.Barrier(17)
+    collected: list[int] = []
+
+    def record(index: int) -> None:
+        start.wait()
+        for i in range(5_000):
+            ours.record((i % 20) / 10, ("even" if index % 2 == 0 else "odd",))
+
+    def read() -> None:
+        start.wait()
+        for _ in range(200):
+            collected.append(sum(t.count for t in ours.totals().values()))
+
+    threads = [threading.Thread(target=record, args=(i,)) for i in range(16)]
+    reader = threading.Thread(target=read)
+    for thread in [*threads, reader]:
+        thread.start()
+    for thread in [*threads, reader]:
+        thread.join()
+
+    # Then the totals are exact, and no reading went backwards or past them
+    totals = ours.totals()
+    assert {labels: t.count for labels, t in totals.items()} == {
+        ("even",): 40_000,
+        ("odd",): 40_000,
+    }
+    per_thread_sum = sum((i % 20) / 10 for i in range(5_000))
+    assert totals[("even",)].sum == pytest.approx(8 * per_thread_sum)
+    assert (totals[("odd",)].min, totals[("odd",)].max) == (0.0, 1.9)
+    assert collected == sorted(collected) and collected[-1] <= 80_000
+
+
+def test_a_reader_that_prefers_delta_gets_what_was_recorded_since_it_last_collected() -> None:
+    # Given a delta reader and a cumulative one, both of ours, on one provider
+    delta_exporter = _Exporter(AggregationTemporality.DELTA)
+    cumulative_exporter = _Exporter(AggregationTemporality.CUMULATIVE)
+    delta = PeriodicReader(delta_exporter, export_interval_millis=math.inf)
+    cumulative = PeriodicReader(cumulative_exporter, export_interval_millis=math.inf)
+    provider = MeterProvider(metric_readers=[delta, cumulative])
+    Metrics(provider, readers=[delta, cumulative])
+    assert delta.job_histograms is cumulative.job_histograms is not None
+    histogram = delta.job_histograms.histograms[0]
+    assert histogram.name == c.METRIC_JOB_DURATION
+    provider.get_meter("other").create_counter("t.count").add(1)
+
+    # When jobs a and b finish, both readers collect, then only a finishes again
+    histogram.record(0.5, ("a", "done"))
+    histogram.record(2.0, ("b", "done"))
+    delta.collect()
+    cumulative.collect()
+    histogram.record(20.0, ("a", "done"))
+    delta.collect()
+    cumulative.collect()
+
+    # Then the delta reader's second collection has a's one new value only, from its first
+    first, second = (_job_points(d, c.METRIC_JOB_DURATION) for d in delta_exporter.exported)
+    assert {job: p.count for job, p in first.items()} == {"a": 1, "b": 1}
+    assert {job: (p.count, p.sum) for job, p in second.items()} == {"a": (1, 20.0)}
+    assert second["a"].start_time_unix_nano == first["a"].time_unix_nano
+    assert (second["a"].min, second["a"].max) == (None, None)  # not known for an interval
+    assert delta_exporter.exported[-1].resource_metrics[0].scope_metrics  # nothing else lost
+    # ... and the cumulative reader's has everything, with min and max, from the start
+    totals = _job_points(cumulative_exporter.exported[-1], c.METRIC_JOB_DURATION)
+    assert {job: (p.count, p.sum, p.min, p.max) for job, p in totals.items()} == {
+        "a": (2, 20.5, 0.5, 20.0),
+        "b": (1, 2.0, 2.0, 2.0),
+    }
+    assert totals["a"].start_time_unix_nano == first["a"].start_time_unix_nano
+    provider.shutdown()
+
+
+def test_the_sdk_records_them_when_a_reader_is_not_one_of_ours() -> None:
+    # (what the SDK then records: test_telemetry's counters test, with its sdk-histograms)
+    ours, theirs = PrometheusReader(), InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[ours, theirs])
+    Metrics(provider, readers=[ours, theirs])
+    assert ours.job_histograms is None
+    alone = PrometheusReader()
+    Metrics(MeterProvider(metric_readers=[alone]))  # readers not said: a provider of a user's
+    assert alone.job_histograms is None
+
+
+def test_the_prometheus_reader_renders_them() -> None:
+    reader = PrometheusReader()
+    provider = MeterProvider(metric_readers=[reader])
+    Metrics(provider, readers=[reader])
+    provider.get_meter("other").create_counter("t.count").add(1)
+    assert reader.job_histograms is not None
+    duration = reader.job_histograms.histograms[0]
+    for seconds in (0.003, 0.3, 3.0):
+        duration.record(seconds, ("x", "done"))
+    lines = reader.render().splitlines()
+    assert "# TYPE workerpool_job_duration_seconds histogram" in lines
+    labels = 'job="x",outcome="done"'
+    assert f'workerpool_job_duration_seconds_bucket{{{labels},le="0.005"}} 1' in lines
+    assert f'workerpool_job_duration_seconds_bucket{{{labels},le="0.5"}} 2' in lines
+    assert f'workerpool_job_duration_seconds_bucket{{{labels},le="+Inf"}} 3' in lines
+    assert f"workerpool_job_duration_seconds_count{{{labels}}} 3" in lines
+    assert f"workerpool_job_duration_seconds_sum{{{labels}}} 3.303" in lines
