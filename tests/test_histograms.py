@@ -4,8 +4,10 @@ worker makes."""
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +22,12 @@ from opentelemetry.sdk.metrics.export import (
     MetricExportResult,
     MetricsData,
 )
+from opentelemetry.sdk.metrics.view import Aggregation, ExponentialBucketHistogramAggregation
 
 from workerpool import constants as c
 from workerpool.telemetry import PrometheusReader
 from workerpool.telemetry.exporters import PeriodicReader
-from workerpool.telemetry.histograms import JobHistogram, JobHistograms
+from workerpool.telemetry.histograms import JobHistogram, JobHistograms, _Totals
 from workerpool.telemetry.metrics import Metrics
 
 BOUNDS = (0.1, 1.0, 10.0)
@@ -39,8 +42,13 @@ def _histogram(labels: Sequence[str] = ("job",)) -> JobHistogram:
 class _Exporter(MetricExporter):
     """Keeps what it is given, and asks for the temporality it is made with."""
 
-    def __init__(self, histograms: AggregationTemporality) -> None:
-        super().__init__(preferred_temporality={SdkHistogram: histograms})
+    def __init__(
+        self, histograms: AggregationTemporality, aggregation: Aggregation | None = None
+    ) -> None:
+        super().__init__(
+            preferred_temporality={SdkHistogram: histograms},
+            preferred_aggregation={SdkHistogram: aggregation} if aggregation else None,
+        )
         self.exported: list[MetricsData] = []
 
     def export(
@@ -226,3 +234,154 @@ def test_the_prometheus_reader_renders_them() -> None:
     assert f'workerpool_job_duration_seconds_bucket{{{labels},le="+Inf"}} 3' in lines
     assert f"workerpool_job_duration_seconds_count{{{labels}}} 3" in lines
     assert f"workerpool_job_duration_seconds_sum{{{labels}}} 3.303" in lines
+
+
+class _Finalized:
+    """Freed by the garbage collector only; its finalizer lets other threads in."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        time.sleep(0)
+
+
+def test_a_reading_meets_no_label_set_added_meanwhile() -> None:
+    # Given a thread adding a label set a record, and collections that let other threads in
+    # while a reading walks the cells (a finalizer that releases the GIL)
+    ours = _histogram()
+    stop = threading.Event()
+
+    def record() -> None:
+        i = 0
+        while not stop.is_set():
+            ours.record(0.5, (f"job{i}",))
+            i += 1
+            time.sleep(0)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50)
+    raised = []
+    try:
+        # When it is read 300 times (before the cells were walked under the lock, about
+        # two readings in three raised "dictionary changed size during iteration")
+        for _ in range(300):
+            for _ in range(20):
+                _Finalized()
+            try:
+                ours.totals()
+            except RuntimeError as exc:
+                raised.append(exc)
+    finally:
+        gc.set_threshold(*thresholds)
+        stop.set()
+        recorder.join()
+    # Then no reading raised
+    assert raised == []
+
+
+def _delta_reader() -> tuple[_Exporter, PeriodicReader, MeterProvider, JobHistogram]:
+    exporter = _Exporter(AggregationTemporality.DELTA)
+    reader = PeriodicReader(exporter, export_interval_millis=math.inf)
+    provider = MeterProvider(metric_readers=[reader])
+    Metrics(provider, readers=[reader])
+    provider.get_meter("other").create_counter("t.count").add(1)
+    assert reader.job_histograms is not None
+    return exporter, reader, provider, reader.job_histograms.histograms[0]
+
+
+def _delta_sums(exporter: _Exporter) -> list[tuple[int, float]]:
+    return [
+        (point.count, point.sum)
+        for data in exporter.exported
+        for point in _job_points(data, c.METRIC_JOB_DURATION).values()
+    ]
+
+
+def test_two_collections_of_a_delta_reader_at_once_count_each_value_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a delta reader whose collection on its own thread pauses after reading the totals
+    exporter, reader, provider, duration = _delta_reader()
+    duration.record(1.0, ("a", "done"))
+    read, go = threading.Event(), threading.Event()
+    totals = duration.totals
+
+    def slow_on_the_readers_thread() -> dict[tuple[str, ...], _Totals]:
+        found = totals()
+        if threading.current_thread().name == "periodic":
+            read.set()
+            go.wait(10)
+        return found
+
+    monkeypatch.setattr(duration, "totals", slow_on_the_readers_thread)
+    periodic = threading.Thread(target=reader.collect, name="periodic")
+    periodic.start()
+    assert read.wait(10)
+    # When a job ends and a force_flush collects meanwhile, then the paused one goes on
+    duration.record(1.0, ("a", "done"))
+    flush = threading.Thread(target=reader.collect)
+    flush.start()
+    go.set()
+    periodic.join(10)
+    flush.join(10)
+    reader.collect()
+    # Then the deltas count the two values once each, none negative
+    counts = [count for count, _ in _delta_sums(exporter)]
+    assert sum(counts) == 2 and min(counts) > 0, counts
+    provider.shutdown()
+
+
+def test_a_sum_read_one_value_behind_goes_with_the_next_delta(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a delta reader that reads a value's bucket count but not yet its sum (a thread
+    # caught between the two), then, with nothing new, the whole of it
+    exporter, reader, provider, duration = _delta_reader()
+    duration.record(1.0, ("a", "done"))
+    duration.record(7.0, ("a", "done"))
+    whole = duration.totals()[("a", "done")]
+    torn = _Totals(whole.buckets, 1.0, whole.min, whole.max)
+    monkeypatch.setattr(duration, "totals", lambda: {("a", "done"): torn})
+    reader.collect()
+    monkeypatch.undo()
+    reader.collect()
+    # When the label set records again
+    duration.record(3.0, ("a", "done"))
+    reader.collect()
+    # Then every value's sum was exported once: the missing 7 with the next point
+    sums = _delta_sums(exporter)
+    assert sums == [(2, 1.0), (1, 10.0)]
+    assert sum(total for _, total in sums) == 11.0
+    provider.shutdown()
+
+
+def test_a_failing_merge_exports_everything_else_and_the_next_collection_has_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    exporter, reader, provider, duration = _delta_reader()
+    duration.record(1.0, ("a", "done"))
+
+    def broken() -> dict[tuple[str, ...], _Totals]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(duration, "totals", broken)
+    reader.collect()  # on the SDK's periodic thread, a raise here would end that thread
+    assert "job histograms not exported" in caplog.text
+    assert _job_points(exporter.exported[-1], c.METRIC_JOB_DURATION) == {}
+    assert exporter.exported[-1].resource_metrics  # the SDK's own metrics went out
+    monkeypatch.undo()
+    reader.collect()
+    assert _delta_sums(exporter) == [(1, 1.0)]
+    provider.shutdown()
+
+
+def test_a_reader_that_wants_another_histogram_aggregation_leaves_them_to_the_sdk() -> None:
+    exporter = _Exporter(AggregationTemporality.CUMULATIVE, ExponentialBucketHistogramAggregation())
+    reader = PeriodicReader(exporter, export_interval_millis=math.inf)
+    provider = MeterProvider(metric_readers=[reader])
+    Metrics(provider, readers=[reader])
+    assert reader.job_histograms is None
+    provider.shutdown()

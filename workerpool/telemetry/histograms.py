@@ -14,6 +14,7 @@ temporality the reader prefers for histograms.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -21,7 +22,7 @@ import weakref
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TypeGuard
 
 from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics.export import (
@@ -34,8 +35,11 @@ from opentelemetry.sdk.metrics.export import (
     ResourceMetrics,
     ScopeMetrics,
 )
+from opentelemetry.sdk.metrics.view import DefaultAggregation
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+log = logging.getLogger(__name__)
 
 Labels = tuple[str, ...]  # label values, in the order of the histogram's label names
 
@@ -54,9 +58,11 @@ class _Totals:
 
 class JobHistogram:
     """An explicit-bucket histogram that many threads record into without a lock: each thread
-    has cells of its own, summed when read. A reader may catch a thread between two fields of
-    one recording: ``count`` is the buckets' sum, so the two always agree, and a ``sum`` one
-    value behind is made good by the next collection."""
+    has cells of its own, one per label set, summed when read. Only a thread's first value of
+    a label set takes the lock (a reader walks the cells under it: iterating a dict that
+    grows raises, and a garbage collection run meanwhile may let another thread in). A reader
+    may catch a thread between two fields of one recording: ``count`` is the buckets' sum, so
+    the two always agree, and a ``sum`` one value behind is made good by a later reading."""
 
     def __init__(
         self,
@@ -75,7 +81,7 @@ class JobHistogram:
         self._sum_at = len(self.bounds) + 1  # a cell: the buckets' counts, sum, min, max
         self._local = threading.local()
         self._threads: list[dict[Labels, list[float]]] = []
-        self._lock = threading.Lock()  # only when a thread records for the first time
+        self._lock = threading.Lock()  # a new thread, a new label set, a reading
 
     def record(self, value: float, labels: Labels) -> None:
         """Count ``value`` under ``labels``; a negative or non-finite one is dropped, as the
@@ -89,7 +95,9 @@ class JobHistogram:
                 self._threads.append(cells)
         cell = cells.get(labels)
         if cell is None:
-            cell = cells[labels] = [0] * self._sum_at + [0.0, value, value]
+            cell = [0] * self._sum_at + [0.0, value, value]
+            with self._lock:
+                cells[labels] = cell
         cell[bisect_left(self.bounds, value)] += 1
         at = self._sum_at
         cell[at] += value
@@ -100,20 +108,18 @@ class JobHistogram:
 
     def totals(self) -> dict[Labels, _Totals]:
         with self._lock:
-            threads = list(self._threads)
+            cells = [(labels, cell[:]) for each in self._threads for labels, cell in each.items()]
         merged: dict[Labels, list[float]] = {}
         at = self._sum_at
-        for cells in threads:
-            for labels, cell in list(cells.items()):  # one C call each: no torn dict or cell
-                cell = cell[:]
-                into = merged.get(labels)
-                if into is None:
-                    merged[labels] = cell
-                    continue
-                for i in range(at + 1):
-                    into[i] += cell[i]
-                into[at + 1] = min(into[at + 1], cell[at + 1])
-                into[at + 2] = max(into[at + 2], cell[at + 2])
+        for labels, cell in cells:
+            into = merged.get(labels)
+            if into is None:
+                merged[labels] = cell
+                continue
+            for i in range(at + 1):
+                into[i] += cell[i]
+            into[at + 1] = min(into[at + 1], cell[at + 1])
+            into[at + 2] = max(into[at + 2], cell[at + 2])
         return {
             labels: _Totals(tuple(int(n) for n in cell[:at]), cell[at], cell[at + 1], cell[at + 2])
             for labels, cell in merged.items()
@@ -122,10 +128,11 @@ class JobHistogram:
 
 @dataclass
 class _Collected:
-    """What a reader collected last: the start of its next delta, and the totals it had."""
+    """A delta reader's last collection: the start of its next delta, and per histogram and
+    label set the totals its deltas have reported so far."""
 
     at: int
-    totals: dict[str, dict[Labels, _Totals]]
+    reported: dict[str, dict[Labels, _Totals]]
 
 
 class JobHistograms:
@@ -138,88 +145,95 @@ class JobHistograms:
         self._collected: weakref.WeakKeyDictionary[MetricReader, _Collected] = (
             weakref.WeakKeyDictionary()
         )
+        # One reading at a time: two collections of one delta reader (its thread and a
+        # force_flush) must not both count what was recorded between them, or neither.
         self._lock = threading.Lock()
 
     def added_to(self, data: MetricsData, reader: MetricReader) -> MetricsData:
         """``data`` as ``reader`` collected it, with the job histograms in it."""
-        now = time.time_ns()
-        totals = {h.name: h.totals() for h in self.histograms}
-        with self._lock:
-            last = self._collected.get(reader)
-            self._collected[reader] = _Collected(now, totals)
-        delta = _temporality(reader) is AggregationTemporality.DELTA
+        delta = _preference(reader, "_instrument_class_temporality") is AggregationTemporality.DELTA
+        temporality = AggregationTemporality.DELTA if delta else AggregationTemporality.CUMULATIVE
         metrics: list[Metric] = []
-        for histogram in self.histograms:
-            before = last.totals.get(histogram.name, {}) if delta and last else {}
-            start = last.at if delta and last else self._started
-            points = _points(histogram, totals[histogram.name], before, start, now, delta=delta)
-            if points:
-                temporality = (
-                    AggregationTemporality.DELTA if delta else AggregationTemporality.CUMULATIVE
-                )
-                metrics.append(
-                    Metric(
-                        histogram.name,
-                        histogram.description,
-                        histogram.unit,
-                        Histogram(points, temporality),
+        with self._lock:
+            now = time.time_ns()
+            last = self._collected.get(reader)
+            reported: dict[str, dict[Labels, _Totals]] = {}
+            for histogram in self.histograms:
+                totals = histogram.totals()
+                if delta:
+                    since = dict(last.reported.get(histogram.name, {})) if last else {}
+                    start = last.at if last else self._started
+                    points = _delta_points(histogram, totals, since, start, now)
+                    reported[histogram.name] = since
+                else:
+                    points = [
+                        _point(histogram, labels, each, self._started, now, minmax=True)
+                        for labels, each in totals.items()
+                    ]
+                if points:
+                    metrics.append(
+                        Metric(
+                            histogram.name,
+                            histogram.description,
+                            histogram.unit,
+                            Histogram(points, temporality),
+                        )
                     )
-                )
+            if delta:
+                self._collected[reader] = _Collected(now, reported)
         return _merged(data, metrics, self._scope) if metrics else data
 
 
-def _temporality(reader: MetricReader) -> AggregationTemporality:
-    # The reader's preference for histograms (from its exporter's, e.g. OTLP's
-    # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE). The SDK keeps it by its own
-    # instrument classes, the histogram's a subclass of the public one.
-    preferred: Mapping[type, AggregationTemporality] = getattr(
-        reader, "_instrument_class_temporality", {}
-    )
-    for kind, temporality in preferred.items():
-        if issubclass(kind, SdkHistogram):
-            return temporality
-    return AggregationTemporality.CUMULATIVE
+def _preference(reader: MetricReader, kind: str) -> object:
+    """The reader's preferred temporality or aggregation for histograms (from its
+    exporter's, e.g. OTLP's ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``). The SDK
+    keeps them by its own instrument classes, the histogram's a subclass of the public one;
+    None if it says nothing."""
+    preferred: Mapping[type, object] = getattr(reader, kind, {})
+    for instrument, value in preferred.items():
+        if issubclass(instrument, SdkHistogram):
+            return value
+    return None
 
 
-def _points(
+def _delta_points(
     histogram: JobHistogram,
-    now: Mapping[Labels, _Totals],
-    before: Mapping[Labels, _Totals],
+    totals: Mapping[Labels, _Totals],
+    reported: dict[Labels, _Totals],
     start: int,
     at: int,
-    *,
-    delta: bool,
 ) -> list[HistogramDataPoint]:
+    """A point per label set with values since ``reported`` (which then moves on to
+    ``totals``). A label set with no new count keeps its old ``reported``: a sum read one
+    value behind goes with its next point, not lost."""
     points = []
-    for labels, totals in now.items():
-        attributes = {k: str(v) for k, v in zip(histogram.label_names, labels, strict=True)}
-        if not delta:
-            points.append(_point(histogram, attributes, totals, start, at, minmax=True))
-            continue
-        earlier = before.get(labels)
+    for labels, now in totals.items():
+        earlier = reported.get(labels)
         if earlier is None:
-            points.append(_point(histogram, attributes, totals, start, at, minmax=False))
-            continue
-        buckets = tuple(n - m for n, m in zip(totals.buckets, earlier.buckets, strict=True))
-        if any(buckets):
-            since = _Totals(buckets, totals.sum - earlier.sum, totals.min, totals.max)
-            points.append(_point(histogram, attributes, since, start, at, minmax=False))
+            since = now
+        else:
+            buckets = tuple(n - m for n, m in zip(now.buckets, earlier.buckets, strict=True))
+            if not any(buckets):
+                continue
+            since = _Totals(buckets, now.sum - earlier.sum, now.min, now.max)
+        # A delta's min and max would need cells per reader: it leaves them out (OTLP's
+        # fields are optional) rather than send the whole run's.
+        points.append(_point(histogram, labels, since, start, at, minmax=False))
+        reported[labels] = now
     return points
 
 
 def _point(
     histogram: JobHistogram,
-    attributes: dict[str, Any],
+    labels: Labels,
     totals: _Totals,
     start: int,
     at: int,
     *,
     minmax: bool,
 ) -> HistogramDataPoint:
-    # A delta's min and max would need cells per reader: it leaves them out (OTLP's fields
-    # are optional) rather than send the whole run's.
     return HistogramDataPoint(
-        attributes=attributes,
+        attributes={k: str(v) for k, v in zip(histogram.label_names, labels, strict=True)},
         start_time_unix_nano=start,
         time_unix_nano=at,
         count=totals.count,
@@ -251,7 +265,7 @@ def _merged(data: MetricsData, metrics: list[Metric], scope: InstrumentationScop
 
 class TakesJobHistograms:
     """A metric reader of ours: once ``Metrics`` gives it the job histograms, what it collects
-    has them (``Metrics`` records them with the SDK instead unless every reader is one)."""
+    has them (``Metrics`` records them with the SDK instead unless every reader ``takes``)."""
 
     job_histograms: JobHistograms | None = None
 
@@ -259,4 +273,17 @@ class TakesJobHistograms:
         if self.job_histograms is None:
             return data
         assert isinstance(self, MetricReader)
-        return self.job_histograms.added_to(data, self)
+        try:
+            return self.job_histograms.added_to(data, self)
+        except Exception:  # a bug here must not stop the SDK's export of everything else
+            log.exception("job histograms not exported")
+            return data
+
+
+def takes(reader: MetricReader) -> TypeGuard[TakesJobHistograms]:
+    """True for a reader of ours that wants histograms as ours are: explicit buckets (a
+    preference for another aggregation, such as base-2 exponential, leaves them to the SDK)."""
+    preferred = _preference(reader, "_instrument_class_aggregation")
+    return isinstance(reader, TakesJobHistograms) and (
+        preferred is None or isinstance(preferred, DefaultAggregation)
+    )

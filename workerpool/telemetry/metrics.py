@@ -21,7 +21,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.sdk.metrics.export import MetricReader
 
 from workerpool import constants as c
-from workerpool.telemetry.histograms import JobHistogram, JobHistograms, Labels, TakesJobHistograms
+from workerpool.telemetry.histograms import JobHistogram, JobHistograms, Labels, takes
 from workerpool.worker.counts import Counts
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
@@ -64,9 +64,9 @@ _Record = Callable[[float, Labels], None]
 
 
 class Metrics(Middleware):
-    """With ``readers`` (the meter provider's, every one a ``TakesJobHistograms``), the two
-    histograms measured once a job (duration, queue latency) are ours, recorded without an
-    SDK call (see ``histograms``); else, with a provider of the caller's, they are the SDK's."""
+    """With ``readers`` (the meter provider's, every one ours: see ``histograms.takes``), the
+    two histograms measured once a job (duration, queue latency) are ours, recorded without
+    an SDK call (see ``histograms``); else, with a provider of the caller's, the SDK's."""
 
     def __init__(
         self, meter_provider: MeterProvider | None = None, *, readers: Sequence[MetricReader] = ()
@@ -113,7 +113,7 @@ class Metrics(Middleware):
             bounds=_SECONDS,
             label_names=(c.LABEL_JOB,),
         )
-        ours = [r for r in readers if isinstance(r, TakesJobHistograms)]
+        ours = [reader for reader in readers if takes(reader)]
         if readers and len(ours) == len(readers):
             given = JobHistograms([duration, queue_latency], c.INSTRUMENTATION_NAME)
             for reader in ours:
