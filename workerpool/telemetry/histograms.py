@@ -93,13 +93,15 @@ class JobHistogram:
             cells = self._local.cells = {}
             with self._lock:
                 self._threads.append(cells)
+        at = self._sum_at
         cell = cells.get(labels)
-        if cell is None:
-            cell = [0] * self._sum_at + [0.0, value, value]
+        if cell is None:  # made with its first value in it: a reading never sees it empty
+            cell = [0] * at + [value, value, value]
+            cell[bisect_left(self.bounds, value)] = 1
             with self._lock:
                 cells[labels] = cell
+            return
         cell[bisect_left(self.bounds, value)] += 1
-        at = self._sum_at
         cell[at] += value
         if value < cell[at + 1]:
             cell[at + 1] = value
