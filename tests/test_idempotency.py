@@ -24,6 +24,7 @@ from workerpool.idempotency import (
     IdempotencyStore,
     MemoryStore,
     SqliteStore,
+    StoreError,
     StoreUnavailable,
     open_store,
 )
@@ -163,10 +164,11 @@ def test_a_pull_of_distinct_job_ids_claimed_in_one_call_gets_what_each_claim_wou
     clock.advance(2 * TTL + 1)
     store.claim("held", "w2", "m0", TTL)
     store.claim("mine", "w1", "m0", TTL)
+    store.claim("again", "w1", "m7", TTL)  # this very message, claimed at this very instant
     # When a pull's distinct job ids are claimed in one call
     results = store.claim_many(
         [("new", "m1"), ("held", "m2"), ("mine", "m3"), ("done", "m4"), ("expired", "m5"),
-         ("forgotten", "m6")],
+         ("forgotten", "m6"), ("again", "m7")],
         "w1",
         TTL,
     )  # fmt: skip
@@ -178,6 +180,7 @@ def test_a_pull_of_distinct_job_ids_claimed_in_one_call_gets_what_each_claim_wou
         Done(done_at),
         Claimed(1),
         Claimed(0),
+        HeldElsewhere("w1", "m7", clock.now + TTL),
     ]
     assert store.renew("expired", "w1", "m5", TTL) and store.renew("new", "w1", "m1", TTL)
     assert not store.renew("held", "w1", "m2", TTL)
@@ -563,3 +566,13 @@ def _run_threads(target: Callable[[int], None], count: int, timeout: float) -> N
         thread.start()
     for thread in pool:
         thread.join(timeout=timeout)
+
+
+def test_an_sqlite_too_old_for_the_store_is_named_when_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 31, 1))
+    monkeypatch.setattr(sqlite3, "sqlite_version", "3.31.1")
+    with pytest.raises(StoreError, match=r"needs SQLite 3\.35\.4 or newer; .* has 3\.31\.1"):
+        SqliteStore(tmp_path / "idem.db")
+    assert not (tmp_path / "idem.db").exists()

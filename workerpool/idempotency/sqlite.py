@@ -334,7 +334,9 @@ class SqliteStore(IdempotencyStore):
 
     def _claim_all(self, claims: list[_Request], now: float) -> None:
         # One statement for the batch; its RETURNING names the claims won. Only those lost
-        # (done, or held elsewhere) are read again, to say by whom.
+        # (done, or held elsewhere) are read again, to say by whom. The job ids are distinct
+        # (``_apply`` sends a batch with one twice down the in-order path): a second row of
+        # one id would lose to the first, and both would read as won.
         params: list[object] = [now, self.retention]
         for r in claims:
             assert isinstance(r.op, _Claim)

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from workerpool.stores import StoreError, StoreUnavailable
 
+# RETURNING (claims say in the same statement whether they won): 3.35, fixed in 3.35.4.
+MIN_SQLITE = (3, 35, 4)
+
 
 def connect(
     path: str | os.PathLike[str],
@@ -21,13 +24,24 @@ def connect(
     """An autocommit connection in WAL mode (``synchronous=NORMAL``); the caller issues
     ``BEGIN IMMEDIATE`` itself. ``setup`` (the store's tables) runs on it before it is
     returned. Errors are ``StoreError``s naming ``label``; on one, the connection is closed."""
+    if sqlite3.sqlite_version_info < MIN_SQLITE:
+        # Else every claim would fail with a syntax error, read as an outage: say it once.
+        raise StoreError(
+            f"SQLite {label}: needs SQLite {'.'.join(map(str, MIN_SQLITE))} or newer; this "
+            f"Python's sqlite3 has {sqlite3.sqlite_version}"
+        )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with translated(label):
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves instead of the module's
         # deferred BEGIN, which would take the write lock only at the first write and could
         # then fail with "database is locked" mid-transaction.
+        # A statement per batch size (claims, IN lists): room for them all in the cache.
         conn = sqlite3.connect(
-            path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            path,
+            timeout=busy_timeout,
+            isolation_level=None,
+            check_same_thread=False,
+            cached_statements=512,
         )
         try:
             if _enable_wal(conn, busy_timeout):
