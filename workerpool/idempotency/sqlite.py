@@ -211,14 +211,10 @@ class SqliteStore(IdempotencyStore):
         ).fetchone()
         if won:
             return Claimed(won[1])
-        row = self._conn.execute(
-            "SELECT owner, message_id, until, completed_at, failures FROM idempotency"
-            " WHERE job_id = ?",
-            (job_id,),
-        ).fetchone()
-        if row is None:  # released between the two statements: claim it after all
+        record = self._records([job_id]).get(job_id)
+        if record is None:  # released between the two statements: claim it after all
             return self._claim_now(job_id, owner, message_id, ttl)
-        return _lost(Record(*row))
+        return _lost(record)
 
     def _complete_now(self, job_id: str, owner: str, message_id: str) -> bool:
         self._conn.execute(
@@ -343,29 +339,29 @@ class SqliteStore(IdempotencyStore):
             params += (r.job_id, r.op.owner, r.op.message_id, now + r.op.ttl)
         won = dict(self._conn.execute(_claim_sql(len(claims)), params).fetchall())
         lost = [r.job_id for r in claims if r.job_id not in won]
-        records = {}
-        if lost:
-            rows = self._conn.execute(
-                f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(lost))})", lost
-            ).fetchall()
-            records = {row[0]: Record(*row[1:]) for row in rows}
+        records = self._records(lost) if lost else {}
         for request in claims:
             failures = won.get(request.job_id)
             request.result = (
                 Claimed(failures) if failures is not None else _lost(records[request.job_id])
             )
 
+    def _records(self, job_ids: list[str]) -> dict[str, Record]:
+        """The stored records of ``job_ids`` (those that have one), in one statement."""
+        rows = self._conn.execute(
+            f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(job_ids))})",
+            job_ids,
+        ).fetchall()
+        return {row[0]: Record(*row[1:]) for row in rows}
+
     def _apply_in_order(self, batch: list[_Request]) -> None:
         # Read every record once, run the mutations in queue order on these copies (so two on
         # one job id see each other), then write each changed record once. A mutation that
         # raises has changed nothing yet, so it fails only its own caller. Few statements per
         # batch matters: each one gives up the GIL and must wait to get it back.
-        job_ids = list({r.job_id: None for r in batch})
-        rows = self._conn.execute(
-            f"SELECT {_RECORD} FROM idempotency WHERE job_id IN ({_marks(len(job_ids))})",
-            job_ids,
-        ).fetchall()
-        records: dict[str, Record | None] = {row[0]: Record(*row[1:]) for row in rows}
+        records: dict[str, Record | None] = dict(
+            self._records(list({r.job_id: None for r in batch}))
+        )
         changed: set[str] = set()
         for request in batch:
             try:
