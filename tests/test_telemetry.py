@@ -9,9 +9,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import random
 import sys
 import threading
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags
 
 import workerpool
 from tests.support import http_get, wait_for
@@ -540,6 +542,84 @@ def test_json_log_lines_have_the_cloud_logging_shape() -> None:
     assert entry[c.LOG_SPAN_ID] == f"{context.span_id:016x}"
     assert entry[c.LOG_TRACE_SAMPLED] is True
     assert c.LOG_TRACE not in json.loads(untraced)
+
+
+def _entry_as_one_dict(record: logging.LogRecord, span: Any = None) -> dict[str, Any]:
+    """What a JSON line must read as: the entry built as one dict, as the formatter once did."""
+    message = record.getMessage() + (f"\n{record.exc_text}" if record.exc_text else "")
+    entry: dict[str, Any] = {
+        "severity": record.levelname,
+        "message": message,
+        "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="microseconds"),
+        "logger": record.name,
+        c.LOG_SOURCE_LOCATION: {
+            "file": record.pathname, "line": str(record.lineno), "function": record.funcName
+        },
+    }  # fmt: skip
+    entry.update(getattr(record, "fields", {}))
+    if span is not None:
+        entry[c.LOG_TRACE] = f"projects/proj-1/traces/{span.trace_id:032x}"
+        entry[c.LOG_SPAN_ID] = f"{span.span_id:016x}"
+        entry[c.LOG_TRACE_SAMPLED] = span.trace_flags.sampled
+    return entry
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"job": "t.x", "attempt": 3, "duration": 0.000123, "ok": True, "none": None},
+        {"text": 'caf\u00e9 "quoted"\n\ttab \u2603', "nested": {"a": [1, 2.5, "b"]}},
+        {"odd": Path("/x"), "nan": float("nan")},  # not JSON: written as str() and NaN
+        {"message": "a field wins", "severity": "ALERT", "job": "t.y"},
+        {c.LOG_TRACE: "the trace wins", "logger": "mine"},
+        {"surrogate": "\ud800 lone"},
+    ],
+)
+def test_json_lines_read_as_the_entry_built_as_one_dict(fields: dict[str, Any]) -> None:
+    # Given records with and without a trace, a traceback, and these fields
+    span = SpanContext(0xAB << 100, 0xCD << 40, False, TraceFlags(1))
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = _record("failed: %s", exc_info=sys.exc_info(), fields=fields)
+    failed.args = ("why",)
+    cases = [(_record("m\u00e9ssage", fields=fields), None), (failed, None),
+             (_record("traced", fields=fields, span_context=span), span)]  # fmt: skip
+    set_trace_project("proj-1")
+    try:
+        formatter = CloudLoggingFormatter()
+        lines = [(formatter.format(record), record, span) for record, span in cases]
+    finally:
+        set_trace_project("")
+    for line, record, span in lines:
+        # Then each is one valid UTF-8 JSON object, each key once, equal to the one dict
+        line.encode("utf-8")
+        pairs = json.loads(line, object_pairs_hook=lambda items: items)
+        assert len({key for key, _ in pairs}) == len(pairs)
+        expected = json.loads(_JSON_REFERENCE.encode(_entry_as_one_dict(record, span)))
+        assert json.dumps(json.loads(line), sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
+_JSON_REFERENCE = json.JSONEncoder(default=str, ensure_ascii=False)
+
+
+def test_json_line_times_are_the_ones_datetime_writes() -> None:
+    # Given times on both sides of whole seconds and half microseconds, and random ones
+    rng = random.Random(7)
+    base = 1_764_860_000
+    times = [base + rng.random() * 100 for _ in range(20_000)]
+    times += [base + k + f for k in range(5) for f in (0.0, 0.9999995, 0.9999994, 0.0000005,
+              0.0000015, 0.5, 0.9999999999)]  # fmt: skip
+    formatter = CloudLoggingFormatter()
+    record = _record("t")
+    for created in times:
+        record.created = created
+        entry = json.loads(formatter.format(record))
+        # Then each is what datetime makes of it, rounding and carry included
+        assert entry["time"] == datetime.fromtimestamp(created, UTC).isoformat(
+            timespec="microseconds"
+        ), created
 
 
 def test_log_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
