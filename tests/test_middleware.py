@@ -109,6 +109,35 @@ def test_a_before_hook_runs_in_its_place_and_an_outcome_from_it_ends_the_run() -
     assert heard == ["outer before", "before-only", "outer after AlreadyDone"]
 
 
+class Sometimes(Middleware):
+    """Wraps only the runs of job ids it is told, as a plain method returning None for others."""
+
+    def __init__(self, heard: list[str], wraps: str) -> None:
+        self.heard, self.wraps = heard, wraps
+
+    def around(self, run: Run) -> Around | None:
+        return Recorder("some", self.heard).around(run) if run.job.job_id == self.wraps else None
+
+
+def test_an_around_that_returns_none_leaves_that_run_alone() -> None:
+    # Given a middleware between two others that wraps job id "a" only
+    heard: list[str] = []
+    for wraps, expected in [
+        ("a", ["outer before", "some before", "inner before", "inner after Succeeded",
+               "some after Succeeded", "outer after Succeeded"]),
+        ("b", ["outer before", "inner before", "inner after Succeeded",
+               "outer after Succeeded"]),
+    ]:  # fmt: skip
+        heard.clear()
+        chain = Chain([Recorder("outer", heard), Sometimes(heard, wraps), Recorder("inner", heard)])
+        steps = Steps(chain, _run())
+        # When a run of "a" goes through it
+        assert steps.enter() is None
+        # Then it wraps the run when told to, and otherwise is skipped both ways
+        assert steps.leave(Succeeded()) == Succeeded()
+        assert heard == expected
+
+
 def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_caller() -> None:
     heard: list[str] = []
     steps = Steps(Chain([Recorder("outer", heard), Raises()]), _run())

@@ -48,12 +48,16 @@ class Batches(Middleware):
         self._firer = firer
         self._clock = clock
 
-    def around(self, run: Run) -> Around:
-        if run.job.name == DEADLINE_JOB:
-            return self._expire(run.job.payload)
-        outcome = yield
+    def before(self, run: Run) -> Outcome | None:
+        return self._expire(run.job.payload) if run.job.name == DEADLINE_JOB else None
+
+    def around(self, run: Run) -> Around | None:
         batch_id = run.job.attributes.get(c.ATTR_BATCH_ID)
-        if batch_id and isinstance(outcome, Succeeded | AlreadyDone):
+        return self._record_child(run, batch_id) if batch_id else None
+
+    def _record_child(self, run: Run, batch_id: str) -> Around:
+        outcome = yield
+        if isinstance(outcome, Succeeded | AlreadyDone):
             try:
                 self._deliver(self._batches.record(batch_id, run.job.job_id, True))
             except StoreError as exc:  # the retry finds the job done, and records it then

@@ -39,15 +39,19 @@ class Tracing(Middleware):
         self._subscription = subscription
         self._record = record
 
-    def around(self, run: Run) -> Around:
+    def around(self, run: Run) -> Around | None:
+        if self._record:
+            return self._spanned(run)
+        # No span of its own: the publisher's context is made current, if it sent one.
+        return self._in_context(run) if c.ATTR_TRACEPARENT in run.job.attributes else None
+
+    def _in_context(self, run: Run) -> Around:
+        run.span = trace.get_current_span(extract(run.job.attributes))
+        with trace.use_span(run.span, end_on_exit=False):
+            return (yield)
+
+    def _spanned(self, run: Run) -> Around:
         job = run.job
-        if not self._record:
-            # No span of its own: the publisher's context is made current, if it sent one.
-            if c.ATTR_TRACEPARENT not in job.attributes:
-                return (yield)
-            run.span = trace.get_current_span(extract(job.attributes))
-            with trace.use_span(run.span, end_on_exit=False):
-                return (yield)
         span = self._tracer.start_span(
             job.name,
             context=extract(job.attributes),
