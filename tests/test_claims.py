@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -327,6 +328,109 @@ def test_a_lease_that_ends_while_its_renewal_is_in_flight_is_not_taken_over(
     # Then nothing is cancelled and nobody is told the claim was taken over
     assert not run.ctx.cancelled.is_set()
     assert "taken over" not in caplog.text
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _LeaseRun:
+    """What the keeper reads of a run: its job id, and where it is handed back."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job = SimpleNamespace(job_id=job_id)
+        self.handed_back: list[object] = []
+
+    def hand_back(self, outcome: object) -> None:
+        self.handed_back.append(outcome)
+
+
+def _due(timers: Timers, now: float) -> None:
+    """Fire, on this thread, the timers of an unstarted ``Timers`` due by ``now``."""
+    for when, _, timer in sorted(timers._heap, key=lambda entry: entry[:2]):
+        if when <= now and not timer.cancelled:
+            timer.cancelled = True
+            timer.callback()
+
+
+def _keeper(clock: _Clock, renew: Any = None) -> tuple[LeaseKeeper[str], Timers]:
+    timers = Timers(clock=clock)  # not started: its due timers are fired by _due
+    keeper: LeaseKeeper[str] = LeaseKeeper(
+        "claim", timers, 60.0, renew=renew or (lambda keys: [True] * len(keys)),
+        release=lambda keys: None, close_store=lambda: None, clock=clock,
+    )  # fmt: skip
+    return keeper, timers
+
+
+def test_leases_taken_together_share_one_watch_that_ends_with_the_last_and_keeps_no_run() -> None:
+    # Given three leases taken by one claim call, one of them by a run
+    clock = _Clock()
+    keeper, timers = _keeper(clock)
+    run = _LeaseRun("b")
+    gone = weakref.ref(run)
+    held = keeper.hold_many(["a", "b", "c"], clock.now)
+    assert keeper.adopt(held[1], run)  # type: ignore[arg-type]
+    # Then one timer watches them all
+    assert len(timers) == 1
+    # When two of them end, it still watches the third; when the third ends, it is cancelled
+    keeper.let_go(held[0])
+    keeper.let_go(held[1])
+    assert len(timers) == 1
+    keeper.let_go(held[2])
+    assert len(timers) == 0
+    # And the cancelled timer, still in the heap until a sweep, keeps no run alive
+    del held, run
+    assert gone() is None and timers._heap
+
+
+def test_a_shared_watch_hands_back_only_the_runs_still_under_it_when_they_may_lapse() -> None:
+    # Given three leases of one claim call: one waiting, one adopted by a run, one whose run ended
+    clock = _Clock()
+    keeper, timers = _keeper(clock)
+    waiting, running, ended = keeper.hold_many(["a", "b", "c"], clock.now)
+    runs = {key: _LeaseRun(key) for key in "bc"}
+    assert keeper.adopt(running, runs["b"])  # type: ignore[arg-type]
+    assert keeper.adopt(ended, runs["c"])  # type: ignore[arg-type]
+    keeper.let_go(ended)
+    # When none was renewed and the watch comes due, a margin before they could lapse
+    clock.now = 60.0 - 10.0
+    _due(timers, clock.now)
+    # Then the running one is handed back, once, the ended one not; the waiting one is dropped
+    assert wait_for(lambda: runs["b"].handed_back, timeout=5)
+    assert len(runs["b"].handed_back) == 1 and runs["c"].handed_back == []
+    assert not keeper.adopt(waiting, _LeaseRun("a"))  # type: ignore[arg-type]
+    assert not keeper.healthy
+
+
+def test_a_renewal_round_moves_what_it_renewed_to_a_watch_of_its_own() -> None:
+    # Given two leases of one claim call, both adopted by runs, one of them taken over
+    clock = _Clock()
+    keeper, timers = _keeper(clock, renew=lambda keys: [key == "a" for key in keys])
+    held = keeper.hold_many(["a", "b"], clock.now)
+    runs = {key: _LeaseRun(key) for key in "ab"}
+    for lease in held:
+        runs[lease.key].ctx = SimpleNamespace(cancelled=threading.Event())  # type: ignore[attr-defined]
+        assert keeper.adopt(lease, runs[lease.key])  # type: ignore[arg-type]
+    # When a renewal round 20 s later renews the first, and says the second is not ours
+    clock.now = 20.0
+    keeper._renew_all()
+    # Then the renewed one has a watch of its own, due a margin before its new expiry; the
+    # other's run is cancelled, and its lease stays under the first watch until the run ends
+    assert sorted(when for when, _, timer in timers._heap if not timer.cancelled) == [50.0, 70.0]
+    assert runs["b"].ctx.cancelled.is_set()  # type: ignore[attr-defined]
+    # And when the first watch comes due, only the run still under it is handed back
+    clock.now = 50.0
+    _due(timers, clock.now)
+    assert wait_for(lambda: runs["b"].handed_back, timeout=5)
+    assert runs["a"].handed_back == []
+    # But at the new watch's time, unrenewed since, the renewed one is
+    clock.now = 70.0
+    _due(timers, clock.now)
+    assert wait_for(lambda: runs["a"].handed_back, timeout=5)
 
 
 # --- claims taken as a pull is admitted, completions recorded off the slots ------------------

@@ -123,6 +123,7 @@ class Idempotency(Middleware):
                         len(fresh), exc)  # fmt: skip
             return
         given_back: list[_Key] = []
+        claimed: list[tuple[_Key, Delivery, ClaimResult]] = []
         with self._lock:
             for (key, delivery), result in zip(fresh.items(), results, strict=True):
                 if key in self._active:
@@ -132,8 +133,10 @@ class Idempotency(Middleware):
                 elif delivery.settled:  # given back meanwhile (a drain): settled() missed it
                     given_back.append(key)
                 else:
-                    held = self.keeper.hold(None, key, sent)
-                    self._admitted[key] = _Admitted(delivery.ack_id, result, sent, held)
+                    claimed.append((key, delivery, result))
+            held = self.keeper.hold_many([key for key, _, _ in claimed], sent)
+            for (key, delivery, result), lease in zip(claimed, held, strict=True):
+                self._admitted[key] = _Admitted(delivery.ack_id, result, sent, lease)
         if given_back:
             self.keeper.release_soon(given_back)
 

@@ -5,8 +5,10 @@ A lease is short (``ttl``) and renewed, all of a keeper's leases in one store ca
 lease cannot be renewed (the store is down, refuses us, or is stalled) is handed back before
 the lease can lapse: a watch timer per lease, independent of the store call that may hang,
 cancels the run and nacks its message to come back once the lease has lapsed, so a lease
-never has two holders. Leases of interrupted runs are released by the keeper's thread, all in
-one call, off the drain's path.
+never has two holders. Leases taken, or renewed, by one store call share their watch timer:
+one per claim batch or renewal round, not one per lease (a timer per job was 3 us of CPU a
+job at N = 100, measured). Leases of interrupted runs are released by the keeper's thread,
+all in one call, off the drain's path.
 
 A lease may also be held for a message before its run exists (a claim taken as the message is
 admitted, while it waits for a slot): it is renewed the same way, and one that cannot be
@@ -35,12 +37,24 @@ K = TypeVar("K", bound=Hashable)
 _RETRY_EVERY = 2.0
 
 
+class _Watch(Generic[K]):
+    """The watch timer of leases that may lapse at one time, and the keys it still watches:
+    once it watches none, it is cancelled. It holds keys, not leases, so that it keeps no
+    ended run alive until it comes due."""
+
+    __slots__ = ("keys", "timer")
+
+    def __init__(self, keys: set[K]) -> None:
+        self.keys = keys
+        self.timer: Timer | None = None
+
+
 @dataclass(eq=False)
 class Held(Generic[K]):
     owner: Run | None  # the run holding it; None while its message waits to start
     key: K
     expires: float  # our clock: the lease may lapse from then on (measured from the request)
-    watch: Timer
+    watch: _Watch[K]
 
     @property
     def run(self) -> Run:
@@ -97,18 +111,29 @@ class LeaseKeeper(Generic[K]):
     def hold(self, run: Run | None, key: K, sent: float) -> Held[K]:
         """Keep the lease ``key``, taken by a request sent at ``sent`` (our clock), alive
         while ``run`` runs (None: for a message that waits to start, see ``adopt``)."""
+        return self.hold_many([key], sent, run)[0]
+
+    def hold_many(self, keys: Sequence[K], sent: float, run: Run | None = None) -> list[Held[K]]:
+        """``hold`` for leases of distinct ``keys`` taken by one request, under one watch."""
+        if not keys:
+            return []
         expires = sent + self.ttl
-        held = Held(run, key, expires, self._watch(key, expires))
+        watch: _Watch[K] = _Watch(set(keys))
+        held = [Held(run, key, expires, watch) for key in keys]
         with self._lock:
-            self._held[key] = held
+            for lease in held:
+                replaced = self._held.get(lease.key)
+                if replaced is not None:
+                    self._forget(replaced)
+                self._held[lease.key] = lease
+            self._start_watch(watch, expires)
         return held
 
     def let_go(self, held: Held[K]) -> None:
         """Stop renewing (the caller releases or completes the lease itself)."""
-        held.watch.cancel()
         with self._lock:
             if self._held.get(held.key) is held:
-                del self._held[held.key]
+                self._forget(held)
 
     def adopt(self, held: Held[K], run: Run) -> bool:
         """``run`` takes over a lease held for its waiting message; False if it was dropped
@@ -125,18 +150,17 @@ class LeaseKeeper(Generic[K]):
         with self._lock:
             if self._held.get(held.key) is not held:
                 return
-            del self._held[held.key]
-            held.watch.cancel()
+            self._forget(held)
             self._releases.append(held.key)
         self._wake.set()
 
     def interrupted(self, key: K) -> None:
         """The run holding ``key`` was handed back: release its lease soon, off this thread."""
         with self._lock:
-            held = self._held.pop(key, None)
+            held = self._held.get(key)
             if held is None:
                 return
-            held.watch.cancel()
+            self._forget(held)
             self._releases.append(key)
         self._wake.set()
 
@@ -153,39 +177,58 @@ class LeaseKeeper(Generic[K]):
             self._releases.extend(keys)
         self._wake.set()
 
+    def _forget(self, held: Held[K]) -> None:
+        """(Under the lock.) ``held`` is no longer kept: nor watched."""
+        del self._held[held.key]
+        self._unwatch(held)
+
+    def _unwatch(self, held: Held[K]) -> None:
+        """(Under the lock.) ``held``'s watch no longer watches it."""
+        watch = held.watch
+        watch.keys.discard(held.key)
+        if not watch.keys and watch.timer is not None:
+            watch.timer.cancel()
+
+    def _start_watch(self, watch: _Watch[K], expires: float) -> None:
+        """(Under the lock.)"""
+        watch.timer = self._timers.call_at(expires - self._margin, lambda: self._lapsing(watch))
+
     # --- on the timer thread -------------------------------------------------------------
 
-    def _watch(self, key: K, expires: float) -> Timer:
-        return self._timers.call_at(expires - self._margin, lambda: self._lapsing(key))
-
-    def _lapsing(self, key: K) -> None:
-        """The lease may lapse soon and was not renewed in time."""
+    def _lapsing(self, watch: _Watch[K]) -> None:
+        """Leases that may lapse soon and were not renewed in time."""
+        lost: list[Held[K]] = []
         with self._lock:
-            held = self._held.get(key)
-            if held is None or self._clock() < held.expires - self._margin:
-                return  # ended, or renewed meanwhile
-            del self._held[key]  # given up: nobody renews or releases it from now on
-            # Unhealthy whatever the cause, a failed round or none in time (a starved or
-            # stuck keeper thread), until a round reaches the store again.
-            self._renewing = False
-            if held.owner is None:
-                return  # nothing runs under it: the run that starts takes a claim of its own
-        # Off the timer thread: a middleware's interrupted() may call its own store.
-        threading.Thread(
-            target=self._give_up, args=(held,), name=f"workerpool-{self._what}-lost", daemon=True
-        ).start()
+            now = self._clock()
+            for key in list(watch.keys):
+                held = self._held.get(key)
+                if held is None or held.watch is not watch or now < held.expires - self._margin:
+                    continue  # (not so: once renewed, a lease is watched by that round's)
+                self._forget(held)  # given up: nobody renews or releases it from now on
+                # Unhealthy whatever the cause, a failed round or none in time (a starved or
+                # stuck keeper thread), until a round reaches the store again.
+                self._renewing = False
+                if held.owner is not None:  # else nothing runs under it: the run that
+                    lost.append(held)  # starts takes a claim of its own
+        if lost:
+            # Off the timer thread: a middleware's interrupted() may call its own store.
+            threading.Thread(
+                target=self._give_up, args=(lost,), name=f"workerpool-{self._what}-lost",
+                daemon=True,
+            ).start()  # fmt: skip
 
-    def _give_up(self, held: Held[K]) -> None:
-        remaining = max(0.0, held.expires - self._clock())
-        log.error(
-            "%s for job %s could not be renewed: cancelling its run and handing its message "
-            "back %.1fs before the %s can lapse",
-            self._what,
-            held.run.job.job_id,
-            remaining,
-            self._what,
-        )
-        held.run.hand_back(LostLease(after=remaining + 1.0))
+    def _give_up(self, lost: list[Held[K]]) -> None:
+        for held in lost:
+            remaining = max(0.0, held.expires - self._clock())
+            log.error(
+                "%s for job %s could not be renewed: cancelling its run and handing its "
+                "message back %.1fs before the %s can lapse",
+                self._what,
+                held.run.job.job_id,
+                remaining,
+                self._what,
+            )
+            held.run.hand_back(LostLease(after=remaining + 1.0))
 
     # --- on the keeper's thread ----------------------------------------------------------
 
@@ -220,10 +263,10 @@ class LeaseKeeper(Generic[K]):
             self._renewing = False
             return
         self._renewing = True
+        self._extend([lease for lease, still_ours in zip(held, ours, strict=True) if still_ours],
+                     sent + self.ttl)  # fmt: skip
         for lease, still_ours in zip(held, ours, strict=True):
-            if still_ours:
-                self._extend(lease, sent + self.ttl)
-            elif self._holds(lease) and not self._forgot_waiting(lease):
+            if not still_ours and self._holds(lease) and not self._forgot_waiting(lease):
                 # Someone took over (our renewals lapsed): stop rather than share the lease.
                 # (One that ended while the renewal was in flight, completed or released,
                 # is no longer ours either: nothing to stop, nothing to say.)
@@ -245,21 +288,26 @@ class LeaseKeeper(Generic[K]):
             if lease.owner is not None:
                 return False
             if self._held.get(lease.key) is lease:
-                del self._held[lease.key]
-                lease.watch.cancel()
+                self._forget(lease)
             return True
 
-    def _extend(self, lease: Held[K], expires: float) -> None:
+    def _extend(self, renewed: list[Held[K]], expires: float) -> None:
+        """The leases ``renewed`` by one round may now last until ``expires``: one watch for
+        them all."""
         with self._lock:
-            if self._held.get(lease.key) is not lease:
-                # Ended, or given up, while the renewal was in flight. Not released: the same
-                # key may have been taken here again meanwhile, and a release would delete
-                # that live lease. A given-up lease that was renewed so lingers until it
-                # expires.
+            # Only those still held: one that ended, or was given up, while the renewal was
+            # in flight is not released either. The same key may have been taken here again
+            # meanwhile, and a release would delete that live lease. A given-up lease that
+            # was renewed so lingers until it expires.
+            current = [lease for lease in renewed if self._held.get(lease.key) is lease]
+            if not current:
                 return
-            lease.watch.cancel()
-            lease.expires = expires
-            lease.watch = self._watch(lease.key, expires)
+            watch: _Watch[K] = _Watch({lease.key for lease in current})
+            for lease in current:
+                self._unwatch(lease)
+                lease.expires = expires
+                lease.watch = watch
+            self._start_watch(watch, expires)
 
     def _release_interrupted(self) -> None:
         with self._lock:
