@@ -8,6 +8,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -18,12 +19,15 @@ from google.api_core import exceptions as gexc
 from tests.faults.store import FaultyStore
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
+from workerpool.context import Flag
 from workerpool.idempotency import Claimed, Done, HeldElsewhere, MemoryStore, StoreUnavailable
+from workerpool.idempotency.completions import Completions
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.keeper import LeaseKeeper
+from workerpool.worker.outcome import Outcome
 from workerpool.worker.pool import Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.timers import Timers
@@ -552,3 +556,30 @@ def test_a_claim_taken_at_admission_that_cannot_be_renewed_is_dropped_and_its_ru
     finally:
         store.heal()
         worker.close()
+
+
+def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled() -> None:
+    # Given completions whose leases are let go by one call, and a `then` that raises
+    events: list[str] = []
+
+    def let_go(held: list[str]) -> None:
+        events.append(f"let go {','.join(held)}")
+
+    def then(job_id: str) -> Callable[[Outcome], None]:
+        def settle(outcome: Outcome) -> None:
+            events.append(f"{job_id} {type(outcome).__name__}")
+            if job_id == "a":
+                raise RuntimeError("a settlement bug")
+
+        return settle
+
+    completions: Completions[str] = Completions(MemoryStore(), OWNER, patience=5, let_go=let_go)
+    for job_id in "ab":
+        completions.add(job_id, f"m-{job_id}", Flag(), f"lease-{job_id}", then(job_id))
+    # When the thread records them (both queued before it starts: one batch)
+    completions.start()
+    assert wait_for(lambda: len(events) == 3, timeout=10)
+    completions.close(5)
+    # Then the leases were let go in one call, before either message heard, and the bug in
+    # the first settlement did not keep the second from its answer
+    assert events == ["let go lease-a,lease-b", "a Succeeded", "b Succeeded"]

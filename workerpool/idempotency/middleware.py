@@ -17,6 +17,7 @@ claims on its own when it starts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -87,7 +88,9 @@ class Idempotency(Middleware):
             release=lambda keys: store.release_many(keys, owner),
             close_store=store.close,
         )
-        self._completions = Completions(store, owner, patience=complete_patience)
+        self._completions: Completions[Held[_Key]] = Completions(
+            store, owner, patience=complete_patience, let_go=self._recorded
+        )
         # Being processed here, claimed or not yet, until its completion is recorded.
         self._active: set[_Key] = set()
         self._admitted: dict[_Key, _Admitted] = {}  # claimed at admission, not started yet
@@ -249,17 +252,15 @@ class Idempotency(Middleware):
     def _completion(
         self, run: Run, key: _Key, held: Held[_Key]
     ) -> Callable[[Callable[[Outcome], None]], None]:
-        def record(then: Callable[[Outcome], None]) -> None:
-            def recorded(outcome: Outcome) -> None:
-                # Renewed, and busy here, until now: nobody may start the job id meanwhile.
-                self.keeper.let_go(held)
-                with self._lock:
-                    self._active.discard(key)
-                then(outcome)
+        return functools.partial(self._completions.add, key[0], key[1], run.ctx.cancelled, held)
 
-            self._completions.add(key[0], key[1], run.ctx.cancelled, recorded)
-
-        return record
+    def _recorded(self, held: list[Held[_Key]]) -> None:
+        """Completions answered: renewed, and busy here, until now (nobody may start their job
+        ids meanwhile), no longer."""
+        self.keeper.let_go_many(held)
+        with self._lock:
+            for lease in held:
+                self._active.discard(lease.key)
 
     def _release(self, key: _Key, *, failed: bool = False) -> None:
         try:

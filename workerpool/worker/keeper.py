@@ -131,9 +131,13 @@ class LeaseKeeper(Generic[K]):
 
     def let_go(self, held: Held[K]) -> None:
         """Stop renewing (the caller releases or completes the lease itself)."""
+        self.let_go_many([held])
+
+    def let_go_many(self, held: Sequence[Held[K]]) -> None:
         with self._lock:
-            if self._held.get(held.key) is held:
-                self._forget(held)
+            for lease in held:
+                if self._held.get(lease.key) is lease:
+                    self._forget(lease)
 
     def adopt(self, held: Held[K], run: Run) -> bool:
         """``run`` takes over a lease held for its waiting message; False if it was dropped
