@@ -558,6 +558,58 @@ def test_a_claim_taken_at_admission_that_cannot_be_renewed_is_dropped_and_its_ru
         worker.close()
 
 
+class _BlockingRun(_LeaseRun):
+    """A run whose hand-back blocks until ``release`` (a copy published on its message's last
+    delivery waits for Pub/Sub), or raises."""
+
+    def __init__(self, job_id: str, release: threading.Event, *, raises: bool = False) -> None:
+        super().__init__(job_id)
+        self.release, self.raises = release, raises
+
+    def hand_back(self, outcome: object) -> None:
+        super().hand_back(outcome)
+        if self.raises:
+            raise RuntimeError("a hand-back bug")
+        self.release.wait(10)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("raises", [False, True], ids=["blocks", "raises"])
+def test_every_run_under_a_watch_that_comes_due_is_handed_back_whatever_the_others_do(
+    raises: bool,
+) -> None:
+    # Given two runs whose leases one renewal round renewed, so one watch watches both, and
+    # hand-backs that block (or raise)
+    clock = _Clock()
+    keeper, timers = _keeper(clock)
+    release = threading.Event()
+    runs = [_BlockingRun(key, release, raises=raises) for key in "ab"]
+    for run in runs:
+        keeper.hold(run, run.job.job_id, clock.now)  # type: ignore[arg-type]
+    clock.now = 20.0
+    keeper._renew_all()
+    try:
+        # When no round renews them again and the watch comes due
+        clock.now = 70.0
+        _due(timers, clock.now)
+        # Then both are handed back at once: neither waits for the other's hand-back
+        assert wait_for(lambda: all(run.handed_back for run in runs), timeout=2)
+    finally:
+        release.set()
+        # (A hand-back's thread ends before this test does: what it raised is this test's.)
+        assert wait_for(
+            lambda: not any(t.name == "workerpool-claim-lost" for t in threading.enumerate()),
+            timeout=5,
+        )
+
+
+def test_leases_held_together_must_have_distinct_keys() -> None:
+    keeper, timers = _keeper(_Clock())
+    with pytest.raises(ValueError, match="given twice"):
+        keeper.hold_many(["a", "a"], 0.0)
+    assert len(timers) == 0 and keeper.let_go_many([]) is None
+
+
 def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled() -> None:
     # Given completions whose leases are let go by one call, and a `then` that raises
     events: list[str] = []

@@ -119,6 +119,8 @@ class LeaseKeeper(Generic[K]):
             return []
         expires = sent + self.ttl
         watch: _Watch[K] = _Watch(set(keys))
+        if len(watch.keys) != len(keys):  # the second lease of a key would go unwatched
+            raise ValueError(f"hold_many: a key given twice in {keys!r}")
         held = [Held(run, key, expires, watch) for key in keys]
         with self._lock:
             for lease in held:
@@ -192,6 +194,7 @@ class LeaseKeeper(Generic[K]):
         watch.keys.discard(held.key)
         if not watch.keys and watch.timer is not None:
             watch.timer.cancel()
+            watch.timer = None  # else it and its timer's callback hold each other
 
     def _start_watch(self, watch: _Watch[K], expires: float) -> None:
         """(Under the lock.)"""
@@ -203,6 +206,7 @@ class LeaseKeeper(Generic[K]):
         """Leases that may lapse soon and were not renewed in time."""
         lost: list[Held[K]] = []
         with self._lock:
+            watch.timer = None  # it came due: the watch and it no longer hold each other
             now = self._clock()
             for key in list(watch.keys):
                 held = self._held.get(key)
@@ -214,25 +218,29 @@ class LeaseKeeper(Generic[K]):
                 self._renewing = False
                 if held.owner is not None:  # else nothing runs under it: the run that
                     lost.append(held)  # starts takes a claim of its own
-        if lost:
-            # Off the timer thread: a middleware's interrupted() may call its own store.
+            early = [self._held[key] for key in watch.keys if key in self._held]
+            if early:  # still under it and not due (a clock that disagrees by a hair): later
+                self._start_watch(watch, early[0].expires)
+        for held in lost:
+            # Off the timer thread: a middleware's interrupted() may call its own store. A
+            # thread each: a hand-back may block (a copy published on a last delivery) or
+            # raise, and every other run under this watch must still stop within the margin.
             threading.Thread(
-                target=self._give_up, args=(lost,), name=f"workerpool-{self._what}-lost",
+                target=self._give_up, args=(held,), name=f"workerpool-{self._what}-lost",
                 daemon=True,
             ).start()  # fmt: skip
 
-    def _give_up(self, lost: list[Held[K]]) -> None:
-        for held in lost:
-            remaining = max(0.0, held.expires - self._clock())
-            log.error(
-                "%s for job %s could not be renewed: cancelling its run and handing its "
-                "message back %.1fs before the %s can lapse",
-                self._what,
-                held.run.job.job_id,
-                remaining,
-                self._what,
-            )
-            held.run.hand_back(LostLease(after=remaining + 1.0))
+    def _give_up(self, held: Held[K]) -> None:
+        remaining = max(0.0, held.expires - self._clock())
+        log.error(
+            "%s for job %s could not be renewed: cancelling its run and handing its message "
+            "back %.1fs before the %s can lapse",
+            self._what,
+            held.run.job.job_id,
+            remaining,
+            self._what,
+        )
+        held.run.hand_back(LostLease(after=remaining + 1.0))
 
     # --- on the keeper's thread ----------------------------------------------------------
 
