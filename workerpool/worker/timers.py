@@ -37,7 +37,8 @@ class Timers:
         self._clock = clock
         self._heap: list[tuple[float, int, Timer]] = []
         self._counter = itertools.count()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # entered directly on the hot path: a Condition's
+        self._cond = threading.Condition(self._lock)  # __enter__ is a Python call
         self._closed = False
         self._scheduled = 0
         self._thread: threading.Thread | None = None
@@ -51,7 +52,7 @@ class Timers:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(when, callback)
-        with self._cond:
+        with self._lock:
             heapq.heappush(self._heap, (when, next(self._counter), timer))
             self._scheduled += 1
             if self._scheduled % _SWEEP_EVERY == 0:
