@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from workerpool import constants as c
@@ -164,34 +164,48 @@ class Idempotency(Middleware):
             admitted = self._admitted.pop(key, None)
         recording = False
         try:
-            outcome, held = yield from self._run_claimed(run, key, admitted)
-            if held is not None and isinstance(outcome, Succeeded):
-                # The side effect happened: record it, off this thread, before the ack.
+            held = self._claimed(run, key, admitted)
+            if not isinstance(held, Held):
+                return held  # what ended the run before its handler began
+            try:
+                outcome = yield
+            except BaseException:
+                self.keeper.let_go(held)
+                raise
+            if isinstance(outcome, Succeeded):
+                # The side effect happened: record it, off this thread, before the ack. The
+                # claim stays held until then.
                 run.completion = self._completion(run, key, held)
                 recording = True
+                return outcome
+            self.keeper.let_go(held)
+            # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
+            # counts as deliveries too, never use up its max_attempts. A run that ends after
+            # its message was handed back (the drain deadline, a lost claim) did not fail.
+            failed = isinstance(outcome, Failed) and not run.delivery.settled
+            self._release(key, failed=failed)
             return outcome
         finally:
             if not recording:
                 with self._lock:
                     self._active.discard(key)
 
-    def _run_claimed(
-        self, run: Run, key: _Key, admitted: _Admitted | None
-    ) -> Generator[None, Outcome, tuple[Outcome, Held[_Key] | None]]:
-        """The run's outcome, and the claim it still holds if it succeeded."""
+    def _claimed(self, run: Run, key: _Key, admitted: _Admitted | None) -> Held[_Key] | Outcome:
+        """The claim the run holds from now on, or the outcome that ends it before it begins.
+        (A function, not a second generator under ``around``: that was 1 us more per run.)"""
         try:
             claim, held, sent = self._claim(run, key, admitted)
         except StoreError as exc:
-            return Unavailable(f"idempotency store: {exc}"), None
+            return Unavailable(f"idempotency store: {exc}")
         match claim:
             case Done():
-                return AlreadyDone(), None
+                return AlreadyDone()
             case HeldElsewhere(message_id=holder) if holder == key[1]:
                 # This very message (or a copy of it) came back while its first delivery
                 # still runs somewhere, or its claim is still being let go.
-                return RedeliveredWhileRunning(), None
+                return RedeliveredWhileRunning()
             case HeldElsewhere():
-                return DuplicateOfRunning(), None
+                return DuplicateOfRunning()
             case Claimed(failures=failures):
                 run.failures = failures
             case None:
@@ -203,21 +217,8 @@ class Idempotency(Middleware):
             # it, and do not leave the claim to hold the job id until it expires.
             self.keeper.let_go(held)
             self._release(key)
-            return Interrupted(), None
-        try:
-            outcome = yield
-        except BaseException:
-            self.keeper.let_go(held)
-            raise
-        if isinstance(outcome, Succeeded):
-            return outcome, held  # still held, until its completion is recorded
-        self.keeper.let_go(held)
-        # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
-        # counts as deliveries too, never use up its max_attempts. A run that ends after
-        # its message was handed back (the drain deadline, a lost claim) did not fail.
-        failed = isinstance(outcome, Failed) and not run.delivery.settled
-        self._release(key, failed=failed)
-        return outcome, None
+            return Interrupted()
+        return held
 
     def _claim(
         self, run: Run, key: _Key, admitted: _Admitted | None

@@ -67,7 +67,7 @@ class _Request:
     or a completion is its ``op`` instead, so a batch can apply them set-wise in SQL (its
     mutation is built only if the batch must run in order: see ``SqliteStore._mutation``)."""
 
-    __slots__ = ("done", "error", "job_id", "mutation", "op", "result", "signal")
+    __slots__ = ("error", "job_id", "mutation", "op", "result", "signal")
 
     def __init__(
         self, job_id: str, mutation: Mutation[Any] | None, op: _Claim | _Complete | None = None
@@ -77,13 +77,13 @@ class _Request:
         self.op = op
         self.result: Any = None
         self.error: BaseException | None = None
-        self.done = False
-        self.signal = threading.Lock()  # released by the leader once done: a one-shot event
-        self.signal.acquire()
+        # Released by the leader once done: a one-shot event. Only the last request of a
+        # submission has one (``_submit``): its caller waits for that one alone.
+        self.signal: threading.Lock | None = None
 
     def finish(self) -> None:
-        self.done = True
-        self.signal.release()
+        if self.signal is not None:
+            self.signal.release()
 
 
 class SqliteStore(IdempotencyStore):
@@ -233,6 +233,8 @@ class SqliteStore(IdempotencyStore):
     def _submit(self, requests: list[_Request]) -> list[Any]:
         if not requests:
             return []
+        signal = requests[-1].signal = threading.Lock()
+        signal.acquire()
         with self._queue_lock:
             if self._closed:
                 # Not a programming error: the launcher closes the store while interrupted
@@ -243,7 +245,7 @@ class SqliteStore(IdempotencyStore):
         # Led by us or by whoever holds the commit lock: wait on our own request, not on the
         # lock, where a hundred followers would wake one after another (a convoy: 69 % of a
         # slot thread's time in a 100-slot worker was spent there, measured).
-        requests[-1].signal.acquire()
+        signal.acquire()
         results = []
         for request in requests:
             if isinstance(request.error, sqlite3.OperationalError):
