@@ -4,6 +4,7 @@ in-process fakes for Pub/Sub)."""
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import threading
 import time
@@ -389,6 +390,25 @@ def test_leases_taken_together_share_one_watch_that_ends_with_the_last_and_keeps
     # And the cancelled timer, still in the heap until a sweep, keeps no run alive
     del held, run
     assert gone() is None and timers._heap
+
+
+def test_a_run_that_holds_its_lease_is_freed_without_the_garbage_collector_once_let_go() -> None:
+    # Given a run holding its lease, as a run whose completion is being recorded does
+    clock = _Clock()
+    keeper, _ = _keeper(clock)
+    run = _LeaseRun("a")
+    held = keeper.hold(run, "a", clock.now)  # type: ignore[arg-type]
+    run.completion = held  # type: ignore[attr-defined]
+    gone = weakref.ref(run)
+    gc.disable()
+    try:
+        # When the lease is let go and nothing else holds either
+        keeper.let_go_many([held])
+        del run, held
+        # Then the run is gone at once, by reference counting alone
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_shared_watch_hands_back_only_the_runs_still_under_it_when_they_may_lapse() -> None:

@@ -81,6 +81,7 @@ class _Taken:
     lease: Lease
     held: Held[_Key]
     since: float
+    run: Run  # (the lease names its run only while it is kept alive)
     # Named after the work it guards (``ctx.slot(key, holder=...)``): a run handed back
     # leaves it held for the next run of that work.
     named: bool = False
@@ -380,18 +381,18 @@ class SlotLeases:
         """Keep ``lease``, granted to a request sent at ``sent``, alive while ``run`` runs;
         ``give`` releases it."""
         held = self.keeper.hold(run, (lease.key, lease.holder), sent)
-        taken = _Taken(lease, held, sent, named)
+        taken = _Taken(lease, held, sent, run, named)
         with self._lock:
             self._taken.setdefault(run, []).append(taken)
         return taken
 
     def _forget(self, taken: _Taken) -> None:
         with self._lock:
-            held = self._taken.get(taken.held.run)
+            held = self._taken.get(taken.run)
             if held is not None and taken in held:
                 held.remove(taken)
                 if not held:
-                    del self._taken[taken.held.run]
+                    del self._taken[taken.run]
 
     def _line(self, key: str) -> _Line:
         with self._lock:
