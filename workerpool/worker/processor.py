@@ -166,6 +166,10 @@ class Processor:
         self._renewer = renewer
         self._middleware = list(middleware)
         self._chain = Chain(self._middleware)
+        # Those that hear how each message left: a call a message each, only where it is heard.
+        self._hear_settled = [
+            mw for mw in self._middleware if type(mw).settled is not Middleware.settled
+        ]
         self._settings = settings
         self._attempts = AttemptCounter()
         self._running: dict[Delivery, Run] = {}  # started, until settled
@@ -462,7 +466,7 @@ class Processor:
 
     def _finish(self, event: Settled) -> None:
         self._counts.add(event.label)
-        for mw in self._middleware:
+        for mw in self._hear_settled:
             try:
                 mw.settled(event)
             except Exception:  # telemetry must never break the data path
