@@ -655,3 +655,33 @@ def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled
     # Then the leases were let go in one call, before either message heard, and the bug in
     # the first settlement did not keep the second from its answer
     assert events == ["let go lease-a,lease-b", "a Succeeded", "b Succeeded"]
+
+
+def test_every_completion_added_while_the_recorder_closes_is_answered_once() -> None:
+    # Given threads adding completions as fast as they can
+    answered: list[str] = []
+    completions: Completions[str] = Completions(
+        MemoryStore(), OWNER, patience=5, let_go=lambda held: None
+    )
+    completions.start()
+    go = threading.Event()
+
+    def add_many(thread: int) -> None:
+        go.wait()
+        for i in range(300):
+            job_id = f"{thread}-{i}"
+            completions.add(job_id, f"m-{job_id}", Flag(), job_id,
+                            lambda outcome, job_id=job_id: answered.append(job_id))  # fmt: skip
+
+    adders = [threading.Thread(target=add_many, args=(t,)) for t in range(6)]
+    for adder in adders:
+        adder.start()
+    # When the recorder closes while they add
+    go.set()
+    time.sleep(0.001)
+    completions.close(5)
+    for adder in adders:
+        adder.join(10)
+    # Then every completion was answered, once: recorded, or refused as the worker stops
+    assert wait_for(lambda: len(answered) == 6 * 300, timeout=5)
+    assert len(set(answered)) == len(answered)

@@ -138,6 +138,27 @@ def test_an_around_that_returns_none_leaves_that_run_alone() -> None:
         assert heard == expected
 
 
+class WrapsTheBase(Middleware):
+    """An around written as a wrapper of ``Middleware.around``, as before it could be None."""
+
+    def __init__(self, heard: list[str]) -> None:
+        self.heard = heard
+
+    def around(self, run: Run) -> Around:
+        self.heard.append("wrapper before")
+        outcome = yield from super().around(run)  # type: ignore[misc]
+        self.heard.append(f"wrapper after {type(outcome).__name__}")
+        return outcome  # type: ignore[no-any-return]
+
+
+def test_an_around_that_wraps_the_base_one_still_works() -> None:
+    heard: list[str] = []
+    steps = Steps(Chain([WrapsTheBase(heard)]), _run())
+    assert steps.enter() is None
+    assert steps.leave(Succeeded()) == Succeeded()
+    assert heard == ["wrapper before", "wrapper after Succeeded"]
+
+
 def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_caller() -> None:
     heard: list[str] = []
     steps = Steps(Chain([Recorder("outer", heard), Raises()]), _run())

@@ -57,6 +57,7 @@ class Completions(Generic[L]):
         self._let_go = let_go
         self._queue: queue.SimpleQueue[_Completion[L] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
+        self._closing = threading.Lock()  # a completion is queued before the stop, or not at all
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -78,15 +79,18 @@ class Completions(Generic[L]):
         completion = _Completion(
             job_id, message_id, time.monotonic() + self._patience, cancelled, held, then
         )
-        if self._stopping.is_set():
+        with self._closing:  # else queued after the thread's last look, never answered
+            stopping = self._stopping.is_set()
+            if not stopping:
+                self._queue.put(completion)
+        if stopping:
             self._answer([completion], Unavailable("completion not recorded: worker stopping"))
-            return
-        self._queue.put(completion)
 
     def close(self, timeout: float) -> None:
         """Record what is queued once more (no waiting for an unavailable store), then stop."""
-        self._stopping.set()
-        self._queue.put(None)
+        with self._closing:
+            self._stopping.set()
+            self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
 

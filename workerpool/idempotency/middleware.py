@@ -258,10 +258,12 @@ class Idempotency(Middleware):
     def _recorded(self, held: list[Held[_Key]]) -> None:
         """Completions answered: renewed, and busy here, until now (nobody may start their job
         ids meanwhile), no longer."""
-        self.keeper.let_go_many(held)
-        with self._lock:
-            for lease in held:
-                self._active.discard(lease.key)
+        try:
+            self.keeper.let_go_many(held)
+        finally:  # (a bug there must not keep the job ids busy here for good)
+            with self._lock:
+                for lease in held:
+                    self._active.discard(lease.key)
 
     def _release(self, key: _Key, *, failed: bool = False) -> None:
         try:

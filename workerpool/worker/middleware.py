@@ -67,8 +67,9 @@ class Middleware:
 
     def around(self, run: Run) -> Around | None:
         """Wraps the rest of the chain (see the module); runs after ``before``. None: nothing
-        to wrap for this run."""
-        return None
+        to wrap for this run. (This one is never called by ``Steps``: it is a generator only
+        for an override that wraps it, ``return (yield from super().around(run))``.)"""
+        return (yield)  # type: ignore[misc]
 
     def settled(self, event: Settled) -> None:
         """A message left the pool (acked, nacked or recorded). Must be quick, must not raise."""

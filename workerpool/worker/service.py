@@ -90,10 +90,11 @@ def collect_rarely() -> None:
     A job's objects are freed by reference counting, but a pull admits dozens of messages at
     once, a dozen tracked objects each: at Python's threshold of 700 nearly every pull set
     off a young collection that had nothing to free (5 us of CPU a job with the defaults at
-    N = 100, measured; none at 10,000). A threshold set higher already is left alone."""
+    N = 100, measured; none at 10,000). A threshold set higher already, or 0 (automatic
+    collection off), is left alone."""
     gc.freeze()
     young, *older = gc.get_threshold()
-    if young < GC_YOUNG_THRESHOLD:
+    if 0 < young < GC_YOUNG_THRESHOLD:  # (0: collection turned off on purpose)
         gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
