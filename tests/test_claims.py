@@ -528,6 +528,30 @@ def test_a_pulls_job_ids_are_claimed_at_once_and_acked_only_once_their_completio
         worker.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_bug_letting_recorded_claims_go_still_settles_and_frees_their_job_ids(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a pool whose lease keeper fails to let recorded claims go (a bug)
+    store = FaultyStore(MemoryStore())
+    worker = _PoolWorker(store, timers, 2)
+
+    def broken(held: object) -> None:
+        raise RuntimeError("a let-go bug")
+
+    monkeypatch.setattr(worker.idempotency.keeper, "let_go_many", broken)
+    try:
+        # When jobs run and their completions are recorded
+        worker.admit("t.quick", 3)
+        # Then every message is still acked, the recording thread carries on, and the job
+        # ids are busy here no more (a copy would find them done, not running here)
+        assert wait_for(lambda: len(worker.acks.acked) == 3, timeout=10, interval=0.005)
+        assert worker.processor.stats == {"done": 3}
+        assert wait_for(lambda: not worker.idempotency._active, timeout=5, interval=0.005)
+    finally:
+        worker.close()
+
+
 def _one_running_one_waiting(timers: Timers) -> tuple[FaultyStore, _PoolWorker]:
     store = FaultyStore(MemoryStore())
     worker = _PoolWorker(store, timers, 1)
