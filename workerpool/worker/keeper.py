@@ -3,11 +3,11 @@
 A lease is short (``ttl``) and renewed, all of a keeper's leases in one store call, every
 ``ttl / 3`` by the keeper's thread, so a lease whose holder died expires soon. A run whose
 lease cannot be renewed (the store is down, refuses us, or is stalled) is handed back before
-the lease can lapse: a watch timer per lease, independent of the store call that may hang,
-cancels the run and nacks its message to come back once the lease has lapsed, so a lease
-never has two holders. Leases taken, or renewed, by one store call share their watch timer:
-one per claim batch or renewal round, not one per lease (a timer per job was 3 us of CPU a
-job at N = 100, measured). Leases of interrupted runs are released by the keeper's thread,
+the lease can lapse: a watch timer, independent of the store call that may hang, cancels the
+run and nacks its message to come back once the lease has lapsed, so a lease never has two
+holders. Leases taken, or renewed, by one store call share their watch timer: one per claim
+batch or renewal round, not one per lease (a timer per job was 3 us of CPU a job at N = 100,
+measured). Leases of interrupted runs are released by the keeper's thread,
 all in one call, off the drain's path.
 
 A lease may also be held for a message before its run exists (a claim taken as the message is
@@ -112,18 +112,18 @@ class LeaseKeeper(Generic[K]):
         """``hold`` for leases of distinct ``keys`` taken by one request, under one watch."""
         if not keys:
             return []
-        expires = sent + self.ttl
-        watch: _Watch[K] = _Watch(set(keys))
-        if len(watch.keys) != len(keys):  # the second lease of a key would go unwatched
+        distinct = set(keys)
+        if len(distinct) != len(keys):  # the second lease of a key would go unwatched
             raise ValueError(f"hold_many: a key given twice in {keys!r}")
-        held = [Held(run, key, expires, watch) for key in keys]
+        expires = sent + self.ttl
         with self._lock:
+            watch = self._new_watch(distinct, expires)
+            held = [Held(run, key, expires, watch) for key in keys]
             for lease in held:
                 replaced = self._held.get(lease.key)
                 if replaced is not None:
                     self._forget(replaced)
                 self._held[lease.key] = lease
-            self._start_watch(watch, expires)
         return held
 
     def let_go(self, held: Held[K]) -> None:
@@ -194,6 +194,12 @@ class LeaseKeeper(Generic[K]):
         if not watch.keys and watch.timer is not None:
             watch.timer.cancel()
             watch.timer = None  # else it and its timer's callback hold each other
+
+    def _new_watch(self, keys: set[K], expires: float) -> _Watch[K]:
+        """(Under the lock.) A watch of ``keys``, whose leases may lapse from ``expires``."""
+        watch: _Watch[K] = _Watch(keys)
+        self._start_watch(watch, expires)
+        return watch
 
     def _start_watch(self, watch: _Watch[K], expires: float) -> None:
         """(Under the lock.)"""
@@ -308,12 +314,11 @@ class LeaseKeeper(Generic[K]):
             current = [lease for lease in renewed if self._held.get(lease.key) is lease]
             if not current:
                 return
-            watch: _Watch[K] = _Watch({lease.key for lease in current})
+            watch = self._new_watch({lease.key for lease in current}, expires)
             for lease in current:
                 self._unwatch(lease)
                 lease.expires = expires
                 lease.watch = watch
-            self._start_watch(watch, expires)
 
     def _release_interrupted(self) -> None:
         with self._lock:
