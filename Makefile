@@ -1,11 +1,11 @@
 # The gate, with the tools of the active Python environment (make PYTHON=... to pick another).
-# `make check` is the fast one (format, lint, types, the unit tier); `make test` is the
-# README's test command, the one .ci/run runs after the same checks.
+# `make check` is the fast one (format, lint, types, the docs site, the unit tier); `make test`
+# is the README's test command, the one .ci/run runs after the same checks.
 PYTHON ?= python
 
-.PHONY: check format lint types unit test proto
+.PHONY: check format lint types docs unit test proto
 
-check: format lint types unit
+check: format lint types docs unit
 
 format:
 	$(PYTHON) -m ruff format --check .
@@ -15,6 +15,11 @@ lint:
 
 types:
 	$(PYTHON) -m mypy
+
+# The site goes to a throwaway folder: this only proves it builds without a warning.
+docs:
+	site=$$(mktemp -d) && $(PYTHON) -m mkdocs build --strict --quiet --site-dir $$site; \
+	status=$$?; rm -rf $$site; exit $$status
 
 unit:
 	$(PYTHON) -m pytest -m "not emulator" -n 2 -q
