@@ -3,7 +3,7 @@
 Job ``bigquery.reverse_etl``: one message, one ``EXPORT DATA ... format='CLOUD_BIGTABLE'``
 query job, started at most once per job id however often the message is delivered, waited for
 for hours if need be, with at most ``max_concurrent_exports`` of them running across every
-replica. README.md ("BigQuery reverse ETL") has the payload, the config and the IAM roles.
+replica. docs/guide/bigquery-reverse-etl.md has the payload, the config and the IAM roles.
 
 Modules: ``payload`` (what a message and the config may say, and the naming rules),
 ``statement`` (the SQL and the temporary table definition), ``launch`` (job ids, the cap,

@@ -266,7 +266,7 @@ class Export:
         ``Defer``): the slot bounds ours; this count catches the others (see the module).
 
         Within this process, counting and inserting are one step (``_launch_lock``); without
-        slots, replicas can race on the count: see the README."""
+        slots, replicas can race on the count: see docs/guide/bigquery-reverse-etl.md."""
         cap = self.config.max_concurrent_exports
         with _launch_lock:
             if self.ctx.draining.is_set() or self.ctx.cancelled.is_set():

@@ -8,7 +8,7 @@ read (``workerpool.stores.firestore_tx``): two deliveries of one child race on i
 document and one wins, so a tally always counts each of its children's outcomes once. The
 writes of a batch's children spread over its tallies instead of all rewriting one document
 (a document sustains about one write per second in production; what the emulator showed is
-in the README). The batch
+in docs/guide/batches.md). The batch
 record itself is written a handful of times: created, committed, finalized, its completion
 sent. Finalizing writes the record and closes every tally in one commit, preconditioned on
 all of them as read, so no child's outcome lands between the counts and the completion.

@@ -13,8 +13,8 @@ upload id of their own, so a duplicate that lost the race to schedule removes on
 parts), read with the claim and removed with the entry.
 
 The claim's query (``topic ==``, ordered by ``ready_at``) and ``schedule list --topic``
-(``topic ==``, ordered by ``due``) need composite indexes on a real project (see the README;
-the emulator needs none).
+(``topic ==``, ordered by ``due``) need composite indexes on a real project (see
+docs/guide/delayed-jobs.md; the emulator needs none).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The worker's lifecycle: start, quiet (stop pulling), stop(deadline).
 
 ``start`` builds every part of a pool (one ``_Parts``) and starts their threads; nothing starts
-a thread before that. Draining follows DESIGN.md and is bounded by its deadline whatever the
-store, Pub/Sub or a stuck handler do: stop pulling and give back what has not started; tell
-running jobs; wait until a deadline computed once from the monotonic clock; then hand back at
-once what still runs, and give the releases, the ack flush and the closing of clients what is
-left of a short grace period, each against the same deadline, never more.
+a thread before that. Draining follows the drain sequence of the design page (docs/design.md)
+and is bounded by its deadline whatever the store, Pub/Sub or a stuck handler do: stop pulling
+and give back what has not started; tell running jobs; wait until a deadline computed once from
+the monotonic clock; then hand back at once what still runs, and give the releases, the ack
+flush and the closing of clients what is left of a short grace period, each against the same
+deadline, never more.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every path ends in an ``Outcome``: a run's own end, a message that never ran (bad input, given
 back unstarted), a run handed back while it still ran (drain deadline, lost claim), a failure
 record that could not be published. ``decide`` is the only place that maps an outcome and the
-``Facts`` around it to an ``Action``; its branches mirror the table in DESIGN.md.
+``Facts`` around it to an ``Action``; its branches mirror the decide table of the design page
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class Renew:
 Action = Ack | Nack | DeadLetter | Renew
 
 
-# One branch per row of DESIGN.md's table, side by side on purpose: not split up.
+# One branch per row of the design page's decide table (docs/design.md), side by side on
+# purpose: not split up.
 def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
     match outcome:
         case Succeeded():
