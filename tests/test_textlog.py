@@ -90,6 +90,14 @@ def test_a_failed_job_line_adds_its_error_type_and_attempt() -> None:
     )
 
 
+def test_a_job_start_line_says_started() -> None:
+    # Given a job's start line (DEBUG): no outcome or duration yet
+    fields = {k: v for k, v in _JOB_FIELDS.items() if k not in (c.LOG_OUTCOME, c.LOG_DURATION)}
+    record = _record("job demo.sleep started", logging.DEBUG, **fields)
+    # Then it names the job and says it started
+    assert TextFormatter().format(record) == f"{_clock(record)} DEBUG   demo.sleep sleep-3 started"
+
+
 def test_other_lines_show_only_the_fields_their_message_does_not() -> None:
     # Given a line whose message names one of its two fields
     record = _record(

@@ -104,8 +104,15 @@ def _value(value: Any) -> str:
 
 def make_console(stream: TextIO) -> Console:
     """A console writing ``stream`` as it is: no markup, emoji or highlighting read into the
-    text, and long lines left to the terminal to wrap."""
-    return Console(file=stream, markup=False, emoji=False, highlight=False, soft_wrap=True)
+    text, long lines left to the terminal to wrap, and in a notebook still to ``stream``."""
+    return Console(
+        file=stream,
+        markup=False,
+        emoji=False,
+        highlight=False,
+        soft_wrap=True,
+        force_jupyter=False,
+    )
 
 
 class ConsoleHandler(BackgroundHandler):
