@@ -21,7 +21,8 @@ from workerpool.constants import Label
 from workerpool.errors import ConfigError
 from workerpool.registry import Registry
 from workerpool.schedule.when import parse_not_before
-from workerpool.telemetry.logs import CloudLoggingFormatter, TextFormatter
+from workerpool.telemetry.logs import CloudLoggingFormatter
+from workerpool.telemetry.textlog import TextFormatter
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import failure_attributes

@@ -44,7 +44,6 @@ from workerpool.telemetry.histograms import TakesJobHistograms
 from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.logs import (
     CloudLoggingFormatter,
-    TextFormatter,
     set_trace_project,
     setup_logging,
 )
@@ -620,34 +619,6 @@ def test_json_line_times_are_the_ones_datetime_writes() -> None:
         assert entry["time"] == datetime.fromtimestamp(created, UTC).isoformat(
             timespec="microseconds"
         ), created
-
-
-def test_log_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    monkeypatch.delenv("WORKERPOOL_LOG_FORMAT", raising=False)
-    root = logging.getLogger()
-    level = root.level
-    try:
-        tty, pipe = Tty(), io.StringIO()
-        handler = setup_logging(stream=tty)
-        assert isinstance(handler.formatter, TextFormatter)
-        logging.getLogger("workerpool.jobs").info(
-            "job t.x done in 0.500s",
-            extra={"fields": {"job": "t.x", "duration": 0.5, "outcome": "done"}},
-        )
-        handler.flush()  # lines are written by a thread of the handler's own
-        assert "INFO workerpool.jobs: job t.x done in 0.500s  job=t.x duration=0.500" in (
-            tty.getvalue()
-        )
-        assert isinstance(setup_logging(stream=pipe).formatter, CloudLoggingFormatter)
-        monkeypatch.setenv("WORKERPOOL_LOG_FORMAT", "text")
-        assert isinstance(setup_logging(stream=pipe).formatter, TextFormatter)
-    finally:
-        root.removeHandler(setup_logging(stream=io.StringIO()))
-        root.setLevel(level)
 
 
 def test_a_bad_log_call_never_raises_and_other_handlers_see_the_record_as_logged() -> None:

@@ -26,7 +26,7 @@ from workerpool.ops.admin import provision as provision_resources
 from workerpool.publishing import JobMessage, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry
 from workerpool.telemetry.exporters import publish_span
-from workerpool.telemetry.logs import setup_logging
+from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
 from workerpool.worker.clients import Clients
 from workerpool.worker.service import exit_now, serve
 
@@ -56,6 +56,24 @@ def main(verbose: bool, log_level: str) -> None:
     """Run jobs from a Pub/Sub subscription as a bounded worker pool."""
     level = logging.DEBUG if verbose else logging.getLevelNamesMapping()[log_level.upper()]
     setup_logging(level=level)
+
+
+def _set_log_format(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # The group has set logging up from WORKERPOOL_LOG_FORMAT or the terminal; a choice here
+    # replaces its handler, at the level it set.
+    if value is not None:
+        setup_logging(level=logging.getLogger().level, json_lines=value == "json")
+
+
+_LOG_FORMAT = click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS, case_sensitive=False),
+    callback=_set_log_format,
+    expose_value=False,
+    is_eager=True,
+    help="json (Cloud Logging) or text [default: text on a terminal, else json; "
+    "WORKERPOOL_LOG_FORMAT].",
+)
 
 
 def _load_jobs(modules: tuple[str, ...]) -> None:
@@ -131,6 +149,7 @@ def _run_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 @main.command()
 @_run_options
+@_LOG_FORMAT
 def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
@@ -276,6 +295,7 @@ def _not_before(delay: str | None, not_before: str | None) -> str:
     help="How many sleep jobs to publish.",
 )
 @click.option("--max-outstanding", type=click.IntRange(1, 256), default=4, show_default=True)
+@_LOG_FORMAT
 def demo(count: int, max_outstanding: int) -> None:
     """Run the whole thing on the local emulator: provision, publish, run, drain, summarise."""
     from workerpool.ops.demo import run_demo

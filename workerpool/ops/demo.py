@@ -6,13 +6,18 @@ import contextlib
 import json
 import os
 import random
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from workerpool.config import Settings
+from workerpool.constants import Label
 from workerpool.ops.admin import ProvisionRequest, provision, topic_path
 from workerpool.publishing import JobMessage, publish_many
 from workerpool.registry import load_entry_points
+from workerpool.telemetry.textlog import live_console
 from workerpool.testing.emulator import LocalEmulator
 from workerpool.worker.clients import Clients
 from workerpool.worker.launcher import Launcher
@@ -35,6 +40,44 @@ def _emulator(echo: Callable[[str], None]) -> Iterator[None]:
             yield
         finally:
             del os.environ["PUBSUB_EMULATOR_HOST"]
+
+
+_Show = Callable[[int, int, int, Mapping[str, int]], None]  # settled, running, held, stats
+
+
+@contextlib.contextmanager
+def _progress(published: int, slots: int, echo: Callable[[str], None]) -> Iterator[_Show]:
+    """How the demo shows its progress: a live display where the log lines go to a terminal,
+    else a line each time."""
+    console = live_console()
+    if console is None:
+
+        def line(settled: int, running: int, held: int, stats: Mapping[str, int]) -> None:
+            counts = " ".join(f"{k}={v}" for k, v in sorted(stats.items()))
+            echo(f"running={running}/{slots} held={held} {counts}")
+
+        yield line
+        return
+    columns = (
+        TextColumn("settled"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+    )
+    # Lines printed to stdout while the display is drawn go above it, unless stdout is not
+    # the terminal: then they go where stdout goes.
+    with Progress(*columns, console=console, redirect_stdout=sys.stdout.isatty()) as progress:
+        task = progress.add_task("settled", total=published, counts="")
+
+        def live(settled: int, running: int, held: int, stats: Mapping[str, int]) -> None:
+            counts = (
+                f"running {running}/{slots}  held {held}  [green]done {stats[Label.DONE]}[/]  "
+                f"[yellow]retried {stats[Label.RETRIED]}[/]  "
+                f"[red]dead-lettered {stats[Label.DEAD_LETTERED]}[/]"
+            )
+            progress.update(task, completed=settled, counts=counts)
+
+        yield live
 
 
 def _sample_jobs(count: int) -> list[JobMessage]:
@@ -84,12 +127,12 @@ def run_demo(*, count: int, max_outstanding: int, echo: Callable[[str], None]) -
         launcher = Launcher(settings).start()
         stats = launcher.processor.stats
         deadline = time.monotonic() + 120
-        while sum(stats[k] for k in _TERMINAL) < len(messages) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            echo(
-                f"running={launcher.pool.running}/{max_outstanding} held={launcher.pool.held} "
-                + " ".join(f"{k}={v}" for k, v in sorted(stats.items()))
-            )
+        with _progress(len(messages), max_outstanding, echo) as show:
+            settled = 0
+            while settled < len(messages) and time.monotonic() < deadline:
+                time.sleep(0.5)
+                settled = sum(stats[k] for k in _TERMINAL)
+                show(settled, launcher.pool.running, launcher.pool.held, stats)
         report = launcher.stop(time.monotonic() + settings.drain_timeout)
         echo(f"drained in {report.seconds:.1f}s")
         echo("summary: " + json.dumps(dict(sorted(stats.items()))))

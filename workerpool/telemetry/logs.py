@@ -5,7 +5,8 @@ On Cloud Run and GKE, stderr goes to Cloud Logging, which reads a JSON line's ``
 ``jsonPayload``. Structured fields ride on a record as ``extra={"fields": {...}}`` and both
 formats show them. A line written while a span is active (or naming one with
 ``extra={"span_context": ...}``) carries its trace, so Cloud Logging shows it with the trace.
-``WORKERPOOL_LOG_FORMAT=json|text`` overrides the terminal check.
+``WORKERPOOL_LOG_FORMAT=json|text`` (or ``json_lines``) overrides the terminal check. The text
+lines are ``workerpool.telemetry.textlog``'s, chosen once here: the JSON path never meets them.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from json.encoder import encode_basestring
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from workerpool import constants as c
+from workerpool.errors import ConfigError
 from workerpool.worker.text import safe_text
 
 # Record attributes: structured fields, and the span a line belongs to when none is current.
 FIELDS = "fields"
 SPAN_CONTEXT = "span_context"
 ENV_LOG_FORMAT = "WORKERPOOL_LOG_FORMAT"
+LOG_FORMATS = ("json", "text")
 
-_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _installed: logging.Handler | None = None
 _project = ""
 
@@ -55,9 +57,12 @@ def setup_logging(
     stream = stream or sys.stderr
     if json_lines is None:
         wanted = os.environ.get(ENV_LOG_FORMAT, "").strip().lower()
-        json_lines = wanted == "json" if wanted in ("json", "text") else not _isatty(stream)
-    handler = BackgroundHandler(stream)
-    handler.setFormatter(CloudLoggingFormatter() if json_lines else TextFormatter())
+        if wanted not in ("", *LOG_FORMATS):
+            raise ConfigError(f"{ENV_LOG_FORMAT} must be json or text, not {wanted!r}")
+        json_lines = wanted == "json" if wanted else not _isatty(stream)
+    handler = BackgroundHandler(stream) if json_lines else _console_handler(stream)
+    if json_lines:
+        handler.setFormatter(CloudLoggingFormatter())
     # Neither format shows the thread or the process: do not look them up for every record.
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
@@ -68,6 +73,18 @@ def setup_logging(
     root.setLevel(level)
     _installed = handler
     return handler
+
+
+def installed_handler() -> logging.Handler | None:
+    """The handler the last ``setup_logging`` installed, if any."""
+    return _installed
+
+
+def _console_handler(stream: TextIO) -> logging.Handler:
+    # Imported here: rich is loaded only by a process whose lines are text.
+    from workerpool.telemetry.textlog import ConsoleHandler
+
+    return ConsoleHandler(stream)
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -159,23 +176,36 @@ class BackgroundHandler(logging.Handler):
                     break
             records = [item for item in batch if isinstance(item, logging.LogRecord)]
             if records:
-                self._write_lines(records)
+                try:
+                    self._write_lines(records)
+                except Exception:  # a closed or broken stream: logging must never stop the worker
+                    self.handleError(records[-1])
             for item in batch:
                 if isinstance(item, threading.Event):
                     item.set()
 
     def _write_lines(self, records: list[logging.LogRecord]) -> None:
-        lines = []
-        for record in records:
-            try:
-                lines.append(self.format(record))
-            except Exception:
-                self.handleError(record)
+        lines = formatted(records, self.format, self.handleError)
+        self.stream.write("".join(line + "\n" for line in lines))
+        self.stream.flush()
+
+
+_Line = TypeVar("_Line")
+
+
+def formatted(
+    records: list[logging.LogRecord],
+    format: Callable[[logging.LogRecord], _Line],
+    failed: Callable[[logging.LogRecord], None],
+) -> list[_Line]:
+    """Each record's line; one that cannot be formatted is told to ``failed`` and left out."""
+    lines = []
+    for record in records:
         try:
-            self.stream.write("".join(line + "\n" for line in lines))
-            self.stream.flush()
-        except Exception:  # a closed or broken stream: logging must never stop the worker
-            self.handleError(records[-1])
+            lines.append(format(record))
+        except Exception:
+            failed(record)
+    return lines
 
 
 _PLAIN = logging.Formatter()
@@ -208,7 +238,7 @@ def _span_context(record: logging.LogRecord) -> SpanContext | None:
     return context if context.is_valid else None
 
 
-def _fields(record: logging.LogRecord) -> dict[str, Any]:
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     fields = dict(getattr(record, FIELDS, None) or {})
     job_id = getattr(record, c.LOG_JOB_ID, None)  # set by a job's ctx.logger
     if job_id is not None:
@@ -234,7 +264,7 @@ class CloudLoggingFormatter(logging.Formatter):
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:
             message += "\n" + record.exc_text
-        fields = _fields(record)
+        fields = record_fields(record)
         span = _span_context(record)
         parts = [
             _site(record.levelno, record.levelname, record.name, record.pathname, record.lineno,
@@ -292,28 +322,3 @@ def _trace(span: SpanContext) -> str:
         f'"{c.LOG_TRACE}": {encode_basestring(trace_id)}, "{c.LOG_SPAN_ID}": '
         f'"{span.span_id:016x}", "{c.LOG_TRACE_SAMPLED}": {sampled}'
     )
-
-
-class TextFormatter(logging.Formatter):
-    """``time LEVEL logger: message  key=value ...`` for people at a terminal."""
-
-    def __init__(self) -> None:
-        super().__init__(_TEXT_FORMAT)
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        text = super().formatMessage(record)
-        fields = _fields(record)
-        if fields:
-            text += "  " + " ".join(f"{key}={_text(value)}" for key, value in fields.items())
-        return text
-
-    def format(self, record: logging.LogRecord) -> str:
-        # A handler may log text decoded from a hostile payload: the line must still encode.
-        return safe_text(super().format(record))
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    text = str(value)
-    return json.dumps(text) if not text or any(ch.isspace() for ch in text) else text
