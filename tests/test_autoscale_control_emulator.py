@@ -22,6 +22,7 @@ from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
 TTL = 5.0  # the autoscalers' lease TTL here (15 s by default)
+WORKERS = ("--jobs", "workerpool_jobs.demo", "--max-outstanding", "2")  # their replicas
 
 
 def _autoscaler(
@@ -58,6 +59,12 @@ def _reaped(*processes: subprocess.Popen[bytes]) -> Iterator[None]:
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+
+
+def _backlog(env: PubSubResources, jobs: int) -> None:
+    """``jobs`` jobs of 0.5 s waiting on a subscription without a retry policy."""
+    env.provision(retry_policy=False)
+    env.publish_many("demo.sleep", [(f"job-{i}", {"seconds": 0.5}) for i in range(jobs)])
 
 
 def _alive(pid: int) -> bool:
@@ -135,12 +142,8 @@ def test_a_killed_autoscalers_replicas_die_with_it_and_its_successor_keeps_the_m
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given an autoscaler running 4 replicas of 2 slots on a backlog of 0.5 s jobs
-    pubsub_resources.provision(retry_policy=False)
-    pubsub_resources.publish_many(
-        "demo.sleep", [(f"job-{i}", {"seconds": 0.5}) for i in range(240)]
-    )
-    worker_args = ("--jobs", "workerpool_jobs.demo", "--max-outstanding", "2")
-    first, first_log = _autoscaler(pubsub_resources, tmp_path, "first", 4, *worker_args)
+    _backlog(pubsub_resources, 240)
+    first, first_log = _autoscaler(pubsub_resources, tmp_path, "first", 4, *WORKERS)
     beats = SqliteHeartbeats(tmp_path / "fleet.db")
     path = pubsub_resources.subscription_path
     serving: list[int] = []  # replicas beating and not draining, sampled
@@ -155,7 +158,7 @@ def test_a_killed_autoscalers_replicas_die_with_it_and_its_successor_keeps_the_m
         # When it is killed with SIGKILL, and a new autoscaler starts at once
         first.kill()
         killed = time.monotonic()
-        second, second_log = _autoscaler(pubsub_resources, tmp_path, "second", 4, *worker_args)
+        second, second_log = _autoscaler(pubsub_resources, tmp_path, "second", 4, *WORKERS)
         with _reaped(second):
             gone = None
             while time.monotonic() - killed < 40:
@@ -187,14 +190,10 @@ def test_two_autoscalers_of_one_subscription_one_leads_one_stands_by(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     # Given a backlog of 0.5 s jobs
-    pubsub_resources.provision(retry_policy=False)
-    pubsub_resources.publish_many(
-        "demo.sleep", [(f"job-{i}", {"seconds": 0.5}) for i in range(120)]
-    )
-    worker_args = ("--jobs", "workerpool_jobs.demo", "--max-outstanding", "2")
+    _backlog(pubsub_resources, 120)
     # When two autoscalers with --max 2 start together
-    a, a_log = _autoscaler(pubsub_resources, tmp_path, "a", 2, *worker_args)
-    b, b_log = _autoscaler(pubsub_resources, tmp_path, "b", 2, *worker_args)
+    a, a_log = _autoscaler(pubsub_resources, tmp_path, "a", 2, *WORKERS)
+    b, b_log = _autoscaler(pubsub_resources, tmp_path, "b", 2, *WORKERS)
     fleet: list[int] = []
     with _reaped(a, b):
         ledger = tmp_path / "ledger.jsonl"
