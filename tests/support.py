@@ -244,3 +244,19 @@ def pull_once(env: PubSubResources, max_messages: int = 100) -> list[Any]:
     except gexc.DeadlineExceeded:
         return []
     return list(response.received_messages)
+
+
+def child_pids(pid: int) -> set[int]:
+    """The pids of ``pid``'s live child processes (zombies left out)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, parent = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(parent) == pid and state != "Z":
+            found.add(int(entry))
+    return found

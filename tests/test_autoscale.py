@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.fakes import FakeClock, make_beat
+from tests.support import wait_for
 from workerpool.autoscale.actuator import Actuator, Beat, least_busy
 from workerpool.autoscale.controller import Autoscaler
 from workerpool.autoscale.policy import Policy
@@ -127,7 +128,7 @@ def test_while_the_replicas_a_probe_woke_start_its_finding_stands_and_it_is_not_
     assert probe.limits == [1000]  # asked once
 
 
-def test_a_probes_finding_lapses_once_the_fleet_took_as_many_or_after_probe_hold() -> None:
+def test_a_probes_finding_lapses_once_the_fleet_took_as_many_or_probe_hold_after_a_beat() -> None:
     clock, store = FakeClock(NOW), MemoryHeartbeats()
     reader = _reader(probe=FakeProbe(8), store=store, clock=clock, probe_hold=60)
     assert reader.read(0).signals.backlog == 8
@@ -139,9 +140,17 @@ def test_a_probes_finding_lapses_once_the_fleet_took_as_many_or_after_probe_hold
     store.gone("a")
     store.gone("b")
     assert reader.read(2).signals.backlog == 0  # not back: the finding is spent
-    # A finding nobody takes (the replicas never come up) stands for probe_hold seconds
-    late = _reader(probe=FakeProbe(8), clock=clock, probe_hold=60)
+    # A finding nobody takes stands while no replica beats (starting, or a crash loop that
+    # leaves the fleet at zero between restarts: no second probe, no second delivery) ...
+    probe, idle = FakeProbe(8), MemoryHeartbeats()
+    late = _reader(probe=probe, store=idle, clock=clock, probe_hold=60)
     assert late.read(0).signals.backlog == 8
+    clock.advance(600)
+    assert [late.read(n).signals.backlog for n in (1, 0, 2)] == [8, 8, 8]
+    assert probe.limits == [1000]
+    # ... then for probe_hold seconds from the first beat, if the replicas take none of it
+    idle.beat(make_beat("a", at=clock.now, until=clock.now + 100))
+    assert late.read(1).signals.backlog == 8
     clock.advance(60)
     assert late.read(1).signals.backlog == 8
     clock.advance(1)
@@ -327,3 +336,58 @@ def test_the_slots_a_replica_will_have_come_from_the_workers_own_arguments(
     from workerpool.config import Settings
 
     assert _max_outstanding(worker_args, Settings()) == slots
+
+
+def _all_exited(actuator: ProcessActuator) -> bool:
+    return all(p.poll() is not None for p in actuator._serving)
+
+
+def test_replicas_exiting_before_a_beat_restart_after_a_doubling_capped_backoff() -> None:
+    # Given replicas that exit at once (a bad deploy), a backoff of 1 s doubling to 4 s
+    clock = FakeClock(0.0)
+    exiting = [sys.executable, "-c", "raise SystemExit(3)"]
+    actuator = ProcessActuator([], command=exiting, backoff=(1.0, 4.0), clock=clock)
+    assert actuator.scale(2, []).startswith("started 2")
+    said = []
+    for delay in (1, 2, 4, 4):
+        # When both have exited: their places wait for the backoff, counted as replicas
+        assert wait_for(lambda: _all_exited(actuator), timeout=30)
+        said.append(actuator.tend([]))
+        assert actuator.current() == 2 and actuator.tend([]) == ""
+        clock.advance(delay - 0.1)
+        assert actuator.tend([]) == ""  # not due yet: nothing started
+        clock.advance(0.1)
+        assert actuator.tend([]).startswith("restarted 2")
+    # Then the decision line says "crash loop" with the doubling, capped delay, and the
+    # exits are counted; a scale-in drops waiting places before draining anyone
+    assert [s.split(": restarting in ")[1] for s in said] == ["1 s", "2 s", "4 s", "4 s"]
+    assert all(s.startswith("crash loop: pid ") for s in said)
+    assert actuator.exits_at_start() == 8
+    assert wait_for(lambda: _all_exited(actuator), timeout=30)
+    actuator.tend([])
+    assert actuator.scale(0, []) == "2 restarting dropped" and actuator.current() == 0
+    actuator.close(timeout=10)
+
+
+def test_a_replica_that_beat_then_died_restarts_at_once_and_a_beat_resets_the_backoff() -> None:
+    clock = FakeClock(0.0)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    actuator = ProcessActuator([], command=sleeper, clock=clock)
+    host = __import__("socket").gethostname()
+    try:
+        actuator.scale(1, [])
+        [replica] = actuator._serving
+        actuator._streak = 5  # as after a crash loop
+        # When it beats, then is killed
+        assert actuator.tend([make_beat("a", host=host, pid=replica.pid)]) == ""
+        replica.kill()
+        replica.wait(10)
+        # Then it is replaced at the next round without waiting, and the streak is reset
+        assert actuator.current() == 1
+        assert actuator.tend([]).startswith("restarted 1") and actuator._streak == 0
+        # ... and a replica this actuator did not start counts by its beat (adopted)
+        other = make_beat("b", host=host, pid=1)
+        actuator.tend([other])
+        assert actuator.current() == 2
+    finally:
+        actuator.close(timeout=10)

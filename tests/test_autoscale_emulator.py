@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ledger_events, read_ledger, wait_for
+from tests.support import child_pids, ledger_events, read_ledger, wait_for
 from workerpool.autoscale.probe import Probe
 from workerpool.autoscale.signals import SignalReader
 from workerpool.heartbeats import MemoryHeartbeats
@@ -94,22 +94,6 @@ def test_one_probe_at_zero_counts_the_burst_and_every_message_is_at_once_deliver
     assert Counter(attempts.values()) == Counter({2: sees, 1: 300 - sees})
 
 
-def _children(pid: int) -> set[int]:
-    """The pids of ``pid``'s live child processes (zombies left out)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, parent = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(parent) == pid and state != "Z":
-            found.add(int(entry))
-    return found
-
-
 def test_the_fleet_wakes_from_zero_grows_to_its_max_drains_and_returns_to_zero(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
@@ -138,7 +122,7 @@ def test_the_fleet_wakes_from_zero_grows_to_its_max_drains_and_returns_to_zero(
     def sample_until(done: object, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            fleet.append((time.time(), len(_children(scaler.pid))))
+            fleet.append((time.time(), len(child_pids(scaler.pid))))
             if callable(done) and done():
                 return True
             time.sleep(0.2)
@@ -159,7 +143,7 @@ def test_the_fleet_wakes_from_zero_grows_to_its_max_drains_and_returns_to_zero(
         finished = sample_until(lambda: len(ledger_events(ledger, "done")) >= JOBS, 120)
         last_end = time.time()
         # ... and left idle again
-        back_to_zero = sample_until(lambda: not _children(scaler.pid), WINDOW + 30)
+        back_to_zero = sample_until(lambda: not child_pids(scaler.pid), WINDOW + 30)
         zero_at = time.time()
         scaler.send_signal(signal.SIGTERM)
         code = scaler.wait(60)

@@ -572,6 +572,10 @@ def status(
     "--slots-per-replica", type=click.IntRange(1),
     help="Each replica's max-outstanding, until its heartbeat says (default: the setting's).",
 )  # fmt: skip
+@click.option(
+    "--lease-ttl", type=click.FloatRange(1), default=15.0, show_default=True,
+    help="Seconds a standby autoscaler of the subscription waits for a silent leader.",
+)  # fmt: skip
 @click.option("--metrics-port", type=int, help="Serve /metrics on this port.")
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 def autoscale(
@@ -587,6 +591,7 @@ def autoscale(
     kubernetes_deployment: str | None,
     kubernetes_namespace: str | None,
     keda_address: str,
+    lease_ttl: float,
     worker_args: tuple[str, ...],
     **flags: Any,
 ) -> None:
@@ -613,6 +618,7 @@ def autoscale(
         kubernetes_deployment=kubernetes_deployment or "",
         kubernetes_namespace=kubernetes_namespace,
         keda_address=keda_address,
+        lease_ttl=lease_ttl,
     )
     if worker_args and actuator != "process":
         raise ConfigError(f"--actuator {actuator}: arguments after -- go to the process actuator")

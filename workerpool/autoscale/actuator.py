@@ -31,6 +31,15 @@ class Actuator(ABC):
         """Move the fleet to ``desired`` replicas, knowing each live replica's beat; return
         one line saying what was done (logged with the decision)."""
 
+    def tend(self, beats: Sequence[Beat] | None) -> str:
+        """Called every round before ``current``, with the live beats (None: unreadable):
+        look after the replicas (restart those due); return what was done, or ""."""
+        return ""
+
+    def exits_at_start(self) -> int:
+        """Replicas that have exited before their first beat so far (a crash loop)."""
+        return 0
+
     def close(self) -> None:
         """Release clients; a process actuator leaves its replicas to drain on their own."""
         return None

@@ -1,10 +1,12 @@
 """The autoscaler's loop: read the signals, decide, act, say why.
 
-Each round reads the fleet (``SignalReader``), asks the policy for a count, and tells the
-actuator when the count differs from what there is. A decision is logged in one line (the
-signals, the count wanted, the count there is, why, and what the actuator did) whenever it
-differs from the last one logged, and exported as gauges. A store that cannot be read leaves
-the count as it is: signals missing is never a reason to scale in.
+Each round reads the fleet (``SignalReader``), lets the actuator tend its replicas (restart
+those due), asks the policy for a count, and tells the actuator when the count differs from
+what there is. A decision is logged in one line (the signals, the count wanted, the count there
+is, why, and what the actuator did) whenever it differs from the last one logged, and exported
+as gauges; replicas exiting before their first beat (a crash loop) are a counter. A store that
+cannot be read leaves the count as it is: signals missing is never a reason to scale in. With
+a ``Leader``, a round acts only while this autoscaler holds the subscription's lease.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from workerpool import constants as c
-from workerpool.autoscale.actuator import Actuator
+from workerpool.autoscale.actuator import Actuator, Beat
+from workerpool.autoscale.leader import Leader
 from workerpool.autoscale.policy import Decision, Policy, Signals, decide
 from workerpool.autoscale.signals import Observation as Seen
 from workerpool.autoscale.signals import SignalReader
@@ -39,9 +42,11 @@ class Autoscaler:
         meter_provider: MeterProvider | None = None,
         clock: Callable[[], float] = time.time,
         on_decision: Callable[[Signals, Decision], None] | None = None,
+        leader: Leader | None = None,
     ) -> None:
         """``on_decision`` is told every decision with its signals (the KEDA scaler answers
-        from the latest)."""
+        from the latest); with a ``leader``, ``run`` acts only in rounds it leads."""
+        self._leader = leader
         self._reader = reader
         self._on_decision = on_decision
         self._actuator = actuator
@@ -66,15 +71,25 @@ class Autoscaler:
                 f"workerpool.autoscale.{name}", callbacks=[self._observer(name)],
                 description=description,
             )  # fmt: skip
+        meter.create_observable_counter(
+            "workerpool.autoscale.exits_at_start",
+            callbacks=[lambda options: [Observation(self._actuator.exits_at_start())]],
+            description="Replicas that exited before their first heartbeat (a crash loop: "
+            "each is restarted after a backoff).",
+        )
 
     def step(self) -> Decision:
         """One round: read, decide, act."""
-        current = self._actuator.current()
+        unreadable: StoreError | None = None
         try:
-            seen: Seen | None = self._reader.read(current)
+            beats: list[Beat] | None = self._reader.beats()
         except StoreError as exc:
-            log.warning("heartbeats unreadable (%s): keeping %d replicas", exc, current)
-            seen = None
+            unreadable, beats = exc, None
+        tended = self._actuator.tend(beats)
+        current = self._actuator.current()
+        seen = None if beats is None else self._reader.read(current, beats)
+        if unreadable is not None:
+            log.warning("heartbeats unreadable (%s): keeping %d replicas", unreadable, current)
         signals = seen.signals if seen is not None else Signals(self._clock(), current, 1)
         decision = decide(signals, self._policy, self._history)
         self._history = decision.history
@@ -83,7 +98,7 @@ class Autoscaler:
         action = "no change"
         if decision.desired != current:
             action = self._actuator.scale(decision.desired, [] if seen is None else seen.beats)
-        self._report(seen, decision, current, action)
+        self._report(seen, decision, current, "; ".join(filter(None, (action, tended))))
         return decision
 
     def run(self, stop: threading.Event) -> None:
@@ -91,7 +106,8 @@ class Autoscaler:
         while not stop.is_set():
             began = time.monotonic()
             try:
-                self.step()
+                if self._leader is None or self._leader.active():
+                    self.step()
             except ActuatorError as exc:  # its one line says what and why; the next round tries
                 log.warning("autoscale round failed: %s", exc)
             except Exception:  # a bug: logged whole, the next round tries
@@ -128,5 +144,9 @@ class Autoscaler:
         return observe
 
     def close(self) -> None:
+        """Drain the actuator's replicas (from the thread that ran the rounds: the process
+        actuator's replicas die with it), then give the lead up."""
         self._reader.close()
         self._actuator.close()
+        if self._leader is not None:
+            self._leader.close()

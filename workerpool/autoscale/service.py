@@ -2,8 +2,10 @@
 
 It reads the heartbeats from the store the workers share (their ``--idempotency-store``),
 probes the subscription while no replica serves, reads Cloud Monitoring where it answers, and
-sizes the fleet through one actuator. On a signal it stops deciding; the process actuator then
-drains the replicas it started (the cloud ones are left as they are: the platform owns them).
+sizes the fleet through one actuator. Of several autoscalers of one subscription, the one
+holding its lease (in the same store) acts; the others stand by. On a signal it stops
+deciding; the process actuator then drains the replicas it started (the cloud ones are left as
+they are: the platform owns them), and the lease is given up.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from workerpool.autoscale.actuator import Actuator
 from workerpool.autoscale.controller import Autoscaler
 from workerpool.autoscale.keda import KedaScaler, KedaTarget
+from workerpool.autoscale.leader import LEASE_TTL, Leader
 from workerpool.autoscale.policy import Policy
 from workerpool.autoscale.probe import Probe
 from workerpool.autoscale.process import ProcessActuator
@@ -23,6 +27,7 @@ from workerpool.autoscale.signals import SignalReader
 from workerpool.config import Settings
 from workerpool.errors import ConfigError
 from workerpool.heartbeats import HeartbeatStore, heartbeat_opener
+from workerpool.leadership import LeadershipStore, leadership_opener
 from workerpool.ops.admin import describe_subscription, subscription_path
 from workerpool.ops.monitoring import BacklogReader
 from workerpool.stores import StoreError
@@ -47,6 +52,7 @@ class AutoscaleOptions:
     kubernetes_deployment: str = ""
     kubernetes_namespace: str | None = None  # default: the pod's own
     keda_address: str = "[::]:9090"
+    lease_ttl: float = LEASE_TTL
 
 
 def worker_command_args(options: AutoscaleOptions) -> list[str]:
@@ -89,13 +95,15 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
     s = options.settings
     if not s.project or not s.subscription:
         raise ConfigError("project and subscription are required")
-    open_heartbeats = _heartbeat_opener(s.idempotency_store)
+    open_heartbeats = _shared(s.idempotency_store, heartbeat_opener)
+    open_leadership = _shared(s.idempotency_store, leadership_opener)
     actuator = _actuator(options)  # before connecting: its configuration errors come first
     path = subscription_path(s.project, s.subscription)
     subscriber = subscriber_client()
     try:
         describe_subscription(subscriber, path)  # a missing one: exit 2, one line
         heartbeats = open_heartbeats()
+        leader = Leader(open_leadership(), path, ttl=options.lease_ttl)
     except StoreError as exc:
         subscriber.close()
         raise ConfigError(f"idempotency_store: {exc}") from None
@@ -120,6 +128,7 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
         interval=options.interval,
         meter_provider=telemetry.meter_provider,
         on_decision=actuator.decided if isinstance(actuator, KedaTarget) else None,
+        leader=leader,
     )
     signals = signals or Signals()
     signals.install()
@@ -134,15 +143,13 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
         path, options.actuator, p.min_replicas, p.max_replicas, p.target_utilisation * 100,
         p.scale_down_delay,
     )  # fmt: skip
-    loop = threading.Thread(target=scaler.run, args=(signals.stop,), name="autoscale")
+    loop = threading.Thread(target=_rounds, args=(scaler, signals), name="autoscale")
     loop.start()
     while loop.is_alive():
         loop.join(1.0)
-    log.info("signal received: the autoscaler stops (the process actuator drains its replicas)")
     try:
         if keda is not None:
             keda.stop()
-        scaler.close()
     finally:
         subscriber.close()
         if health is not None:
@@ -150,17 +157,30 @@ def run_autoscaler(options: AutoscaleOptions, signals: Signals | None = None) ->
         telemetry.shutdown()
 
 
-def _heartbeat_opener(url: str) -> Callable[[], HeartbeatStore]:
+def _rounds(scaler: Autoscaler, signals: Signals) -> None:
+    """The rounds until a signal, then the close, in one thread: the process actuator's
+    replicas get SIGTERM when the thread that started them ends, so it drains them itself."""
+    scaler.run(signals.stop)
+    log.info("signal received: the autoscaler stops (the process actuator drains its replicas)")
+    scaler.close()
+
+
+Store = TypeVar("Store", HeartbeatStore, LeadershipStore)
+
+
+def _shared(url: str, opener: Callable[[str], Callable[[], Store] | None]) -> Callable[[], Store]:
+    """What opens a store the fleet shares beside ``url`` (``opener`` of heartbeats or
+    leadership): a ConfigError for one no other process can see."""
     try:
-        opener = heartbeat_opener(url)
+        opened = opener(url)
     except (ValueError, ImportError) as exc:
         raise ConfigError(f"idempotency_store: {exc}") from None
-    if opener is None or url == "memory://":
+    if opened is None or url == "memory://":
         raise ConfigError(
             f"idempotency_store {url}: the autoscaler reads the workers' heartbeats from a "
             "store they share (sqlite:///PATH or firestore://PROJECT/COLLECTION)"
         )
-    return opener
+    return opened
 
 
 def _keda_server(actuator: Actuator, address: str) -> KedaScaler | None:

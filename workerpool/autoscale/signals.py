@@ -4,10 +4,13 @@
   replica whose pulls come back full holds ``prefetch`` messages waiting, so a saturated fleet
   shows demand beyond its slots and grows, without knowing how long the backlog is.
 - A probe pull, only while the fleet is at zero: it wakes the fleet, and says how many
-  messages at least wait, so the fleet wakes to the size they need. While the replicas it
-  woke start, it is not asked again (each probe is a delivery of every message it touches):
-  its finding stands for them, less what the fleet has taken since, for ``probe_hold``
-  seconds at most.
+  messages at least wait, so the fleet wakes to the size they need. Each probe is a delivery
+  of every message it touches, which a dead-letter policy counts, so it is asked once per
+  wake-up: its finding stands, less what the fleet has taken since, and it is not asked again
+  while it stands. It stands while no replica beats (they are starting, or exit at start: a
+  bad deploy's crash loop must not probe the backlog into the dead-letter topic), then for
+  ``probe_hold`` seconds at most. (Seeing arrivals without a delivery would need a
+  subscription of the autoscaler's own on the topic, or Cloud Monitoring, minutes late.)
 - Cloud Monitoring's backlog (minutes old) where it answers: the only source of the backlog's
   length while replicas run. Its point counts what replicas held then too, and what the fleet
   has taken since (``Taken``) is not waiting any more, so what it adds is its figure less both:
@@ -28,10 +31,9 @@ from workerpool.autoscale.taken import Taken
 from workerpool.heartbeats import Beat, HeartbeatStore
 from workerpool.ops.monitoring import Backlog, BacklogReader
 
-# How long a probe's finding stands for replicas that have not taken its messages: longer than
-# a replica takes to start (a Kubernetes pod waiting for a new node takes minutes), so a slow
-# start is not mistaken for no work; bounded, so messages taken by someone else do not hold
-# replicas for ever.
+# How long a probe's finding stands, once replicas beat, for messages they have not taken:
+# long enough for the rest of a fleet to start (a Kubernetes pod waiting for a new node takes
+# minutes); bounded, so messages taken by someone else do not hold replicas for ever.
 PROBE_HOLD = 180.0
 
 
@@ -41,6 +43,7 @@ class Sighting:
 
     waiting: float
     at: float
+    serving_from: float | None = None  # when a replica first beat after it
 
 
 @dataclass(frozen=True)
@@ -94,21 +97,26 @@ class SignalReader:
         self._taken = Taken()
         self._found: Sighting | None = None  # the last probe's finding, while it stands
 
-    def read(self, current: int) -> Observation:
+    def beats(self) -> list[Beat]:
+        """The subscription's live beats now (``StoreError`` if the store cannot say)."""
+        return self._heartbeats.live(self._subscription, self._clock())
+
+    def read(self, current: int, beats: list[Beat] | None = None) -> Observation:
+        """The signals, from ``beats`` (read now if not given) and the fleet's ``current``
+        size."""
         now = self._clock()
-        beats = self._heartbeats.live(self._subscription, now)
+        beats = self.beats() if beats is None else beats
         self._taken.update(now, beats)
         serving = [b for b in beats if not b.draining]
         if serving:
             self._slots = max(b.slots for b in serving)
         running = sum(b.running for b in serving)
         probed = None
-        if current == 0 and self._probe is not None:
+        if current == 0 and self._found is None and self._probe is not None:
             probed = self._probe.count(self._probe_limit())
             if probed is not None:
                 self._found = Sighting(probed, now) if probed else None
-        if self._found is not None and now - self._found.at > self._probe_hold:
-            self._found = None
+        self._hold(now, bool(serving))
         found = self._left(self._found)
         if not found:
             self._found = None  # the fleet has taken as many as the probe saw
@@ -126,6 +134,14 @@ class SignalReader:
             service_rate=per_slot or None,
         )
         return Observation(signals, beats, probed, monitored)
+
+    def _hold(self, now: float, serving: bool) -> None:
+        """Start the finding's ``probe_hold`` at the first beat after it; drop it after."""
+        found = self._found
+        if found is not None and found.serving_from is None and serving:
+            self._found = found = Sighting(found.waiting, found.at, now)
+        if found and found.serving_from is not None and now - found.serving_from > self._probe_hold:
+            self._found = None
 
     def _probe_limit(self) -> int:
         if self._max_replicas is None:

@@ -1,0 +1,50 @@
+"""Leases of the processes of one host: a table in the idempotency store's file."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from workerpool.leadership.store import LeadershipStore, Lease, claimed, decode, encode, released
+from workerpool.stores.sqlite import connect, immediate, translated
+
+_LABEL = "leadership"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS leadership (
+    name TEXT PRIMARY KEY,
+    lease TEXT NOT NULL
+)
+"""
+
+
+class SqliteLeadership(LeadershipStore):
+    """A claim is one ``BEGIN IMMEDIATE`` transaction: read, decide and write under the
+    database's write lock, so two processes claiming together see one order."""
+
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
+        self._lock = threading.Lock()  # one connection: one transaction at a time
+        self._conn = connect(path, busy_timeout, _LABEL, lambda conn: conn.execute(_SCHEMA))
+
+    def claim(self, name: str, holder: str, now: float, ttl: float) -> Lease:
+        with self._lock, translated(_LABEL), immediate(self._conn):
+            lease, changed = claimed(self._read(name), holder, now, ttl)
+            if changed:
+                self._write(name, lease)
+            return lease
+
+    def release(self, name: str, holder: str) -> None:
+        with self._lock, translated(_LABEL), immediate(self._conn):
+            lease = released(self._read(name), holder)
+            if lease is not None:
+                self._write(name, lease)
+
+    def _write(self, name: str, lease: Lease) -> None:
+        self._conn.execute("INSERT OR REPLACE INTO leadership VALUES (?, ?)", (name, encode(lease)))
+
+    def _read(self, name: str) -> Lease | None:
+        row = self._conn.execute("SELECT lease FROM leadership WHERE name = ?", (name,)).fetchone()
+        return None if row is None else decode(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
