@@ -156,6 +156,11 @@ class RunContext:
     limiters: RateLimiters | None = field(default=None, repr=False)
     # Set by the concurrency middleware where limits are declared (``slot``).
     slots: Slots | None = field(default=None, repr=False)
+    # The fencing token of the run's claim on its job id, where an idempotency store is
+    # configured (else None): it grows with every claim granted on the job id. Pass it to
+    # what the job writes, which refuses a write with an older token than it has seen: the
+    # write of a run whose process was paused past its claim while another worker ran the job.
+    fencing_token: int | None = None
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )

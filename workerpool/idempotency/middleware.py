@@ -88,8 +88,9 @@ class Idempotency(Middleware):
             close_store=store.close,
         )
         self._completions: Completions[Held[_Key]] = Completions(
-            store, owner, patience=complete_patience, let_go=self._recorded
-        )
+            store, owner, patience=complete_patience, let_go=self._recorded,
+            lapsed=self.keeper.lapsed,
+        )  # fmt: skip
         # Being processed here, claimed or not yet, until its completion is recorded.
         self._active: set[_Key] = set()
         self._admitted: dict[_Key, _Admitted] = {}  # claimed at admission, not started yet
@@ -205,8 +206,9 @@ class Idempotency(Middleware):
                 return RedeliveredWhileRunning()
             case HeldElsewhere():
                 return DuplicateOfRunning()
-            case Claimed(failures=failures):
+            case Claimed(failures=failures, token=token):
                 run.failures = failures
+                run.ctx.fencing_token = token
             case None:
                 pass
         if held is None:
@@ -233,6 +235,8 @@ class Idempotency(Middleware):
         else:  # none taken, or dropped while the message waited (not renewed, taken over)
             claim = self._store.claim(key[0], self._owner, key[1], self.keeper.ttl)
         if self._is_own_stale_claim(claim, key):
+            assert isinstance(claim, HeldElsewhere)
+            run.ctx.fencing_token = claim.token  # granted to us: its reply was lost
             claim = None  # taken back: its count of failures is not known
         return claim, None, sent
 
