@@ -40,7 +40,7 @@ class _Clock:
 def _run() -> Any:
     """What the keeper reads and writes of a run: ``Run``'s lease fields, and its check."""
     run = SimpleNamespace(job=SimpleNamespace(job_id="j"), leases=[], lapsed="")
-    run.lost_lease = lambda now: Run.lost_lease(run, now)
+    run.lost_lease = lambda now: Run.lost_lease(run, now)  # type: ignore[arg-type]
     return run
 
 
