@@ -33,11 +33,12 @@ def test_a_worker_paused_past_its_leases_neither_acks_nor_records_and_its_stale_
         assert wait_for(lambda: _writes(resource, a.pid), timeout=60), a.output()
         # When A is stopped (its leases lapse: its renewals stop with it) until worker B has
         # started the job, then continued
-        a.signal(signal.SIGSTOP)
+        stopped = a.signal(signal.SIGSTOP)
         b = _worker(workers, pubsub_resources, tmp_path)
         began = wait_for(lambda: _writes(resource, b.pid), timeout=90)
-        a.signal(signal.SIGCONT)
+        resumed = a.signal(signal.SIGCONT)
         assert began, b.output()
+        assert resumed - stopped > TTL  # (B could only start once A's leases had lapsed)
         # (each settles its message; A's handler ends at once: its work's time has passed)
         for worker in (a, b):
             assert wait_for(lambda w=worker: _settled(w), timeout=30), worker.output()

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -105,6 +105,9 @@ def _nothing() -> None:
 class Slots(Protocol):
     """Takes slots of the fleet's concurrency keys for one run (``ctx.slot``)."""
 
+    # The fencing tokens of the slots the run was started in (its job's key, its pool's), by key.
+    tokens: Mapping[str, int]
+
     def take(self, key: str, holder: str | None = None) -> Any:
         """A slot of ``key`` (its lease), waiting for one; raises ``Defer`` if none came
         free in time or the run must stop, ``LookupError`` for a key without a limit. A
@@ -164,6 +167,13 @@ class RunContext:
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )
+
+    @property
+    def slot_tokens(self) -> Mapping[str, int]:
+        """The fencing tokens of the slots this run was started in (its job's concurrency
+        key, its pool's), by key: each grows with every grant of its key (a slot taken with
+        ``slot`` has its own, ``lease.token``)."""
+        return {} if self.slots is None else self.slots.tokens
 
     def throttled(self, limiter: str, retry_after: float | None = None) -> None:
         """Tell ``limiter`` the upstream answered "too many requests": it slows down."""

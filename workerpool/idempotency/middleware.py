@@ -2,9 +2,10 @@
 
 Claims are short (``ttl``) and kept alive by a ``LeaseKeeper``, so a claim whose owner died
 expires soon and another worker takes over, and a run whose claim cannot be renewed is handed
-back before the claim can lapse: two workers never run one job id at once. A job that fails,
-or is interrupted by the drain deadline, has its claim released, so the next delivery can
-start it at once.
+back before the claim can lapse: two workers never run one job id at once, but for a process
+paused past its claim, whose run then neither records nor acks its job (``Run.lost_lease``);
+``ctx.fencing_token`` lets what the job writes refuse it. A job that fails, or is interrupted
+by the drain deadline, has its claim released, so the next delivery can start it at once.
 
 A job costs the store a share of two transactions, not two calls of its own: the job ids of a
 pull are claimed together as the pool admits it (the keeper renews those claims while the

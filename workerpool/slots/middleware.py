@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -451,6 +451,7 @@ class Concurrency(Middleware):
                 if not isinstance(slot, _Taken):
                     return slot
                 taken.append(slot)
+            slots.tokens = {slot.lease.key: slot.lease.token for slot in taken}
             return (yield)
         finally:
             try:
@@ -549,12 +550,13 @@ class Concurrency(Middleware):
 class _RunSlots:
     """``context.Slots`` for one run."""
 
-    __slots__ = ("_concurrency", "_run", "_taken")
+    __slots__ = ("_concurrency", "_run", "_taken", "tokens")
 
     def __init__(self, concurrency: Concurrency, run: Run) -> None:
         self._concurrency = concurrency
         self._run: Run | None = run
         self._taken: dict[int, _Taken] = {}
+        self.tokens: Mapping[str, int] = {}
 
     def end(self) -> None:
         """The run's chain has returned: forget the run (a handler still going after it

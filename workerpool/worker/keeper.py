@@ -14,6 +14,11 @@ A lease may also be held for a message before its run exists (a claim taken as t
 admitted, while it waits for a slot): it is renewed the same way, and one that cannot be
 renewed, or was taken over, is simply dropped (nothing runs under it yet). The run that starts
 ``adopt``s the lease, or takes its own if it was dropped.
+
+None of this runs while the process is paused (a GC pause, a frozen VM): a lease may lapse,
+and another take it, before the watch can act. So a run lists the leases it holds, each with
+its deadline (``Held.lapsed``), and one that lapsed while held settles nothing as its owner
+(``Run.lost_lease``, checked by the processor as the run ends).
 """
 
 from __future__ import annotations
@@ -254,14 +259,17 @@ class LeaseKeeper(Generic[K]):
 
     def _give_up(self, run: Run, expires: float) -> None:
         remaining = max(0.0, expires - self._clock())
+        # Past its deadline already: nothing ran here to renew it in time (the process was
+        # paused, a GC pause or a frozen VM), and another may hold it now.
+        when = (
+            f"{remaining:.1f}s before the {self._what} can lapse"
+            if remaining
+            else f"after the {self._what} lapsed (was the process paused?)"
+        )
         log.error(
             "%s for job %s could not be renewed: cancelling its run and handing its message "
-            "back %.1fs before the %s can lapse",
-            self._what,
-            run.job.job_id,
-            remaining,
-            self._what,
-        )
+            "back %s", self._what, run.job.job_id, when,
+        )  # fmt: skip
         run.hand_back(LostLease(after=remaining + LAPSED_COME_BACK))
 
     # --- on the keeper's thread ----------------------------------------------------------
