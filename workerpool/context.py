@@ -142,6 +142,10 @@ class RunContext:
     ``cancelled`` is set at the drain deadline or when the job passes its own ``timeout``:
     stop now; the message will be redelivered (drain) or retried (timeout). Both can be
     checked (``is_set()``), waited for (``wait``) or, in an ``async def`` handler, awaited.
+
+    ``fencing_token`` (the run's claim on its job id) and ``slot_tokens`` (its slots, by key)
+    grow with every grant: pass them to what the job writes, so that it refuses a run whose
+    process was paused past its lease while another ran the job (an older token).
     """
 
     job: str
