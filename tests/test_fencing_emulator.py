@@ -45,12 +45,9 @@ def test_a_worker_paused_past_its_leases_neither_acks_nor_records_and_its_stale_
         assert wait_for(lambda: len(_writes(resource, b.pid)) == 2, timeout=30), b.output()
         a_log = a.output()
     # Then A's stale write was refused, B's accepted: its token is the newer one
-    assert resource.writes() == [
-        Write(a.pid, 1, "begin", True),
-        Write(b.pid, 2, "begin", True),
-        Write(a.pid, 1, "end", False),
-        Write(b.pid, 2, "end", True),
-    ]
+    writes = resource.writes()
+    assert writes[:2] == [Write(a.pid, 1, "begin", True), Write(b.pid, 2, "begin", True)]
+    assert set(writes[2:]) == {Write(a.pid, 1, "end", False), Write(b.pid, 2, "end", True)}
     # And A never settled the job as done: its message went back as a lost claim's, the job
     # id's completion is B's, and A's log says why
     assert (_settled(a), _settled(b)) == (["deferred"], ["done"]), a_log

@@ -6,7 +6,9 @@ the first in line asks the store, the others wait their turn), for at most ``pat
 seconds, then defers its message with jitter. A slot is kept alive by a ``LeaseKeeper`` for
 as long as its run runs (a run whose slot cannot be renewed is handed back before the slot
 can lapse, so the limit holds even then), and released as soon as the run ends, whatever its
-outcome; a holder killed outright frees its slot when the lease's TTL runs out.
+outcome; a holder killed outright frees its slot when the lease's TTL runs out. A process
+paused past its slot's TTL cannot be stopped so: its run settles nothing as the owner once it
+ends (``Run.lost_lease``), and ``ctx.slot_tokens`` lets what it writes refuse it meanwhile.
 """
 
 from __future__ import annotations
