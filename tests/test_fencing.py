@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +18,8 @@ from workerpool.idempotency import Claimed, Done, HeldElsewhere, MemoryStore
 from workerpool.idempotency.completions import Completions
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
+from workerpool.slots import Limits, MemorySlots
+from workerpool.slots.middleware import Concurrency, SlotLeases
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.keeper import LeaseKeeper
 from workerpool.worker.outcome import LostLease, Outcome
@@ -27,6 +29,7 @@ from workerpool.worker.timers import Timers
 
 TTL = 60.0
 OWNER = "w1"
+KEY = "k"
 
 
 class _Clock:
@@ -129,44 +132,55 @@ def test_a_completion_whose_claim_lapsed_before_its_batch_is_not_recorded() -> N
 
 
 class _PausedWorker:
-    """A processor with the idempotency middleware whose clock the job moves on: the job
-    "pauses" its process (a GC pause, a frozen VM) for ``pause`` seconds, with no wait."""
+    """A processor with the idempotency and concurrency middleware (a key of one slot) whose
+    clock the job moves on: the job "pauses" its process (a GC pause, a frozen VM) for
+    ``pause`` seconds, with no wait."""
 
-    def __init__(self, timers: Timers, pause: float) -> None:
+    def __init__(
+        self, timers: Timers, pause: float, claim_ttl: float = TTL, slot_ttl: float = 10 * TTL
+    ) -> None:
         self.store = MemoryStore()
+        self.slots = MemorySlots()
         self.jump = 0.0
-        self.tokens: list[int | None] = []
+        self.tokens: list[tuple[int | None, Mapping[str, int]]] = []
         jobs = Registry()
 
-        @jobs.job("t.paused")
+        @jobs.job("t.paused", concurrency=KEY)
         def paused(ctx: JobContext, payload: dict[str, Any]) -> None:
-            self.tokens.append(ctx.fencing_token)
+            self.tokens.append((ctx.fencing_token, ctx.slot_tokens))
             self.jump += pause
 
         self.acks = FakeAcks()
-        self.idempotency = Idempotency(self.store, OWNER, timers, ttl=TTL)
+        self.idempotency = Idempotency(self.store, OWNER, timers, ttl=claim_ttl)
+        leases = SlotLeases(self.slots, OWNER, Limits({KEY: 1}), timers, ttl=slot_ttl)
+        self.concurrency = Concurrency(leases)
         self.processor = Processor(
-            jobs, self.acks, FakeLeaser(), FakeDeadLetters(), [self.idempotency],
+            jobs, self.acks, FakeLeaser(), FakeDeadLetters(), [self.idempotency, self.concurrency],
             clock=lambda: time.monotonic() + self.jump,
         )  # fmt: skip
         self.idempotency.start()
+        self.concurrency.start()
 
     def run(self) -> None:
         delivery = make_delivery(b"{}", {"job": "t.paused", "job_id": "j1"}, message_id="m-1")
         self.processor.process(delivery)  # (its completion, if any, is recorded off this thread)
         assert wait_for(lambda: delivery.settled, timeout=10)
 
+    def close(self) -> None:
+        self.idempotency.close(timeout=5)
+        self.concurrency.close(timeout=5)
+
 
 @pytest.fixture
 def worker(request: pytest.FixtureRequest, timers: Timers) -> Iterator[_PausedWorker]:
-    made = _PausedWorker(timers, pause=request.param)
+    made = _PausedWorker(timers, *request.param)
     try:
         yield made
     finally:
-        made.idempotency.close(timeout=5)
+        made.close()
 
 
-@pytest.mark.parametrize("worker", [TTL + 1], indirect=True)
+@pytest.mark.parametrize("worker", [(TTL + 1,)], indirect=True)
 def test_a_run_paused_past_its_claim_is_not_acked_nor_recorded_and_its_message_goes_back(
     worker: _PausedWorker,
 ) -> None:
@@ -178,12 +192,12 @@ def test_a_run_paused_past_its_claim_is_not_acked_nor_recorded_and_its_message_g
     assert worker.acks.modacked == [("ack-m-1", 1.0)]
     assert worker.processor.stats == {"deferred": 1}
     # And the job id is not recorded as done: the next claim is granted, with a larger token
-    [token] = worker.tokens
+    [(token, _)] = worker.tokens
     again = worker.store.claim("j1", "w2", "m-1", TTL)
     assert isinstance(again, Claimed) and token is not None and again.token > token
 
 
-@pytest.mark.parametrize("worker", [TTL - 1], indirect=True)
+@pytest.mark.parametrize("worker", [(TTL - 1,)], indirect=True)
 def test_a_run_that_returns_before_its_claim_lapses_is_acked_and_recorded(
     worker: _PausedWorker,
 ) -> None:
@@ -193,4 +207,17 @@ def test_a_run_that_returns_before_its_claim_lapses_is_acked_and_recorded(
     # Then it is acked as done and recorded, its token the claim's
     assert worker.acks.acked == ["ack-m-1"] and worker.processor.stats == {"done": 1}
     assert isinstance(worker.store.claim("j1", "w2", "m-2", TTL), Done)
-    assert worker.tokens == [1]
+    assert worker.tokens == [(1, {KEY: 1})]
+
+
+@pytest.mark.parametrize("worker", [(TTL + 1, 10 * TTL, TTL)], indirect=True)
+def test_a_run_paused_past_its_slot_alone_is_not_acked_and_gives_its_claim_and_slot_back(
+    worker: _PausedWorker,
+) -> None:
+    # Given a job whose process pauses past its slot's TTL, but not its claim's
+    # When it returns
+    worker.run()
+    # Then its message is not acked but given back, and neither claim nor slot is held
+    assert worker.acks.acked == [] and worker.processor.stats == {"deferred": 1}
+    assert isinstance(worker.store.claim("j1", "w2", "m-1", TTL), Claimed)
+    assert wait_for(lambda: not worker.slots.table(KEY).holders, timeout=5)
