@@ -341,8 +341,10 @@ class Processor:
         job as done nor settles it as its owner would (an ack, a dead letter): its message
         goes back, as a lost claim's does. Checked before the middleware after the handler
         lets its slots go and records the completion."""
+        if isinstance(ended, BaseException) or not (run.leases or run.lapsed):
+            return ended  # (no store lease: no clock read either, on every run's path)
         lost = run.lost_lease(self._clock())
-        if not lost or isinstance(ended, BaseException):
+        if not lost:
             return ended
         log.error(
             "job %s (%s): its %s lapsed while it ran (its process was paused?); not acked, "
