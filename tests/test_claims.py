@@ -320,7 +320,7 @@ def test_a_lease_that_ends_while_its_renewal_is_in_flight_is_not_taken_over(
         "claim", timers, 0.6, renew=renew, release=lambda keys: None, close_store=lambda: None
     )
     run = SimpleNamespace(ctx=SimpleNamespace(cancelled=threading.Event()),
-                          job=SimpleNamespace(job_id="j1"))  # fmt: skip
+                          job=SimpleNamespace(job_id="j1"), leases=[], lapsed="")  # fmt: skip
     keeper.start()
     try:
         held = keeper.hold(run, "j1", time.monotonic())  # type: ignore[arg-type]
@@ -349,6 +349,8 @@ class _LeaseRun:
     def __init__(self, job_id: str) -> None:
         self.job = SimpleNamespace(job_id=job_id)
         self.handed_back: list[object] = []
+        self.leases: list[object] = []
+        self.lapsed = ""
 
     def hand_back(self, outcome: object) -> None:
         self.handed_back.append(outcome)
@@ -669,7 +671,9 @@ def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled
 
         return settle
 
-    completions: Completions[str] = Completions(MemoryStore(), OWNER, patience=5, let_go=let_go)
+    completions: Completions[str] = Completions(
+        MemoryStore(), OWNER, patience=5, let_go=let_go, lapsed=lambda held: False
+    )
     for job_id in "ab":
         completions.add(job_id, f"m-{job_id}", Flag(), f"lease-{job_id}", then(job_id))
     # When the thread records them (both queued before it starts: one batch)
@@ -685,7 +689,7 @@ def test_every_completion_added_while_the_recorder_closes_is_answered_once() -> 
     # Given threads adding completions as fast as they can
     answered: list[str] = []
     completions: Completions[str] = Completions(
-        MemoryStore(), OWNER, patience=5, let_go=lambda held: None
+        MemoryStore(), OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False
     )
     completions.start()
     go = threading.Event()

@@ -214,6 +214,25 @@ def test_expired_claim_is_taken_over_and_late_completion_still_counts(
     assert store.claim(JOB, "w3", "m3", TTL) == Done(first_completion)
 
 
+def test_every_claim_granted_on_a_job_id_gets_a_larger_fencing_token(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    # Given a job id claimed and released, claimed again and left to expire, taken over in
+    # a pull's batch, released after a failed run, and claimed once more
+    claims: list[Any] = [store.claim(JOB, "w1", "m1", TTL)]
+    store.release(JOB, "w1", "m1")
+    claims.append(store.claim(JOB, "w2", "m1", TTL))
+    clock.advance(TTL + 1)
+    claims.append(store.claim_many([(JOB, "m2"), ("other", "m3")], "w3", TTL)[0])
+    store.release(JOB, "w3", "m2", failed=True)
+    claims += store.claim_many([(JOB, "m4"), (JOB, "m5")], "w4", TTL)  # a job id twice
+    # Then every grant's token is the one after the last; a claim that finds the job id held
+    # says the holder's
+    tokens = [claim.token for claim in claims]
+    assert [type(claim) for claim in claims] == [Claimed] * 4 + [HeldElsewhere]
+    assert tokens == [1, 2, 3, 4, 4]
+
+
 def test_completion_is_forgotten_after_retention(store: IdempotencyStore, clock: FakeClock) -> None:
     store.claim(JOB, "w1", "m1", TTL)
     store.complete(JOB, "w1", "m1")

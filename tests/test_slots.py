@@ -9,7 +9,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -870,3 +870,20 @@ def test_a_run_is_freed_as_soon_as_its_chain_returns_not_by_the_cyclic_collector
     # And a handler still going after its run ended gets no new slot
     with pytest.raises(Defer, match="the run must stop"), ctx.slot(KEY):
         pass
+
+
+def test_a_run_knows_the_fencing_token_of_the_slot_it_was_started_in(timers: Timers) -> None:
+    # Given a key of one slot, and runs of a job that takes it, one after the other
+    concurrency = Concurrency(SlotLeases(MemorySlots(), "w", Limits({KEY: 1}), timers))
+    seen: list[Mapping[str, int]] = []
+
+    def handler(run: Run) -> Outcome:
+        seen.append(run.ctx.slot_tokens)
+        return Succeeded()
+
+    # When each runs
+    for job_id in ("1", "2"):
+        assert isinstance(through(concurrency, _run(job_id), handler), Succeeded)
+    # Then each saw its slot's token, the later grant's the larger; a run without slots none
+    assert seen == [{KEY: 1}, {KEY: 2}]
+    assert _run("3").ctx.slot_tokens == {}

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -105,6 +105,9 @@ def _nothing() -> None:
 class Slots(Protocol):
     """Takes slots of the fleet's concurrency keys for one run (``ctx.slot``)."""
 
+    # The fencing tokens of the slots the run was started in (its job's key, its pool's), by key.
+    tokens: Mapping[str, int]
+
     def take(self, key: str, holder: str | None = None) -> Any:
         """A slot of ``key`` (its lease), waiting for one; raises ``Defer`` if none came
         free in time or the run must stop, ``LookupError`` for a key without a limit. A
@@ -139,6 +142,10 @@ class RunContext:
     ``cancelled`` is set at the drain deadline or when the job passes its own ``timeout``:
     stop now; the message will be redelivered (drain) or retried (timeout). Both can be
     checked (``is_set()``), waited for (``wait``) or, in an ``async def`` handler, awaited.
+
+    ``fencing_token`` (the run's claim on its job id) and ``slot_tokens`` (its slots, by key)
+    grow with every grant: pass them to what the job writes, so that it refuses a run whose
+    process was paused past its lease while another ran the job (an older token).
     """
 
     job: str
@@ -156,9 +163,21 @@ class RunContext:
     limiters: RateLimiters | None = field(default=None, repr=False)
     # Set by the concurrency middleware where limits are declared (``slot``).
     slots: Slots | None = field(default=None, repr=False)
+    # The fencing token of the run's claim on its job id, where an idempotency store is
+    # configured (else None): it grows with every claim granted on the job id. Pass it to
+    # what the job writes, which refuses a write with an older token than it has seen: the
+    # write of a run whose process was paused past its claim while another worker ran the job.
+    fencing_token: int | None = None
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )
+
+    @property
+    def slot_tokens(self) -> Mapping[str, int]:
+        """The fencing tokens of the slots this run was started in (its job's concurrency
+        key, its pool's), by key: each grows with every grant of its key (a slot taken with
+        ``slot`` has its own, ``lease.token``)."""
+        return {} if self.slots is None else self.slots.tokens
 
     def throttled(self, limiter: str, retry_after: float | None = None) -> None:
         """Tell ``limiter`` the upstream answered "too many requests": it slows down."""

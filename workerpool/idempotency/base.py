@@ -1,17 +1,20 @@
 """The idempotency store interface, its result types, and the rules every backend shares.
 
 A record per job id is either a *claim* (someone is running the job until ``until``) or a
-*completion* (``completed_at`` is set). Backends only provide an atomic read-modify-write of one
-record (``_mutate``); the decisions live here, once, so all backends behave identically.
+*completion* (``completed_at`` is set). Every claim granted on a job id gets the next fencing
+token of that job id (``token``); a record outlives its claim's release to keep the count, for
+as long as a completion is kept (``retention``). Backends only provide an atomic
+read-modify-write of one record (``_mutate``); the decisions live here, once, so all backends
+behave identically.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Final, Literal, TypeGuard, TypeVar
+from typing import Final, TypeGuard, TypeVar
 
 from workerpool.stores import StoreError, StoreUnavailable, guarded
 
@@ -25,9 +28,12 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Claimed:
     """The caller now holds the claim and may run the job; ``failures`` earlier runs of the
-    job id failed (deferrals and hand-backs are not failures)."""
+    job id failed (deferrals and hand-backs are not failures). ``token`` is the claim's
+    fencing token: it grows with every claim granted on the job id, so a resource the job
+    writes can refuse a holder whose claim was taken over (an older token)."""
 
     failures: int = 0
+    token: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class HeldElsewhere:
     owner: str
     message_id: str
     until: float
+    token: int = field(default=0, compare=False)  # the live claim's
 
 
 ClaimResult = Claimed | Done | HeldElsewhere
@@ -59,15 +66,16 @@ class Record:
     until: float
     completed_at: float | None = None
     failures: int = 0
+    token: int = 0  # the last claim's fencing token (0: none yet)
 
     def expire_at(self, retention: float) -> float:
         """When the record stops mattering and may be purged."""
         return (self.until if self.completed_at is None else self.completed_at) + retention
 
 
-DELETE: Final = "delete"
-# What a mutation does to the stored record: None keeps it, DELETE removes it, a Record replaces it.
-Change = Record | Literal["delete"] | None
+# What a mutation does to the stored record: None keeps it, a Record replaces it (a record is
+# never deleted but by the purge of expired ones: it keeps the job id's fencing tokens growing).
+Change = Record | None
 Mutation = Callable[[Record | None, float], tuple[T, Change]]
 
 
@@ -119,10 +127,12 @@ class IdempotencyStore(ABC):
         def mutation(record: Record | None, now: float) -> tuple[ClaimResult, Change]:
             if record is None or not self._is_live(record, now):
                 failures = 0 if record is None or record.completed_at else record.failures
-                return Claimed(failures), Record(owner, message_id, now + ttl, failures=failures)
+                token = (0 if record is None else record.token) + 1
+                claim = Record(owner, message_id, now + ttl, failures=failures, token=token)
+                return Claimed(failures, token), claim
             if record.completed_at is not None:
                 return Done(record.completed_at), None
-            return HeldElsewhere(record.owner, record.message_id, record.until), None
+            return HeldElsewhere(record.owner, record.message_id, record.until, record.token), None
 
         return mutation
 
@@ -159,7 +169,8 @@ class IdempotencyStore(ABC):
         def mutation(record: Record | None, now: float) -> tuple[None, Change]:
             if record and record.completed_at is not None and self._is_live(record, now):
                 return None, None  # keep the first completion
-            return None, Record(owner, message_id, until=now, completed_at=now)
+            token = 0 if record is None else record.token
+            return None, Record(owner, message_id, until=now, completed_at=now, token=token)
 
         return mutation
 
@@ -174,11 +185,10 @@ class IdempotencyStore(ABC):
             def mutation(record: Record | None, now: float) -> tuple[None, Change]:
                 if not _owns(record, owner, message_id):
                     return None, None
+                # Held by nobody from now on, so no late renewal can revive it; kept for its
+                # count of failures and its token (the next claim's is the next one).
                 failures = record.failures + failed
-                if not failures:
-                    return None, DELETE
-                # Held by nobody from now on, so no late renewal can revive it.
-                return None, Record("", "", until=now, failures=failures)
+                return None, Record("", "", until=now, failures=failures, token=record.token)
 
             return mutation
 

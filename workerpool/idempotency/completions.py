@@ -7,6 +7,10 @@ no-op job's time). Each completion's ``then`` hears Succeeded once it is durable
 could not be recorded; its message is acked, or not, from there. Before a batch's ``then``s,
 ``let_go`` hears once what each completion held its job id with (its claim's lease): one
 call, and one lock round, a batch instead of one a job.
+
+A completion whose claim has lapsed by the time its batch is sent (``lapsed``: the process was
+paused past the claim's deadline, and another worker may have claimed the job id since) is
+not recorded: it is answered ``LostLease``, and its message goes back.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from typing import Generic, TypeVar
 
 from workerpool.context import Flag
 from workerpool.idempotency.base import IdempotencyStore, StoreError, StoreUnavailable
-from workerpool.worker.outcome import Outcome, Succeeded, Unavailable
+from workerpool.worker.outcome import (
+    LAPSED_COME_BACK,
+    LostLease,
+    Outcome,
+    Succeeded,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +60,13 @@ class Completions(Generic[L]):
         *,
         patience: float,
         let_go: Callable[[list[L]], None],
+        lapsed: Callable[[L], bool],
     ) -> None:
         self._store = store
         self._owner = owner
         self._patience = patience
         self._let_go = let_go
+        self._lapsed = lapsed
         self._queue: queue.SimpleQueue[_Completion[L] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._closing = threading.Lock()  # a completion is queued before the stop, or not at all
@@ -109,7 +121,8 @@ class Completions(Generic[L]):
                 pending.append(first)
             stop = self._take_queued(pending) or stop
             try:
-                unavailable = self._record(pending, final=stop)
+                pending = self._still_held(pending)
+                unavailable = self._record(pending, final=stop) if pending else None
             except Exception:  # a bug: no message may stay held for good, nor this thread end
                 log.exception("recording %d completions failed", len(pending))
                 self._answer(pending, Unavailable("completion not recorded"))
@@ -136,6 +149,18 @@ class Completions(Generic[L]):
                 stop = True
             else:
                 pending.append(item)
+
+    def _still_held(self, pending: list[_Completion[L]]) -> list[_Completion[L]]:
+        """Those whose claim has not lapsed; the others are answered, not recorded."""
+        held: list[_Completion[L]] = []
+        lapsed: list[_Completion[L]] = []
+        for c in pending:
+            (lapsed if self._lapsed(c.held) else held).append(c)
+        for c in lapsed:
+            log.error("job %s done, but its claim lapsed before it was recorded: not recorded, "
+                      "its message goes back", c.job_id)  # fmt: skip
+        self._answer(lapsed, LostLease(after=LAPSED_COME_BACK))
+        return held
 
     def _record(self, pending: list[_Completion[L]], *, final: bool) -> StoreUnavailable | None:
         """One attempt at the whole batch, everyone answered; except, unless ``final``, when

@@ -13,7 +13,6 @@ from typing import Any
 
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
-    DELETE,
     IdempotencyStore,
     Mutation,
     Record,
@@ -49,8 +48,6 @@ class FirestoreStore(IdempotencyStore):
     def _deciding(self, job_id: str, mutation: Mutation[T]) -> docs.Decision[T]:
         def decide(data: dict[str, Any] | None) -> tuple[T, docs.DocChange]:
             result, change = mutation(None if data is None else _decode(data), self._clock())
-            if change == DELETE:
-                return result, docs.DELETE
             return result, None if change is None else self._encode(job_id, change)
 
         return decide
@@ -65,6 +62,7 @@ class FirestoreStore(IdempotencyStore):
             "completed_at": None if record.completed_at is None else float(record.completed_at),
             "expire_at": expire_at,
             "failures": record.failures,
+            "token": record.token,
         }
 
     def close(self) -> None:
@@ -79,4 +77,5 @@ def _decode(data: dict[str, Any]) -> Record:
         until=float(data["until"]),
         completed_at=None if completed_at is None else float(completed_at),
         failures=int(data.get("failures", 0)),
+        token=int(data.get("token", 0)),
     )

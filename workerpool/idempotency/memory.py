@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
-    DELETE,
     IdempotencyStore,
     Mutation,
     Record,
@@ -33,9 +32,7 @@ class MemoryStore(IdempotencyStore):
         with self._lock:
             now = self._clock()
             result, change = mutation(self._records.get(job_id), now)
-            if change == DELETE:
-                self._records.pop(job_id, None)
-            elif isinstance(change, Record):
+            if change is not None:
                 self._records[job_id] = change
             self._mutations += 1
             if self._mutations % _SWEEP_EVERY == 0:

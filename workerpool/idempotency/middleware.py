@@ -2,9 +2,10 @@
 
 Claims are short (``ttl``) and kept alive by a ``LeaseKeeper``, so a claim whose owner died
 expires soon and another worker takes over, and a run whose claim cannot be renewed is handed
-back before the claim can lapse: two workers never run one job id at once. A job that fails,
-or is interrupted by the drain deadline, has its claim released, so the next delivery can
-start it at once.
+back before the claim can lapse: two workers never run one job id at once, but for a process
+paused past its claim, whose run then neither records nor acks its job (``Run.lost_lease``);
+``ctx.fencing_token`` lets what the job writes refuse it. A job that fails, or is interrupted
+by the drain deadline, has its claim released, so the next delivery can start it at once.
 
 A job costs the store a share of two transactions, not two calls of its own: the job ids of a
 pull are claimed together as the pool admits it (the keeper renews those claims while the
@@ -88,8 +89,9 @@ class Idempotency(Middleware):
             close_store=store.close,
         )
         self._completions: Completions[Held[_Key]] = Completions(
-            store, owner, patience=complete_patience, let_go=self._recorded
-        )
+            store, owner, patience=complete_patience, let_go=self._recorded,
+            lapsed=self.keeper.lapsed,
+        )  # fmt: skip
         # Being processed here, claimed or not yet, until its completion is recorded.
         self._active: set[_Key] = set()
         self._admitted: dict[_Key, _Admitted] = {}  # claimed at admission, not started yet
@@ -205,8 +207,9 @@ class Idempotency(Middleware):
                 return RedeliveredWhileRunning()
             case HeldElsewhere():
                 return DuplicateOfRunning()
-            case Claimed(failures=failures):
+            case Claimed(failures=failures, token=token):
                 run.failures = failures
+                run.ctx.fencing_token = token
             case None:
                 pass
         if held is None:
@@ -233,6 +236,8 @@ class Idempotency(Middleware):
         else:  # none taken, or dropped while the message waited (not renewed, taken over)
             claim = self._store.claim(key[0], self._owner, key[1], self.keeper.ttl)
         if self._is_own_stale_claim(claim, key):
+            assert isinstance(claim, HeldElsewhere)
+            run.ctx.fencing_token = claim.token  # granted to us: its reply was lost
             claim = None  # taken back: its count of failures is not known
         return claim, None, sent
 

@@ -13,7 +13,6 @@ from typing import Any, cast
 
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
-    DELETE,
     Claimed,
     ClaimResult,
     Done,
@@ -35,16 +34,17 @@ CREATE TABLE IF NOT EXISTS idempotency (
     until REAL NOT NULL,
     completed_at REAL,
     expire_at REAL NOT NULL,
-    failures INTEGER NOT NULL DEFAULT 0
+    failures INTEGER NOT NULL DEFAULT 0,
+    token INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS idempotency_expire_at ON idempotency (expire_at);
 """
 _LABEL = "idempotency store"
 _PURGE_EVERY = 1000  # mutations between purges; the expire_at index keeps each purge cheap
-# One batch's upsert binds 7 values per record: stay under SQLite's historical limit of 999.
-_MAX_BATCH = 999 // 7
+# One batch's upsert binds 8 values per record: stay under SQLite's historical limit of 999.
+_MAX_BATCH = 999 // 8
 # A Record's fields, after its job id.
-_RECORD = "job_id, owner, message_id, until, completed_at, failures"
+_RECORD = "job_id, owner, message_id, until, completed_at, failures, token"
 
 
 # Not frozen, made once a job: see completions._Completion.
@@ -122,6 +122,7 @@ class SqliteStore(IdempotencyStore):
         conn.executescript(_SCHEMA)
         # A store file written before failed attempts were counted lacks the column.
         add_column(conn, "idempotency", "failures", "INTEGER NOT NULL DEFAULT 0")
+        add_column(conn, "idempotency", "token", "INTEGER NOT NULL DEFAULT 0")  # fencing tokens
         _delete_expired(conn, self._clock())
 
     # --- claim and complete: one statement each when no batch is being committed -----------
@@ -134,7 +135,7 @@ class SqliteStore(IdempotencyStore):
     # behaviour.
 
     _COMPLETE = (
-        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, ?4, ?4 + ?5, 0)"
+        "INSERT INTO idempotency VALUES (?1, ?2, ?3, ?4, ?4, ?4 + ?5, 0, 0)"
         " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
         " message_id = excluded.message_id, until = excluded.until,"
         " completed_at = excluded.completed_at, expire_at = excluded.expire_at"
@@ -209,7 +210,7 @@ class SqliteStore(IdempotencyStore):
             _claim_sql(1), (now, self.retention, job_id, owner, message_id, now + ttl)
         ).fetchone()
         if won:
-            return Claimed(won[1])
+            return Claimed(won[1], won[2])
         record = self._records([job_id]).get(job_id)
         if record is None:  # released between the two statements: claim it after all
             return self._claim_now(job_id, owner, message_id, ttl)
@@ -338,14 +339,15 @@ class SqliteStore(IdempotencyStore):
         for r in claims:
             assert isinstance(r.op, _Claim)
             params += (r.job_id, r.op.owner, r.op.message_id, now + r.op.ttl)
-        won = dict(self._conn.execute(_claim_sql(len(claims)), params).fetchall())
+        won = {
+            job_id: (failures, token)
+            for job_id, failures, token in self._conn.execute(_claim_sql(len(claims)), params)
+        }
         lost = [r.job_id for r in claims if r.job_id not in won]
         records = self._records(lost) if lost else {}
         for request in claims:
-            failures = won.get(request.job_id)
-            request.result = (
-                Claimed(failures) if failures is not None else _lost(records[request.job_id])
-            )
+            grant = won.get(request.job_id)
+            request.result = Claimed(*grant) if grant else _lost(records[request.job_id])
 
     def _records(self, job_ids: list[str]) -> dict[str, Record]:
         """The stored records of ``job_ids`` (those that have one), in one statement."""
@@ -372,22 +374,14 @@ class SqliteStore(IdempotencyStore):
             except Exception as exc:
                 request.error = exc
                 continue
-            if change == DELETE:
-                records[request.job_id] = None
-                changed.add(request.job_id)
-            elif isinstance(change, Record):
+            if change is not None:
                 records[request.job_id] = change
                 changed.add(request.job_id)
-        deleted = [job_id for job_id in changed if records[job_id] is None]
-        if deleted:
-            self._conn.execute(
-                f"DELETE FROM idempotency WHERE job_id IN ({_marks(len(deleted))})", deleted
-            )
         kept = [(job_id, r) for job_id in changed if (r := records[job_id]) is not None]
         if kept:
             self._conn.execute(
                 "INSERT OR REPLACE INTO idempotency VALUES "
-                + ", ".join([f"({_marks(7)})"] * len(kept)),
+                + ", ".join([f"({_marks(8)})"] * len(kept)),
                 [
                     value
                     for job_id, r in kept
@@ -399,6 +393,7 @@ class SqliteStore(IdempotencyStore):
                         r.completed_at,
                         r.expire_at(self.retention),
                         r.failures,
+                        r.token,
                     )
                 ],
             )
@@ -430,12 +425,12 @@ class SqliteStore(IdempotencyStore):
 @functools.cache
 def _claim_sql(rows: int) -> str:
     """Claim ``rows`` job ids: parameters ``now, retention``, then ``job_id, owner,
-    message_id, until`` per row; returns ``job_id, failures`` of each claim won. The WHERE
+    message_id, until`` per row; returns ``job_id, failures, token`` of each claim won. The WHERE
     clause is ``base.IdempotencyStore``'s rule for a claim, in SQL (a free job id, an expired
     claim, a completion past its retention); the parametrized backend suite holds it to the
     same behaviour as the other backends."""
     values = ", ".join(
-        f"(?{3 + 4 * i}, ?{4 + 4 * i}, ?{5 + 4 * i}, ?{6 + 4 * i}, NULL, ?{6 + 4 * i} + ?2, 0)"
+        f"(?{3 + 4 * i}, ?{4 + 4 * i}, ?{5 + 4 * i}, ?{6 + 4 * i}, NULL, ?{6 + 4 * i} + ?2, 0, 1)"
         for i in range(rows)
     )
     return (
@@ -443,10 +438,11 @@ def _claim_sql(rows: int) -> str:
         " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
         " message_id = excluded.message_id, until = excluded.until, completed_at = NULL,"
         " expire_at = excluded.expire_at,"
-        " failures = CASE WHEN completed_at IS NULL THEN failures ELSE 0 END"
+        " failures = CASE WHEN completed_at IS NULL THEN failures ELSE 0 END,"
+        " token = token + 1"
         " WHERE (completed_at IS NULL AND until <= ?1)"
         " OR (completed_at IS NOT NULL AND completed_at + ?2 <= ?1)"
-        " RETURNING job_id, failures"
+        " RETURNING job_id, failures, token"
     )
 
 
@@ -454,7 +450,7 @@ def _lost(record: Record) -> ClaimResult:
     """What a claim that did not win says: done, or held by whom."""
     if record.completed_at is not None:
         return Done(record.completed_at)
-    return HeldElsewhere(record.owner, record.message_id, record.until)
+    return HeldElsewhere(record.owner, record.message_id, record.until, record.token)
 
 
 def _marks(count: int) -> str:

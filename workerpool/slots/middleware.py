@@ -6,7 +6,9 @@ the first in line asks the store, the others wait their turn), for at most ``pat
 seconds, then defers its message with jitter. A slot is kept alive by a ``LeaseKeeper`` for
 as long as its run runs (a run whose slot cannot be renewed is handed back before the slot
 can lapse, so the limit holds even then), and released as soon as the run ends, whatever its
-outcome; a holder killed outright frees its slot when the lease's TTL runs out.
+outcome; a holder killed outright frees its slot when the lease's TTL runs out. A process
+paused past its slot's TTL cannot be stopped so: its run settles nothing as the owner once it
+ends (``Run.lost_lease``), and ``ctx.slot_tokens`` lets what it writes refuse it meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -451,6 +453,7 @@ class Concurrency(Middleware):
                 if not isinstance(slot, _Taken):
                     return slot
                 taken.append(slot)
+            slots.tokens = {slot.lease.key: slot.lease.token for slot in taken}
             return (yield)
         finally:
             try:
@@ -549,12 +552,13 @@ class Concurrency(Middleware):
 class _RunSlots:
     """``context.Slots`` for one run."""
 
-    __slots__ = ("_concurrency", "_run", "_taken")
+    __slots__ = ("_concurrency", "_run", "_taken", "tokens")
 
     def __init__(self, concurrency: Concurrency, run: Run) -> None:
         self._concurrency = concurrency
         self._run: Run | None = run
         self._taken: dict[int, _Taken] = {}
+        self.tokens: Mapping[str, int] = {}
 
     def end(self) -> None:
         """The run's chain has returned: forget the run (a handler still going after it

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from google.api_core import exceptions as api_exceptions
 from google.api_core.retry import Retry, if_transient_error
@@ -36,9 +36,8 @@ from workerpool.stores import StoreError, StoreUnavailable
 
 T = TypeVar("T")
 
-DELETE: Final = "delete"
-# What a decision does to the document: None keeps it, DELETE removes it, a dict replaces it.
-DocChange = dict[str, Any] | Literal["delete"] | None
+# What a decision does to the document: None keeps it, a dict replaces it.
+DocChange = dict[str, Any] | None
 # Given the document's data (None if absent), what to return and how to change it.
 Decision = Callable[[dict[str, Any] | None], tuple[T, DocChange]]
 
@@ -163,10 +162,8 @@ def _decided(
         outcomes.append((result, None))
         if change is not None:
             changed = True
-            data = None if change == DELETE else change
-    if not changed:
-        return outcomes, None
-    return outcomes, DELETE if data is None else data
+            data = change
+    return outcomes, data if changed else None
 
 
 @dataclass
@@ -356,17 +353,11 @@ class Documents:
             return
         options = self._call_options(deadline)
         if state.update_time is None:
-            if change != DELETE:
-                written = ref.create(change, **options).update_time
-                self._copies.learn(ref, _State(change, written, written, time.monotonic()))
-            return
-        precondition = self._client.write_option(last_update_time=state.update_time)
-        if change == DELETE:
-            deleted = ref.delete(option=precondition, **options)
-            self._copies.learn(ref, _State(None, None, deleted, time.monotonic()))
+            written = ref.create(change, **options).update_time
         else:
+            precondition = self._client.write_option(last_update_time=state.update_time)
             written = ref.update(change, option=precondition, **options).update_time
-            self._copies.learn(ref, _State(change, written, written, time.monotonic()))
+        self._copies.learn(ref, _State(change, written, written, time.monotonic()))
 
     def _call_options(self, deadline: float) -> dict[str, Any]:
         return call_options(deadline, self._timeout, self._label)

@@ -14,6 +14,11 @@ A lease may also be held for a message before its run exists (a claim taken as t
 admitted, while it waits for a slot): it is renewed the same way, and one that cannot be
 renewed, or was taken over, is simply dropped (nothing runs under it yet). The run that starts
 ``adopt``s the lease, or takes its own if it was dropped.
+
+None of this runs while the process is paused (a GC pause, a frozen VM): a lease may lapse,
+and another take it, before the watch can act. So a run lists the leases it holds, each with
+its deadline (``Held.lapsed``), and one that lapsed while held settles nothing as its owner
+(``Run.lost_lease``, checked by the processor as the run ends).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from workerpool.stores import StoreError
-from workerpool.worker.outcome import LostLease
+from workerpool.worker.outcome import LAPSED_COME_BACK, LostLease
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timer, Timers
 
@@ -56,6 +61,13 @@ class Held(Generic[K]):
     key: K
     expires: float  # our clock: the lease may lapse from then on (measured from the request)
     watch: _Watch[K]
+    what: str  # "claim", "slot"
+    taken: bool = False  # the store said it is no longer ours, whatever our clock says
+
+    def lapsed(self, now: float) -> bool:
+        """Whether another may hold it by ``now`` (our clock): the deadline its last renewal
+        (or grant) set has passed, or the store gave it to another."""
+        return self.taken or now >= self.expires
 
 
 class LeaseKeeper(Generic[K]):
@@ -118,7 +130,9 @@ class LeaseKeeper(Generic[K]):
         expires = sent + self.ttl
         with self._lock:
             watch = self._new_watch(distinct, expires)
-            held = [Held(run, key, expires, watch) for key in keys]
+            held = [Held(run, key, expires, watch, self._what) for key in keys]
+            if run is not None:
+                run.leases.extend(held)
             for lease in held:
                 replaced = self._held.get(lease.key)
                 if replaced is not None:
@@ -131,14 +145,21 @@ class LeaseKeeper(Generic[K]):
         self.let_go_many([held])
 
     def let_go_many(self, held: Sequence[Held[K]]) -> None:
+        now = self._clock()
         with self._lock:
             for lease in held:
                 if self._held.get(lease.key) is lease:
                     self._forget(lease)
+                if lease.owner is not None:
+                    _unlist(lease.owner, lease, now)
                 # A run may hold its lease (the idempotency completion does): lease and run
                 # would hold each other, for the cyclic garbage collector to free. Those
                 # cycles, 16 objects a job, were half its time, 6 of 13 us a job (measured).
                 lease.owner = None
+
+    def lapsed(self, held: Held[K]) -> bool:
+        """``held.lapsed`` now, by this keeper's clock."""
+        return held.lapsed(self._clock())
 
     def adopt(self, held: Held[K], run: Run) -> bool:
         """``run`` takes over a lease held for its waiting message; False if it was dropped
@@ -147,6 +168,7 @@ class LeaseKeeper(Generic[K]):
             if self._held.get(held.key) is not held:
                 return False
             held.owner = run
+            run.leases.append(held)
             return True
 
     def drop(self, held: Held[K]) -> None:
@@ -237,15 +259,18 @@ class LeaseKeeper(Generic[K]):
 
     def _give_up(self, run: Run, expires: float) -> None:
         remaining = max(0.0, expires - self._clock())
+        # Past its deadline already: nothing ran here to renew it in time (the process was
+        # paused, a GC pause or a frozen VM), and another may hold it now.
+        when = (
+            f"{remaining:.1f}s before the {self._what} can lapse"
+            if remaining
+            else f"after the {self._what} lapsed (was the process paused?)"
+        )
         log.error(
             "%s for job %s could not be renewed: cancelling its run and handing its message "
-            "back %.1fs before the %s can lapse",
-            self._what,
-            run.job.job_id,
-            remaining,
-            self._what,
-        )
-        run.hand_back(LostLease(after=remaining + 1.0))
+            "back %s", self._what, run.job.job_id, when,
+        )  # fmt: skip
+        run.hand_back(LostLease(after=remaining + LAPSED_COME_BACK))
 
     # --- on the keeper's thread ----------------------------------------------------------
 
@@ -299,6 +324,7 @@ class LeaseKeeper(Generic[K]):
         with self._lock:
             if self._held.get(lease.key) is not lease:
                 return None
+            lease.taken = True
             if lease.owner is None:
                 self._forget(lease)
             return lease.owner
@@ -345,3 +371,10 @@ class LeaseKeeper(Generic[K]):
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("%s store still busy at the deadline; its leases will expire", self._what)
+
+
+def _unlist(run: Run, lease: Held[K], now: float) -> None:
+    """``run`` no longer holds ``lease``; if it had lapsed by then, the run says so."""
+    run.leases.remove(lease)  # listed as it was held or adopted; let go once (owner None)
+    if not run.lapsed and lease.lapsed(now):
+        run.lapsed = lease.what

@@ -83,6 +83,10 @@ class Interrupted:
     drained while the job still waited for a rate-limit token."""
 
 
+# A message whose run lost a lease comes back this long after the lease lapsed.
+LAPSED_COME_BACK = 1.0
+
+
 @dataclass(frozen=True)
 class LostLease:
     """A lease the run holds (its idempotency claim, a concurrency slot) could not be renewed:

@@ -38,6 +38,7 @@ from workerpool.worker.failures import Failure
 from workerpool.worker.interfaces import Acks, FailureRecords, Leases
 from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import (
+    LAPSED_COME_BACK,
     Ack,
     CopyForAnother,
     DeadLetter,
@@ -45,6 +46,7 @@ from workerpool.worker.outcome import (
     Facts,
     Failed,
     Interrupted,
+    LostLease,
     Nack,
     NotStarted,
     Outcome,
@@ -153,10 +155,14 @@ class Processor:
         limiters: RateLimiters | None = None,
         loop: EventLoop | None = None,
         renewer: Renewer | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``loop`` runs the ``async def`` handlers (default: one of its own, whose thread
         starts with the first async run); ``renewer`` publishes a fresh copy of a message
-        that must wait on the last delivery the subscription allows (None: it is nacked)."""
+        that must wait on the last delivery the subscription allows (None: it is nacked);
+        ``clock`` is the one the leases' deadlines are on (see ``_fenced``)."""
+        self._clock = clock
         self._registry = registry
         self._loop = loop or EventLoop()
         self._limiters = limiters
@@ -299,7 +305,7 @@ class Processor:
         delivery = run.delivery
         try:
             try:
-                outcome = steps.leave(ended)
+                outcome = steps.leave(self._fenced(run, ended))
             except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
                 log.exception("job %s: the middleware raised", run.job.name)
                 outcome = Failed(type(exc).__name__, str(exc), exc)
@@ -327,6 +333,25 @@ class Processor:
         finally:
             with self._lock:  # only now: the end of a drain may still give it back
                 self._running.pop(delivery, None)
+
+    def _fenced(self, run: Run, ended: Outcome | BaseException) -> Outcome | BaseException:
+        """What ended the run, unless a lease it held (its claim, a slot) lapsed meanwhile:
+        its process was paused past the lease's deadline, and the lease's next holder may
+        have run the job too. Then, whatever its handler did, the run neither records the
+        job as done nor settles it as its owner would (an ack, a dead letter): its message
+        goes back, as a lost claim's does. Checked before the middleware after the handler
+        lets its slots go and records the completion."""
+        if isinstance(ended, BaseException) or not (run.leases or run.lapsed):
+            return ended  # (no store lease: no clock read either, on every run's path)
+        lost = run.lost_lease(self._clock())
+        if not lost:
+            return ended
+        log.error(
+            "job %s (%s): its %s lapsed while it ran (its process was paused?); not acked, "
+            "its message goes back",
+            run.job.name, run.job.job_id, lost,
+        )  # fmt: skip
+        return LostLease(after=LAPSED_COME_BACK)
 
     def _begin(self, job: Job, delivery: Delivery, permit: Permit) -> Run | None:
         context = AsyncJobContext if job.spec.is_async else JobContext

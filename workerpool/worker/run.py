@@ -60,6 +60,16 @@ class Unparkable:
 UNPARKABLE: Permit = Unparkable()
 
 
+class Lease(Protocol):
+    """A store lease a run holds (its idempotency claim, a concurrency slot: ``keeper.Held``)."""
+
+    what: str  # "claim", "slot": for log lines
+
+    def lapsed(self, now: float) -> bool:
+        """Whether another may hold it by ``now`` (the monotonic clock)."""
+        ...
+
+
 @dataclass(eq=False)
 class Run:
     job: Job
@@ -84,6 +94,22 @@ class Run:
     # thread: called once the chain has returned, with what to do once recorded (Succeeded)
     # or not (why). The message stays held meanwhile.
     completion: Callable[[Callable[[Outcome], None]], None] | None = None
+    # The store leases it holds now (kept by ``keeper.LeaseKeeper``), and what it held that
+    # had lapsed when it was let go ("": none): see ``lost_lease``.
+    leases: list[Lease] = field(default_factory=list)
+    lapsed: str = ""
+
+    def lost_lease(self, now: float) -> str:
+        """What lease of the run ("claim", "slot") lapsed while the run held it, by ``now``
+        (the monotonic clock), or "". A process paused past its lease (a GC pause, a frozen
+        VM) may have overlapped the lease's next holder: such a run must not settle its job
+        as the owner."""
+        if self.lapsed:
+            return self.lapsed
+        for lease in list(self.leases):  # (another thread's keeper may change it meanwhile)
+            if lease.lapsed(now):
+                return lease.what
+        return ""
 
     def hand_back(self, outcome: Outcome) -> bool:
         """Cancel this run and settle its message now with ``outcome`` (a lost claim, say);
