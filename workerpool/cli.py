@@ -204,7 +204,9 @@ def provision(**options: Any) -> None:
 @click.option("--data", help="JSON object payload.")
 @click.option("--file", "jsonl", type=click.File(), help='JSON lines: {"job","job_id","data"}.')
 @click.option("--delay", help="Start no sooner than this from now: 90s, 5m, 2h, 2d.")
-@click.option("--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00Z).")
+@click.option(
+    "--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00:00Z)."
+)
 @click.option("--on-complete", help="Publish them as one batch: the job to run when all end.")
 @click.option("--batch-id", help="The batch's id (default: a new one).")
 @click.option("--batch-deadline", default="1h", show_default=True, help="Finalize it then.")
@@ -270,7 +272,7 @@ def publish(
 
 def _not_before(delay: str | None, not_before: str | None) -> str:
     """The not_before attribute the flags ask for ("" for none); ConfigError naming them."""
-    from workerpool.schedule.when import not_before_text, parse_delay
+    from workerpool.schedule.when import not_before_text, parse_delay, parse_rfc3339
 
     if delay and not_before:
         raise ConfigError("give --delay or --not-before, not both")
@@ -278,8 +280,7 @@ def _not_before(delay: str | None, not_before: str | None) -> str:
         if delay:
             return not_before_text(parse_delay(delay))
         if not_before:
-            when = datetime.fromisoformat(not_before)
-            return not_before_text(when)
+            return not_before_text(parse_rfc3339(not_before))
     except ValueError as exc:
         raise ConfigError(f"--delay/--not-before: {exc}") from None
     return ""
