@@ -198,6 +198,84 @@ def test_publish_then_cli_lists_jobs(pubsub_resources: PubSubResources, tmp_path
     assert "demo.sleep" in listing.output and "payload=SleepRequest" in listing.output
 
 
+def _pulled_job_ids(resources: PubSubResources, until: str) -> list[str]:
+    """The job ids pulled (and acked) from the subscription, up to the one ``until``."""
+    seen: list[str] = []
+    while until not in seen:
+        got = resources.subscriber.pull(
+            subscription=resources.subscription_path, max_messages=100, timeout=30
+        ).received_messages
+        seen += [m.message.attributes.get("job_id", "") for m in got]
+        if got:
+            resources.subscriber.acknowledge(
+                subscription=resources.subscription_path, ack_ids=[m.ack_id for m in got]
+            )
+    return seen
+
+
+def test_publish_refuses_a_bad_file_in_one_line_and_publishes_none_of_it(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given files whose first line is good and whose second is not
+    pubsub_resources.provision()
+    good = b'{"job": "demo.echo", "job_id": "good", "data": {}}\n'
+    bad = {
+        "null-id": (b'{"job": "demo.echo", "job_id": null}', "field 'job_id' is null"),
+        "null-job": (b'{"job": null, "job_id": "n"}', "field 'job' is null"),
+        "latin-1": (b'{"job": "caf\xe9", "job_id": "l"}', "not UTF-8"),
+        "not-json": (b'{"job": "demo.echo", "job_id": ', "Expecting value"),
+        "wrong-type": (b'{"job": "demo.echo", "job_id": 42}', "field 'job_id' is a number"),
+    }
+    target = ["publish", "--project", pubsub_resources.project, "--topic", pubsub_resources.topic]
+    commands = []
+    for name, (line, _) in bad.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(good + line + b"\n")
+        commands.append([*target, "--file", str(tmp_path / f"{name}.jsonl")])
+    commands.append([*target, "--job", "demo.echo", "--job-id", "j", "--data", "[1]"])
+    # When each is published
+    results = _clis(commands)
+    # Then each exits 2 with one line naming the file's line and the field
+    for (name, (_, says)), result in zip(bad.items(), results, strict=False):
+        assert result.returncode == 2 and result.stdout == "", result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"workerpool: error: {tmp_path / name}.jsonl:2: ") and says in line
+    assert results[-1].returncode == 2
+    assert results[-1].stderr.strip() == "workerpool: error: --data must be a JSON object"
+    # And none of their lines was published, the good first ones included
+    marker = _cli(*target, "--job", "demo.echo", "--job-id", "marker", "--data", "{}")
+    assert marker.returncode == 0, marker.stderr
+    assert _pulled_job_ids(pubsub_resources, until="marker") == ["marker"]
+
+
+def test_publishing_to_a_missing_topic_exits_2_with_one_line(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a topic that does not exist
+    project = pubsub_resources.project
+    jsonl = tmp_path / "jobs.jsonl"
+    jsonl.write_text('{"job": "demo.echo", "job_id": "a", "data": {}}\n')
+    store = f"sqlite:///{tmp_path}/claims.db"
+    target = ["publish", "--project", project, "--topic", "no-such-topic"]
+    # When one job, a file, and a batch are published to it
+    batch = ["--on-complete", "demo.echo", "--batch-id", "b-1", "--idempotency-store", store]
+    results = _clis(
+        [
+            [*target, "--job", "demo.echo", "--job-id", "a", "--data", "{}"],
+            [*target, "--file", str(jsonl)],
+            [*target, "--file", str(jsonl), *batch],
+        ]
+    )
+    # Then each exits 2 with one line naming the topic
+    for result in results:
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"workerpool: error: topic projects/{project}/topics/no-such-topic does not exist"
+        ]
+    # And the batch was never recorded (no batch left half-made, waiting for its deadline)
+    listed = CliRunner().invoke(main, ["batch", "list", "--idempotency-store", store])
+    assert listed.output.strip().splitlines()[-1] == "0 batch(es)"
+
+
 def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
     config = tmp_path / "w.toml"
     config.write_text(

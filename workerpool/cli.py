@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from workerpool.registry import import_job_modules, load_entry_points, registry
 from workerpool.telemetry.exporters import publish_span
 from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
 from workerpool.worker.clients import Clients
+from workerpool.worker.envelope import parse_json
 from workerpool.worker.service import exit_now, serve
 
 
@@ -202,7 +203,7 @@ def provision(**options: Any) -> None:
 @click.option("--job", "job_name", help="Job name (with --data).")
 @click.option("--job-id", default="", help="Idempotency key.")
 @click.option("--data", help="JSON object payload.")
-@click.option("--file", "jsonl", type=click.File(), help='JSON lines: {"job","job_id","data"}.')
+@click.option("--file", "jsonl", type=click.File("rb"), help='JSON lines: {"job","job_id","data"}.')
 @click.option("--delay", help="Start no sooner than this from now: 90s, 5m, 2h, 2d.")
 @click.option(
     "--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00:00Z)."
@@ -227,18 +228,7 @@ def publish(
 ) -> None:
     """Publish one job (--job/--data) or many (--file), now or delayed, or as one batch."""
     when = _not_before(delay, not_before)
-    if jsonl is not None:
-        messages = read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
-    elif job_name and data is not None:
-        try:
-            payload = json.loads(data)
-        except ValueError as exc:
-            raise ConfigError(f"--data is not JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise ConfigError("--data must be a JSON object")
-        messages = [JobMessage(job_name, payload, job_id)]
-    else:
-        raise ConfigError("give --job and --data, or --file")
+    messages = _messages(jsonl, job_name, job_id, data)
     if when:
         messages = [dataclasses.replace(m, not_before=when) for m in messages]
     if on_complete:
@@ -268,6 +258,27 @@ def publish(
         click.echo(f"published {count} job(s) to {topic_path(project, topic)}")
     finally:
         clients.close()
+
+
+def _messages(jsonl: Any, job_name: str | None, job_id: str, data: str | None) -> list[JobMessage]:
+    """The jobs ``publish`` was given: the lines of --file, or --job with --data."""
+    if jsonl is not None:
+        return read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
+    if not (job_name and data is not None):
+        raise ConfigError("give --job and --data, or --file")
+    try:
+        # As bytes, so that an argument that is not UTF-8 is refused as such
+        payload = parse_json(os.fsencode(data))
+    except ValueError as exc:
+        raise ConfigError(f"--data is not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError("--data: JSON nested too deeply to parse") from None
+    if not isinstance(payload, dict):
+        raise ConfigError("--data must be a JSON object")
+    try:
+        return [JobMessage(job_name, payload, job_id)]
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"--job/--job-id: {exc}") from None
 
 
 def _not_before(delay: str | None, not_before: str | None) -> str:
