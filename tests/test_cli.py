@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests.support import catches_signal, wait_for
 from workerpool.cli import main
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
@@ -274,6 +276,23 @@ def test_publishing_to_a_missing_topic_exits_2_with_one_line(
     # And the batch was never recorded (no batch left half-made, waiting for its deadline)
     listed = CliRunner().invoke(main, ["batch", "list", "--idempotency-store", store])
     assert listed.output.strip().splitlines()[-1] == "0 batch(es)"
+
+
+def test_a_command_that_does_not_drain_still_ends_on_sigterm(tmp_path: Path) -> None:
+    # Given `workerpool jobs` runs whose job module takes a minute to import
+    (tmp_path / "slowjobs.py").write_text("import time\n\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = [sys.executable, "-m", "workerpool", "jobs", "--jobs", "slowjobs"]
+    early, late = (subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL) for _ in "ab")
+    # When one gets SIGTERM while the package holds it, the other once the command has
+    # given it back (while it imports the module)
+    assert wait_for(lambda: catches_signal(early.pid, signal.SIGTERM), 60, interval=0.001)
+    early.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: catches_signal(late.pid, signal.SIGTERM), 60, interval=0.001)
+    assert wait_for(lambda: not catches_signal(late.pid, signal.SIGTERM), 60)
+    late.send_signal(signal.SIGTERM)
+    # Then both end by it, as any program does, rather than go on importing
+    assert early.wait(30) == late.wait(30) == -signal.SIGTERM
 
 
 def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
 from workerpool.worker.clients import Clients
 from workerpool.worker.envelope import parse_json
 from workerpool.worker.service import exit_now, serve
+from workerpool.worker.signals import held, release
 
 
 class _Group(click.Group):
@@ -43,6 +44,10 @@ class _Group(click.Group):
             sys.exit(2)
 
 
+# The commands that take the signals held since start over: they stop as soon as they can.
+_DRAINING = frozenset({"run", "autoscale"})
+
+
 @click.group(cls=_Group)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging (--log-level debug).")
 @click.option(
@@ -53,8 +58,11 @@ class _Group(click.Group):
     envvar="WORKERPOOL_LOG_LEVEL",
     help="Lowest level logged; warning drops the per-job start and end lines.",
 )
-def main(verbose: bool, log_level: str) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, log_level: str) -> None:
     """Run jobs from a Pub/Sub subscription as a bounded worker pool."""
+    if ctx.invoked_subcommand not in _DRAINING:
+        release()  # held since the process started (workerpool/worker/signals.py)
     level = logging.DEBUG if verbose else logging.getLevelNamesMapping()[log_level.upper()]
     setup_logging(level=level)
 
@@ -155,7 +163,7 @@ def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
     _load_jobs(settings.jobs)
-    serve(settings)
+    serve(settings, held())
     exit_now(0)
 
 
@@ -628,7 +636,7 @@ def autoscale(
     )
     if worker_args and actuator != "process":
         raise ConfigError(f"--actuator {actuator}: arguments after -- go to the process actuator")
-    run_autoscaler(options)
+    run_autoscaler(options, held())
     exit_now(0)
 
 
