@@ -119,13 +119,25 @@ def test_a_mistake_in_a_jobs_config_section_exits_2_before_connecting(tmp_path: 
         assert result.stderr.strip().splitlines() == [f"workerpool: error: {says}"]
 
 
-def test_a_worker_without_credentials_exits_2_with_one_line(tmp_path: Path) -> None:
-    # Given no emulator and no Google Cloud credentials, When a worker starts
-    result = _cli("run", "--project", "p", "--subscription", "s", env=_nowhere(tmp_path))
-    # Then it says what is missing in one line, not a traceback
-    assert result.returncode == 2, result.stderr
-    [line] = result.stderr.strip().splitlines()
-    assert line.startswith("workerpool: error: no Google Cloud credentials found")
+def test_a_command_without_credentials_exits_2_with_one_line(tmp_path: Path) -> None:
+    # Given no emulator and no Google Cloud credentials, When a worker starts, or a command
+    # that publishes or reads Pub/Sub runs
+    project, topic = ["--project", "p"], ["--topic", "t"]
+    job = ["--job", "j", "--job-id", "1", "--data", "{}"]
+    batch = ["--on-complete", "done", "--idempotency-store", f"sqlite:///{tmp_path}/c.db"]
+    commands = [
+        ["run", *project, "--subscription", "s"],
+        ["publish", *project, *topic, *job],
+        ["publish", *project, *topic, *job, *batch],
+        ["provision", *project, *topic, "--subscription", "s", "--dead-letter-topic", "d"],
+        ["dlq", "list", *project, "--subscription", "s-dlq"],
+    ]
+    results = _clis(commands, env=_nowhere(tmp_path))
+    # Then each says what is missing in one line, not a traceback
+    for result in results:
+        assert result.returncode == 2, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("workerpool: error: no Google Cloud credentials found")
 
 
 def test_a_worker_whose_firestore_store_has_no_credentials_exits_2_with_one_line(

@@ -8,7 +8,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import click
@@ -23,11 +23,11 @@ from workerpool.ops.admin import (
     topic_path,
 )
 from workerpool.ops.admin import provision as provision_resources
-from workerpool.publishing import JobMessage, publish_many, read_jsonl
+from workerpool.publishing import JobMessage, publish_batch, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry
 from workerpool.telemetry.exporters import publish_span
 from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
-from workerpool.worker.clients import Clients
+from workerpool.worker.clients import connect
 from workerpool.worker.envelope import parse_json
 from workerpool.worker.service import exit_now, serve
 from workerpool.worker.signals import held, release
@@ -195,7 +195,7 @@ def list_jobs(modules: tuple[str, ...]) -> None:
 def provision(**options: Any) -> None:
     """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
     options["filter"] = options.pop("filter_")
-    clients = Clients()
+    clients = connect()
     try:
         for resource, created in provision_resources(
             clients.publisher, clients.subscriber, ProvisionRequest(**options)
@@ -239,33 +239,34 @@ def publish(
     messages = _messages(jsonl, job_name, job_id, data)
     if when:
         messages = [dataclasses.replace(m, not_before=when) for m in messages]
-    if on_complete:
-        from workerpool.publishing import publish_batch
-        from workerpool.schedule.when import parse_delay
-
-        try:
-            deadline = parse_delay(batch_deadline)
-        except ValueError as exc:
-            raise ConfigError(f"--batch-deadline: {exc}") from None
-        made = publish_batch(
-            topic_path(project, topic), messages, on_complete=on_complete, deadline=deadline,
-            batch_id=batch_id, store=idempotency_store,
-        )  # fmt: skip
-        click.echo(
-            f"published batch {made} of {len(messages)} job(s) to {topic_path(project, topic)}"
-        )
-        return
-    clients = Clients()
+    deadline, path = _deadline(batch_deadline), topic_path(project, topic)
+    clients = connect()  # once all of the input is known to be good
     try:
-        ids = publish_many(clients.publisher, topic_path(project, topic), messages)
+        if on_complete:
+            made = publish_batch(
+                path, messages, on_complete=on_complete, deadline=deadline,
+                batch_id=batch_id, store=idempotency_store, publisher=clients.publisher,
+            )  # fmt: skip
+            click.echo(f"published batch {made} of {len(messages)} job(s) to {path}")
+            return
+        ids = publish_many(clients.publisher, path, messages)
         with (
-            publish_span(topic_path(project, topic)),
+            publish_span(path),
             click.progressbar(ids, length=len(messages), label="publishing") as bar,
         ):
             count = sum(1 for _ in bar)
-        click.echo(f"published {count} job(s) to {topic_path(project, topic)}")
+        click.echo(f"published {count} job(s) to {path}")
     finally:
         clients.close()
+
+
+def _deadline(text: str) -> timedelta:
+    from workerpool.schedule.when import parse_delay
+
+    try:
+        return parse_delay(text)
+    except ValueError as exc:
+        raise ConfigError(f"--batch-deadline: {exc}") from None
 
 
 def _messages(jsonl: Any, job_name: str | None, job_id: str, data: str | None) -> list[JobMessage]:
@@ -348,7 +349,7 @@ def dlq_list(project: str, subscription: str, job_name: str | None, limit: int) 
     """Show failure records as a table, leaving them on the subscription."""
     from workerpool.ops.dlq import peek, table
 
-    clients = Clients()
+    clients = connect()
     try:
         path = subscription_path(project, subscription)
         describe_subscription(clients.subscriber, path)  # a missing one: exit 2, one line
@@ -370,7 +371,7 @@ def dlq_replay(
     """Republish failure records to their source topic; ack each once that is confirmed."""
     from workerpool.ops.dlq import Replayer
 
-    clients = Clients()
+    clients = connect()
     counts: Counter[str] = Counter()
     try:
         path = subscription_path(project, subscription)
@@ -540,7 +541,7 @@ def status(
             slots = slot_lines(store, settings.concurrency)
         finally:
             store.close()
-    clients = Clients()
+    clients = connect()
     try:
         lines = status_lines(clients.subscriber, subscription_path(project, subscription), slots)
     finally:
