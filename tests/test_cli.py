@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from signal import SIGTERM
 
 import pytest
 from click.testing import CliRunner
 
-from tests.support import catches_signal, wait_for
+from tests.support import catches_signal, runs_workerpool, wait_for
 from workerpool.cli import main
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
@@ -296,15 +297,19 @@ def test_a_command_that_does_not_drain_still_ends_on_sigterm(tmp_path: Path) -> 
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     command = [sys.executable, "-m", "workerpool", "jobs", "--jobs", "slowjobs"]
     early, late = (subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL) for _ in "ab")
+
     # When one gets SIGTERM while the package holds it, the other once the command has
     # given it back (while it imports the module)
-    assert wait_for(lambda: catches_signal(early.pid, signal.SIGTERM), 60, interval=0.001)
-    early.send_signal(signal.SIGTERM)
-    assert wait_for(lambda: catches_signal(late.pid, signal.SIGTERM), 60, interval=0.001)
-    assert wait_for(lambda: not catches_signal(late.pid, signal.SIGTERM), 60)
-    late.send_signal(signal.SIGTERM)
+    def held(process: subprocess.Popen[bytes]) -> Callable[[], bool]:
+        return lambda: runs_workerpool(process.pid) and catches_signal(process.pid, SIGTERM)
+
+    assert wait_for(held(early), 60, interval=0.001)
+    early.send_signal(SIGTERM)
+    assert wait_for(held(late), 60, interval=0.001)
+    assert wait_for(lambda: not catches_signal(late.pid, SIGTERM), 60)
+    late.send_signal(SIGTERM)
     # Then both end by it, as any program does, rather than go on importing
-    assert early.wait(30) == late.wait(30) == -signal.SIGTERM
+    assert early.wait(30) == late.wait(30) == -SIGTERM
 
 
 def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:

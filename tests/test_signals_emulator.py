@@ -14,6 +14,7 @@ from tests.support import (
     WorkerProcess,
     catches_signal,
     ledger_events,
+    runs_workerpool,
     spawn_worker,
     wait_for,
     worker_processes,
@@ -50,7 +51,7 @@ def _anchor(worker: WorkerProcess, proxy: FaultProxy, anchor: str) -> Callable[[
     if anchor == "pulling":
         return worker.ready
     watched = signal.SIGINT if anchor == "python" else signal.SIGTERM
-    return lambda: catches_signal(worker.pid, watched)
+    return lambda: runs_workerpool(worker.pid) and catches_signal(worker.pid, watched)
 
 
 def test_a_signal_at_any_point_of_start_exits_0_and_loses_no_message(
