@@ -262,6 +262,22 @@ def test_publish_refuses_a_bad_file_in_one_line_and_publishes_none_of_it(
     assert _pulled_job_ids(pubsub_resources, until="marker") == ["marker"]
 
 
+def test_publish_refuses_arguments_that_are_not_utf8_in_one_line() -> None:
+    # Given --data and --job arguments with a byte that is not UTF-8 (0xff, as argv carries it)
+    target = ["publish", "--project", "p", "--topic", "t"]
+    results = _clis(
+        [
+            [*target, "--job", "a", "--data", '{"x": "\udcff"}'],
+            [*target, "--job", "a\udcff", "--data", "{}"],
+        ]
+    )
+    # Then each is refused in one line, exit 2, before anything connects
+    said = [result.stderr.strip() for result in results]
+    assert [result.returncode for result in results] == [2, 2], said
+    assert said[0].startswith("workerpool: error: --data is not UTF-8 JSON: 'utf-8' codec")
+    assert said[1].startswith("workerpool: error: --job/--job-id: job 'a\\\\udcff' is not valid")
+
+
 def test_publishing_to_a_missing_topic_exits_2_with_one_line(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
