@@ -38,8 +38,8 @@ class JobMessage:
     def __post_init__(self) -> None:
         # Checked here, before anything is published: a None would go out as the job (or
         # job id) "None", and a second such job would be acked as a duplicate of the first.
-        attribute_value("job", self.job, required=True)
-        attribute_value("job_id", self.job_id)
+        _check_attribute("job", self.job, required=True)
+        _check_attribute("job_id", self.job_id)
         if not isinstance(self.data, Mapping):
             raise TypeError(f"data must be a mapping, not {type(self.data).__name__}")
 
@@ -54,7 +54,7 @@ class JobMessage:
         return json.dumps(self.data, separators=(",", ":")).encode(), attributes
 
 
-def attribute_value(name: str, value: object, *, required: bool = False) -> None:
+def _check_attribute(name: str, value: object, *, required: bool = False) -> None:
     """TypeError or ValueError unless ``value`` can be the attribute ``name``: a string that
     Pub/Sub takes (UTF-8, at most 1024 bytes), not empty if ``required``."""
     if not isinstance(value, str):
@@ -72,10 +72,10 @@ def attribute_value(name: str, value: object, *, required: bool = False) -> None
 def publish(publisher: Any, topic: str, message: JobMessage, *, timeout: float = 60) -> str:
     """Publish one job and wait for its message id."""
     data, attributes = message.encode()
-    return confirmed(publisher.publish(topic, data, **attributes), topic, timeout)
+    return _confirmed(publisher.publish(topic, data, **attributes), topic, timeout)
 
 
-def confirmed(future: Any, topic: str, timeout: float = 60) -> str:
+def _confirmed(future: Any, topic: str, timeout: float = 60) -> str:
     """The message id a publish future resolves to; a missing topic, or a message Pub/Sub
     refuses, is a ConfigError (the CLI's one line) rather than a gRPC traceback."""
     try:
@@ -176,7 +176,7 @@ def publish_batch(
     missing = [m.job for m in children if not m.job_id]
     if missing:
         raise ConfigError(f"every child of a batch needs a job id ({missing[0]} has none)")
-    attribute_value("on_complete", on_complete, required=True)
+    _check_attribute("on_complete", on_complete, required=True)
     now = datetime.now(UTC)
     try:
         net_due = not_before_text(deadline, now)  # (refuses one it cannot honour)
@@ -224,7 +224,7 @@ def publish_many(publisher: Any, topic: str, messages: Iterable[JobMessage]) -> 
         data, attributes = message.encode()
         futures.append(publisher.publish(topic, data, **attributes))
     for future in futures:
-        yield confirmed(future, topic)
+        yield _confirmed(future, topic)
 
 
 # What a line of ``publish --file`` may hold, with the JSON type each field must have.
