@@ -165,6 +165,26 @@ def worker_processes() -> Iterator[list[WorkerProcess]]:
                 worker.kill()
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (SigCgt in /proc/PID/status); True
+    for a process gone already (the wait for it says how it ended)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    [mask] = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def runs_workerpool(pid: int) -> bool:
+    """Whether ``pid`` has become ``python -m workerpool``: until its exec, the forked child
+    still has this process's command line and signal handlers."""
+    try:
+        return b"-m\0workerpool\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return True
+
+
 def read_ledger(path: Path) -> list[dict[str, Any]]:
     """The ledger workerpool_jobs.demo writes; for one still being written, a last line without
     its newline yet is left out rather than parsed half-written."""

@@ -7,12 +7,15 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from signal import SIGTERM
 
 import pytest
 from click.testing import CliRunner
 
+from tests.support import catches_signal, runs_workerpool, wait_for
 from workerpool.cli import main
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
@@ -117,13 +120,25 @@ def test_a_mistake_in_a_jobs_config_section_exits_2_before_connecting(tmp_path: 
         assert result.stderr.strip().splitlines() == [f"workerpool: error: {says}"]
 
 
-def test_a_worker_without_credentials_exits_2_with_one_line(tmp_path: Path) -> None:
-    # Given no emulator and no Google Cloud credentials, When a worker starts
-    result = _cli("run", "--project", "p", "--subscription", "s", env=_nowhere(tmp_path))
-    # Then it says what is missing in one line, not a traceback
-    assert result.returncode == 2, result.stderr
-    [line] = result.stderr.strip().splitlines()
-    assert line.startswith("workerpool: error: no Google Cloud credentials found")
+def test_a_command_without_credentials_exits_2_with_one_line(tmp_path: Path) -> None:
+    # Given no emulator and no Google Cloud credentials, When a worker starts, or a command
+    # that publishes or reads Pub/Sub runs
+    project, topic = ["--project", "p"], ["--topic", "t"]
+    job = ["--job", "j", "--job-id", "1", "--data", "{}"]
+    batch = ["--on-complete", "done", "--idempotency-store", f"sqlite:///{tmp_path}/c.db"]
+    commands = [
+        ["run", *project, "--subscription", "s"],
+        ["publish", *project, *topic, *job],
+        ["publish", *project, *topic, *job, *batch],
+        ["provision", *project, *topic, "--subscription", "s", "--dead-letter-topic", "d"],
+        ["dlq", "list", *project, "--subscription", "s-dlq"],
+    ]
+    results = _clis(commands, env=_nowhere(tmp_path))
+    # Then each says what is missing in one line, not a traceback
+    for result in results:
+        assert result.returncode == 2, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("workerpool: error: no Google Cloud credentials found")
 
 
 def test_a_worker_whose_firestore_store_has_no_credentials_exits_2_with_one_line(
@@ -196,6 +211,121 @@ def test_publish_then_cli_lists_jobs(pubsub_resources: PubSubResources, tmp_path
     assert got["c"].attributes["job"] == "demo.echo" and got["c"].data == b'{"k":1}'
     listing = runner.invoke(main, ["jobs"])
     assert "demo.sleep" in listing.output and "payload=SleepRequest" in listing.output
+
+
+def _pulled_job_ids(resources: PubSubResources, until: str) -> list[str]:
+    """The job ids pulled (and acked) from the subscription, up to the one ``until``."""
+    seen: list[str] = []
+    while until not in seen:
+        got = resources.subscriber.pull(
+            subscription=resources.subscription_path, max_messages=100, timeout=30
+        ).received_messages
+        seen += [m.message.attributes.get("job_id", "") for m in got]
+        if got:
+            resources.subscriber.acknowledge(
+                subscription=resources.subscription_path, ack_ids=[m.ack_id for m in got]
+            )
+    return seen
+
+
+def test_publish_refuses_a_bad_file_in_one_line_and_publishes_none_of_it(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given files whose first line is good and whose second is not
+    pubsub_resources.provision()
+    good = b'{"job": "demo.echo", "job_id": "good", "data": {}}\n'
+    bad = {
+        "null-id": (b'{"job": "demo.echo", "job_id": null}', "field 'job_id' is null"),
+        "null-job": (b'{"job": null, "job_id": "n"}', "field 'job' is null"),
+        "latin-1": (b'{"job": "caf\xe9", "job_id": "l"}', "not UTF-8"),
+        "not-json": (b'{"job": "demo.echo", "job_id": ', "Expecting value"),
+        "wrong-type": (b'{"job": "demo.echo", "job_id": 42}', "field 'job_id' is a number"),
+    }
+    target = ["publish", "--project", pubsub_resources.project, "--topic", pubsub_resources.topic]
+    commands = []
+    for name, (line, _) in bad.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(good + line + b"\n")
+        commands.append([*target, "--file", str(tmp_path / f"{name}.jsonl")])
+    commands.append([*target, "--job", "demo.echo", "--job-id", "j", "--data", "[1]"])
+    # When each is published
+    results = _clis(commands)
+    # Then each exits 2 with one line naming the file's line and the field
+    for (name, (_, says)), result in zip(bad.items(), results, strict=False):
+        assert result.returncode == 2 and result.stdout == "", result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"workerpool: error: {tmp_path / name}.jsonl:2: ") and says in line
+    assert results[-1].returncode == 2
+    assert results[-1].stderr.strip() == "workerpool: error: --data must be a JSON object"
+    # And none of their lines was published, the good first ones included
+    marker = _cli(*target, "--job", "demo.echo", "--job-id", "marker", "--data", "{}")
+    assert marker.returncode == 0, marker.stderr
+    assert _pulled_job_ids(pubsub_resources, until="marker") == ["marker"]
+
+
+def test_publish_refuses_arguments_that_are_not_utf8_in_one_line() -> None:
+    # Given --data and --job arguments with a byte that is not UTF-8 (0xff, as argv carries it)
+    target = ["publish", "--project", "p", "--topic", "t"]
+    results = _clis(
+        [
+            [*target, "--job", "a", "--data", '{"x": "\udcff"}'],
+            [*target, "--job", "a\udcff", "--data", "{}"],
+        ]
+    )
+    # Then each is refused in one line, exit 2, before anything connects
+    said = [result.stderr.strip() for result in results]
+    assert [result.returncode for result in results] == [2, 2], said
+    assert said[0].startswith("workerpool: error: --data is not UTF-8 JSON: 'utf-8' codec")
+    assert said[1].startswith("workerpool: error: --job/--job-id: job 'a\\\\udcff' is not valid")
+
+
+def test_publishing_to_a_missing_topic_exits_2_with_one_line(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a topic that does not exist
+    project = pubsub_resources.project
+    jsonl = tmp_path / "jobs.jsonl"
+    jsonl.write_text('{"job": "demo.echo", "job_id": "a", "data": {}}\n')
+    store = f"sqlite:///{tmp_path}/claims.db"
+    target = ["publish", "--project", project, "--topic", "no-such-topic"]
+    # When one job, a file, and a batch are published to it
+    batch = ["--on-complete", "demo.echo", "--batch-id", "b-1", "--idempotency-store", store]
+    results = _clis(
+        [
+            [*target, "--job", "demo.echo", "--job-id", "a", "--data", "{}"],
+            [*target, "--file", str(jsonl)],
+            [*target, "--file", str(jsonl), *batch],
+        ]
+    )
+    # Then each exits 2 with one line naming the topic
+    for result in results:
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"workerpool: error: topic projects/{project}/topics/no-such-topic does not exist"
+        ]
+    # And the batch was never recorded (no batch left half-made, waiting for its deadline)
+    listed = CliRunner().invoke(main, ["batch", "list", "--idempotency-store", store])
+    assert listed.output.strip().splitlines()[-1] == "0 batch(es)"
+
+
+def test_a_command_that_does_not_drain_still_ends_on_sigterm(tmp_path: Path) -> None:
+    # Given `workerpool jobs` runs whose job module takes a minute to import
+    (tmp_path / "slowjobs.py").write_text("import time\n\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = [sys.executable, "-m", "workerpool", "jobs", "--jobs", "slowjobs"]
+    early, late = (subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL) for _ in "ab")
+
+    # When one gets SIGTERM while the package holds it, the other once the command has
+    # given it back (while it imports the module)
+    def held(process: subprocess.Popen[bytes]) -> Callable[[], bool]:
+        return lambda: runs_workerpool(process.pid) and catches_signal(process.pid, SIGTERM)
+
+    assert wait_for(held(early), 60, interval=0.001)
+    early.send_signal(SIGTERM)
+    assert wait_for(held(late), 60, interval=0.001)
+    assert wait_for(lambda: not catches_signal(late.pid, SIGTERM), 60)
+    late.send_signal(SIGTERM)
+    # Then both end by it, as any program does, rather than go on importing
+    assert early.wait(30) == late.wait(30) == -SIGTERM
 
 
 def test_settings_precedence_defaults_file_env_flags(tmp_path: Path) -> None:

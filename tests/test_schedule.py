@@ -83,6 +83,67 @@ def test_not_before_is_an_absolute_utc_time_at_most_a_year_ahead() -> None:
         parse_delay("90")
 
 
+def test_not_before_is_strict_rfc3339_and_at_most_365_days_ahead_to_the_second() -> None:
+    # Given RFC 3339 section 5.6 date-times: T or t, Z or z or a numeric offset, any fraction
+    for text, utc in (
+        ("2026-12-24t09:00:00z", "2026-12-24T09:00:00.000Z"),
+        ("2026-12-24T10:00:00.5+01:00", "2026-12-24T09:00:00.500Z"),
+        ("2026-12-24T09:00:00.123456789-00:00", "2026-12-24T09:00:00.123Z"),
+        ("2026-12-31T23:59:60Z", "2027-01-01T00:00:00.000Z"),  # a leap second
+    ):
+        # Then each is read as the instant it names
+        assert not_before_text(datetime.fromtimestamp(parse_not_before(text, NOW), UTC)) == utc
+    # Given ISO 8601 forms that are not RFC 3339, and impossible times: each refused, saying why
+    for text, says in (
+        ("2026-W52-4T09:00Z", "not an RFC 3339 time"),
+        ("20261224T090000Z", "not an RFC 3339 time"),
+        ("2026-12-24T09:00Z", "not an RFC 3339 time"),  # seconds are required
+        ("2026-12-24 09:00:00Z", "not an RFC 3339 time"),
+        ("2026-12-24T09:00:00+0100", "not an RFC 3339 time"),
+        ("2026-12-24T09:00:00+01", "not an RFC 3339 time"),
+        ("\uff12026-12-24T09:00:00Z", "not an RFC 3339 time"),  # a fullwidth digit
+        ("2026-12-24T09:00:00", "has no timezone"),
+        ("2026-02-30T09:00:00Z", "day is out of range"),
+        ("2026-12-24T24:00:00Z", "hour must be in 0..23"),
+        ("2026-12-24T09:00:00+24:00", "offset is not within"),
+        ("9999-12-31T23:59:60Z", "not a valid time"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            parse_not_before(text, NOW)
+    # Given times around 365 days ahead: the bound is exact, publishing and at the worker
+    year = timedelta(days=365)
+    assert not_before_text(year, NOW) == "2027-12-01T12:00:00.000Z"
+    assert parse_not_before("2027-12-01T12:00:00Z", NOW) == (NOW + year).timestamp()
+    for ahead in (timedelta(milliseconds=1), timedelta(hours=23)):
+        with pytest.raises(ValueError, match="more than 365 days ahead"):
+            not_before_text(year + ahead, NOW)
+        with pytest.raises(ValueError, match="more than 365 days ahead"):
+            parse_not_before(not_before_text(year, NOW + ahead), NOW)
+    # Given values too big for a datetime: refused as ValueErrors, never an OverflowError
+    with pytest.raises(ValueError, match="more than 365 days ahead"):
+        not_before_text(timedelta.max, NOW)
+    with pytest.raises(ValueError, match="out of range"):
+        parse_delay("99999999999999999999d")
+    with pytest.raises(ValueError, match="out of range"):
+        not_before_text(datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=1))), NOW)
+
+
+def test_a_not_before_beyond_the_bound_at_the_worker_is_rejected_not_scheduled() -> None:
+    # Given a worker whose clock says NOW, and messages 365 days and 365 days 23 hours ahead
+    clock = FakeClock(NOW.timestamp())
+    store = MemorySchedule()
+    delays = Delays(TOPIC, store, Firer(store, TOPIC, Publisher(), clock=clock), clock=clock)
+    year = not_before_text(timedelta(days=365), NOW)
+    beyond = not_before_text(timedelta(days=365), NOW + timedelta(hours=23))
+    # When each arrives
+    kept = through(delays, _run({c.ATTR_NOT_BEFORE: year}), lambda run: Succeeded())
+    refused = through(delays, _run({c.ATTR_NOT_BEFORE: beyond}), lambda run: Succeeded())
+    # Then the first waits in the schedule, the second is one failure record (then ack)
+    assert kept == Scheduled(year) and len(store.entries()) == 1
+    assert isinstance(refused, Rejected) and refused.error_type == c.ERR_INVALID_NOT_BEFORE
+    assert "more than 365 days ahead" in refused.error_message
+
+
 StoreFactory = Callable[[], ScheduleStore]
 
 
@@ -354,10 +415,14 @@ def test_schedule_list_shows_the_delayed_jobs_soonest_first(tmp_path: Path) -> N
 def test_publish_refuses_a_delay_it_cannot_honour() -> None:
     args = ["publish", "--project", "p", "--topic", "t", "--job", "j", "--data", "{}"]
     for extra, says in (
-        (["--delay", "90s", "--not-before", "2026-12-24T09:00Z"], "not both"),
+        (["--delay", "90s", "--not-before", "2026-12-24T09:00:00Z"], "not both"),
         (["--delay", "soon"], "not a number of s, m, h or d"),
-        (["--not-before", "2026-12-24T09:00"], "has no timezone"),
+        (["--not-before", "2026-12-24T09:00:00"], "has no timezone"),
+        (["--not-before", "2026-W52-4T09:00:00Z"], "not an RFC 3339 time"),
+        (["--not-before", "20261224T090000Z"], "not an RFC 3339 time"),
         (["--delay", "400d"], "more than 365 days ahead"),
+        (["--delay", "365.001d"], "more than 365 days ahead"),
+        (["--delay", "99999999999999999999d"], "out of range"),
     ):
         result = _cli(*args, *extra)
         assert result.exit_code == 2, result.output

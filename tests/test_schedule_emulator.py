@@ -8,13 +8,16 @@ import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 
 from tests.support import WorkerProcess, held_messages, ledger_events, spawn_worker, wait_for
 from tests.support import worker_processes as processes
+from workerpool import JobContext
 from workerpool.cli import main
 from workerpool.publishing import JobMessage, publish_many
+from workerpool.registry import Registry
 from workerpool.schedule import not_before_text, parse_not_before
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
@@ -108,3 +111,37 @@ def test_delayed_jobs_start_on_time_hold_nothing_and_survive_every_worker_killed
     assert listed.output.strip().splitlines()[-1] == "1 delayed job(s)"
     assert codes == [0, 0]
     assert pubsub_resources.dead_letters(expected=1, timeout=2) == []
+
+
+def test_a_bad_not_before_ends_as_one_failure_record_and_never_loops(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given messages whose not_before is ISO 8601 but not RFC 3339, or beyond 365 days by
+    # an hour or a day, and one in lower case (RFC 3339 allows it) that is due already
+    pubsub_resources.provision(retry_policy=False)
+    now = datetime.now(UTC)
+    bad = {
+        "week-date": "2026-W52-4T09:00:00Z",
+        "basic-format": "20261224T090000Z",
+        "no-seconds": "2026-12-24T09:00Z",
+        "an-hour-too-far": not_before_text(timedelta(days=365), now + timedelta(hours=1)),
+        "a-day-too-far": not_before_text(timedelta(days=365), now + timedelta(days=1)),
+    }
+    due = not_before_text(timedelta(seconds=-60), now).lower()
+    for job_id, text in [*bad.items(), ("lower-case", due)]:
+        pubsub_resources.publish("t.echo", {}, job_id=job_id, not_before=text)
+    jobs, ran = Registry(), []
+
+    @jobs.job("t.echo")
+    def echo(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ran.append(ctx.job_id)
+
+    # When a worker with a schedule takes them
+    with pubsub_resources.worker(jobs, idempotency_store=f"sqlite:///{tmp_path / 'c.db'}"):
+        records = pubsub_resources.dead_letters(len(bad), timeout=60)
+        assert wait_for(lambda: ran == ["lower-case"], timeout=30)
+        later = pubsub_resources.dead_letters(1, timeout=5)
+    # Then each bad one is one failure record saying why, and none comes again
+    assert sorted(r.attributes["job_id"] for r in records) == sorted(bad)
+    assert {r.attributes["error_type"] for r in records} == {"invalid_not_before"}
+    assert later == []

@@ -5,6 +5,12 @@ a middleware needs (``Middleware``, the ``Run`` it wraps, the ``Settled`` it hea
 kit is ``workerpool.testing`` (``run_job``).
 """
 
+# First, before the imports below take their second or more: a SIGTERM meanwhile must not
+# kill the workerpool command (see workerpool/worker/signals.py; only that command holds).
+from workerpool.worker import signals as _signals
+
+_signals.hold_if_command()
+
 from workerpool.context import AsyncJobContext, JobContext, RunContext
 from workerpool.errors import ConfigError, Defer, PermanentError, RateLimitedError, RetryableError
 from workerpool.publishing import JobMessage, publish_batch

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import click
@@ -23,12 +23,14 @@ from workerpool.ops.admin import (
     topic_path,
 )
 from workerpool.ops.admin import provision as provision_resources
-from workerpool.publishing import JobMessage, publish_many, read_jsonl
+from workerpool.publishing import JobMessage, publish_batch, publish_many, read_jsonl
 from workerpool.registry import import_job_modules, load_entry_points, registry
 from workerpool.telemetry.exporters import publish_span
 from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
-from workerpool.worker.clients import Clients
+from workerpool.worker.clients import connect
+from workerpool.worker.envelope import parse_json
 from workerpool.worker.service import exit_now, serve
+from workerpool.worker.signals import held, release
 
 
 class _Group(click.Group):
@@ -42,6 +44,10 @@ class _Group(click.Group):
             sys.exit(2)
 
 
+# The commands that take the signals held since start over: they stop as soon as they can.
+_DRAINING = frozenset({"run", "autoscale"})
+
+
 @click.group(cls=_Group)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging (--log-level debug).")
 @click.option(
@@ -52,8 +58,11 @@ class _Group(click.Group):
     envvar="WORKERPOOL_LOG_LEVEL",
     help="Lowest level logged; warning drops the per-job start and end lines.",
 )
-def main(verbose: bool, log_level: str) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, log_level: str) -> None:
     """Run jobs from a Pub/Sub subscription as a bounded worker pool."""
+    if ctx.invoked_subcommand not in _DRAINING:
+        release()  # held since the process started (workerpool/worker/signals.py)
     level = logging.DEBUG if verbose else logging.getLevelNamesMapping()[log_level.upper()]
     setup_logging(level=level)
 
@@ -154,7 +163,7 @@ def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
     _load_jobs(settings.jobs)
-    serve(settings)
+    serve(settings, held())
     exit_now(0)
 
 
@@ -186,7 +195,7 @@ def list_jobs(modules: tuple[str, ...]) -> None:
 def provision(**options: Any) -> None:
     """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
     options["filter"] = options.pop("filter_")
-    clients = Clients()
+    clients = connect()
     try:
         for resource, created in provision_resources(
             clients.publisher, clients.subscriber, ProvisionRequest(**options)
@@ -202,9 +211,11 @@ def provision(**options: Any) -> None:
 @click.option("--job", "job_name", help="Job name (with --data).")
 @click.option("--job-id", default="", help="Idempotency key.")
 @click.option("--data", help="JSON object payload.")
-@click.option("--file", "jsonl", type=click.File(), help='JSON lines: {"job","job_id","data"}.')
+@click.option("--file", "jsonl", type=click.File("rb"), help='JSON lines: {"job","job_id","data"}.')
 @click.option("--delay", help="Start no sooner than this from now: 90s, 5m, 2h, 2d.")
-@click.option("--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00Z).")
+@click.option(
+    "--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00:00Z)."
+)
 @click.option("--on-complete", help="Publish them as one batch: the job to run when all end.")
 @click.option("--batch-id", help="The batch's id (default: a new one).")
 @click.option("--batch-deadline", default="1h", show_default=True, help="Finalize it then.")
@@ -225,52 +236,63 @@ def publish(
 ) -> None:
     """Publish one job (--job/--data) or many (--file), now or delayed, or as one batch."""
     when = _not_before(delay, not_before)
-    if jsonl is not None:
-        messages = read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
-    elif job_name and data is not None:
-        try:
-            payload = json.loads(data)
-        except ValueError as exc:
-            raise ConfigError(f"--data is not JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise ConfigError("--data must be a JSON object")
-        messages = [JobMessage(job_name, payload, job_id)]
-    else:
-        raise ConfigError("give --job and --data, or --file")
+    messages = _messages(jsonl, job_name, job_id, data)
     if when:
         messages = [dataclasses.replace(m, not_before=when) for m in messages]
-    if on_complete:
-        from workerpool.publishing import publish_batch
-        from workerpool.schedule.when import parse_delay
-
-        try:
-            deadline = parse_delay(batch_deadline)
-        except ValueError as exc:
-            raise ConfigError(f"--batch-deadline: {exc}") from None
-        made = publish_batch(
-            topic_path(project, topic), messages, on_complete=on_complete, deadline=deadline,
-            batch_id=batch_id, store=idempotency_store,
-        )  # fmt: skip
-        click.echo(
-            f"published batch {made} of {len(messages)} job(s) to {topic_path(project, topic)}"
-        )
-        return
-    clients = Clients()
+    deadline, path = _deadline(batch_deadline), topic_path(project, topic)
+    clients = connect()  # once all of the input is known to be good
     try:
-        ids = publish_many(clients.publisher, topic_path(project, topic), messages)
+        if on_complete:
+            made = publish_batch(
+                path, messages, on_complete=on_complete, deadline=deadline,
+                batch_id=batch_id, store=idempotency_store, publisher=clients.publisher,
+            )  # fmt: skip
+            click.echo(f"published batch {made} of {len(messages)} job(s) to {path}")
+            return
+        ids = publish_many(clients.publisher, path, messages)
         with (
-            publish_span(topic_path(project, topic)),
+            publish_span(path),
             click.progressbar(ids, length=len(messages), label="publishing") as bar,
         ):
             count = sum(1 for _ in bar)
-        click.echo(f"published {count} job(s) to {topic_path(project, topic)}")
+        click.echo(f"published {count} job(s) to {path}")
     finally:
         clients.close()
 
 
+def _deadline(text: str) -> timedelta:
+    from workerpool.schedule.when import parse_delay
+
+    try:
+        return parse_delay(text)
+    except ValueError as exc:
+        raise ConfigError(f"--batch-deadline: {exc}") from None
+
+
+def _messages(jsonl: Any, job_name: str | None, job_id: str, data: str | None) -> list[JobMessage]:
+    """The jobs ``publish`` was given: the lines of --file, or --job with --data."""
+    if jsonl is not None:
+        return read_jsonl(jsonl, getattr(jsonl, "name", "--file"))
+    if not (job_name and data is not None):
+        raise ConfigError("give --job and --data, or --file")
+    try:
+        # As bytes, so that an argument that is not UTF-8 is refused as such
+        payload = parse_json(os.fsencode(data))
+    except ValueError as exc:
+        raise ConfigError(f"--data is not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError("--data: JSON nested too deeply to parse") from None
+    if not isinstance(payload, dict):
+        raise ConfigError("--data must be a JSON object")
+    try:
+        return [JobMessage(job_name, payload, job_id)]
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"--job/--job-id: {exc}") from None
+
+
 def _not_before(delay: str | None, not_before: str | None) -> str:
     """The not_before attribute the flags ask for ("" for none); ConfigError naming them."""
-    from workerpool.schedule.when import not_before_text, parse_delay
+    from workerpool.schedule.when import not_before_text, parse_delay, parse_rfc3339
 
     if delay and not_before:
         raise ConfigError("give --delay or --not-before, not both")
@@ -278,8 +300,7 @@ def _not_before(delay: str | None, not_before: str | None) -> str:
         if delay:
             return not_before_text(parse_delay(delay))
         if not_before:
-            when = datetime.fromisoformat(not_before)
-            return not_before_text(when)
+            return not_before_text(parse_rfc3339(not_before))
     except ValueError as exc:
         raise ConfigError(f"--delay/--not-before: {exc}") from None
     return ""
@@ -328,7 +349,7 @@ def dlq_list(project: str, subscription: str, job_name: str | None, limit: int) 
     """Show failure records as a table, leaving them on the subscription."""
     from workerpool.ops.dlq import peek, table
 
-    clients = Clients()
+    clients = connect()
     try:
         path = subscription_path(project, subscription)
         describe_subscription(clients.subscriber, path)  # a missing one: exit 2, one line
@@ -350,7 +371,7 @@ def dlq_replay(
     """Republish failure records to their source topic; ack each once that is confirmed."""
     from workerpool.ops.dlq import Replayer
 
-    clients = Clients()
+    clients = connect()
     counts: Counter[str] = Counter()
     try:
         path = subscription_path(project, subscription)
@@ -520,7 +541,7 @@ def status(
             slots = slot_lines(store, settings.concurrency)
         finally:
             store.close()
-    clients = Clients()
+    clients = connect()
     try:
         lines = status_lines(clients.subscriber, subscription_path(project, subscription), slots)
     finally:
@@ -622,7 +643,7 @@ def autoscale(
     )
     if worker_args and actuator != "process":
         raise ConfigError(f"--actuator {actuator}: arguments after -- go to the process actuator")
-    run_autoscaler(options)
+    run_autoscaler(options, held())
     exit_now(0)
 
 

@@ -16,10 +16,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from google.api_core import exceptions as gexc
+
 from workerpool import constants as c
 from workerpool.errors import ConfigError
 from workerpool.schedule.when import not_before_text
 from workerpool.telemetry.propagation import inject
+from workerpool.worker.envelope import parse_json
+from workerpool.worker.text import safe_text
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,14 @@ class JobMessage:
     attributes: Mapping[str, str] | None = None
     # The not_before attribute (``schedule.not_before_text``): not to start before then.
     not_before: str = ""
+
+    def __post_init__(self) -> None:
+        # Checked here, before anything is published: a None would go out as the job (or
+        # job id) "None", and a second such job would be acked as a duplicate of the first.
+        _check_attribute("job", self.job, required=True)
+        _check_attribute("job_id", self.job_id)
+        if not isinstance(self.data, Mapping):
+            raise TypeError(f"data must be a mapping, not {type(self.data).__name__}")
 
     def encode(self) -> tuple[bytes, dict[str, str]]:
         attributes = dict(self.attributes or {})
@@ -42,10 +54,36 @@ class JobMessage:
         return json.dumps(self.data, separators=(",", ":")).encode(), attributes
 
 
+def _check_attribute(name: str, value: object, *, required: bool = False) -> None:
+    """TypeError or ValueError unless ``value`` can be the attribute ``name``: a string that
+    Pub/Sub takes (UTF-8, at most 1024 bytes), not empty if ``required``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, not {type(value).__name__}")
+    if required and not value:
+        raise ValueError(f"{name} must not be empty")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} {safe_text(value)!r} is not valid UTF-8 text") from None
+    if size > c.MAX_ATTRIBUTE_VALUE_BYTES:
+        raise ValueError(f"{name} is {size} bytes; Pub/Sub takes {c.MAX_ATTRIBUTE_VALUE_BYTES}")
+
+
 def publish(publisher: Any, topic: str, message: JobMessage, *, timeout: float = 60) -> str:
     """Publish one job and wait for its message id."""
     data, attributes = message.encode()
-    message_id: str = publisher.publish(topic, data, **attributes).result(timeout=timeout)
+    return _confirmed(publisher.publish(topic, data, **attributes), topic, timeout)
+
+
+def _confirmed(future: Any, topic: str, timeout: float = 60) -> str:
+    """The message id a publish future resolves to; a missing topic, or a message Pub/Sub
+    refuses, is a ConfigError (the CLI's one line) rather than a gRPC traceback."""
+    try:
+        message_id: str = future.result(timeout=timeout)
+    except gexc.NotFound:
+        raise ConfigError(f"topic {topic} does not exist") from None
+    except gexc.InvalidArgument as exc:
+        raise ConfigError(f"topic {topic}: Pub/Sub refused the message: {exc.message}") from None
     return message_id
 
 
@@ -90,7 +128,7 @@ def publish_job(
         when = "" if not_before is None else not_before_text(not_before)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    message = JobMessage(job, dict(data or {}), job_id, attributes, when)
+    message = JobMessage(job, {} if data is None else data, job_id, attributes, when)
     return publish(publisher or _publisher(), topic, message, timeout=timeout)
 
 
@@ -125,10 +163,12 @@ def publish_batch(
     workers' store: ``store`` (a URL), else the one ``workerpool run`` would use (the config
     file, ``WORKERPOOL_IDEMPOTENCY_STORE``). The batch opens only once every child is
     published, so children that finish fast cannot complete it early; a publisher that dies
-    mid-way leaves it to its deadline."""
+    mid-way leaves it to its deadline. A missing topic is a ConfigError before anything is
+    recorded (``publisher`` answers ``get_topic`` as well as ``publish``)."""
     from workerpool.batches import batch_opener
     from workerpool.batches.store import DEADLINE_JOB, deadline_job_id, deliver
     from workerpool.config import load_settings
+    from workerpool.ops.admin import require_topic
     from workerpool.schedule import schedule_opener
 
     topic = topic_of(topic, project)
@@ -136,14 +176,21 @@ def publish_batch(
     missing = [m.job for m in children if not m.job_id]
     if missing:
         raise ConfigError(f"every child of a batch needs a job id ({missing[0]} has none)")
+    _check_attribute("on_complete", on_complete, required=True)
+    now = datetime.now(UTC)
+    try:
+        net_due = not_before_text(deadline, now)  # (refuses one it cannot honour)
+    except ValueError as exc:
+        raise ConfigError(f"batch deadline: {exc}") from None
     url = load_settings(None, {"idempotency_store": store}).idempotency_store
     open_batches, open_schedule = batch_opener(url), schedule_opener(url)
     if open_batches is None or open_schedule is None:
         raise ConfigError(f"idempotency_store {url}: keeps no batches (use SQLite or Firestore)")
     batch_id = batch_id or uuid.uuid4().hex
-    due = datetime.now(UTC) + deadline
-    batches, schedule = open_batches(), open_schedule()
+    due = now + deadline
     publisher = publisher or _publisher()
+    require_topic(publisher, topic)  # before the batch is recorded: none is left half-made
+    batches, schedule = open_batches(), open_schedule()
     try:
         trace: dict[str, str] = {}
         inject(trace)  # the completion's span links to the span this batch is published in
@@ -153,7 +200,7 @@ def publish_batch(
         )  # fmt: skip
         net = JobMessage(
             DEADLINE_JOB, {"batch_id": batch_id}, deadline_job_id(batch_id),
-            not_before=not_before_text(due),
+            not_before=net_due,
         )  # fmt: skip
         stamped = [
             dataclasses.replace(m, attributes={**(m.attributes or {}), c.ATTR_BATCH_ID: batch_id})
@@ -177,22 +224,50 @@ def publish_many(publisher: Any, topic: str, messages: Iterable[JobMessage]) -> 
         data, attributes = message.encode()
         futures.append(publisher.publish(topic, data, **attributes))
     for future in futures:
-        yield future.result(timeout=60)
+        yield _confirmed(future, topic)
 
 
-def read_jsonl(lines: Iterable[str], source: str) -> list[JobMessage]:
-    """Parse ``{"job": ..., "job_id": ..., "data": {...}}`` lines; a bad line is a ConfigError."""
+# What a line of ``publish --file`` may hold, with the JSON type each field must have.
+_LINE_FIELDS = {"job": (str, "a string"), "job_id": (str, "a string"), "data": (dict, "an object")}
+
+
+def read_jsonl(lines: Iterable[bytes], source: str) -> list[JobMessage]:
+    """Parse ``{"job": ..., "job_id": ..., "data": {...}}`` lines of UTF-8 JSON; a bad line
+    is a ConfigError naming the line and what is wrong with it."""
     messages = []
     for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
         try:
-            entry = json.loads(line)
-            if not isinstance(entry, dict) or not isinstance(entry.get("data", {}), dict):
-                raise ValueError("expected an object with an object 'data'")
-            messages.append(
-                JobMessage(str(entry["job"]), entry.get("data", {}), str(entry.get("job_id", "")))
-            )
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(f"{source}:{number}: {exc}") from exc
+            if line.strip():
+                messages.append(_job_line(parse_json(line)))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}:{number}: not UTF-8: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{source}:{number}: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{source}:{number}: JSON nested too deeply to parse") from None
     return messages
+
+
+def _job_line(entry: Any) -> JobMessage:
+    if not isinstance(entry, dict):
+        raise ValueError(f'expected an object {{"job", "job_id", "data"}}, not {_json_type(entry)}')
+    for name in entry:
+        if name not in _LINE_FIELDS:
+            raise ValueError(f"unknown field {safe_text(name)!r} (a line has job, job_id, data)")
+    for name, (kind, described) in _LINE_FIELDS.items():
+        if name in entry and not isinstance(entry[name], kind):
+            raise ValueError(f"field {name!r} is {_json_type(entry[name])}, not {described}")
+    if "job" not in entry:
+        raise ValueError("field 'job' is missing")
+    return JobMessage(entry["job"], entry.get("data", {}), entry.get("job_id", ""))
+
+
+# JSON's name for what json.loads made (bool before int: a bool is an int in Python).
+_JSON_TYPES: tuple[tuple[type, str], ...] = (
+    (type(None), "null"), (bool, "a boolean"), (int, "a number"), (float, "a number"),
+    (str, "a string"), (list, "an array"), (dict, "an object"),
+)  # fmt: skip
+
+
+def _json_type(value: Any) -> str:
+    return next(name for kind, name in _JSON_TYPES if isinstance(value, kind))

@@ -34,7 +34,7 @@ from workerpool.stores import StoreError
 from workerpool.telemetry import PrometheusReader, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
 from workerpool.worker.clients import subscriber_client
-from workerpool.worker.service import Signals
+from workerpool.worker.signals import Signals
 
 log = logging.getLogger(__name__)
 

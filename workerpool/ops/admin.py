@@ -39,6 +39,17 @@ class SubscriptionInfo:
     retention_seconds: float = 0.0
 
 
+def require_topic(publisher: Any, topic: str) -> None:
+    """ConfigError if ``topic`` does not exist. A publisher not allowed to look (Pub/Sub's
+    publisher role cannot) is let through: its publish will say."""
+    try:
+        publisher.get_topic(request={"topic": topic}, timeout=30)
+    except gexc.NotFound:
+        raise ConfigError(f"topic {topic} does not exist") from None
+    except gexc.PermissionDenied:
+        pass
+
+
 def describe_subscription(subscriber: Any, subscription: str) -> SubscriptionInfo:
     """Read the subscription; a missing one is a configuration error."""
     try:

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from workerpool import constants as c
@@ -138,11 +139,12 @@ class Delays(Middleware):
         text = run.job.attributes.get(c.ATTR_NOT_BEFORE)
         if not text:
             return None
+        now = self._clock()
         try:
-            due = parse_not_before(text)
+            due = parse_not_before(text, datetime.fromtimestamp(now, UTC))
         except ValueError as exc:
             return Rejected(c.ERR_INVALID_NOT_BEFORE, str(exc))
-        wait = due - self._clock()
+        wait = due - now
         if wait <= 0:
             return None
         if self._schedule is None or self._firer is None:

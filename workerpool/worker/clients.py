@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc  # type: ignore[import-untyped,unused-ignore]  # no stubs installed
+from google.auth.exceptions import DefaultCredentialsError
 from google.cloud.pubsub_v1 import PublisherClient, SubscriberClient
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
+
+from workerpool.errors import ConfigError
 
 # What google.pubsub_v1's gRPC transports pass when they create the channel themselves.
 CHANNEL_OPTIONS = (
@@ -51,6 +54,17 @@ def publisher_client() -> Any:
         return PublisherClient()
     host, channel = emulator
     return PublisherClient(transport=PublisherGrpcTransport(host=host, channel=channel))
+
+
+def connect() -> Clients:
+    """``Clients``; no credentials to be found is a ConfigError (the CLI's one line)."""
+    try:
+        return Clients()
+    except DefaultCredentialsError:
+        raise ConfigError(
+            "no Google Cloud credentials found: run with a service account, set "
+            "GOOGLE_APPLICATION_CREDENTIALS, or set PUBSUB_EMULATOR_HOST to use an emulator"
+        ) from None
 
 
 @dataclass

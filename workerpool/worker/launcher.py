@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from google.auth.exceptions import DefaultCredentialsError
-
 from workerpool.batches import batch_opener
 from workerpool.batches.middleware import Batches, no_batches
 from workerpool.batches.store import DEADLINE_JOB
@@ -54,7 +52,7 @@ from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
-from workerpool.worker.clients import Clients
+from workerpool.worker.clients import Clients, connect
 from workerpool.worker.failures import DeadLetterPublisher, worker_identity
 from workerpool.worker.heartbeat import Heartbeat
 from workerpool.worker.lease import Leaser
@@ -180,7 +178,7 @@ class Launcher:
             self._jobs.add(JobSpec(DEADLINE_JOB, no_batches))  # every worker knows the net
             job_config = self._jobs.configs(self.settings.job_config)
             slot_limits = self._slot_limits(job_config)
-            clients = self._clients or _connect()
+            clients = self._clients or connect()
             try:
                 self._parts = self._build(clients, job_config, slot_limits)
             except BaseException:
@@ -540,16 +538,6 @@ class Launcher:
             and self._parts is not None
             and not self._parts.pool.quieted
         )
-
-
-def _connect() -> Clients:
-    try:
-        return Clients()
-    except DefaultCredentialsError:
-        raise ConfigError(
-            "no Google Cloud credentials found: run with a service account, set "
-            "GOOGLE_APPLICATION_CREDENTIALS, or set PUBSUB_EMULATOR_HOST to use an emulator"
-        ) from None
 
 
 def _opener(url: str) -> StoreOpener | None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
 import threading
 import time
-from types import FrameType
 from typing import NoReturn
 
 from workerpool.config import Settings
@@ -21,6 +19,7 @@ from workerpool.telemetry import PrometheusReader, Telemetry, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
 from workerpool.telemetry.logs import set_trace_project
 from workerpool.worker.launcher import Fleet
+from workerpool.worker.signals import Signals
 
 log = logging.getLogger(__name__)
 
@@ -32,30 +31,13 @@ LAST_RESORT = 0.95
 GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (see collect_rarely)
 
 
-class Signals:
-    """Signal handlers only record; the main thread acts. The second signal skips the wait."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.hurry = threading.Event()
-        self.at = 0.0  # monotonic time of the first signal: the drain's deadline counts from it
-
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self.stop.is_set():
-            self.at = time.monotonic()
-        (self.hurry if self.stop.is_set() else self.stop).set()
-
-
-def serve(settings: Settings) -> None:
-    """Run the pools ``settings`` describe until SIGTERM or SIGINT, then drain them."""
+def serve(settings: Settings, signals: Signals | None = None) -> None:
+    """Run the pools ``settings`` describe until SIGTERM or SIGINT, then drain them. Given
+    ``signals`` held since the process started, one that came already starts no pool."""
     set_trace_project(settings.project)
     scrape = PrometheusReader() if settings.metrics_port else None
     telemetry = telemetry_from_env(extra_readers=[scrape] if scrape else [])
-    signals = Signals()
+    signals = signals or Signals()
     signals.install()
     fleet = Fleet(settings, telemetry=telemetry)
     health = None

@@ -1,0 +1,98 @@
+"""Publishing, the pure parts: the lines of ``publish --file`` and the jobs the Python API
+takes (a publisher that records stands in for Pub/Sub; tests/test_cli.py publishes for real)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+import workerpool
+from workerpool.errors import ConfigError
+from workerpool.publishing import JobMessage, read_jsonl
+
+
+class _Publisher:
+    def __init__(self) -> None:
+        self.published: list[dict[str, str]] = []
+
+    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        self.published.append(attributes)
+        future: Future[str] = Future()
+        future.set_result(f"m-{len(self.published)}")
+        return future
+
+
+def test_a_good_file_is_read_with_its_blank_lines_skipped() -> None:
+    lines = [b'{"job": "a", "job_id": "1", "data": {"k": 1}}\n', b"\n", b'{"job": "b"}\n']
+    assert read_jsonl(lines, "jobs.jsonl") == [
+        JobMessage("a", {"k": 1}, "1"),
+        JobMessage("b", {}, ""),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        (b'{"job": "a", "job_id": null}', "field 'job_id' is null, not a string"),
+        (b'{"job": null, "job_id": "1"}', "field 'job' is null, not a string"),
+        (b'{"job": "a", "data": null}', "field 'data' is null, not an object"),
+        (b'{"job": 7}', "field 'job' is a number, not a string"),
+        (b'{"job": "a", "job_id": 12}', "field 'job_id' is a number, not a string"),
+        (b'{"job": "a", "job_id": true}', "field 'job_id' is a boolean, not a string"),
+        (b'{"job": "a", "data": [1]}', "field 'data' is an array, not an object"),
+        (b'{"job": ""}', "job must not be empty"),
+        (b'{"job_id": "1"}', "field 'job' is missing"),
+        (b'{"job": "a", "jobid": "1"}', "unknown field 'jobid'"),
+        (b'["a"]', "expected an object"),
+        (b'{"job": "a", "data": {"x": NaN}}', "NaN is not valid JSON"),
+        (b'{"job": "a"', "Expecting"),
+        (b'{"job": "caf\xe9"}', "not UTF-8"),
+        (b'{"job": "\\ud800"}', "is not valid UTF-8 text"),
+        (b'{"job": "a", "job_id": "' + b"x" * 1025 + b'"}', "Pub/Sub takes 1024"),
+        (b"[" * 100_000, "nested too deeply"),
+    ],
+)
+def test_a_bad_line_is_refused_naming_its_line_and_field(line: bytes, says: str) -> None:
+    # Given a file whose second line is bad, When it is read
+    with pytest.raises(ConfigError) as refused:
+        read_jsonl([b'{"job": "a", "job_id": "1"}\n', line + b"\n"], "jobs.jsonl")
+    # Then one line names the file, the line and what is wrong
+    message = str(refused.value)
+    assert message.startswith("jobs.jsonl:2: ") and says in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"job": None}, TypeError, "job must be a string, not NoneType"),
+        ({"job": ""}, ValueError, "job must not be empty"),
+        ({"job": "a", "job_id": None}, TypeError, "job_id must be a string, not NoneType"),
+        ({"job": "a", "job_id": 7}, TypeError, "job_id must be a string, not int"),
+        ({"job": "a", "data": [1]}, TypeError, "data must be a mapping, not list"),
+    ],
+)
+def test_the_python_api_refuses_a_job_or_job_id_that_is_not_a_string(
+    kwargs: dict[str, Any], error: type[Exception], says: str
+) -> None:
+    # Given a job name or job id that is None (or not text), When it is published
+    publisher = _Publisher()
+    with pytest.raises(error, match=says):
+        workerpool.publish("projects/p/topics/t", publisher=publisher, **kwargs)
+    # Then nothing goes out as the job "None"
+    assert publisher.published == []
+    workerpool.publish("projects/p/topics/t", "a", job_id="1", publisher=publisher)
+    assert [(a["job"], a["job_id"]) for a in publisher.published] == [("a", "1")]
+
+
+def test_a_batch_refuses_a_completion_job_that_is_not_a_string() -> None:
+    with pytest.raises(TypeError, match="on_complete must be a string, not NoneType"):
+        workerpool.publish_batch(
+            "projects/p/topics/t",
+            [JobMessage("a", {}, "1")],
+            on_complete=None,  # type: ignore[arg-type]
+            store="memory://",
+            publisher=_Publisher(),
+        )
