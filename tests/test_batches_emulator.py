@@ -402,6 +402,14 @@ def test_a_batch_of_children_under_a_slot_limit_and_a_rate_completes_once_across
     assert len(starts) >= 30
 
 
+def _outcomes(worker: WorkerProcess, job_id: str) -> list[str]:
+    """How ``worker`` settled the messages of ``job_id`` (done, duplicate, ...): its job log
+    lines, in order (a last line not written whole yet is left out)."""
+    text = worker.output()
+    lines = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+    return [r["outcome"] for r in lines if r.get("job_id") == job_id and "outcome" in r]
+
+
 def _publish_command(env: PubSubResources, store: str, jsonl: Path, deadline: str) -> list[str]:
     return [
         sys.executable, "-m", "workerpool", "publish",
@@ -484,8 +492,13 @@ def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_n
         after = _spawn(workers, pubsub_resources, ledger, store)
         assert wait_for(lambda: _completions(ledger, batch_id), timeout=60)
         # ... and the child that finalized the batch comes back to it (never acked)
-        settled = f'"job_id": "{killed["job_id"]}"'
-        assert wait_for(lambda: settled in after.output(), timeout=60)
+        assert wait_for(lambda: _outcomes(after, killed["job_id"]), timeout=60)
+        # ... and the completion is published a second time (two hand-overs at once)
+        [first] = _completions(ledger, batch_id)
+        complete_id = f"batch:{batch_id}:complete"
+        again = JobMessage("demo.batch_done", first["batch"], complete_id)
+        list(publish_many(pubsub_resources.publisher, pubsub_resources.topic_path, [again]))
+        assert wait_for(lambda: len(_outcomes(after, complete_id)) == 2, timeout=30)
         time.sleep(2)  # a second completion, if any, would have run by now
         after.signal(signal.SIGTERM)
         assert after.wait(30) == 0
@@ -499,8 +512,10 @@ def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_n
         f"worker was launched, {from_kill:.2f}s after the kill"
     )
     # Then the batch was final with its completion not handed over when the worker died, and
-    # the next worker put it out within 10 s of its start; it ran once, all 5 counted
+    # the next worker put it out within 10 s of its start; it ran once (published twice), all
+    # 5 counted
     assert finalized is not None and finalized.finalized_by and not finalized.completion_sent
     assert published <= 10.0
     assert completion["batch"]["succeeded"] == 5
+    assert _outcomes(after, complete_id) == ["done", "duplicate"]
     assert handed_over is not None and handed_over.completion_sent
