@@ -252,7 +252,7 @@ class BatchStore(ABC):
             if tally.final:
                 # The call that finalized it may have died before handing its completion
                 # over (this child's message then comes back): hand it over now.
-                return self._unsent(tx, batch_id) or False
+                return self._unsent(tx, tx.batch(batch_id)) or False
             if before not in (outcome, DONE):
                 tally = tally.moved(before, outcome)
                 tx.put_child(batch_id, job_id, outcome, tally)
@@ -271,10 +271,8 @@ class BatchStore(ABC):
 
         def expire(tx: Transaction) -> Completion | None:
             batch = tx.batch(batch_id)
-            if batch is None:
-                return None
-            if batch.finalized_by:
-                return self._unsent(tx, batch_id)
+            if batch is None or batch.finalized_by:
+                return self._unsent(tx, batch)
             return self._finalize(tx, batch, DEADLINE)
 
         return self._atomic(expire)
@@ -317,8 +315,7 @@ class BatchStore(ABC):
 
         return self._atomic(check)
 
-    def _unsent(self, tx: Transaction, batch_id: str) -> Completion | None:
-        batch = tx.batch(batch_id)
+    def _unsent(self, tx: Transaction, batch: Batch | None) -> Completion | None:
         return self._built(tx, batch) if batch is not None and batch.unsent else None
 
     def _finalize(self, tx: Transaction, batch: Batch, by: str) -> Completion:
