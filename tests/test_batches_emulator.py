@@ -463,24 +463,32 @@ def test_a_batch_id_used_again_for_other_children_is_refused_and_the_same_batch_
     assert completion["batch"]["finalized_by"] == "last_child"
 
 
+def _doomed(
+    workers: list[WorkerProcess], env: PubSubResources, ledger: Path, store: str, marker: Path
+) -> WorkerProcess:
+    """A worker killed (SIGKILL) once a child's outcome has finalized a batch, before it has
+    put the completion in the schedule (``marker`` then says when, and which child)."""
+    faults = {FAULTS_ENV: json.dumps({"kill_before_handover": str(marker)})}
+    worker = spawn_worker(
+        env, ledger, *FAST_RECOVERY, "--jobs", "tests.faults.inject", store=store, extra_env=faults
+    )
+    workers.append(worker)
+    assert wait_for(worker.ready, timeout=60)
+    return worker
+
+
 def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_next_starts(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
-    # Given a worker that is killed (SIGKILL) once it has finalized a batch of 5 children
-    # (60 s deadline), before it has put the completion in the schedule
+    # Given a worker that is killed once it has finalized a batch of 5 children (60 s
+    # deadline), before it has put the completion in the schedule
     pubsub_resources.provision(retry_policy=False, ack_deadline=10)
     ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
     marker = tmp_path / "killed-at"
-    faults = {FAULTS_ENV: json.dumps({"kill_before_handover": str(marker)})}
     children = [JobMessage("demo.sleep", {"seconds": 0.1}, f"c-{i}") for i in range(5)]
     batches = SqliteBatches(tmp_path / "fleet.db")
     with processes() as workers:
-        doomed = spawn_worker(
-            pubsub_resources, ledger, *FAST_RECOVERY, "--jobs", "tests.faults.inject",
-            store=store, extra_env=faults,
-        )  # fmt: skip
-        workers.append(doomed)
-        assert wait_for(doomed.ready, timeout=60)
+        doomed = _doomed(workers, pubsub_resources, ledger, store, marker)
         batch_id = publish_batch(
             pubsub_resources.topic_path, children, on_complete="demo.batch_done",
             deadline=timedelta(seconds=60), store=store, publisher=pubsub_resources.publisher,
@@ -519,3 +527,41 @@ def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_n
     assert completion["batch"]["succeeded"] == 5
     assert _outcomes(after, complete_id) == ["done", "duplicate"]
     assert handed_over is not None and handed_over.completion_sent
+
+
+def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_with_a_redelivery(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a worker running 5 children of a batch (60 s deadline), to be killed once it has
+    # finalized the batch, before it has put the completion in the schedule; and a second
+    # worker started meanwhile, which keeps running (nobody starts after the kill)
+    pubsub_resources.provision(retry_policy=False, ack_deadline=10)
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    marker = tmp_path / "killed-at"
+    children = [JobMessage("demo.sleep", {"seconds": 8}, f"c-{i}") for i in range(5)]
+    with processes() as workers:
+        doomed = _doomed(workers, pubsub_resources, ledger, store, marker)
+        batch_id = publish_batch(
+            pubsub_resources.topic_path, children, on_complete="demo.batch_done",
+            deadline=timedelta(seconds=60), store=store, publisher=pubsub_resources.publisher,
+        )  # fmt: skip
+        assert wait_for(lambda: len(ledger_events(ledger, "start", doomed.pid)) == 5, timeout=30)
+        other = _spawn(workers, pubsub_resources, ledger, store)
+        assert doomed.alive()  # the batch was not final yet when the other worker started
+        # When the first is killed there
+        assert doomed.wait(60) == -signal.SIGKILL
+        killed = json.loads(marker.read_text())
+        # ... and the child that finalized the batch comes back to the other (never acked)
+        assert wait_for(lambda: _completions(ledger, batch_id), timeout=60)
+        assert wait_for(lambda: _outcomes(other, killed["job_id"]), timeout=60)
+        time.sleep(2)  # a second completion, if any, would have run by now
+        other.signal(signal.SIGTERM)
+        assert other.wait(30) == 0
+    [completion] = _completions(ledger, batch_id)
+    published = completion["published"] - killed["at"]
+    print(f"\ncompletion published {published:.2f}s after the kill (ack deadline 10 s)")
+    # Then a redelivery put the completion out once the dead worker's messages came back (their
+    # ack deadline is 10 s; a child may run its 8 s again first), not at the batch's deadline
+    # 60 s away; it ran once
+    assert published <= 30.0
+    assert completion["batch"]["succeeded"] == 5
