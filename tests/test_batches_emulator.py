@@ -463,18 +463,26 @@ def test_a_batch_id_used_again_for_other_children_is_refused_and_the_same_batch_
     assert completion["batch"]["finalized_by"] == "last_child"
 
 
-def _doomed(
-    workers: list[WorkerProcess], env: PubSubResources, ledger: Path, store: str, marker: Path
-) -> WorkerProcess:
-    """A worker killed (SIGKILL) once a child's outcome has finalized a batch, before it has
-    put the completion in the schedule (``marker`` then says when, and which child)."""
-    faults = {FAULTS_ENV: json.dumps({"kill_before_handover": str(marker)})}
+def _batch_on_a_doomed_worker(
+    workers: list[WorkerProcess], env: PubSubResources, tmp_path: Path, seconds: float
+) -> tuple[WorkerProcess, str]:
+    """A worker to be killed (SIGKILL) once a child's outcome has finalized a batch, before it
+    has put the completion in the schedule (the file ``killed-at`` then says when, and which
+    child), and a batch of 5 children of ``seconds`` each (60 s deadline) published to it."""
+    env.provision(retry_policy=False, ack_deadline=10)
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    faults = {FAULTS_ENV: json.dumps({"kill_before_handover": str(tmp_path / "killed-at")})}
     worker = spawn_worker(
         env, ledger, *FAST_RECOVERY, "--jobs", "tests.faults.inject", store=store, extra_env=faults
     )
     workers.append(worker)
     assert wait_for(worker.ready, timeout=60)
-    return worker
+    children = [JobMessage("demo.sleep", {"seconds": seconds}, f"c-{i}") for i in range(5)]
+    batch_id = publish_batch(
+        env.topic_path, children, on_complete="demo.batch_done", deadline=timedelta(seconds=60),
+        store=store, publisher=env.publisher,
+    )  # fmt: skip
+    return worker, batch_id
 
 
 def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_next_starts(
@@ -482,19 +490,12 @@ def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_n
 ) -> None:
     # Given a worker that is killed once it has finalized a batch of 5 children (60 s
     # deadline), before it has put the completion in the schedule
-    pubsub_resources.provision(retry_policy=False, ack_deadline=10)
     ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
-    marker = tmp_path / "killed-at"
-    children = [JobMessage("demo.sleep", {"seconds": 0.1}, f"c-{i}") for i in range(5)]
     batches = SqliteBatches(tmp_path / "fleet.db")
     with processes() as workers:
-        doomed = _doomed(workers, pubsub_resources, ledger, store, marker)
-        batch_id = publish_batch(
-            pubsub_resources.topic_path, children, on_complete="demo.batch_done",
-            deadline=timedelta(seconds=60), store=store, publisher=pubsub_resources.publisher,
-        )  # fmt: skip
+        doomed, batch_id = _batch_on_a_doomed_worker(workers, pubsub_resources, tmp_path, 0.1)
         assert doomed.wait(60) == -signal.SIGKILL
-        killed = json.loads(marker.read_text())
+        killed = json.loads((tmp_path / "killed-at").read_text())
         finalized = batches.get(batch_id)
         # When another worker starts
         after = _spawn(workers, pubsub_resources, ledger, store)
@@ -535,22 +536,15 @@ def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_with_a_r
     # Given a worker running 5 children of a batch (60 s deadline), to be killed once it has
     # finalized the batch, before it has put the completion in the schedule; and a second
     # worker started meanwhile, which keeps running (nobody starts after the kill)
-    pubsub_resources.provision(retry_policy=False, ack_deadline=10)
     ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
-    marker = tmp_path / "killed-at"
-    children = [JobMessage("demo.sleep", {"seconds": 8}, f"c-{i}") for i in range(5)]
     with processes() as workers:
-        doomed = _doomed(workers, pubsub_resources, ledger, store, marker)
-        batch_id = publish_batch(
-            pubsub_resources.topic_path, children, on_complete="demo.batch_done",
-            deadline=timedelta(seconds=60), store=store, publisher=pubsub_resources.publisher,
-        )  # fmt: skip
+        doomed, batch_id = _batch_on_a_doomed_worker(workers, pubsub_resources, tmp_path, 8)
         assert wait_for(lambda: len(ledger_events(ledger, "start", doomed.pid)) == 5, timeout=30)
         other = _spawn(workers, pubsub_resources, ledger, store)
         assert doomed.alive()  # the batch was not final yet when the other worker started
         # When the first is killed there
         assert doomed.wait(60) == -signal.SIGKILL
-        killed = json.loads(marker.read_text())
+        killed = json.loads((tmp_path / "killed-at").read_text())
         # ... and the child that finalized the batch comes back to the other (never acked)
         assert wait_for(lambda: _completions(ledger, batch_id), timeout=60)
         assert wait_for(lambda: _outcomes(other, killed["job_id"]), timeout=60)
