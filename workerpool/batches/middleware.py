@@ -54,7 +54,7 @@ class Batches(Middleware):
             for completion in self._batches.unsent():
                 log.warning(
                     "batch %s: finalized, its completion not in the schedule (its worker died "
-                    "before handing it over); handing it over now",
+                    "before handing it over, or is just doing so); handing it over",
                     completion.batch.batch_id,
                 )
                 self._deliver(completion)
