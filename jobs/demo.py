@@ -56,6 +56,8 @@ def _record(ctx: RunContext, started: float, outcome: str, **extra: Any) -> None
         "attempt": ctx.delivery_attempt,
         "pid": os.getpid(),
         "start": started,
+        # When Pub/Sub took the message (a test tells a late publish from a late delivery).
+        "published": ctx.publish_time.timestamp() if ctx.publish_time else None,
         **extra,
     }
     if outcome != "start":

@@ -70,10 +70,12 @@ def test_the_last_final_outcome_completes_the_batch_once_whatever_the_deliveries
     make_store: StoreFactory,
 ) -> None:
     # Given a committed batch of 200 children, and 8 handles recording every outcome, some
-    # twice (duplicates, redeliveries), 10 children dead-lettered
+    # twice (duplicates, redeliveries), 10 children dead-lettered, each handing over any
+    # completion it gets, as a worker does
     job_ids = _create(make_store(), 200)
     make_store().commit("b1")
     handles = [make_store() for _ in range(8)]
+    schedule = MemorySchedule()
     completions: list[Completion] = []
     lock = threading.Lock()
 
@@ -81,6 +83,7 @@ def test_the_last_final_outcome_completes_the_batch_once_whatever_the_deliveries
         for job_id in ids:
             got = handle.record("b1", job_id, succeeded=not job_id.endswith("7"))
             if got is not None:
+                deliver(got, handle, schedule)
                 with lock:
                     completions.append(got)
 
@@ -92,8 +95,12 @@ def test_the_last_final_outcome_completes_the_batch_once_whatever_the_deliveries
         thread.start()
     for thread in threads:
         thread.join()
-    # Then exactly one call finalized it, with every child counted once
-    [completion] = completions
+    # Then its counts were frozen once, with every child counted once: a duplicate that came
+    # before the completion was handed over got the very same one, and the schedule holds it
+    # once
+    completion = completions[0]
+    assert all(got == completion for got in completions)
+    assert [e.job_id for e in schedule.entries()] == [completion.job_id]
     payload = completion.payload()
     failed = sorted(j for j in job_ids if j.endswith("7"))
     assert payload == {
@@ -133,11 +140,10 @@ def test_the_deadline_finalizes_what_is_still_open_and_names_the_pending(
         "failed_job_ids": ["child-1", "child-2"], "pending_job_ids": ["child-2"],
         "finalized_by": DEADLINE,
     }  # fmt: skip
+    store.sent("b1")  # handed over
     # A child finishing afterwards fires no second completion
     assert store.record("b1", "child-2", True) is None
     assert store.expire("b1") is None and store.commit("b1") is None
-    found = store.completion("b1")
-    assert found is not None and found.payload() == completion.payload()
 
 
 def test_a_batch_is_created_once(make_store: StoreFactory) -> None:
@@ -149,6 +155,58 @@ def test_a_batch_is_created_once(make_store: StoreFactory) -> None:
     with pytest.raises(KeyError):
         store.commit("no-such-batch")
     assert [b.batch_id for b in store.batches()] == ["b1"]
+
+
+def test_a_batch_id_is_one_set_of_children_open_or_final(make_store: StoreFactory) -> None:
+    # Given batch b1 of mon-1..3, open
+    store, deadline = make_store(), 2_000_000_000.0
+    monday = ["mon-1", "mon-2", "mon-3"]
+    store.create("b1", TOPIC, "reports.done", monday, deadline)
+    # When another set of as many children is created under its id: refused, open or final
+    tuesday = ["tue-1", "tue-2", "tue-3"]
+    with pytest.raises(ValueError, match=r"batch b1 exists already \(open\) with other children"):
+        make_store().create("b1", TOPIC, "reports.done", tuesday, deadline)
+    with pytest.raises(ValueError, match="exists already"):  # one child swapped
+        store.create("b1", TOPIC, "reports.done", ["mon-1", "mon-2", "tue-3"], deadline)
+    store.commit("b1")
+    for job_id in monday:
+        store.record("b1", job_id, True)
+    with pytest.raises(ValueError, match=r"exists already \(final\)"):
+        make_store().create("b1", TOPIC, "reports.done", tuesday, deadline)
+    # Then the same children again (in any order) are the same batch, and change nothing
+    make_store().create("b1", TOPIC, "reports.done", list(reversed(monday)), deadline)
+    batch = store.get("b1")
+    assert batch is not None and (batch.total, batch.done, batch.finalized_by) == (3, 3, LAST_CHILD)
+    assert store.record("b1", "tue-1", True) is None
+
+
+def test_a_completion_never_handed_over_is_handed_over_by_whoever_touches_the_batch_next(
+    make_store: StoreFactory,
+) -> None:
+    # Given batch b1 finalized by its last child, whose worker died before handing the
+    # completion over (to the schedule), and batch b2 open
+    store, schedule = make_store(), MemorySchedule()
+    job_ids = _create(store, 2)
+    _create(store, 1, batch_id="b2")
+    store.commit("b1")
+    store.record("b1", job_ids[0], True)
+    finalized = store.record("b1", job_ids[1], True)
+    assert finalized is not None
+    # When a worker starts, the last child is redelivered, or the deadline comes: each gets it
+    [swept] = make_store().unsent()
+    redelivered = make_store().record("b1", job_ids[1], True)
+    other_child = make_store().record("b1", job_ids[0], True)
+    expired = make_store().expire("b1")
+    for got in (swept, redelivered, other_child, expired):
+        assert got is not None and got.job_id == "batch:b1:complete"
+        assert got.payload() == finalized.payload()
+    # Then once it is handed over, nobody gets it again, and the schedule holds it once
+    deliver(swept, make_store(), schedule)
+    deliver(redelivered, make_store(), schedule)
+    assert [e.job_id for e in schedule.entries()] == ["batch:b1:complete"]
+    assert make_store().unsent() == []
+    assert make_store().record("b1", job_ids[1], True) is None
+    assert make_store().expire("b1") is None
 
 
 def test_a_batch_of_more_children_than_one_commit_takes(make_store: StoreFactory) -> None:

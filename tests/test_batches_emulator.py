@@ -4,7 +4,11 @@ jobs on a Firestore store (the emulator's)."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -15,6 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from tests.faults.inject import ENV as FAULTS_ENV
 from tests.support import (
     WorkerProcess,
     ledger_events,
@@ -398,3 +403,162 @@ def test_a_batch_of_children_under_a_slot_limit_and_a_rate_completes_once_across
     assert completion["batch_id"] == batch_id
     assert (completion["succeeded"], completion["failed"]) == (30, 0)
     assert len(starts) >= 30
+
+
+def _outcomes(worker: WorkerProcess, job_id: str) -> list[str]:
+    """How ``worker`` settled the messages of ``job_id`` (done, duplicate, ...): its job log
+    lines, in order (a last line not written whole yet is left out)."""
+    text = worker.output()
+    lines = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+    return [r["outcome"] for r in lines if r.get("job_id") == job_id and "outcome" in r]
+
+
+def _publish_command(env: PubSubResources, store: str, jsonl: Path, deadline: str) -> list[str]:
+    return [
+        sys.executable, "-m", "workerpool", "publish",
+        "--project", env.project, "--topic", env.topic, "--file", str(jsonl),
+        "--on-complete", "demo.batch_done", "--batch-id", "daily-report",
+        "--batch-deadline", deadline, "--idempotency-store", store,
+    ]  # fmt: skip
+
+
+def test_a_batch_id_used_again_for_other_children_is_refused_and_the_same_batch_runs_once(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a worker, and batch daily-report (mon-1..3, an 8 s deadline) published from the
+    # command line twice (a publisher trying again)
+    pubsub_resources.provision(retry_policy=False)
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    files = {day: tmp_path / f"{day}.jsonl" for day in ("mon", "tue")}
+    for day, path in files.items():
+        lines = [{"job": "demo.sleep", "job_id": f"{day}-{i}", "data": {}} for i in (1, 2, 3)]
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cli_env = {**os.environ, "PUBSUB_EMULATOR_HOST": pubsub_resources.host}
+
+    def publish(day: str) -> subprocess.CompletedProcess[str]:
+        command = _publish_command(pubsub_resources, store, files[day], "8s")
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=cli_env)
+
+    with processes() as workers:
+        worker = _spawn(workers, pubsub_resources, ledger, store)
+        published = time.time()
+        first, again = publish("mon"), publish("mon")
+        assert wait_for(lambda: _completions(ledger, "daily-report"), timeout=30)
+        # When tue-1..3 are published under its id, and then mon-1..3 once more
+        refused, replayed = publish("tue"), publish("mon")
+        # ... and its deadline passes
+        time.sleep(max(0.0, published + 8 + 3 - time.time()))
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    ran = [r["job_id"] for r in ledger_events(ledger, "done")]
+    print(f"\nrefused: exit {refused.returncode}: {refused.stderr.strip()}")
+    # Then the other children are refused in one line, exit 2, and none of them is published
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "workerpool: error: batch daily-report exists already (final) with other children, "
+        "topic or on_complete: give this batch another id"
+    ]
+    assert not [job_id for job_id in ran if job_id.startswith("tue-")]
+    # ... while the same batch, again, is accepted each time, and completes once
+    assert [p.returncode for p in (first, again, replayed)] == [0, 0, 0], replayed.stderr
+    [completion] = _completions(ledger, "daily-report")
+    assert completion["batch"]["succeeded"] == 3
+    assert completion["batch"]["finalized_by"] == "last_child"
+
+
+def _batch_on_a_doomed_worker(
+    workers: list[WorkerProcess], env: PubSubResources, tmp_path: Path, seconds: float
+) -> tuple[WorkerProcess, str]:
+    """A worker to be killed (SIGKILL) once a child's outcome has finalized a batch, before it
+    has put the completion in the schedule (the file ``killed-at`` then says when, and which
+    child), and a batch of 5 children of ``seconds`` each (60 s deadline) published to it."""
+    env.provision(retry_policy=False, ack_deadline=10)
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    faults = {FAULTS_ENV: json.dumps({"kill_before_handover": str(tmp_path / "killed-at")})}
+    worker = spawn_worker(
+        env, ledger, *FAST_RECOVERY, "--jobs", "tests.faults.inject", store=store, extra_env=faults
+    )
+    workers.append(worker)
+    assert wait_for(worker.ready, timeout=60)
+    children = [JobMessage("demo.sleep", {"seconds": seconds}, f"c-{i}") for i in range(5)]
+    batch_id = publish_batch(
+        env.topic_path, children, on_complete="demo.batch_done", deadline=timedelta(seconds=60),
+        store=store, publisher=env.publisher,
+    )  # fmt: skip
+    return worker, batch_id
+
+
+def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_as_the_next_starts(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a worker that is killed once it has finalized a batch of 5 children (60 s
+    # deadline), before it has put the completion in the schedule
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    batches = SqliteBatches(tmp_path / "fleet.db")
+    with processes() as workers:
+        doomed, batch_id = _batch_on_a_doomed_worker(workers, pubsub_resources, tmp_path, 0.1)
+        assert doomed.wait(60) == -signal.SIGKILL
+        killed = json.loads((tmp_path / "killed-at").read_text())
+        finalized = batches.get(batch_id)
+        # When another worker starts
+        after = _spawn(workers, pubsub_resources, ledger, store)
+        assert wait_for(lambda: _completions(ledger, batch_id), timeout=60)
+        # ... and the child that finalized the batch comes back to it (never acked)
+        assert wait_for(lambda: _outcomes(after, killed["job_id"]), timeout=60)
+        # ... and the completion is published a second time (two hand-overs at once)
+        [first] = _completions(ledger, batch_id)
+        complete_id = f"batch:{batch_id}:complete"
+        again = JobMessage("demo.batch_done", first["batch"], complete_id)
+        list(publish_many(pubsub_resources.publisher, pubsub_resources.topic_path, [again]))
+        assert wait_for(lambda: len(_outcomes(after, complete_id)) == 2, timeout=30)
+        time.sleep(2)  # a second completion, if any, would have run by now
+        after.signal(signal.SIGTERM)
+        assert after.wait(30) == 0
+    handed_over = batches.get(batch_id)
+    batches.close()
+    [completion] = _completions(ledger, batch_id)
+    published = completion["published"] - after.launched
+    started, from_kill = completion["start"] - after.launched, completion["start"] - killed["at"]
+    print(
+        f"\ncompletion published {published:.2f}s and started {started:.2f}s after the next "
+        f"worker was launched, {from_kill:.2f}s after the kill"
+    )
+    # Then the batch was final with its completion not handed over when the worker died, and
+    # the next worker put it out within 10 s of its start; it ran once (published twice), all
+    # 5 counted
+    assert finalized is not None and finalized.finalized_by and not finalized.completion_sent
+    assert published <= 10.0
+    assert completion["batch"]["succeeded"] == 5
+    assert _outcomes(after, complete_id) == ["done", "duplicate"]
+    assert handed_over is not None and handed_over.completion_sent
+
+
+def test_a_completion_whose_worker_died_before_handing_it_over_goes_out_with_a_redelivery(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given a worker running 5 children of a batch (60 s deadline), to be killed once it has
+    # finalized the batch, before it has put the completion in the schedule; and a second
+    # worker started meanwhile, which keeps running (nobody starts after the kill)
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    with processes() as workers:
+        doomed, batch_id = _batch_on_a_doomed_worker(workers, pubsub_resources, tmp_path, 8)
+        assert wait_for(lambda: len(ledger_events(ledger, "start", doomed.pid)) == 5, timeout=30)
+        other = _spawn(workers, pubsub_resources, ledger, store)
+        assert doomed.alive()  # the batch was not final yet when the other worker started
+        # When the first is killed there
+        assert doomed.wait(60) == -signal.SIGKILL
+        killed = json.loads((tmp_path / "killed-at").read_text())
+        # ... and the child that finalized the batch comes back to the other (never acked)
+        assert wait_for(lambda: _completions(ledger, batch_id), timeout=60)
+        assert wait_for(lambda: _outcomes(other, killed["job_id"]), timeout=60)
+        time.sleep(2)  # a second completion, if any, would have run by now
+        other.signal(signal.SIGTERM)
+        assert other.wait(30) == 0
+    [completion] = _completions(ledger, batch_id)
+    published = completion["published"] - killed["at"]
+    print(f"\ncompletion published {published:.2f}s after the kill (ack deadline 10 s)")
+    # Then a redelivery put the completion out once the dead worker's messages came back (their
+    # ack deadline is 10 s; a child may run its 8 s again first), not at the batch's deadline
+    # 60 s away; it ran once
+    assert published <= 30.0
+    assert completion["batch"]["succeeded"] == 5

@@ -163,8 +163,10 @@ def publish_batch(
     workers' store: ``store`` (a URL), else the one ``workerpool run`` would use (the config
     file, ``WORKERPOOL_IDEMPOTENCY_STORE``). The batch opens only once every child is
     published, so children that finish fast cannot complete it early; a publisher that dies
-    mid-way leaves it to its deadline. A missing topic is a ConfigError before anything is
-    recorded (``publisher`` answers ``get_topic`` as well as ``publish``)."""
+    mid-way leaves it to its deadline. Raises ``ConfigError``, having published and recorded
+    nothing, for a missing topic (``publisher`` answers ``get_topic`` as well as ``publish``)
+    and for a ``batch_id`` that names another batch (other children, topic or
+    ``on_complete``); the same batch again is accepted and changes nothing."""
     from workerpool.batches import batch_opener
     from workerpool.batches.store import DEADLINE_JOB, deadline_job_id, deliver
     from workerpool.config import load_settings

@@ -7,6 +7,9 @@
 - ``"while_file"``: the store faults apply only while this file exists (a test heals the
   store by removing it).
 - ``"record_delay"``: seconds each failure record waits before it is published.
+- ``"kill_before_handover"``: a file: the process SIGKILLs itself once a child's outcome has
+  finalized a batch, before the completion is in the schedule, having written the time and
+  that child's job id to the file.
 
 Importing this module does it: the worker imports ``--jobs`` modules before it starts.
 """
@@ -15,14 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 from google.api_core import exceptions as gexc
 
 import workerpool.worker.launcher
 from tests.faults.store import FaultyStore
+from workerpool.batches.store import BatchStore, Completion
 from workerpool.idempotency import StoreError, StoreOpener, StoreUnavailable
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.failures import DeadLetterPublisher, Failure
@@ -80,6 +86,21 @@ def _install(spec: dict[str, Any]) -> None:
             return publish(self, delivery, failure)
 
         DeadLetterPublisher.publish = slow_publish  # type: ignore[method-assign]
+    if spec.get("kill_before_handover"):
+        _kill_before_handover(Path(spec["kill_before_handover"]))
+
+
+def _kill_before_handover(marker: Path) -> None:
+    record = BatchStore.record
+
+    def killed(self: BatchStore, batch_id: str, job_id: str, succeeded: bool) -> Completion | None:
+        completion = record(self, batch_id, job_id, succeeded)
+        if completion is not None:  # finalized in the store, not yet in the schedule
+            marker.write_text(json.dumps({"at": time.time(), "job_id": job_id}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return completion
+
+    BatchStore.record = killed  # type: ignore[method-assign]
 
 
 if os.environ.get(ENV):

@@ -73,7 +73,9 @@ class _Docs:
 
     def put_batch(self, batch: Batch) -> None:
         batch_id = batch.batch_id
-        self._tx.write(self._ref(batch_id), {**asdict(batch), "tallies": self._tallies[batch_id]})
+        # "unsent" is what a worker starting queries for (a single-field index: no setup).
+        record = {**asdict(batch), "tallies": self._tallies[batch_id], "unsent": batch.unsent}
+        self._tx.write(self._ref(batch_id), record)
         if batch.finalized_by and batch_id not in self._final:
             # Finalized here: close its tallies, as they were counted (read by tally()).
             refs = self._tally_refs(batch_id)
@@ -82,7 +84,14 @@ class _Docs:
                     self._tx.write(ref, {**data, "final": True})
 
     def batches(self, limit: int) -> list[Batch]:
-        found = self._tx.query(self._collection.order_by("deadline").limit(limit))
+        return self._soonest_first(self._collection.order_by("deadline").limit(limit))
+
+    def unsent(self, limit: int) -> list[Batch]:
+        query = self._collection.where(filter=FieldFilter("unsent", "==", True))
+        return self._soonest_first(query.limit(limit))
+
+    def _soonest_first(self, query: Any) -> list[Batch]:
+        found = self._tx.query(query)
         return sorted((self._learnt(d) for _, d in found), key=lambda b: (b.deadline, b.batch_id))
 
     def child(self, batch_id: str, job_id: str) -> tuple[str, Tally] | None:
@@ -115,6 +124,11 @@ class _Docs:
         self._tallies[batch_id] = sorted(totals)
         for ref, i in zip(self._tally_refs(batch_id), self._tallies[batch_id], strict=True):
             self._tx.write(ref, asdict(Tally(totals[i])))
+
+    def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
+        children = self._ref(batch_id).collection("children")
+        found = self._tx.read([children.document(_key(job_id)) for job_id in job_ids])
+        return all(data is not None for data in found)
 
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
         """In Firestore's order (by document name) up to ``limit``, then sorted: ordering by

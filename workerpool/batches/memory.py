@@ -41,6 +41,12 @@ class _Tables:
     def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
         self.ledger.setdefault(batch_id, {}).update(dict.fromkeys(job_ids, PENDING))
 
+    def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
+        return set(job_ids) <= self.ledger.get(batch_id, {}).keys()
+
+    def unsent(self, limit: int) -> list[Batch]:
+        return [b for b in self.batches(len(self.records)) if b.unsent][:limit]
+
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
         chosen = sorted(j for j, o in self.ledger.get(batch_id, {}).items() if o == outcome)
         return chosen[:limit]

@@ -5,8 +5,9 @@ failed write is a retry, and the retry finds the job done), dead-lettered once i
 record is out. The deadline is a delayed job of the batch's own (``DEADLINE_JOB``, published
 with the children, due at the deadline): when it runs it finalizes whatever is still open.
 Whichever call finalizes a batch puts its completion in the schedule, due now, to be
-published by a firer (this worker's at once); the deadline job also puts back a completion
-that was finalized but never reached the schedule (its worker died in between).
+published by a firer (this worker's at once). A completion finalized but never put in the
+schedule (its worker died in between) is put there by whoever touches the batch next: a
+redelivery of one of its children, its deadline job, or any worker as it starts.
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ class Batches(Middleware):
         self._firer = firer
         self._clock = clock
 
+    def start(self) -> None:
+        try:
+            for completion in self._batches.unsent():
+                log.warning(
+                    "batch %s: finalized, its completion not in the schedule (its worker died "
+                    "before handing it over, or is just doing so); handing it over",
+                    completion.batch.batch_id,
+                )
+                self._deliver(completion)
+        except StoreError as exc:  # a child's redelivery or the deadline hands it over later
+            log.warning("batches with a completion not handed over were not read (%s)", exc)
+
     def before(self, run: Run) -> Outcome | None:
         return self._expire(run.job.payload) if run.job.name == DEADLINE_JOB else None
 
@@ -84,12 +97,7 @@ class Batches(Middleware):
         if not isinstance(batch_id, str) or not batch_id:
             return Rejected(c.ERR_INVALID_PAYLOAD, f"{DEADLINE_JOB} needs a batch_id")
         try:
-            completion = self._batches.expire(batch_id)
-            if completion is None:  # final already: make sure its completion went out
-                finalized = self._batches.completion(batch_id)
-                if finalized is not None and not finalized.batch.completion_sent:
-                    completion = finalized
-            self._deliver(completion)
+            self._deliver(self._batches.expire(batch_id))
         except StoreError as exc:
             return Unavailable(f"batch store: {exc}")
         return Succeeded()

@@ -107,6 +107,20 @@ class _Tables:
             [(batch_id, job_id, PENDING) for job_id in job_ids],
         )
 
+    def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
+        rows = self._conn.execute(
+            "SELECT job_id FROM batch_children WHERE batch_id = ?", (batch_id,)
+        ).fetchall()
+        return set(job_ids) <= {str(row[0]) for row in rows}
+
+    def unsent(self, limit: int) -> list[Batch]:
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM batches WHERE finalized_by != '' AND completion_sent = 0 "
+            "ORDER BY deadline, batch_id LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [_batch(row) for row in rows]
+
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
         rows = self._conn.execute(
             "SELECT job_id FROM batch_children WHERE batch_id = ? AND outcome = ? "

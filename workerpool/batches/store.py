@@ -7,8 +7,10 @@ a second delivery, a duplicate or a crash cannot count it twice (a replayed chil
 dead-lettered may turn done while the batch is open). The batch is finalized once, by
 whichever of these comes first: the write that leaves a committed batch with no pending
 child, the commit of a batch with none left, or its deadline; that one call returns the
-``Completion`` to publish, every other returns None. Its counts are frozen then: a finalized
-batch takes no more outcomes.
+``Completion`` to publish, every other returns None, unless the completion was never handed
+over to the schedule (the finalizer died first): then a child's redelivery, the deadline, or a
+worker starting hands it over (twice at worst, and its job id runs once). Its counts are
+frozen then: a finalized batch takes no more outcomes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class Batch:
     @property
     def pending(self) -> int:
         return self.total - self.done - self.failed
+
+    @property
+    def unsent(self) -> bool:
+        """Finalized, and its completion not in the schedule yet."""
+        return bool(self.finalized_by) and not self.completion_sent
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,14 @@ class Transaction(Protocol):
         """The children of a batch being created, pending, and their tallies."""
         ...
 
+    def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
+        """Whether every one of ``job_ids`` is in the batch's ledger."""
+        ...
+
+    def unsent(self, limit: int) -> list[Batch]:
+        """Batches finalized whose completion is not in the schedule yet, up to ``limit``."""
+        ...
+
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]: ...
 
 
@@ -181,18 +196,28 @@ class BatchStore(ABC):
     ) -> None:
         """An open, uncommitted batch of these children, all pending (``trace``: its
         publisher's traceparent, which its completion's span links to). Creating it again as
-        it is (a publisher trying again) is allowed; ValueError for another batch of that id."""
-        wanted = Batch(batch_id, topic, on_complete, len(set(job_ids)), deadline, trace=trace)
+        it is (a publisher trying again), open or final, is allowed and changes nothing;
+        ValueError for another batch of that id (other children, topic or ``on_complete``):
+        its children would never be counted, and it would never complete."""
+        children = sorted(set(job_ids))
+        wanted = Batch(batch_id, topic, on_complete, len(children), deadline, trace=trace)
 
         def create(tx: Transaction) -> None:
             existing = tx.batch(batch_id)
             if existing is None:
-                tx.add_children(batch_id, sorted(set(job_ids)))
+                tx.add_children(batch_id, children)
                 tx.put_batch(wanted)
-            elif (existing.topic, existing.on_complete, existing.total) != (
+                return
+            # The same count and every wanted child in its ledger: the very same children.
+            same = (existing.topic, existing.on_complete, existing.total) == (
                 topic, on_complete, wanted.total,
-            ):  # fmt: skip
-                raise ValueError(f"batch {batch_id} exists already, with other children")
+            ) and tx.has_children(batch_id, children)  # fmt: skip
+            if not same:
+                state = "final" if existing.finalized_by else "open"
+                raise ValueError(
+                    f"batch {batch_id} exists already ({state}) with other children, topic or "
+                    "on_complete: give this batch another id"
+                )
 
         self._atomic(create)
 
@@ -213,18 +238,21 @@ class BatchStore(ABC):
         return self._complete_if_done(batch_id) if self._atomic(commit) else None
 
     def record(self, batch_id: str, job_id: str, succeeded: bool) -> Completion | None:
-        """A child's final outcome; the completion if this finalized the batch. A job id the
-        batch does not have, a child already final (a dead-lettered one may turn done: a
-        replay), or a batch finalized already, change nothing."""
+        """A child's final outcome; the completion if this finalized the batch, or if the
+        batch is final but its completion was never handed over. A job id the batch does not
+        have, a child already final (a dead-lettered one may turn done: a replay), or a batch
+        finalized already, change no counts."""
         outcome = DONE if succeeded else FAILED
 
-        def write(tx: Transaction) -> bool:
+        def write(tx: Transaction) -> Completion | bool:
             found = tx.child(batch_id, job_id)
             if found is None:
                 return False
             before, tally = found
             if tally.final:
-                return False
+                # The call that finalized it may have died before handing its completion
+                # over (this child's message then comes back): hand it over now.
+                return self._unsent(tx, tx.batch(batch_id)) or False
             if before not in (outcome, DONE):
                 tally = tally.moved(before, outcome)
                 tx.put_child(batch_id, job_id, outcome, tally)
@@ -232,15 +260,19 @@ class BatchStore(ABC):
             # settled it may have died before its check (its message then comes back).
             return not tally.pending
 
-        return self._complete_if_done(batch_id) if self._atomic(write) else None
+        written = self._atomic(write)
+        if isinstance(written, Completion):
+            return written
+        return self._complete_if_done(batch_id) if written else None
 
     def expire(self, batch_id: str) -> Completion | None:
-        """The batch's deadline: finalize it, whatever is still pending, unless it is final."""
+        """The batch's deadline: finalize it, whatever is still pending, unless it is final;
+        a final one's completion if it was never handed over."""
 
         def expire(tx: Transaction) -> Completion | None:
             batch = tx.batch(batch_id)
             if batch is None or batch.finalized_by:
-                return None
+                return self._unsent(tx, batch)
             return self._finalize(tx, batch, DEADLINE)
 
         return self._atomic(expire)
@@ -255,14 +287,10 @@ class BatchStore(ABC):
 
         self._atomic(sent)
 
-    def completion(self, batch_id: str) -> Completion | None:
-        """The completion of a batch finalized already (None if it is not)."""
-
-        def completion(tx: Transaction) -> Completion | None:
-            batch = tx.batch(batch_id)
-            return None if batch is None or not batch.finalized_by else self._built(tx, batch)
-
-        return self._atomic(completion)
+    def unsent(self, limit: int = 100) -> list[Completion]:
+        """The completions of batches finalized but never handed over (their finalizer died
+        first), for a worker to hand over as it starts."""
+        return self._atomic(lambda tx: [self._built(tx, b) for b in tx.unsent(limit)])
 
     def get(self, batch_id: str) -> Batch | None:
         def get(tx: Transaction) -> Batch | None:
@@ -286,6 +314,9 @@ class BatchStore(ABC):
             return None if tx.tally(batch).pending else self._finalize(tx, batch, LAST_CHILD)
 
         return self._atomic(check)
+
+    def _unsent(self, tx: Transaction, batch: Batch | None) -> Completion | None:
+        return self._built(tx, batch) if batch is not None and batch.unsent else None
 
     def _finalize(self, tx: Transaction, batch: Batch, by: str) -> Completion:
         tally = tx.tally(batch)
