@@ -41,15 +41,10 @@ from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import JobSpec, Registry, registry
 from workerpool.schedule import schedule_opener
 from workerpool.schedule.delays import Delays, Firer
-from workerpool.slots import (
-    Concurrency,
-    KeyTemplate,
-    Limits,
-    PoolGate,
-    SlotLeases,
-    open_slot_store,
-    slot_store_opener,
-)
+from workerpool.slots import KeyTemplate, Limits, open_slot_store, slot_store_opener
+from workerpool.slots.gate import PoolGate
+from workerpool.slots.leases import SlotLeases
+from workerpool.slots.middleware import Concurrency
 from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
