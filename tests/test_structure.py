@@ -69,12 +69,15 @@ def _imported(module: str, tree: ast.AST) -> Iterator[tuple[str, int]]:
 
 def _with_packages(importer: str, imported: str) -> Iterator[str]:
     """``imported`` and the packages above it that importing it runs first, leaving out those
-    that also hold ``importer`` (they are running already when it runs)."""
+    that also hold ``importer`` (they are running already when it runs; but a name taken
+    from one, ``from workerpool import job``, needs its ``__init__`` to have run that far)."""
     parts = imported.split(".")
-    for depth in range(1, len(parts) + 1):
+    for depth in range(1, len(parts)):
         name = ".".join(parts[:depth])
         if name in MODULES and not (importer + ".").startswith(name + "."):
             yield name
+    if imported in MODULES:
+        yield imported
 
 
 def _graph() -> dict[str, dict[str, int]]:

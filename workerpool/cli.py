@@ -28,6 +28,7 @@ from workerpool.registry import import_job_modules, load_entry_points, registry
 from workerpool.telemetry.exporters import publish_span
 from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
 from workerpool.worker.clients import Clients
+from workerpool.worker.named import find_all
 from workerpool.worker.service import exit_now, serve
 
 
@@ -105,6 +106,12 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--max-backoff", type=float, help="Longest retry delay, seconds."),
     click.option("--jobs", multiple=True, help="Module that registers jobs (repeatable)."),
     click.option(
+        "--middleware",
+        multiple=True,
+        help="Middleware to add, innermost: an entry point of workerpool.middleware or "
+        "module:Name (repeatable).",
+    ),
+    click.option(
         "--idempotency-store",
         help="sqlite:///PATH (default), firestore://PROJECT/COLLECTION, memory:// or none.",
     ),
@@ -153,6 +160,7 @@ def _run_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
+    find_all(settings)  # first: a job may take an option one of them declares
     _load_jobs(settings.jobs)
     serve(settings)
     exit_now(0)
