@@ -183,6 +183,22 @@ def test_a_relative_import_is_resolved() -> None:
     assert found == {"workerpool.ratelimit.limiters", "workerpool.worker.delivery"}
 
 
+def test_importing_a_module_depends_on_the_packages_it_runs_first() -> None:
+    """A module of another package runs that package's ``__init__`` first; a name taken from
+    the package holding the importer needs its ``__init__`` too, a submodule of it does not."""
+    tree = ast.parse("from workerpool import job, constants\nfrom workerpool.slots import keys\n")
+    importer = "workerpool.worker.middleware"
+    found = {
+        target for name, _ in _imported(importer, tree) for target in _with_packages(importer, name)
+    }
+    assert found == {
+        "workerpool",
+        "workerpool.constants",
+        "workerpool.slots",
+        "workerpool.slots.keys",
+    }
+
+
 def _length(path: Path) -> int:
     return len(path.read_text().splitlines())
 

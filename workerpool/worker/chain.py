@@ -12,8 +12,8 @@ after it do. The defaults, and why each sits where it does:
    never takes a slot or a token, nor reaches the handler.
 4. Concurrency slots: after the claim (a duplicate never takes a slot), before the rate limit
    (a run waits for its token only once it may run).
-5. Rate limit: one token per run, taken last before the run, so one is never spent on a run
-   that then ends without running.
+5. Rate limit: one token per run, taken after every default that may turn a run away (a
+   duplicate, a run without a slot), so none is spent on one.
 6. Time limit: counts the job's ``timeout`` from its handler's start.
 
 The user's middleware (the config's ``middleware``, then those given to ``Launcher``) come
