@@ -364,3 +364,28 @@ def test_a_bad_middleware_name_exits_2_naming_it(tmp_path: Path) -> None:
     for result, line in zip(results, says, strict=True):
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().splitlines() == [f"workerpool: error: {line}"]
+
+
+def test_jobs_lists_a_job_that_takes_an_option_of_a_named_middleware(tmp_path: Path) -> None:
+    # Given a job module whose job takes the option "audited" that a middleware declares
+    (tmp_path / "audit_mw.py").write_text(
+        "from workerpool import Middleware\n\n"
+        "class Audit(Middleware):\n    options = frozenset({'audited'})\n"
+    )
+    (tmp_path / "audit_jobs.py").write_text(
+        "from workerpool import job\n\n"
+        "@job('t.audited', audited=True)\ndef handle(ctx, payload):\n    pass\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    # When the jobs are listed without the middleware, then with it
+    without, named = _clis(
+        [
+            ["jobs", "--jobs", "audit_jobs"],
+            ["jobs", "--jobs", "audit_jobs", "--middleware", "audit_mw:Audit"],
+        ],
+        env=env,
+    )
+    # Then the option is unknown without it, and the job is listed with it
+    assert without.returncode == 2 and "unknown option(s) audited" in without.stderr
+    assert named.returncode == 0, named.stderr
+    assert "(audit_jobs.handle)" in named.stdout

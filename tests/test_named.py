@@ -69,12 +69,16 @@ def test_an_entry_point_is_found_by_its_name_and_only_when_named(
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: recorder-plugin\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
         "[workerpool.middleware]\nrecorder = tests.test_named:Recorder\n"
+        "missing = tests.test_named:Missing\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     # Then a worker that names nothing gets none of it, and one that names it gets it
     assert named.build(Settings()) == []
     [made] = named.build(Settings(middleware=("recorder",)))
     assert type(made) is Recorder
+    # And one that names nothing is a ConfigError naming it
+    with pytest.raises(ConfigError, match=r"^middleware missing: cannot import it \("):
+        named.build(Settings(middleware=("missing",)))
 
 
 def test_an_option_a_middleware_class_declares_is_accepted_by_job() -> None:

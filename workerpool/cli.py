@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from workerpool import constants as c
-from workerpool.config import load_settings
+from workerpool.config import Settings, load_settings
 from workerpool.errors import ConfigError
 from workerpool.ops.admin import (
     ProvisionRequest,
@@ -168,8 +168,10 @@ def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
 
 @main.command("jobs")
 @click.option("--jobs", "modules", multiple=True, help="Module that registers jobs.")
-def list_jobs(modules: tuple[str, ...]) -> None:
+@click.option("--middleware", multiple=True, help="Middleware whose job options they take.")
+def list_jobs(modules: tuple[str, ...], middleware: tuple[str, ...]) -> None:
     """List the registered jobs."""
+    find_all(Settings(middleware=middleware))
     _load_jobs(modules)
     for spec in registry.specs():
         payload = spec.payload.__name__ if spec.payload else "dict"

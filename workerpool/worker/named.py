@@ -35,7 +35,7 @@ def find(name: str) -> Any:
                 ", and not a module:Name path"
             )
         target: Any = importlib.import_module(module)
-    except ImportError as exc:
+    except (ImportError, AttributeError) as exc:  # (an entry point naming nothing: the latter)
         raise ConfigError(f"middleware {name}: cannot import it ({exc})") from None
     for part in attribute.split("."):
         if not hasattr(target, part):
