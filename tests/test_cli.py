@@ -466,3 +466,56 @@ def test_log_level_from_flag_and_environment() -> None:
         assert refused.exit_code == 2 and "loud" in refused.output
     finally:
         root.setLevel(before)
+
+
+def test_a_bad_middleware_name_exits_2_naming_it(tmp_path: Path) -> None:
+    # Given a middleware name that points at nothing, given each way a name can be given
+    config = tmp_path / "workerpool.toml"
+    config.write_text('[worker]\nmiddleware = ["json:nothing"]\n')
+    run = ["run", "--project", "p", "--subscription", "s"]
+    commands = [
+        [*run, "--middleware", "no-such-plugin"],
+        [*run, "--config", str(config)],
+        [*run, "--middleware", "workerpool.errors:ConfigError"],
+    ]
+    env = _nowhere(tmp_path)
+    # When a worker starts with each (and one with the name only in the environment)
+    results = _clis(commands, env=env)
+    results.append(_cli(*run, env={**env, "WORKERPOOL_MIDDLEWARE": "no_such_module:Audit"}))
+    # Then it exits 2 with one line naming it, before it tries to connect
+    says = [
+        "middleware no-such-plugin: no entry point of that name in workerpool.middleware, and "
+        "not a module:Name path",
+        "middleware json:nothing: json has no nothing",
+        "middleware workerpool.errors:ConfigError: <class 'workerpool.errors.ConfigError'> is "
+        "neither a Middleware subclass nor a factory",
+        "middleware no_such_module:Audit: cannot import it (No module named 'no_such_module')",
+    ]
+    for result, line in zip(results, says, strict=True):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [f"workerpool: error: {line}"]
+
+
+def test_jobs_lists_a_job_that_takes_an_option_of_a_named_middleware(tmp_path: Path) -> None:
+    # Given a job module whose job takes the option "audited" that a middleware declares
+    (tmp_path / "audit_mw.py").write_text(
+        "from workerpool import Middleware\n\n"
+        "class Audit(Middleware):\n    options = frozenset({'audited'})\n"
+    )
+    (tmp_path / "audit_jobs.py").write_text(
+        "from workerpool import job\n\n"
+        "@job('t.audited', audited=True)\ndef handle(ctx, payload):\n    pass\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    # When the jobs are listed without the middleware, then with it
+    without, named = _clis(
+        [
+            ["jobs", "--jobs", "audit_jobs"],
+            ["jobs", "--jobs", "audit_jobs", "--middleware", "audit_mw:Audit"],
+        ],
+        env=env,
+    )
+    # Then the option is unknown without it, and the job is listed with it
+    assert without.returncode == 2 and "unknown option(s) audited" in without.stderr
+    assert named.returncode == 0, named.stderr
+    assert "(audit_jobs.handle)" in named.stdout

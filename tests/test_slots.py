@@ -21,20 +21,19 @@ from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
 from workerpool.registry import JobSpec
 from workerpool.slots import (
-    Concurrency,
     Full,
     Granted,
     KeyTemplate,
     Limits,
     MemorySlots,
-    PoolGate,
-    SlotLeases,
     SlotStore,
     SqliteSlots,
     slot_store_opener,
 )
+from workerpool.slots.gate import PoolGate
 from workerpool.slots.keys import MissingField
-from workerpool.slots.middleware import GaveUp, _Taken
+from workerpool.slots.leases import GaveUp, SlotLeases, Taken
+from workerpool.slots.middleware import Concurrency
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Booking, Table
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job
@@ -672,7 +671,7 @@ def test_with_one_permit_a_returning_job_never_holds_it_from_a_run_granted_its_s
     assert leases.take(KEY, _run("old", returning), patience=30) is GaveUp.NO_ROOM
     returning.end()
     newer.join(10)
-    assert isinstance(got["new"], _Taken) and waiting.state == "held"
+    assert isinstance(got["new"], Taken) and waiting.state == "held"
 
 
 class _Counted(_Permit):

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from workerpool import constants as c
 from workerpool.cli import main
 from workerpool.errors import ConfigError
-from workerpool.telemetry.logs import BackgroundHandler, installed_handler, setup_logging
+from workerpool.telemetry.handler import BackgroundHandler, installed_handler
+from workerpool.telemetry.logs import setup_logging
 from workerpool.telemetry.textlog import ConsoleHandler, TextFormatter, live_console
 
 _JOB_FIELDS = {

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from workerpool import constants as c
-from workerpool.config import load_settings
+from workerpool.config import Settings, load_settings
 from workerpool.errors import ConfigError
 from workerpool.ops.admin import (
     ProvisionRequest,
@@ -29,6 +29,7 @@ from workerpool.telemetry.exporters import publish_span
 from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
 from workerpool.worker.clients import connect
 from workerpool.worker.envelope import parse_json
+from workerpool.worker.named import find_all
 from workerpool.worker.service import exit_now, serve
 from workerpool.worker.signals import held, release
 
@@ -114,6 +115,12 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--max-backoff", type=float, help="Longest retry delay, seconds."),
     click.option("--jobs", multiple=True, help="Module that registers jobs (repeatable)."),
     click.option(
+        "--middleware",
+        multiple=True,
+        help="Middleware to add, innermost: an entry point of workerpool.middleware or "
+        "module:Name (repeatable).",
+    ),
+    click.option(
         "--idempotency-store",
         help="sqlite:///PATH (default), firestore://PROJECT/COLLECTION, memory:// or none.",
     ),
@@ -162,6 +169,7 @@ def _run_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
     settings = load_settings(config_file, {**flags, "jobs": jobs})
+    find_all(settings)  # first: a job may take an option one of them declares
     _load_jobs(settings.jobs)
     serve(settings, held())
     exit_now(0)
@@ -169,8 +177,10 @@ def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
 
 @main.command("jobs")
 @click.option("--jobs", "modules", multiple=True, help="Module that registers jobs.")
-def list_jobs(modules: tuple[str, ...]) -> None:
+@click.option("--middleware", multiple=True, help="Middleware whose job options they take.")
+def list_jobs(modules: tuple[str, ...], middleware: tuple[str, ...]) -> None:
     """List the registered jobs."""
+    find_all(Settings(middleware=middleware))
     _load_jobs(modules)
     for spec in registry.specs():
         payload = spec.payload.__name__ if spec.payload else "dict"

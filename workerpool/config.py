@@ -36,6 +36,9 @@ class Settings:
     min_backoff: float = c.DEFAULT_MIN_BACKOFF
     max_backoff: float = c.DEFAULT_MAX_BACKOFF
     jobs: tuple[str, ...] = ()
+    # Middleware to add after the defaults, innermost: entry-point names of the
+    # ``workerpool.middleware`` group or ``module:Name`` paths (workerpool.worker.named).
+    middleware: tuple[str, ...] = ()
     idempotency_store: str = "sqlite:///workerpool-idempotency.db"
     claim_ttl: float = c.DEFAULT_CLAIM_TTL
     # Concurrency slots: a dead holder's slot frees after slot_ttl; a run waits up to

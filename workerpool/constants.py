@@ -94,6 +94,8 @@ DEFAULT_SLOT_WAIT: Final = 30.0
 # Each replica writes its heartbeat (what it runs and holds, for the autoscaler) this often.
 DEFAULT_HEARTBEAT_INTERVAL: Final = 2.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"
+# Middleware a worker may name in its config (``middleware``): installed is not turned on.
+MIDDLEWARE_ENTRY_POINT_GROUP: Final = "workerpool.middleware"
 
 
 class Label(StrEnum):

@@ -1,7 +1,8 @@
 """Job registration and discovery.
 
-``@job(name, ...)`` registers ``handler(ctx, payload)``. Options nobody understands are rejected
-at registration, so a typo is an import-time error instead of a silently ignored setting.
+``@job(name, ...)`` registers ``handler(ctx, payload)``. Options no middleware declared
+(``workerpool.options``) are rejected at registration, so a typo is an import-time error
+instead of a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from workerpool import options as job_options
 from workerpool.constants import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_SECONDS, ENTRY_POINT_GROUP
 from workerpool.errors import ConfigError
 from workerpool.payload import PayloadError, convert
@@ -102,7 +104,7 @@ class Registry:
         ``config`` an optional dataclass the job's ``[jobs."NAME"]`` section is converted to
         once, when the worker starts (a mismatch stops it), and handed over as ``ctx.config``.
         """
-        _check_options(name, options)
+        job_options.check(name, options)
         if not name:
             raise ValueError("a job needs a non-empty name")
         if timeout <= 0:
@@ -124,25 +126,6 @@ class Registry:
             return handler
 
         return register
-
-
-def _check_options(name: str, options: dict[str, Any]) -> None:
-    # Options beyond the core ones belong to middleware, each declaring what it reads.
-    # Imported here: middleware modules import this one.
-    import workerpool.slots.middleware  # noqa: F401  (declares the "concurrency" option)
-    from workerpool.slots.keys import KeyTemplate
-    from workerpool.worker.middleware import declared_options
-
-    extra = declared_options()
-    unknown = sorted(set(options) - extra)
-    if unknown:
-        known = ", ".join(sorted({"timeout", "max_attempts", "payload", *extra}))
-        raise TypeError(f"job {name!r}: unknown option(s) {', '.join(unknown)} (known: {known})")
-    key = options.get("concurrency")
-    if key is not None:
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"job {name!r}: concurrency must name a key, got {key!r}")
-        KeyTemplate(key)  # a malformed template fails here, where it is written
 
 
 def _check_handler(name: str, handler: Handler) -> bool:

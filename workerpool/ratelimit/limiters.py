@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from workerpool.ratelimit.bucket import RateSpec, TokenBucket
 
 if TYPE_CHECKING:
-    from workerpool.context import Flag
+    from workerpool.flag import Flag
 
 
 class UnknownLimiter(KeyError):

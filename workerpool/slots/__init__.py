@@ -1,31 +1,27 @@
 """Fleet-wide concurrency limits: slots of named keys, leased from the store every replica
 shares (the idempotency store's URL: SQLite for the processes of one host, a table beside the
-claims; Firestore for a fleet, the collection ``<COLLECTION>-slots``)."""
+claims; Firestore for a fleet, the collection ``<COLLECTION>-slots``). This is the store's
+side; the worker's (``middleware``, ``leases``, ``gate``) is imported by the launcher only, so
+that a job's registration can check its key without it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from workerpool.errors import ConfigError
-from workerpool.slots.gate import PoolGate
 from workerpool.slots.keys import KeyTemplate, Limits
 from workerpool.slots.memory import MemorySlots
-from workerpool.slots.middleware import Concurrency, Lease, SlotLeases
 from workerpool.slots.sqlite import SqliteSlots
 from workerpool.slots.store import Full, Granted, Holding, SlotStore
 from workerpool.stores import StoreError, opener
 
 __all__ = [
-    "Concurrency",
     "Full",
     "Granted",
     "Holding",
     "KeyTemplate",
-    "Lease",
     "Limits",
     "MemorySlots",
-    "PoolGate",
-    "SlotLeases",
     "SlotStore",
     "SqliteSlots",
     "open_slot_store",

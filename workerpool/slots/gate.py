@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from workerpool.slots.middleware import _FIRST_POLL, Lease, SlotLeases
+from workerpool.slots.leases import FIRST_POLL, Lease, SlotLeases
 from workerpool.slots.store import Granted
 from workerpool.stores import StoreError
 from workerpool.worker.delivery import Delivery
@@ -68,7 +68,7 @@ class PoolGate:
 
     def _wait_for_first(self, timeout: float, stop: threading.Event) -> bool:
         deadline = self._clock() + timeout
-        poll = _FIRST_POLL
+        poll = FIRST_POLL
         while not self._unbound:
             if stop.is_set():
                 self._release([self._waiter])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from workerpool import constants as c
-from workerpool.telemetry.logs import FIELDS, SPAN_CONTEXT
+from workerpool.telemetry.handler import FIELDS, SPAN_CONTEXT
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
 

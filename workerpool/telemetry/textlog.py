@@ -21,7 +21,12 @@ from rich.text import Text
 
 from workerpool import constants as c
 from workerpool.constants import Label
-from workerpool.telemetry.logs import BackgroundHandler, formatted, installed_handler, record_fields
+from workerpool.telemetry.handler import (
+    BackgroundHandler,
+    formatted,
+    installed_handler,
+    record_fields,
+)
 from workerpool.worker.text import safe_text
 
 _OUTCOME_STYLES: dict[str, str] = {

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.context import RunContext, call_soon
+from workerpool.context import RunContext
+from workerpool.flag import call_soon
 
 log = logging.getLogger(__name__)
 

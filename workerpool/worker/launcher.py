@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from workerpool import options as job_options
 from workerpool.batches import batch_opener
 from workerpool.batches.middleware import Batches, no_batches
 from workerpool.batches.store import DEADLINE_JOB
@@ -39,19 +40,16 @@ from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import JobSpec, Registry, registry
 from workerpool.schedule import schedule_opener
 from workerpool.schedule.delays import Delays, Firer
-from workerpool.slots import (
-    Concurrency,
-    KeyTemplate,
-    Limits,
-    PoolGate,
-    SlotLeases,
-    open_slot_store,
-    slot_store_opener,
-)
+from workerpool.slots import KeyTemplate, Limits, open_slot_store, slot_store_opener
+from workerpool.slots.gate import PoolGate
+from workerpool.slots.leases import SlotLeases
+from workerpool.slots.middleware import Concurrency
 from workerpool.telemetry import Telemetry
+from workerpool.worker import named
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
+from workerpool.worker.chain import chain
 from workerpool.worker.clients import Clients, connect
 from workerpool.worker.failures import DeadLetterPublisher, worker_identity
 from workerpool.worker.heartbeat import Heartbeat
@@ -104,7 +102,11 @@ def _check_options(jobs: Registry, middleware: Sequence[Middleware], limits: Rat
     for spec in jobs.specs():
         unread = sorted(set(spec.options) - declared)
         if unread:
-            raise ConfigError(f"job {spec.name}: no middleware of this worker reads {unread[0]}")
+            reader = job_options.declared().get(unread[0], "a middleware")
+            raise ConfigError(
+                f"job {spec.name}: no middleware of this worker reads {unread[0]} "
+                f"(read by {reader}: is it named in the middleware setting?)"
+            )
         name = spec.options.get("rate_limit")
         if name and name not in limiter_names:
             raise ConfigError(f"job {spec.name} uses rate limit {name!r}, which is not declared")
@@ -123,7 +125,9 @@ class Launcher:
         limiters: RateLimiters | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
-        """``store`` overrides ``settings.idempotency_store`` with a store object of your own;
+        """``middleware`` come after the ones ``settings.middleware`` names, innermost of the
+        chain (workerpool.worker.chain);
+        ``store`` overrides ``settings.idempotency_store`` with a store object of your own;
         ``limiters`` are shared by the pools of one process (default: from settings);
         ``telemetry`` (traces, metrics, job log lines) too (default: global providers).
         Nothing is opened or started until ``start``."""
@@ -134,7 +138,8 @@ class Launcher:
         self.subscription = subscription_path(settings.project, settings.subscription)
         self.telemetry = telemetry or Telemetry()
         self._jobs = jobs
-        self._extra_middleware = list(middleware)
+        # Made now: a bad name stops the worker before it connects to anything.
+        self._user_middleware = [*named.build(settings), *middleware]
         self._clients = clients
         self._store = store
         self._open_store = None if store is not None else _opener(settings.idempotency_store)
@@ -270,7 +275,7 @@ class Launcher:
     def _middleware(
         self, timers: Timers, concurrency: Concurrency | None, coordination: list[Middleware]
     ) -> list[Middleware]:
-        idempotency: list[Middleware] = []
+        idempotency = None
         store = self._store
         if store is None and self._open_store is not None:
             try:
@@ -278,20 +283,16 @@ class Launcher:
             except (ImportError, StoreError) as exc:
                 raise ConfigError(f"idempotency_store: {exc}") from None
         if store is not None:
-            idempotency.append(
-                Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
-            )
-        return [
-            *self.telemetry.middleware(self.subscription),  # outermost: every run is seen
-            *coordination,  # before the claim: a job that is not due yet takes none
-            *idempotency,
-            # After the claim: a duplicate never takes a slot. Before the rate limit: a run
-            # waits for its token only once it may run.
-            *([concurrency] if concurrency is not None else []),
-            RateLimit(self._limiters),
-            TimeLimit(timers),
-            *self._extra_middleware,
-        ]
+            idempotency = Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
+        return chain(
+            telemetry=self.telemetry.middleware(self.subscription),
+            coordination=coordination,
+            idempotency=idempotency,
+            concurrency=concurrency,
+            rate_limit=RateLimit(self._limiters),
+            time_limit=TimeLimit(timers),
+            user=self._user_middleware,
+        )
 
     def _slot_limits(self, job_config: Mapping[str, Any]) -> Limits | None:
         """The declared concurrency limits, checked to cover every job's key (ConfigError if

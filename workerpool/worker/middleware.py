@@ -16,7 +16,8 @@ a pull's messages in one call (the idempotency store claims their job ids).
 ``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
 ``interrupted`` is called when a run is handed back while its handler still runs (the drain
 deadline, a lost claim), so a middleware can give back what it holds. ``options`` names the
-``@job`` options a middleware reads: ``@job`` refuses any option no middleware declares.
+``@job`` options a middleware reads: ``@job`` refuses any option no middleware declares
+(``workerpool.options``), and a worker any option none of its middleware reads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
+from workerpool.options import RATE_LIMIT, declare
 from workerpool.ratelimit.limiters import RateLimiters
 from workerpool.registry import JobSpec
 from workerpool.worker.delivery import Delivery
@@ -41,6 +43,8 @@ class Middleware:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # Declared as the class is defined, for ``@job`` to accept them (workerpool.options).
+        declare(f"{cls.__module__}.{cls.__qualname__}", cls.options)
         if "run" in vars(cls):  # the wrapper form before ``around``: never skip it silently
             raise TypeError(
                 f"{cls.__qualname__} defines run(run, call_next), which workerpool no longer "
@@ -159,17 +163,6 @@ class Steps:
         return result
 
 
-def declared_options() -> frozenset[str]:
-    """Every ``@job`` option some middleware class (imported so far) says it reads."""
-    found: set[str] = set()
-    pending = [Middleware]
-    while pending:
-        cls = pending.pop()
-        found |= cls.options
-        pending.extend(cls.__subclasses__())
-    return frozenset(found)
-
-
 class TimeLimit(Middleware):
     """Sets ``ctx.timed_out`` then ``ctx.cancelled`` when the job passes its ``timeout``.
 
@@ -221,16 +214,16 @@ class _Deadline:
 class RateLimit(Middleware):
     """One token per run from the limiter a job declares with ``@job(..., rate_limit=NAME)``."""
 
-    options = frozenset({"rate_limit"})
+    options = frozenset({RATE_LIMIT})
 
     def __init__(self, limiters: RateLimiters) -> None:
         self._limiters = limiters
 
     def ready_ahead(self, spec: JobSpec) -> bool:
-        return not spec.options.get("rate_limit")  # a token taken is spent from then on
+        return not spec.options.get(RATE_LIMIT)  # a token taken is spent from then on
 
     def before(self, run: Run) -> Outcome | None:
-        name = run.job.spec.options.get("rate_limit")
+        name = run.job.spec.options.get(RATE_LIMIT)
         if name and self._limiters.acquire(name, 1, run.ctx.draining) is None:
             return Interrupted()  # draining: give the message back now, it never started
         return None

@@ -1,0 +1,53 @@
+"""The worker's middleware chain, outermost first: the one place its order is decided.
+
+``Steps`` runs each middleware's ``before`` and the first half of its ``around`` in this
+order, and the second halves in the reverse one, so what comes first sees everything the ones
+after it do. The defaults, and why each sits where it does:
+
+1. Telemetry (the span, the metrics, the job's log line): outermost, so every run is seen and
+   timed, whatever ends it, a duplicate or a run given back included.
+2. Delays, then batches: before the claim, so a job that is not due yet is held back without
+   taking a claim; batches record a child's outcome around everything inside.
+3. Idempotency: claims the job id; a duplicate, or a job another worker runs, ends here, so it
+   never takes a slot or a token, nor reaches the handler.
+4. Concurrency slots: after the claim (a duplicate never takes a slot), before the rate limit
+   (a run waits for its token only once it may run).
+5. Rate limit: one token per run, taken after every default that may turn a run away (a
+   duplicate, a run without a slot), so none is spent on one.
+6. Time limit: counts the job's ``timeout`` from its handler's start.
+
+The user's middleware (the config's ``middleware``, then those given to ``Launcher``) come
+after them, innermost, in the order named: they wrap the handler alone, so they see only runs
+that will start it (claimed, in a slot, with a token), time what the handler takes, see
+``ctx.cancelled`` set at the timeout like the handler does, and an outcome one returns ends the
+run as the handler's would. Every middleware hears ``admitted`` and ``settled``, wherever it
+sits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from workerpool.worker.middleware import Middleware
+
+
+def chain(
+    *,
+    telemetry: Sequence[Middleware],
+    coordination: Sequence[Middleware],
+    idempotency: Middleware | None,
+    concurrency: Middleware | None,
+    rate_limit: Middleware,
+    time_limit: Middleware,
+    user: Sequence[Middleware] = (),
+) -> list[Middleware]:
+    """The chain in the order above; a part this worker does not have is None."""
+    return [
+        *telemetry,
+        *coordination,
+        *([idempotency] if idempotency is not None else []),
+        *([concurrency] if concurrency is not None else []),
+        rate_limit,
+        time_limit,
+        *user,
+    ]
