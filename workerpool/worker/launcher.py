@@ -58,6 +58,7 @@ from workerpool.worker.failures import DeadLetterPublisher, worker_identity
 from workerpool.worker.heartbeat import Heartbeat
 from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
+from workerpool.worker.ordering import Sequencer
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
@@ -240,7 +241,8 @@ class Launcher:
             loop=loop,
             renewer=Renewer(clients.publisher, info.topic, info.name, info.max_delivery_attempts),
         )
-        pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes))
+        limits = PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes)
+        pool = Pool(processor, leaser, limits, sequencer=_sequencer(info, limits))
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
         heartbeat = self._heartbeat(pool, puller, processor)
@@ -392,6 +394,8 @@ class Launcher:
             parts.heartbeat.start()
         if parts.info.has_retry_policy:
             log.info("%s has a retry policy: Pub/Sub spaces redeliveries", self.subscription)
+        if parts.info.message_ordering:
+            log.info("%s is ordered: each key's messages run one at a time", self.subscription)
         log.info(
             "worker %s pulling %s with max_outstanding=%d prefetch=%d",
             self.worker_id,
@@ -539,6 +543,14 @@ class Launcher:
             and self._parts is not None
             and not self._parts.pool.quieted
         )
+
+
+def _sequencer(info: SubscriptionInfo, limits: PoolLimits) -> Sequencer | None:
+    """On an ordered subscription: a key may keep half the prefetch (at least one) waiting
+    behind its running message, so the rest of the prefetch is left for other keys."""
+    if not info.message_ordering:
+        return None
+    return Sequencer(waiting_per_key=max(1, limits.prefetch // 2))
 
 
 def _connect() -> Clients:
