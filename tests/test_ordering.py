@@ -66,6 +66,49 @@ def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -
     assert sequencer.settled(a0) == (None, [])
 
 
+def test_a_key_owes_what_it_gave_back_and_runs_nothing_else_of_it_first() -> None:
+    # Given key a whose message 1 was given back with 2 after it, and 3 never delivered yet
+    now = [0.0]
+    sequencer = Sequencer(waiting_per_key=4, owed_for=60.0, clock=lambda: now[0])
+    a = [_keyed("a", i) for i in range(5)]
+    for delivery in a[1:3]:
+        sequencer.place(delivery)
+    a[1].returned = True
+    assert sequencer.settled(a[1]) == (None, [a[2]])
+    # When they come back as the emulator redelivers them, never delivered first, Then those
+    # are given back, and the given back ones run in the key's order
+    fresh = _keyed("a", 3)
+    assert sequencer.place(fresh) is Place.RELEASE
+    assert sequencer.place(_keyed("a", 2)) is Place.RELEASE  # not first: back again
+    again = [_keyed("a", i) for i in (1, 2, 3)]
+    assert [sequencer.place(d) for d in again] == [Place.START, Place.WAIT, Place.WAIT]
+    # And a key that owes a message that never comes back waits for it only ``owed_for``
+    b0, b1 = _keyed("b", 0), _keyed("b", 1)
+    sequencer.place(b0)
+    b0.returned = True
+    sequencer.settled(b0)
+    assert sequencer.place(b1) is Place.RELEASE
+    now[0] = 61.0
+    assert sequencer.place(_keyed("b", 1)) is Place.START
+
+
+def test_a_message_released_for_its_key_is_owed_first() -> None:
+    # Given key a at its limit of one waiting, owing nothing
+    sequencer = Sequencer(waiting_per_key=1)
+    a = [_keyed("a", i) for i in range(4)]
+    assert [sequencer.place(d) for d in a] == [
+        Place.START, Place.WAIT, Place.RELEASE, Place.RELEASE,
+    ]  # fmt: skip
+    # When the emulator brings a message never delivered before them, Then it goes back too
+    assert sequencer.place(_keyed("a", 4)) is Place.RELEASE
+    # And once the key is free, the released ones start in order, then the one after them
+    assert sequencer.settled(a[0]) == (a[1], [])
+    assert sequencer.settled(a[1]) == (None, [])
+    assert sequencer.place(_keyed("a", 2)) is Place.START
+    assert sequencer.place(_keyed("a", 3)) is Place.WAIT
+    assert sequencer.place(_keyed("a", 4)) is Place.RELEASE  # over the limit: owed first
+
+
 class _Ledger:
     """A job that writes (key, number, start, end) and fails where it is told to."""
 

@@ -241,8 +241,10 @@ class Launcher:
             loop=loop,
             renewer=Renewer(clients.publisher, info.topic, info.name, info.max_delivery_attempts),
         )
-        limits = PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes)
-        pool = Pool(processor, leaser, limits, sequencer=_sequencer(info, limits))
+        prefetch = s.prefetch_for(ordered=info.message_ordering)
+        limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
+        sequencer = _sequencer(info, limits, s.max_backoff)
+        pool = Pool(processor, leaser, limits, sequencer=sequencer)
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
         heartbeat = self._heartbeat(pool, puller, processor)
@@ -401,7 +403,7 @@ class Launcher:
             self.worker_id,
             self.subscription,
             s.max_outstanding,
-            s.held_beyond_n,
+            parts.pool.limits.prefetch,
         )
 
     # --- stop --------------------------------------------------------------------------------
@@ -545,12 +547,15 @@ class Launcher:
         )
 
 
-def _sequencer(info: SubscriptionInfo, limits: PoolLimits) -> Sequencer | None:
+def _sequencer(info: SubscriptionInfo, limits: PoolLimits, max_backoff: float) -> Sequencer | None:
     """On an ordered subscription: a key may keep half the prefetch (at least one) waiting
-    behind its running message, so the rest of the prefetch is left for other keys."""
+    behind its running message, so the rest of the prefetch is left for other keys; what it
+    gave back comes back after the longest retry delay (ours or the subscription's) and
+    a minute more, or is another worker's."""
     if not info.message_ordering:
         return None
-    return Sequencer(waiting_per_key=max(1, limits.prefetch // 2))
+    owed_for = max(max_backoff, info.max_backoff) + 60.0
+    return Sequencer(waiting_per_key=max(1, limits.prefetch // 2), owed_for=owed_for)
 
 
 def _connect() -> Clients:

@@ -6,18 +6,27 @@ once. The pool asks ``place`` where each admitted message goes: a message with n
 whose key has nothing here yet, may start now; a later one of a busy key waits here, holding
 no slot, until the one before it has settled (``settled``). A key keeps at most
 ``waiting_per_key`` messages waiting, so one key's backlog never fills the prefetch while
-other keys have work: the rest are given back at once, and Pub/Sub delivers them again only
-after those held are settled (measured on the emulator), still in order.
+other keys have work: the rest are given back at once.
 
 A message given back (a retry, a deferral, a drain, a lost claim) takes every later message of
-its key held here with it, so Pub/Sub redelivers the key from that message on, in order, and
-no later message is ever acked before it. Not thread-safe: the pool calls it under its lock.
+its key held here with it, so no later message is ever acked before it. Pub/Sub redelivers a
+key from its first message given back, in order; the emulator does not (measured: it delivers
+the key's messages never delivered yet first, then those given back, in the order they were
+given back). So a key keeps the messages this worker gave back, in the key's order, as owed:
+until the first of them comes back, any other message of the key is given back again (one
+never seen before is owed after them). On Pub/Sub the first owed one comes first, and nothing
+is given back for it; on the emulator, each given back goes behind it. Only this worker knows
+what it owes: another worker on the emulator may run those never delivered first. A key's
+owed messages are forgotten after ``owed_for`` seconds without one coming back (another
+worker may have them). Not thread-safe: the pool calls it under its lock.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import time
+from collections.abc import Callable
 
 from workerpool.worker.delivery import Delivery
 
@@ -25,41 +34,97 @@ from workerpool.worker.delivery import Delivery
 class Place(enum.Enum):
     START = "start"  # may start now
     WAIT = "wait"  # waits here for the one before it
-    RELEASE = "release"  # its key has enough waiting: give it back now
+    RELEASE = "release"  # give it back now
+
+
+class _Owed:
+    """A key's messages given back by this worker, in the key's order, by message id."""
+
+    __slots__ = ("ids", "since")
+
+    def __init__(self, now: float) -> None:
+        self.ids: collections.deque[str] = collections.deque()
+        self.since = now  # when the first of them last changed
 
 
 class Sequencer:
-    def __init__(self, waiting_per_key: int) -> None:
+    def __init__(
+        self,
+        waiting_per_key: int,
+        owed_for: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if waiting_per_key < 0:
             raise ValueError(f"waiting_per_key must be 0 or more, got {waiting_per_key}")
         self._waiting_per_key = waiting_per_key
+        self._owed_for = owed_for
+        self._clock = clock
         # By key: the messages after the one started (not started yet), oldest first. A key
         # is here exactly while one of its messages has started and not settled.
         self._keys: dict[str, collections.deque[Delivery]] = {}
+        self._owed: dict[str, _Owed] = {}
 
     def place(self, delivery: Delivery) -> Place:
         key = delivery.ordering_key
         if not key:
             return Place.START
+        if not self._may_place(key, delivery.message_id):
+            return Place.RELEASE
         waiting = self._keys.get(key)
         if waiting is None:
             self._keys[key] = collections.deque()
             return Place.START
         if len(waiting) >= self._waiting_per_key:
+            # First: if the key owes more, this one just came back as the first of them.
+            self._owe(key, [delivery.message_id], first=True)
             return Place.RELEASE
         waiting.append(delivery)
         return Place.WAIT
 
+    def _may_place(self, key: str, message_id: str) -> bool:
+        """Whether a message of ``key`` may be placed: the key owes nothing, or this is the
+        first message it owes (then it owes it no more). Any other is given back (again), and
+        keeps its place among those owed, in the key's order."""
+        owed = self._owed.get(key)
+        if owed is None:
+            return True
+        now = self._clock()
+        if now - owed.since > self._owed_for:
+            del self._owed[key]  # another worker may have them: wait no longer
+            return True
+        if owed.ids[0] == message_id:
+            owed.ids.popleft()
+            owed.since = now
+            if not owed.ids:
+                del self._owed[key]
+            return True
+        if message_id not in owed.ids:  # never here before: it comes after all the key owes
+            owed.ids.append(message_id)
+        return False
+
+    def _owe(self, key: str, message_ids: list[str], *, first: bool = False) -> None:
+        """The key owes these (given back now) after what it owes, or before it if ``first``."""
+        owed = self._owed.get(key)
+        if owed is None:
+            owed = self._owed[key] = _Owed(self._clock())
+        if first:
+            owed.ids.extendleft(reversed(message_ids))
+            owed.since = self._clock()
+        else:
+            owed.ids.extend(message_ids)
+
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
         """``delivery`` (started) settled: the next of its key to start, if it was acked, or
-        every later one of its key held here, to give back with it."""
+        every later one of its key held here, to give back with it (both then owed first)."""
         key = delivery.ordering_key
         waiting = self._keys.get(key) if key else None
         if waiting is None:
             return None, []
         if delivery.returned:
             del self._keys[key]
-            return None, list(waiting)
+            back = list(waiting)
+            self._owe(key, [delivery.message_id, *(d.message_id for d in back)], first=True)
+            return None, back
         if not waiting:
             del self._keys[key]
             return None, []
