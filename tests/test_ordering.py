@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
+
+import pytest
 
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
+from workerpool.publishing import JobMessage, publish
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.delivery import Delivery
@@ -171,3 +175,34 @@ def test_a_pool_gives_back_a_failed_message_and_the_later_ones_of_its_key_unrun(
     assert "ack-a-2" not in acks.acked and "ack-a-3" not in acks.acked
     assert [r[0] for r in ledger.runs if r[0].startswith("a-")] == ["a-0", "a-1"]
     assert pool.held == 0
+
+
+class _FailingPublisher:
+    """Publishes nothing: each future fails, as the client's do for a key it stopped."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+        self.resumed: list[tuple[str, str]] = []
+
+    def publish(self, topic: str, data: bytes, ordering_key: str = "", **attributes: str) -> Any:
+        self.sent.append((attributes["job_id"], ordering_key))
+        future: Future[str] = Future()
+        future.set_exception(RuntimeError("publish failed"))
+        return future
+
+    def resume_publish(self, topic: str, ordering_key: str) -> None:
+        self.resumed.append((topic, ordering_key))
+
+
+def test_a_failed_publish_resumes_its_key_and_still_raises() -> None:
+    # Given a publisher whose publishes fail
+    publisher = _FailingPublisher()
+    # When a job with a key and one without are published
+    for job_id, key in (("a", "k"), ("b", "")):
+        with pytest.raises(RuntimeError, match="publish failed"):
+            publish(
+                publisher, "projects/p/topics/t", JobMessage("t.step", {}, job_id, ordering_key=key)
+            )
+    # Then each went out with its key, and only the keyed one's key was resumed
+    assert publisher.sent == [("a", "k"), ("b", "")]
+    assert publisher.resumed == [("projects/p/topics/t", "k")]

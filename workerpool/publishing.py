@@ -1,5 +1,9 @@
 """Publishing jobs by the message contract: JSON object data, ``job`` and ``job_id`` attributes.
 
+A job with an ordering key is published in order with the key's others (the client has
+message ordering on); a failed publish stops the client's key until it is resumed, which
+``confirmed`` does before it raises, so the key's next publish can go out.
+
 Every message also carries the publisher's current trace context (``traceparent`` /
 ``tracestate``), so the job's span on the worker is a child of the span that published it.
 """
@@ -30,6 +34,8 @@ class JobMessage:
     attributes: Mapping[str, str] | None = None
     # The not_before attribute (``schedule.not_before_text``): not to start before then.
     not_before: str = ""
+    # On an ordered subscription, jobs with the same key run one at a time, in publish order.
+    ordering_key: str = ""
 
     def encode(self) -> tuple[bytes, dict[str, str]]:
         attributes = dict(self.attributes or {})
@@ -45,7 +51,25 @@ class JobMessage:
 def publish(publisher: Any, topic: str, message: JobMessage, *, timeout: float = 60) -> str:
     """Publish one job and wait for its message id."""
     data, attributes = message.encode()
-    message_id: str = publisher.publish(topic, data, **attributes).result(timeout=timeout)
+    future = send(publisher, topic, data, attributes, message.ordering_key)
+    return confirmed(publisher, topic, message.ordering_key, future, timeout)
+
+
+def send(
+    publisher: Any, topic: str, data: bytes, attributes: Mapping[str, str], ordering_key: str
+) -> Any:
+    """Start publishing one message; its future (see ``confirmed``)."""
+    return publisher.publish(topic, data, ordering_key=ordering_key, **attributes)
+
+
+def confirmed(publisher: Any, topic: str, ordering_key: str, future: Any, timeout: float) -> str:
+    """The message id ``future`` brings; if it failed, its ordering key is resumed first."""
+    try:
+        message_id: str = future.result(timeout=timeout)
+    except Exception:
+        if ordering_key:
+            publisher.resume_publish(topic, ordering_key)
+        raise
     return message_id
 
 
@@ -71,6 +95,7 @@ def publish_job(
     job_id: str = "",
     attributes: Mapping[str, str] | None = None,
     not_before: datetime | timedelta | None = None,
+    ordering_key: str = "",
     project: str | None = None,
     publisher: Any = None,
     timeout: float = 60,
@@ -79,6 +104,9 @@ def publish_job(
 
     ``not_before`` (a timezone-aware time, or a delay from now, up to 365 days) delays the
     job: a worker keeps it in its store's schedule, not in a pool, until then.
+
+    ``ordering_key``: on an ordered subscription, the jobs of one key run one at a time, in
+    the order they were published (the README's "Ordered subscriptions").
 
     ``topic`` is a topic name in ``project`` (default: ``GOOGLE_CLOUD_PROJECT``) or a full
     ``projects/P/topics/T`` path. The current OpenTelemetry context is injected, so the job's
@@ -90,7 +118,7 @@ def publish_job(
         when = "" if not_before is None else not_before_text(not_before)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    message = JobMessage(job, dict(data or {}), job_id, attributes, when)
+    message = JobMessage(job, dict(data or {}), job_id, attributes, when, ordering_key)
     return publish(publisher or _publisher(), topic, message, timeout=timeout)
 
 
@@ -175,13 +203,14 @@ def publish_many(publisher: Any, topic: str, messages: Iterable[JobMessage]) -> 
     futures = []
     for message in messages:
         data, attributes = message.encode()
-        futures.append(publisher.publish(topic, data, **attributes))
-    for future in futures:
-        yield future.result(timeout=60)
+        futures.append((message, send(publisher, topic, data, attributes, message.ordering_key)))
+    for message, future in futures:
+        yield confirmed(publisher, topic, message.ordering_key, future, 60)
 
 
 def read_jsonl(lines: Iterable[str], source: str) -> list[JobMessage]:
-    """Parse ``{"job": ..., "job_id": ..., "data": {...}}`` lines; a bad line is a ConfigError."""
+    """Parse ``{"job": ..., "job_id": ..., "data": {...}, "ordering_key": ...}`` lines (only
+    ``job`` is required); a bad line is a ConfigError."""
     messages = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -190,8 +219,10 @@ def read_jsonl(lines: Iterable[str], source: str) -> list[JobMessage]:
             entry = json.loads(line)
             if not isinstance(entry, dict) or not isinstance(entry.get("data", {}), dict):
                 raise ValueError("expected an object with an object 'data'")
+            key = str(entry.get("ordering_key", ""))
+            job_id = str(entry.get("job_id", ""))
             messages.append(
-                JobMessage(str(entry["job"]), entry.get("data", {}), str(entry.get("job_id", "")))
+                JobMessage(str(entry["job"]), entry.get("data", {}), job_id, ordering_key=key)
             )
         except (ValueError, KeyError) as exc:
             raise ConfigError(f"{source}:{number}: {exc}") from exc
