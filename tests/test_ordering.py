@@ -30,14 +30,13 @@ def _keyed(key: str, number: int, job: str = "t.step") -> Delivery:
 
 
 def test_a_key_starts_one_message_and_the_next_only_once_it_is_acked() -> None:
-    # Given a sequencer letting 2 wait per key
-    sequencer = Sequencer(waiting_per_key=2)
+    sequencer = Sequencer()
     a0, a1, a2, a3 = (_keyed("a", i) for i in range(4))
     b0, plain = _keyed("b", 0), make_delivery(b"{}", {"job": "t.step"})
-    # When four of key a, one of b and one without a key come, Then a's first, b's and the
-    # keyless one start, two of a wait, and the fourth of a is released
-    assert [sequencer.place(d) for d in (a0, a1, a2, a3, b0, plain)] == [
-        Place.START, Place.WAIT, Place.WAIT, Place.RELEASE, Place.START, Place.START,
+    # When three of key a, one of b and one without a key come, Then a's first, b's and the
+    # keyless one start, and the rest of a wait
+    assert [sequencer.place(d) for d in (a0, a1, a2, b0, plain)] == [
+        Place.START, Place.WAIT, Place.WAIT, Place.START, Place.START,
     ]  # fmt: skip
     # When a's first is acked, Then its second starts; and so on, in order
     assert sequencer.settled(a0) == (a1, [])
@@ -49,7 +48,7 @@ def test_a_key_starts_one_message_and_the_next_only_once_it_is_acked() -> None:
 
 def test_a_message_given_back_takes_every_later_one_of_its_key() -> None:
     # Given key a with one started and two waiting, and key b with one started and one waiting
-    sequencer = Sequencer(waiting_per_key=4)
+    sequencer = Sequencer()
     a0, a1, a2, b0, b1 = (*(_keyed("a", i) for i in range(3)), _keyed("b", 0), _keyed("b", 1))
     for delivery in (a0, a1, a2, b0, b1):
         sequencer.place(delivery)
@@ -62,7 +61,7 @@ def test_a_message_given_back_takes_every_later_one_of_its_key() -> None:
 
 
 def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -> None:
-    sequencer = Sequencer(waiting_per_key=4)
+    sequencer = Sequencer()
     a0, a1, b0, b1 = _keyed("a", 0), _keyed("a", 1), _keyed("b", 0), _keyed("b", 1)
     for delivery in (a0, a1, b0, b1):
         sequencer.place(delivery)
@@ -73,7 +72,7 @@ def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -
 def test_a_key_owes_what_it_gave_back_and_runs_nothing_else_of_it_first() -> None:
     # Given key a whose message 1 was given back with 2 after it, and 3 never delivered yet
     now = [0.0]
-    sequencer = Sequencer(waiting_per_key=4, owed_for=60.0, clock=lambda: now[0])
+    sequencer = Sequencer(owed_for=60.0, clock=lambda: now[0])
     a = [_keyed("a", i) for i in range(5)]
     for delivery in a[1:3]:
         sequencer.place(delivery)
@@ -96,21 +95,18 @@ def test_a_key_owes_what_it_gave_back_and_runs_nothing_else_of_it_first() -> Non
     assert sequencer.place(_keyed("b", 1)) is Place.START
 
 
-def test_a_message_released_for_its_key_is_owed_first() -> None:
-    # Given key a at its limit of one waiting, owing nothing
-    sequencer = Sequencer(waiting_per_key=1)
-    a = [_keyed("a", i) for i in range(4)]
-    assert [sequencer.place(d) for d in a] == [
-        Place.START, Place.WAIT, Place.RELEASE, Place.RELEASE,
-    ]  # fmt: skip
-    # When the emulator brings a message never delivered before them, Then it goes back too
-    assert sequencer.place(_keyed("a", 4)) is Place.RELEASE
-    # And once the key is free, the released ones start in order, then the one after them
-    assert sequencer.settled(a[0]) == (a[1], [])
-    assert sequencer.settled(a[1]) == (None, [])
-    assert sequencer.place(_keyed("a", 2)) is Place.START
-    assert sequencer.place(_keyed("a", 3)) is Place.WAIT
-    assert sequencer.place(_keyed("a", 4)) is Place.RELEASE  # over the limit: owed first
+def test_a_copy_made_on_the_last_delivery_is_owed_in_its_message_place() -> None:
+    # Given key a owing its message 0, given back
+    sequencer = Sequencer()
+    a0 = _keyed("a", 0)
+    sequencer.place(a0)
+    a0.returned = True
+    sequencer.settled(a0)
+    # When a copy of it comes (published on its last delivery, naming it), Then it starts
+    copy = _keyed("a", 9)
+    copy.attributes["copy_of"] = a0.message_id
+    assert sequencer.place(_keyed("a", 1)) is Place.RELEASE
+    assert sequencer.place(copy) is Place.START
 
 
 class _Ledger:
@@ -135,9 +131,7 @@ def _ordered_pool(ledger: _Ledger, n: int, prefetch: int) -> tuple[Pool, FakeAck
     jobs, acks, leases = Registry(), FakeAcks(), FakeLeaser()
     jobs.job("t.step")(ledger)
     processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
-    pool = Pool(
-        processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer(max(1, prefetch // 2))
-    )
+    pool = Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer())
     pool.start()
     return pool, acks
 

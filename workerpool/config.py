@@ -93,8 +93,8 @@ class Settings:
     def prefetch_for(self, *, ordered: bool) -> int:
         """The prefetch on a subscription ``ordered`` or not: on an ordered one, unless set,
         twice N. A key's next message waits behind the one running, so fewer messages held
-        than that left slots idle (measured on the emulator at N = 8 with 20 keys: 0.30 of
-        the slots busy with the default prefetch, 0.79 with N, 0.95 with 2 N)."""
+        than that left slots idle (measured on the emulator at N = 8 with 20 keys: 0.70 of
+        the slots busy with the default prefetch, 0.84 with N, 0.91-0.97 with 2 N)."""
         if ordered and self.prefetch is None:
             return c.ORDERED_PREFETCH_PER_SLOT * self.max_outstanding
         return self.held_beyond_n

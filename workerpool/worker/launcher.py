@@ -243,7 +243,7 @@ class Launcher:
         )
         prefetch = s.prefetch_for(ordered=info.message_ordering)
         limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
-        sequencer = _sequencer(info, limits, s.max_backoff)
+        sequencer = _sequencer(info, s.max_backoff)
         pool = Pool(processor, leaser, limits, sequencer=sequencer)
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
@@ -547,15 +547,12 @@ class Launcher:
         )
 
 
-def _sequencer(info: SubscriptionInfo, limits: PoolLimits, max_backoff: float) -> Sequencer | None:
-    """On an ordered subscription: a key may keep half the prefetch (at least one) waiting
-    behind its running message, so the rest of the prefetch is left for other keys; what it
-    gave back comes back after the longest retry delay (ours or the subscription's) and
-    a minute more, or is another worker's."""
+def _sequencer(info: SubscriptionInfo, max_backoff: float) -> Sequencer | None:
+    """On an ordered subscription. What a key gave back comes back after the longest retry
+    delay (ours or the subscription's) and a minute more, or is another worker's."""
     if not info.message_ordering:
         return None
-    owed_for = max(max_backoff, info.max_backoff) + 60.0
-    return Sequencer(waiting_per_key=max(1, limits.prefetch // 2), owed_for=owed_for)
+    return Sequencer(owed_for=max(max_backoff, info.max_backoff) + 60.0)
 
 
 def _connect() -> Clients:

@@ -4,9 +4,10 @@ On a subscription with message ordering, Pub/Sub delivers a key's messages in or
 the key back while any of them is outstanding, but one pull may bring many of one key at
 once. The pool asks ``place`` where each admitted message goes: a message with no key, or
 whose key has nothing here yet, may start now; a later one of a busy key waits here, holding
-no slot, until the one before it has settled (``settled``). A key keeps at most
-``waiting_per_key`` messages waiting, so one key's backlog never fills the prefetch while
-other keys have work: the rest are given back at once.
+no slot, until the one before it has settled (``settled``). A key keeps all it was brought
+(the pool's hold bounds them): giving the rest back to spare the prefetch for other keys made
+the emulator redeliver them out of order and, given back again and again, pushed them to
+their last delivery (measured).
 
 A message given back (a retry, a deferral, a drain, a lost claim) takes every later message of
 its key held here with it, so no later message is ever acked before it. Pub/Sub redelivers a
@@ -29,12 +30,13 @@ import time
 from collections.abc import Callable
 
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import first_message_id
 
 
 class Place(enum.Enum):
     START = "start"  # may start now
     WAIT = "wait"  # waits here for the one before it
-    RELEASE = "release"  # give it back now
+    RELEASE = "release"  # give it back now: the key owes an earlier one
 
 
 class _Owed:
@@ -49,14 +51,8 @@ class _Owed:
 
 class Sequencer:
     def __init__(
-        self,
-        waiting_per_key: int,
-        owed_for: float = 600.0,
-        clock: Callable[[], float] = time.monotonic,
+        self, owed_for: float = 600.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        if waiting_per_key < 0:
-            raise ValueError(f"waiting_per_key must be 0 or more, got {waiting_per_key}")
-        self._waiting_per_key = waiting_per_key
         self._owed_for = owed_for
         self._clock = clock
         # By key: the messages after the one started (not started yet), oldest first. A key
@@ -68,16 +64,13 @@ class Sequencer:
         key = delivery.ordering_key
         if not key:
             return Place.START
-        if not self._may_place(key, delivery.message_id):
+        # A copy published for a message on its last delivery is owed in the message's place.
+        if not self._may_place(key, first_message_id(delivery.attributes, delivery.message_id)):
             return Place.RELEASE
         waiting = self._keys.get(key)
         if waiting is None:
             self._keys[key] = collections.deque()
             return Place.START
-        if len(waiting) >= self._waiting_per_key:
-            # First: if the key owes more, this one just came back as the first of them.
-            self._owe(key, [delivery.message_id], first=True)
-            return Place.RELEASE
         waiting.append(delivery)
         return Place.WAIT
 
@@ -102,16 +95,13 @@ class Sequencer:
             owed.ids.append(message_id)
         return False
 
-    def _owe(self, key: str, message_ids: list[str], *, first: bool = False) -> None:
-        """The key owes these (given back now) after what it owes, or before it if ``first``."""
+    def _owe_first(self, key: str, message_ids: list[str]) -> None:
+        """The key owes these (given back now, in its order) before anything it owed."""
         owed = self._owed.get(key)
         if owed is None:
             owed = self._owed[key] = _Owed(self._clock())
-        if first:
-            owed.ids.extendleft(reversed(message_ids))
-            owed.since = self._clock()
-        else:
-            owed.ids.extend(message_ids)
+        owed.ids.extendleft(reversed(message_ids))
+        owed.since = self._clock()
 
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
         """``delivery`` (started) settled: the next of its key to start, if it was acked, or
@@ -123,7 +113,8 @@ class Sequencer:
         if delivery.returned:
             del self._keys[key]
             back = list(waiting)
-            self._owe(key, [delivery.message_id, *(d.message_id for d in back)], first=True)
+            given = [first_message_id(d.attributes, d.message_id) for d in (delivery, *back)]
+            self._owe_first(key, given)
             return None, back
         if not waiting:
             del self._keys[key]

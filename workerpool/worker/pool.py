@@ -198,7 +198,9 @@ class Pool:
             # More than we asked for, or we are draining: let another worker have them now.
             self._processor.give_back(released)
             log.info(
-                "%s released %d messages beyond its bound or its key's", self.name, len(released)
+                "%s released %d messages beyond its bound or ahead of their key",
+                self.name,
+                len(released),
             )
 
     def _place(self, delivery: Delivery) -> Place:
