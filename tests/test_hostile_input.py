@@ -341,7 +341,7 @@ class SizeCheckingPublisher:
     def __init__(self) -> None:
         self.published: list[tuple[bytes, dict[str, str]]] = []
 
-    def publish(self, topic: str, data: bytes, **attributes: str) -> Any:
+    def publish(self, topic: str, data: bytes, ordering_key: str = "", **attributes: str) -> Any:
         message = pubsub_types.PubsubMessage(data=data, attributes=attributes)
         size = pubsub_types.PublishRequest(topic=topic, messages=[message])._pb.ByteSize()
         assert publish_request_size(topic, data, attributes) >= size

@@ -147,7 +147,9 @@ class _Publisher:
         self.published: list[tuple[str, bytes, dict[str, str]]] = []
         self.fail = fail
 
-    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+    def publish(
+        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+    ) -> Future[str]:
         future: Future[str] = Future()
         if self.fail == "at-once":
             raise ValueError("refused before it was sent")

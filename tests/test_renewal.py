@@ -36,7 +36,9 @@ class Topic:
     def __init__(self) -> None:
         self.published: list[tuple[bytes, dict[str, str]]] = []
 
-    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+    def publish(
+        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+    ) -> Future[str]:
         self.published.append((data, attributes))
         future: Future[str] = Future()
         future.set_result(f"copy-{len(self.published)}")
@@ -242,7 +244,9 @@ class _Unreachable:
     def __init__(self) -> None:
         self.futures: list[_Unanswered] = []
 
-    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+    def publish(
+        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+    ) -> Future[str]:
         self.futures.append(_Unanswered())
         return self.futures[-1]
 
@@ -307,7 +311,9 @@ def test_a_copy_whose_publish_failed_with_a_timeout_is_not_waited_for() -> None:
     failed = _Counting()
 
     class Topic:
-        def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        def publish(
+            self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+        ) -> Future[str]:
             return failed
 
     renewer = Renewer(Topic(), TOPIC, SUBSCRIPTION, LAST, timeout=10)

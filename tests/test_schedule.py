@@ -247,7 +247,9 @@ class Publisher:
         self._failing = set(failing)
         self.lock = threading.Lock()
 
-    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+    def publish(
+        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+    ) -> Future[str]:
         future: Future[str] = Future()
         job_id = attributes[c.ATTR_JOB_ID]
         with self.lock:

@@ -202,6 +202,7 @@ def list_jobs(modules: tuple[str, ...], middleware: tuple[str, ...]) -> None:
 @click.option("--max-backoff", type=click.FloatRange(0, 600), default=600, show_default=True)
 @click.option("--filter", "filter_", default="", help="Subscription filter expression.")
 @click.option("--exactly-once", is_flag=True, help="Enable exactly-once delivery.")
+@click.option("--ordered", is_flag=True, help="Enable message ordering (by ordering key).")
 def provision(**options: Any) -> None:
     """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
     options["filter"] = options.pop("filter_")
@@ -220,8 +221,12 @@ def provision(**options: Any) -> None:
 @click.option("--topic", required=True)
 @click.option("--job", "job_name", help="Job name (with --data).")
 @click.option("--job-id", default="", help="Idempotency key.")
+@click.option("--ordering-key", default="", help="Jobs of one key run in publish order.")
 @click.option("--data", help="JSON object payload.")
-@click.option("--file", "jsonl", type=click.File("rb"), help='JSON lines: {"job","job_id","data"}.')
+@click.option(
+    "--file", "jsonl", type=click.File("rb"),
+    help='JSON lines: {"job","job_id","data","ordering_key"}.',
+)  # fmt: skip
 @click.option("--delay", help="Start no sooner than this from now: 90s, 5m, 2h, 2d.")
 @click.option(
     "--not-before", help="Start no sooner than this RFC 3339 time (2026-12-24T09:00:00Z)."
@@ -235,6 +240,7 @@ def publish(
     topic: str,
     job_name: str | None,
     job_id: str,
+    ordering_key: str,
     data: str | None,
     jsonl: Any,
     delay: str | None,
@@ -247,6 +253,9 @@ def publish(
     """Publish one job (--job/--data) or many (--file), now or delayed, or as one batch."""
     when = _not_before(delay, not_before)
     messages = _messages(jsonl, job_name, job_id, data)
+    if ordering_key:  # for every line of a --file that names no key of its own
+        messages = [m if m.ordering_key else dataclasses.replace(m, ordering_key=ordering_key)
+                    for m in messages]  # fmt: skip
     if when:
         messages = [dataclasses.replace(m, not_before=when) for m in messages]
     deadline, path = _deadline(batch_deadline), topic_path(project, topic)

@@ -10,6 +10,8 @@ ATTR_TRACEPARENT: Final = "traceparent"
 ATTR_TRACESTATE: Final = "tracestate"
 # RFC 3339 time in UTC before which the job must not start (a delayed job).
 ATTR_NOT_BEFORE: Final = "not_before"
+# In a delayed job's schedule entry only: the ordering key it is published again with.
+ATTR_ORDERING_KEY: Final = "ordering_key"
 # On a copy published on a message's last delivery (``worker.renewal``): the id of the message
 # it is a copy of (the first, across copies of copies), under which claims know them all; and
 # the one subscription it was made for (the topic's other subscriptions get it too).
@@ -82,6 +84,8 @@ LOOP_BLOCKED_AFTER_SECONDS: Final = 0.5
 # leaves the backlog to other replicas.
 MIN_DEFAULT_PREFETCH: Final = 2
 PREFETCH_SHARE_OF_N: Final = 4
+# On an ordered subscription: the default prefetch per slot (``Settings.prefetch_for``).
+ORDERED_PREFETCH_PER_SLOT: Final = 2
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 DEFAULT_LEASE_EXTENSION: Final = 30.0
 DEFAULT_MIN_BACKOFF: Final = 2.0

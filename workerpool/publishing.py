@@ -1,5 +1,9 @@
 """Publishing jobs by the message contract: JSON object data, ``job`` and ``job_id`` attributes.
 
+A job with an ordering key is published in order with the key's others (the client has
+message ordering on); a failed publish stops the client's key until it is resumed, which
+``confirmed`` does before it raises, so the key's next publish can go out.
+
 Every message also carries the publisher's current trace context (``traceparent`` /
 ``tracestate``), so the job's span on the worker is a child of the span that published it.
 """
@@ -34,6 +38,8 @@ class JobMessage:
     attributes: Mapping[str, str] | None = None
     # The not_before attribute (``schedule.not_before_text``): not to start before then.
     not_before: str = ""
+    # On an ordered subscription, jobs with the same key run one at a time, in publish order.
+    ordering_key: str = ""
 
     def __post_init__(self) -> None:
         # Checked here, before anything is published: a None would go out as the job (or
@@ -72,18 +78,35 @@ def _check_attribute(name: str, value: object, *, required: bool = False) -> Non
 def publish(publisher: Any, topic: str, message: JobMessage, *, timeout: float = 60) -> str:
     """Publish one job and wait for its message id."""
     data, attributes = message.encode()
-    return _confirmed(publisher.publish(topic, data, **attributes), topic, timeout)
+    future = send(publisher, topic, data, attributes, message.ordering_key)
+    return confirmed(publisher, topic, message.ordering_key, future, timeout)
 
 
-def _confirmed(future: Any, topic: str, timeout: float = 60) -> str:
-    """The message id a publish future resolves to; a missing topic, or a message Pub/Sub
+def send(
+    publisher: Any, topic: str, data: bytes, attributes: Mapping[str, str], ordering_key: str
+) -> Any:
+    """Start publishing one message; its future (see ``confirmed``)."""
+    return publisher.publish(topic, data, ordering_key=ordering_key, **attributes)
+
+
+def confirmed(
+    publisher: Any, topic: str, ordering_key: str, future: Any, timeout: float = 60
+) -> str:
+    """The message id ``future`` brings. If it failed, its ordering key is resumed first (the
+    client pauses a key after a failed publish); a missing topic, or a message Pub/Sub
     refuses, is a ConfigError (the CLI's one line) rather than a gRPC traceback."""
     try:
         message_id: str = future.result(timeout=timeout)
-    except gexc.NotFound:
-        raise ConfigError(f"topic {topic} does not exist") from None
-    except gexc.InvalidArgument as exc:
-        raise ConfigError(f"topic {topic}: Pub/Sub refused the message: {exc.message}") from None
+    except Exception as exc:
+        if ordering_key:
+            publisher.resume_publish(topic, ordering_key)
+        if isinstance(exc, gexc.NotFound):
+            raise ConfigError(f"topic {topic} does not exist") from None
+        if isinstance(exc, gexc.InvalidArgument):
+            raise ConfigError(
+                f"topic {topic}: Pub/Sub refused the message: {exc.message}"
+            ) from None
+        raise
     return message_id
 
 
@@ -109,6 +132,7 @@ def publish_job(
     job_id: str = "",
     attributes: Mapping[str, str] | None = None,
     not_before: datetime | timedelta | None = None,
+    ordering_key: str = "",
     project: str | None = None,
     publisher: Any = None,
     timeout: float = 60,
@@ -117,6 +141,9 @@ def publish_job(
 
     ``not_before`` (a timezone-aware time, or a delay from now, up to 365 days) delays the
     job: a worker keeps it in its store's schedule, not in a pool, until then.
+
+    ``ordering_key``: on an ordered subscription, the jobs of one key run one at a time, in
+    the order they were published (the README's "Ordered subscriptions").
 
     ``topic`` is a topic name in ``project`` (default: ``GOOGLE_CLOUD_PROJECT``) or a full
     ``projects/P/topics/T`` path. The current OpenTelemetry context is injected, so the job's
@@ -128,7 +155,7 @@ def publish_job(
         when = "" if not_before is None else not_before_text(not_before)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    message = JobMessage(job, {} if data is None else data, job_id, attributes, when)
+    message = JobMessage(job, {} if data is None else data, job_id, attributes, when, ordering_key)
     return publish(publisher or _publisher(), topic, message, timeout=timeout)
 
 
@@ -224,18 +251,24 @@ def publish_many(publisher: Any, topic: str, messages: Iterable[JobMessage]) -> 
     futures = []
     for message in messages:
         data, attributes = message.encode()
-        futures.append(publisher.publish(topic, data, **attributes))
-    for future in futures:
-        yield _confirmed(future, topic)
+        futures.append((message, send(publisher, topic, data, attributes, message.ordering_key)))
+    for message, future in futures:
+        yield confirmed(publisher, topic, message.ordering_key, future)
 
 
 # What a line of ``publish --file`` may hold, with the JSON type each field must have.
-_LINE_FIELDS = {"job": (str, "a string"), "job_id": (str, "a string"), "data": (dict, "an object")}
+_LINE_FIELDS = {
+    "job": (str, "a string"),
+    "job_id": (str, "a string"),
+    "data": (dict, "an object"),
+    "ordering_key": (str, "a string"),
+}
 
 
 def read_jsonl(lines: Iterable[bytes], source: str) -> list[JobMessage]:
-    """Parse ``{"job": ..., "job_id": ..., "data": {...}}`` lines of UTF-8 JSON; a bad line
-    is a ConfigError naming the line and what is wrong with it."""
+    """Parse ``{"job": ..., "job_id": ..., "data": {...}, "ordering_key": ...}`` lines of UTF-8
+    JSON (only ``job`` is required); a bad line is a ConfigError naming the line and what is
+    wrong with it."""
     messages = []
     for number, line in enumerate(lines, 1):
         try:
@@ -252,16 +285,24 @@ def read_jsonl(lines: Iterable[bytes], source: str) -> list[JobMessage]:
 
 def _job_line(entry: Any) -> JobMessage:
     if not isinstance(entry, dict):
-        raise ValueError(f'expected an object {{"job", "job_id", "data"}}, not {_json_type(entry)}')
+        raise ValueError(
+            f'expected an object {{"job", "job_id", "data", "ordering_key"}}, not '
+            f"{_json_type(entry)}"
+        )
     for name in entry:
         if name not in _LINE_FIELDS:
-            raise ValueError(f"unknown field {safe_text(name)!r} (a line has job, job_id, data)")
+            raise ValueError(
+                f"unknown field {safe_text(name)!r} (a line has job, job_id, data, ordering_key)"
+            )
     for name, (kind, described) in _LINE_FIELDS.items():
         if name in entry and not isinstance(entry[name], kind):
             raise ValueError(f"field {name!r} is {_json_type(entry[name])}, not {described}")
     if "job" not in entry:
         raise ValueError("field 'job' is missing")
-    return JobMessage(entry["job"], entry.get("data", {}), entry.get("job_id", ""))
+    return JobMessage(
+        entry["job"], entry.get("data", {}), entry.get("job_id", ""),
+        ordering_key=entry.get("ordering_key", ""),
+    )  # fmt: skip
 
 
 # JSON's name for what json.loads made (bool before int: a bool is an int in Python).

@@ -37,6 +37,8 @@ class SubscriptionInfo:
     min_backoff: float = 0.0
     max_backoff: float = 0.0
     retention_seconds: float = 0.0
+    # Pub/Sub delivers each ordering key's messages in order (the worker runs them so).
+    message_ordering: bool = False
 
 
 def require_topic(publisher: Any, topic: str) -> None:
@@ -72,6 +74,7 @@ def describe_subscription(subscriber: Any, subscription: str) -> SubscriptionInf
         min_backoff=sub.retry_policy.minimum_backoff.total_seconds() if has_retry else 0.0,
         max_backoff=sub.retry_policy.maximum_backoff.total_seconds() if has_retry else 0.0,
         retention_seconds=sub.message_retention_duration.total_seconds(),
+        message_ordering=sub.enable_message_ordering,
     )
 
 
@@ -89,6 +92,7 @@ class ProvisionRequest:
     filter: str = ""
     retry_policy: bool = True
     exactly_once: bool = False
+    ordered: bool = False  # message ordering: a key's messages delivered in order
 
 
 def _seconds(value: float) -> duration_pb2.Duration:
@@ -114,6 +118,7 @@ def provision(publisher: Any, subscriber: Any, req: ProvisionRequest) -> list[tu
         },
         "filter": req.filter,
         "enable_exactly_once_delivery": req.exactly_once,
+        "enable_message_ordering": req.ordered,
     }
     if req.retry_policy:
         subscription["retry_policy"] = {

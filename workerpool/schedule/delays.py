@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from workerpool import constants as c
+from workerpool.publishing import confirmed, send
 from workerpool.schedule.store import Entry, ScheduleStore
 from workerpool.schedule.when import parse_not_before
 from workerpool.stores import StoreError
@@ -101,13 +102,17 @@ class Firer:
             self._wake.clear()
 
     def _publish(self, entries: list[Entry]) -> None:
-        futures = [
-            (e, self._publisher.publish(self._topic, e.data, **e.attributes)) for e in entries
-        ]
+        futures = []
+        for entry in entries:
+            attributes = dict(entry.attributes)
+            key = attributes.pop(c.ATTR_ORDERING_KEY, "")
+            futures.append(
+                (entry, key, send(self._publisher, self._topic, entry.data, attributes, key))
+            )
         published = []
-        for entry, future in futures:
+        for entry, key, future in futures:
             try:
-                future.result(timeout=_PUBLISH_TIMEOUT)
+                confirmed(self._publisher, self._topic, key, future, _PUBLISH_TIMEOUT)
                 published.append(entry.job_id)
             except Exception as exc:  # its claim lapses and it is fired again
                 log.warning("delayed job %s not published yet: %s", entry.job_id, exc)
@@ -150,7 +155,10 @@ class Delays(Middleware):
         if self._schedule is None or self._firer is None:
             return Deferred(f"not before {text}", min(wait, c.MAX_ACK_DEADLINE_SECONDS))
         delivery = run.delivery
-        entry = Entry(self._topic, run.job.job_id, due, delivery.data, copy_attributes(delivery))
+        attributes = copy_attributes(delivery)
+        if delivery.ordering_key:  # published again with it (``Firer``)
+            attributes[c.ATTR_ORDERING_KEY] = delivery.ordering_key
+        entry = Entry(self._topic, run.job.job_id, due, delivery.data, attributes)
         try:
             self._schedule.add(entry)
         except StoreError as exc:

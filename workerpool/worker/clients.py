@@ -19,6 +19,7 @@ from typing import Any
 import grpc  # type: ignore[import-untyped,unused-ignore]  # no stubs installed
 from google.auth.exceptions import DefaultCredentialsError
 from google.cloud.pubsub_v1 import PublisherClient, SubscriberClient
+from google.cloud.pubsub_v1.types import PublisherOptions
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
 
@@ -48,12 +49,18 @@ def subscriber_client() -> Any:
 
 
 def publisher_client() -> Any:
-    """A ``PublisherClient``; on the emulator, over a channel without the 4 MiB cap."""
+    """A ``PublisherClient`` with message ordering on (a message with an ordering key is
+    published after the key's earlier ones; one without is published as ever); on the
+    emulator, over a channel without the 4 MiB cap."""
+    options = PublisherOptions(enable_message_ordering=True)
     emulator = _emulator_channel()
     if emulator is None:
-        return PublisherClient()
+        return PublisherClient(publisher_options=options)
     host, channel = emulator
-    return PublisherClient(transport=PublisherGrpcTransport(host=host, channel=channel))
+    return PublisherClient(
+        publisher_options=options,
+        transport=PublisherGrpcTransport(host=host, channel=channel),
+    )
 
 
 def connect() -> Clients:

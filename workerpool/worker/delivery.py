@@ -30,8 +30,12 @@ class Delivery:
     attributes: dict[str, str]
     publish_time: datetime | None
     delivery_attempt: int | None
+    ordering_key: str = ""
     # Monotonic time after which the lease is no longer extended (set from the job's timeout).
     lease_until: float = float("inf")
+    # Its one settle was a nack: Pub/Sub delivers it again (and, on an ordered subscription,
+    # every later message of its key after it).
+    returned: bool = False
     _state: _State = _State.HELD
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

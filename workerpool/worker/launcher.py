@@ -55,6 +55,7 @@ from workerpool.worker.failures import DeadLetterPublisher, worker_identity
 from workerpool.worker.heartbeat import Heartbeat
 from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
+from workerpool.worker.ordering import Sequencer
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
@@ -244,7 +245,10 @@ class Launcher:
             loop=loop,
             renewer=Renewer(clients.publisher, info.topic, info.name, info.max_delivery_attempts),
         )
-        pool = Pool(processor, leaser, PoolLimits(s.max_outstanding, s.held_beyond_n, s.max_bytes))
+        prefetch = s.prefetch_for(ordered=info.message_ordering)
+        limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
+        sequencer = _sequencer(info, s.max_backoff)
+        pool = Pool(processor, leaser, limits, sequencer=sequencer)
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
         heartbeat = self._heartbeat(pool, puller, processor)
@@ -392,12 +396,14 @@ class Launcher:
             parts.heartbeat.start()
         if parts.info.has_retry_policy:
             log.info("%s has a retry policy: Pub/Sub spaces redeliveries", self.subscription)
+        if parts.info.message_ordering:
+            log.info("%s is ordered: each key's messages run one at a time", self.subscription)
         log.info(
             "worker %s pulling %s with max_outstanding=%d prefetch=%d",
             self.worker_id,
             self.subscription,
             s.max_outstanding,
-            s.held_beyond_n,
+            parts.pool.limits.prefetch,
         )
 
     # --- stop --------------------------------------------------------------------------------
@@ -539,6 +545,14 @@ class Launcher:
             and self._parts is not None
             and not self._parts.pool.quieted
         )
+
+
+def _sequencer(info: SubscriptionInfo, max_backoff: float) -> Sequencer | None:
+    """On an ordered subscription. What a key gave back comes back after the longest retry
+    delay (ours or the subscription's) and a minute more, or is another worker's."""
+    if not info.message_ordering:
+        return None
+    return Sequencer(owed_for=max(max_backoff, info.max_backoff) + 60.0)
 
 
 def _opener(url: str) -> StoreOpener | None:

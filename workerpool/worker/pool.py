@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from workerpool import constants as c
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.interfaces import Leases
+from workerpool.worker.ordering import Place, Sequencer
 from workerpool.worker.processor import Ending, Processor
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,14 @@ class Pool:
         limits: PoolLimits,
         *,
         name: str = "pool",
+        sequencer: Sequencer | None = None,
     ) -> None:
+        """``sequencer``: on an ordered subscription, runs a key's messages one at a time."""
         self.limits = limits
         self.name = name
         self._processor = processor
         self._leases = leases
+        self._sequencer = sequencer
         # Admitted messages, a slot thread's wake-up to carry on async runs (``_RESUME``),
         # and, at the end, one None per slot thread.
         self._waiting: queue.SimpleQueue[Delivery | _Resume | None] = queue.SimpleQueue()
@@ -165,28 +169,43 @@ class Pool:
 
     def admit(self, deliveries: list[Delivery]) -> None:
         accepted: list[Delivery] = []
+        startable: list[Delivery] = []
         released: list[Delivery] = []
         with self._cond:
             for delivery in deliveries:
                 fits = self._held < self.limits.max_held and (
                     self._held_bytes < self.limits.max_bytes or self._held == 0
                 )
-                if fits and not self._quiet.is_set():
-                    self._held += 1
-                    self._unstarted += 1
-                    self._held_bytes += delivery.size
-                    accepted.append(delivery)
-                else:
+                place = self._place(delivery) if fits and not self._quiet.is_set() else None
+                if place is None or place is Place.RELEASE:
                     released.append(delivery)
+                    continue
+                self._held += 1
+                self._unstarted += 1
+                self._held_bytes += delivery.size
+                accepted.append(delivery)
+                if place is Place.START:
+                    startable.append(delivery)
+            # Under the lock: a message waiting behind its key may start as soon as the one
+            # before it settles, which may be before this lock is let go.
+            if accepted:
+                self._leases.add(accepted)
         if accepted:
-            self._leases.add(accepted)
             self._processor.admitted(accepted)
-            for delivery in accepted:
+            for delivery in startable:
                 self._waiting.put(delivery)
         if released:
             # More than we asked for, or we are draining: let another worker have them now.
             self._processor.give_back(released)
-            log.info("%s released %d messages beyond its bound", self.name, len(released))
+            log.info(
+                "%s released %d messages beyond its bound or ahead of their key",
+                self.name,
+                len(released),
+            )
+
+    def _place(self, delivery: Delivery) -> Place:
+        """(Under the lock.)"""
+        return Place.START if self._sequencer is None else self._sequencer.place(delivery)
 
     def _slot(self) -> None:
         permit = _Permit(self)
@@ -235,10 +254,11 @@ class Pool:
             self._leases.remove(delivery)
         with self._cond:
             starts = self._let_go(permit)
-            if settled:  # one round trip of the lock, not two, for most messages
-                self._unhold(delivery)
+            # One round trip of the lock, not two, for most messages.
+            after = self._unhold(delivery) if settled else []
             self._cond.notify_all()
         self._launch(starts)
+        self._give_back_after(after)
 
     def _let_go(self, permit: _Permit) -> list[Start]:
         """(Under the lock.) The run is done with ``permit``, whatever its state; what to
@@ -364,13 +384,33 @@ class Pool:
         """``delivery``, settled after its run ended, is held no more."""
         self._leases.remove(delivery)
         with self._cond:
-            self._unhold(delivery)
+            after = self._unhold(delivery)
             self._cond.notify_all()
+        self._give_back_after(after)
 
-    def _unhold(self, delivery: Delivery) -> None:
-        """(Under the lock.)"""
+    def _unhold(self, delivery: Delivery) -> list[Delivery]:
+        """(Under the lock.) ``delivery``, started, settled. On an ordered subscription the
+        next message of its key may start now; or, if it was given back, the later ones of
+        its key held here are returned, to be given back after it (outside the lock)."""
         self._held -= 1
         self._held_bytes -= delivery.size
+        if self._sequencer is None:
+            return []
+        after, back = self._sequencer.settled(delivery)
+        if after is not None:
+            self._waiting.put(after)
+        self._drop_unstarted(back)
+        return back
+
+    def _drop_unstarted(self, deliveries: list[Delivery]) -> None:
+        """(Under the lock.) These, never started, are given back: held no more."""
+        self._held -= len(deliveries)
+        self._unstarted -= len(deliveries)
+        self._held_bytes -= sum(d.size for d in deliveries)
+
+    def _give_back_after(self, deliveries: list[Delivery]) -> None:
+        if deliveries:
+            self._processor.give_back(deliveries)
 
     def _put_down(self, permit: _Permit) -> bool:
         with self._cond:
@@ -452,11 +492,11 @@ class Pool:
             self._waiting.put(_RESUME)
         with self._cond:
             starting = list(self._starting)  # their threads count them out of held
+            if self._sequencer is not None:  # behind their key: given back with the rest
+                waiting += self._sequencer.release_all()
         released = self._processor.give_back(waiting + starting)
         with self._cond:
-            self._held -= len(waiting)
-            self._unstarted -= len(waiting)
-            self._held_bytes -= sum(d.size for d in waiting)
+            self._drop_unstarted(waiting)
             self._permits.notify_all()
             self._cond.notify_all()
         return released + released_ready

@@ -466,6 +466,7 @@ class Processor:
             case Ack(label):
                 return label if self._ack(delivery) else Label.ACK_FAILED
             case Nack(delay, label):
+                delivery.returned = True
                 self._acks.modack([delivery.ack_id], delay)
                 return label
 
@@ -571,6 +572,7 @@ class Processor:
                 case Ack(label):
                     self._acks.ack(delivery.ack_id)  # its copy is out: a lost ack, a duplicate
                 case Nack(delay, label):
+                    delivery.returned = True
                     by_delay[delay].append(delivery.ack_id)
                 case _:
                     raise AssertionError(f"{outcome!r} must give the message back")

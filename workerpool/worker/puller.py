@@ -39,6 +39,7 @@ def to_delivery(received: Any) -> Delivery:
         attributes=dict(message.attributes),
         publish_time=publish_time,
         delivery_attempt=received.delivery_attempt or None,
+        ordering_key=message.ordering_key,
     )
 
 

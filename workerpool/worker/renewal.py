@@ -104,6 +104,8 @@ class Renewer:
                     raise future
                 copy_id = self._wait(future, started)
             except Exception as exc:  # nacked instead: the policy's forward is the backstop
+                if delivery.ordering_key:  # the client stopped the key: its next must go out
+                    self._publisher.resume_publish(self._topic, delivery.ordering_key)
                 log.warning("message %s not renewed: %r", delivery.message_id, exc)
                 published.append(False)
             else:
@@ -132,8 +134,12 @@ class Renewer:
         """The copy's future, or what refused it at once (an attribute too many, say): a
         renewal never raises, since its message must still be nacked."""
         try:
+            # With its key: on an ordered subscription the copy is owed in its place.
             future: Future[str] = self._publisher.publish(
-                self._topic, delivery.data, **self._attributes(delivery, after)
+                self._topic,
+                delivery.data,
+                ordering_key=delivery.ordering_key,
+                **self._attributes(delivery, after),
             )
         except Exception as exc:
             return exc

@@ -1,0 +1,202 @@
+"""Per-key sequencing (``worker.ordering``), alone and in a pool with typed fakes (no Pub/Sub)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from tests.support import wait_for
+from workerpool import JobContext, RetryableError
+from workerpool.publishing import JobMessage, publish
+from workerpool.registry import Registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.ordering import Place, Sequencer
+from workerpool.worker.pool import Pool, PoolLimits
+from workerpool.worker.processor import Processor, ProcessorSettings
+
+
+def _keyed(key: str, number: int, job: str = "t.step") -> Delivery:
+    delivery = make_delivery(
+        b"{}", {"job": job, "job_id": f"{key}-{number}"}, message_id=f"{key}-{number}"
+    )
+    delivery.ordering_key = key
+    return delivery
+
+
+def test_a_key_starts_one_message_and_the_next_only_once_it_is_acked() -> None:
+    sequencer = Sequencer()
+    a0, a1, a2, a3 = (_keyed("a", i) for i in range(4))
+    b0, plain = _keyed("b", 0), make_delivery(b"{}", {"job": "t.step"})
+    # When three of key a, one of b and one without a key come, Then a's first, b's and the
+    # keyless one start, and the rest of a wait
+    assert [sequencer.place(d) for d in (a0, a1, a2, b0, plain)] == [
+        Place.START, Place.WAIT, Place.WAIT, Place.START, Place.START,
+    ]  # fmt: skip
+    # When a's first is acked, Then its second starts; and so on, in order
+    assert sequencer.settled(a0) == (a1, [])
+    assert sequencer.settled(a1) == (a2, [])
+    assert sequencer.settled(a2) == (None, [])
+    # And a key with nothing here starts its next message at once
+    assert sequencer.place(a3) is Place.START
+
+
+def test_a_message_given_back_takes_every_later_one_of_its_key() -> None:
+    # Given key a with one started and two waiting, and key b with one started and one waiting
+    sequencer = Sequencer()
+    a0, a1, a2, b0, b1 = (*(_keyed("a", i) for i in range(3)), _keyed("b", 0), _keyed("b", 1))
+    for delivery in (a0, a1, a2, b0, b1):
+        sequencer.place(delivery)
+    # When a's first is given back (nacked), Then a's later ones go back with it, in order
+    a0.returned = True
+    assert sequencer.settled(a0) == (None, [a1, a2])
+    # And key b is untouched; key a starts afresh with its redelivery
+    assert sequencer.settled(b0) == (b1, [])
+    assert sequencer.place(_keyed("a", 0)) is Place.START
+
+
+def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -> None:
+    sequencer = Sequencer()
+    a0, a1, b0, b1 = _keyed("a", 0), _keyed("a", 1), _keyed("b", 0), _keyed("b", 1)
+    for delivery in (a0, a1, b0, b1):
+        sequencer.place(delivery)
+    assert sequencer.release_all() == [a1, b1]
+    assert sequencer.settled(a0) == (None, [])
+
+
+def test_a_key_owes_what_it_gave_back_and_runs_nothing_else_of_it_first() -> None:
+    # Given key a whose message 1 was given back with 2 after it, and 3 never delivered yet
+    now = [0.0]
+    sequencer = Sequencer(owed_for=60.0, clock=lambda: now[0])
+    a = [_keyed("a", i) for i in range(5)]
+    for delivery in a[1:3]:
+        sequencer.place(delivery)
+    a[1].returned = True
+    assert sequencer.settled(a[1]) == (None, [a[2]])
+    # When they come back as the emulator redelivers them, never delivered first, Then those
+    # are given back, and the given back ones run in the key's order
+    fresh = _keyed("a", 3)
+    assert sequencer.place(fresh) is Place.RELEASE
+    assert sequencer.place(_keyed("a", 2)) is Place.RELEASE  # not first: back again
+    again = [_keyed("a", i) for i in (1, 2, 3)]
+    assert [sequencer.place(d) for d in again] == [Place.START, Place.WAIT, Place.WAIT]
+    # And a key that owes a message that never comes back waits for it only ``owed_for``
+    b0, b1 = _keyed("b", 0), _keyed("b", 1)
+    sequencer.place(b0)
+    b0.returned = True
+    sequencer.settled(b0)
+    assert sequencer.place(b1) is Place.RELEASE
+    now[0] = 61.0
+    assert sequencer.place(_keyed("b", 1)) is Place.START
+
+
+def test_a_copy_made_on_the_last_delivery_is_owed_in_its_message_place() -> None:
+    # Given key a owing its message 0, given back
+    sequencer = Sequencer()
+    a0 = _keyed("a", 0)
+    sequencer.place(a0)
+    a0.returned = True
+    sequencer.settled(a0)
+    # When a copy of it comes (published on its last delivery, naming it), Then it starts
+    copy = _keyed("a", 9)
+    copy.attributes["copy_of"] = a0.message_id
+    assert sequencer.place(_keyed("a", 1)) is Place.RELEASE
+    assert sequencer.place(copy) is Place.START
+
+
+class _Ledger:
+    """A job that writes (key, number, start, end) and fails where it is told to."""
+
+    def __init__(self, fail_once: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.lock = threading.Lock()
+        self.runs: list[tuple[str, float, float]] = []
+        self.fail_once = set(fail_once)
+
+    def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None:
+        started = time.monotonic()
+        time.sleep(0.002)
+        with self.lock:
+            self.runs.append((ctx.job_id, started, time.monotonic()))
+            if ctx.job_id in self.fail_once:
+                self.fail_once.discard(ctx.job_id)
+                raise RetryableError("asked to fail once")
+
+
+def _ordered_pool(ledger: _Ledger, n: int, prefetch: int) -> tuple[Pool, FakeAcks]:
+    jobs, acks, leases = Registry(), FakeAcks(), FakeLeaser()
+    jobs.job("t.step")(ledger)
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
+    pool = Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer())
+    pool.start()
+    return pool, acks
+
+
+def test_a_pool_runs_each_key_in_order_one_at_a_time_and_other_keys_side_by_side() -> None:
+    # Given an ordered pool of 4 slots and 3 keys of 4 messages each, admitted at once
+    ledger = _Ledger()
+    pool, acks = _ordered_pool(ledger, n=4, prefetch=12)
+    try:
+        pool.admit([_keyed(k, i) for i in range(4) for k in "abc"])
+        # Then all 12 run and are acked
+        assert wait_for(lambda: len(acks.acked) == 12, timeout=10, interval=0.005)
+    finally:
+        pool.quiet()
+    # And each key ran in order, never two at once
+    for key in "abc":
+        runs = [r for r in ledger.runs if r[0].startswith(f"{key}-")]
+        assert [r[0] for r in runs] == [f"{key}-{i}" for i in range(4)]
+        assert all(before[2] <= after[1] for before, after in itertools.pairwise(runs))
+
+
+def test_a_pool_gives_back_a_failed_message_and_the_later_ones_of_its_key_unrun() -> None:
+    # Given an ordered pool whose key a's second message fails once
+    ledger = _Ledger(fail_once={"a-1"})
+    pool, acks = _ordered_pool(ledger, n=2, prefetch=8)
+    try:
+        pool.admit([_keyed(k, i) for i in range(4) for k in "ab"])
+        # Then key b runs through, and key a's first is acked
+        assert wait_for(lambda: len(acks.acked) == 5, timeout=10, interval=0.005)
+        assert wait_for(lambda: len(acks.modacked) == 3, timeout=10, interval=0.005)
+    finally:
+        pool.quiet()
+    # And a's failed message and both after it are given back, none of the later ones run
+    assert sorted(a for a, _ in acks.modacked) == ["ack-a-1", "ack-a-2", "ack-a-3"]
+    assert "ack-a-2" not in acks.acked and "ack-a-3" not in acks.acked
+    assert [r[0] for r in ledger.runs if r[0].startswith("a-")] == ["a-0", "a-1"]
+    assert pool.held == 0
+
+
+class _FailingPublisher:
+    """Publishes nothing: each future fails, as the client's do for a key it stopped."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+        self.resumed: list[tuple[str, str]] = []
+
+    def publish(self, topic: str, data: bytes, ordering_key: str = "", **attributes: str) -> Any:
+        self.sent.append((attributes["job_id"], ordering_key))
+        future: Future[str] = Future()
+        future.set_exception(RuntimeError("publish failed"))
+        return future
+
+    def resume_publish(self, topic: str, ordering_key: str) -> None:
+        self.resumed.append((topic, ordering_key))
+
+
+def test_a_failed_publish_resumes_its_key_and_still_raises() -> None:
+    # Given a publisher whose publishes fail
+    publisher = _FailingPublisher()
+    # When a job with a key and one without are published
+    for job_id, key in (("a", "k"), ("b", "")):
+        with pytest.raises(RuntimeError, match="publish failed"):
+            publish(
+                publisher, "projects/p/topics/t", JobMessage("t.step", {}, job_id, ordering_key=key)
+            )
+    # Then each went out with its key, and only the keyed one's key was resumed
+    assert publisher.sent == [("a", "k"), ("b", "")]
+    assert publisher.resumed == [("projects/p/topics/t", "k")]
