@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -64,6 +65,22 @@ def test_throttle_halves_the_rate_then_recovers_additively() -> None:
     assert bucket.rate == 15.0
     clock.now += 10
     assert bucket.rate == 20.0  # never above the declared rate
+
+
+def test_slots_keep_their_order_and_spacing_through_a_throttle_and_its_recovery() -> None:
+    # Given 50 waiters queued on a 20/s bucket, then two 429s (the rate falls to 5/s)
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(20.0, 1), clock=clock)
+    slots = [clock.now + bucket.reserve() for _ in range(50)]
+    bucket.throttled()
+    bucket.throttled()
+    # When a waiter comes every 100 ms while the rate climbs back to 20/s
+    for _ in range(50):
+        clock.now += 0.1
+        slots.append(clock.now + bucket.reserve())
+    # Then each slot comes at least 1/20 s after the one before: none overtakes an earlier one
+    gaps = [later - earlier for earlier, later in pairwise(slots)]
+    assert min(gaps) >= 1 / 20 - 1e-9
 
 
 def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:
