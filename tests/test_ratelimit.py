@@ -83,6 +83,29 @@ def test_slots_keep_their_order_and_spacing_through_a_throttle_and_its_recovery(
     assert min(gaps) >= 1 / 20 - 1e-9
 
 
+@pytest.mark.parametrize("burst", [1, 3])
+def test_slots_that_fell_due_in_a_stall_are_used_no_faster_than_the_rate(burst: int) -> None:
+    # Given 10 waiters with slots on a 16/s bucket (1/16 s is exact in binary)
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, burst), clock=clock)
+    for _ in range(10):
+        bucket.reserve()
+    # When their process is stopped for 2 s and all of them wake together after it
+    clock.now += 2.0
+    woke = clock.now
+    asks = [woke] * 10
+    used: list[float] = []
+    while asks:
+        clock.now = asks.pop(asks.index(min(asks)))
+        wait = bucket.depart()
+        if wait > 0:
+            asks.append(clock.now + wait)  # held back: asks again when told
+        else:
+            used.append(clock.now - woke)
+    # Then the burst goes at once and the rest one 1/16 s apart, as if they had just queued
+    assert used == [0.0] * burst + [(i + 1) / 16 for i in range(10 - burst)]
+
+
 def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:
     clock = FakeClock(1000.0)
     bucket = TokenBucket(RateSpec(100.0, 10), clock=clock)

@@ -7,6 +7,13 @@ changes later (a throttle, then its recovery) never puts a new slot before, or c
 ``n / rate`` to, one already given out. On ``throttled()`` the rate halves (multiplicative
 decrease, down to a floor) and then grows back by a tenth of the declared rate per second
 (additive increase) until it is the declared rate again.
+
+A slot says when to wake, not that the tokens may be used then: a process that is starved or
+stopped wakes its waiters late and together, and the slots that fell due meanwhile would
+reach the upstream at once. So ``depart(n)`` is asked at the moment of use and holds the uses
+themselves to the rate and burst (the same bucket, over the times requests really leave); a
+waiter it holds back asks again when the rate allows. After a stall those held back ask
+together, one of them goes and the rest wait again: a few cheap wake-ups per overdue slot.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ class TokenBucket:
         # reservation (or the end of a Retry-After block); none builds up while waiters queue.
         self._tokens = float(spec.burst)
         self._free = now
+        # The uses: when the next may happen by the rate (less the burst's allowance), as the
+        # slots are counted but over the times waiters really went.
+        self._gate = now
 
     @property
     def rate(self) -> float:
@@ -105,6 +115,19 @@ class TokenBucket:
             self._free = max(self._free, now) + short / self._rate
             return self._free - now
 
+    def depart(self, tokens: float = 1.0) -> float:
+        """A waiter whose slot came is about to use ``tokens``: 0.0 if the uses so far allow
+        it now (it is counted as used), else the seconds to wait before asking again."""
+        self._check(tokens)
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            allowed = self._gate - (self.spec.burst - tokens) / self._rate
+            if now < allowed:
+                return allowed - now
+            self._gate = max(self._gate, now) + tokens / self._rate
+            return 0.0
+
     def refund(self, tokens: float = 1.0) -> None:
         """Give back a reservation that was not used (the waiter gave up)."""
         with self._lock:
@@ -123,6 +146,8 @@ class TokenBucket:
             self._advance(now)
             self._rate = max(self._floor, self._rate / 2)
             # The bucket is empty now, or when Retry-After ends: waiters are then released one
-            # by one at the new rate, not all at once.
+            # by one at the new rate, not all at once; those whose slots come sooner wait too.
+            empty = now + (retry_after or 0.0)
             self._tokens = 0.0
-            self._free = max(self._free, now + (retry_after or 0.0))
+            self._free = max(self._free, empty)
+            self._gate = max(self._gate, empty + self.spec.burst / self._rate)
