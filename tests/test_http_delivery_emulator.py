@@ -108,7 +108,7 @@ def test_declared_rate_gets_zero_429s_and_takes_rate_time(
     dead_lettered, code = _run_worker(pubsub_resources, tmp_path, upstream, DECLARED)
     # Then no 429 at all, and the run takes 300 / 20 s within 10%
     ok, refused = upstream.stats()
-    span = ok[-1] - ok[0]
+    span = max(ok) - min(ok)
     print(f"20/s declared: {refused} responses 429, 300 requests in {span:.2f}s")
     assert refused == 0 and dead_lettered == 0 and code == 0
     assert abs(span - 299 / 20) <= 0.1 * 15
@@ -134,5 +134,5 @@ def test_declared_rate_holds_when_the_worker_was_stopped_mid_run(
     )
     # Then the overdue requests still leave one by one at the rate: no 429 at all
     ok, refused = upstream.stats()
-    print(f"stopped 2 s: {refused} responses 429, 300 requests in {ok[-1] - ok[0]:.2f}s")
+    print(f"stopped 2 s: {refused} responses 429, 300 requests in {max(ok) - min(ok):.2f}s")
     assert refused == 0 and dead_lettered == 0 and code == 0

@@ -13,7 +13,8 @@ stopped wakes its waiters late and together, and the slots that fell due meanwhi
 reach the upstream at once. So ``depart(n)`` is asked at the moment of use and holds the uses
 themselves to the rate and burst (the same bucket, over the times requests really leave); a
 waiter it holds back asks again when the rate allows. After a stall those held back ask
-together, one of them goes and the rest wait again: a few cheap wake-ups per overdue slot.
+together, one goes and the rest wait again: each overdue waiter wakes once for every one that
+goes before it (a lock and a comparison each), and only then.
 """
 
 from __future__ import annotations
