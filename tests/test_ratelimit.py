@@ -93,17 +93,21 @@ def test_slots_that_fell_due_in_a_stall_are_used_no_faster_than_the_rate(burst: 
     # When their process is stopped for 2 s and all of them wake together after it
     clock.now += 2.0
     woke = clock.now
-    asks = [woke] * 10
+    asks = [(woke, False)] * 10  # (when, asking again)
     used: list[float] = []
+    asked = 0
     while asks:
-        clock.now = asks.pop(asks.index(min(asks)))
-        wait = bucket.depart()
+        asked += 1
+        clock.now, again = asks.pop(asks.index(min(asks)))
+        wait = bucket.depart(again=again)
         if wait > 0:
-            asks.append(clock.now + wait)  # held back: asks again when told
+            asks.append((clock.now + wait, True))  # held back: asks again when told
         else:
             used.append(clock.now - woke)
-    # Then the burst goes at once and the rest one 1/16 s apart, as if they had just queued
+    # Then the burst goes at once and the rest one 1/16 s apart, as if they had just queued;
+    # each held back was given a turn of its own, so it asked only once more
     assert used == [0.0] * burst + [(i + 1) / 16 for i in range(10 - burst)]
+    assert asked == 10 + (10 - burst)
 
 
 def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:

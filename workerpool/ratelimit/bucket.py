@@ -11,10 +11,10 @@ decrease, down to a floor) and then grows back by a tenth of the declared rate p
 A slot says when to wake, not that the tokens may be used then: a process that is starved or
 stopped wakes its waiters late and together, and the slots that fell due meanwhile would
 reach the upstream at once. So ``depart(n)`` is asked at the moment of use and holds the uses
-themselves to the rate and burst (the same bucket, over the times requests really leave); a
-waiter it holds back asks again when the rate allows. After a stall those held back ask
-together, one goes and the rest wait again: each overdue waiter wakes once for every one that
-goes before it (a lock and a comparison each), and only then.
+themselves to the rate and burst (the same bucket, over the times requests really leave). A
+waiter it holds back is given a turn of its own, after the turns already given, so those
+held back after a stall wake one by one, not together; at its turn it asks again, and waits
+more only if a use before it went late.
 """
 
 from __future__ import annotations
@@ -71,9 +71,11 @@ class TokenBucket:
         # reservation (or the end of a Retry-After block); none builds up while waiters queue.
         self._tokens = float(spec.burst)
         self._free = now
-        # The uses: when the next may happen by the rate (less the burst's allowance), as the
-        # slots are counted but over the times waiters really went.
-        self._gate = now
+        # The uses, as the slots are counted but over the times waiters really went: when the
+        # next may happen by the rate (less the burst's allowance), and the same counting the
+        # turns given to waiters held back as well.
+        self._gone = now
+        self._promised = now
 
     @property
     def rate(self) -> float:
@@ -116,18 +118,24 @@ class TokenBucket:
             self._free = max(self._free, now) + short / self._rate
             return self._free - now
 
-    def depart(self, tokens: float = 1.0) -> float:
+    def depart(self, tokens: float = 1.0, *, again: bool = False) -> float:
         """A waiter whose slot came is about to use ``tokens``: 0.0 if the uses so far allow
-        it now (it is counted as used), else the seconds to wait before asking again."""
+        it now (it is counted as used), else the seconds to wait before asking ``again``."""
         self._check(tokens)
         with self._lock:
             now = self._clock()
             self._advance(now)
-            allowed = self._gate - (self.spec.burst - tokens) / self._rate
-            if now < allowed:
-                return allowed - now
-            self._gate = max(self._gate, now) + tokens / self._rate
-            return 0.0
+            step, allowance = tokens / self._rate, (self.spec.burst - tokens) / self._rate
+            # A waiter asking again holds a turn already: only a late use can hold it back.
+            after = self._gone if again else max(self._gone, self._promised)
+            if now >= after - allowance:
+                self._gone = max(self._gone, now) + step
+                if not again:
+                    self._promised = max(self._promised, now) + step
+                return 0.0
+            if not again:
+                self._promised = after + step
+            return after - allowance - now
 
     def refund(self, tokens: float = 1.0) -> None:
         """Give back a reservation that was not used (the waiter gave up)."""
@@ -151,4 +159,4 @@ class TokenBucket:
             empty = now + (retry_after or 0.0)
             self._tokens = 0.0
             self._free = max(self._free, empty)
-            self._gate = max(self._gate, empty + self.spec.burst / self._rate)
+            self._gone = max(self._gone, empty + self.spec.burst / self._rate)

@@ -26,9 +26,9 @@ class RateLimiters(ABC):
         """Take ``tokens`` of ``name`` now; return the seconds to wait before using them."""
 
     @abstractmethod
-    def depart(self, name: str, tokens: float) -> float:
+    def depart(self, name: str, tokens: float, again: bool) -> float:
         """A waiter's slot for ``tokens`` of ``name`` came: 0.0 if they may be used now (they
-        are counted as used), else the seconds to wait before asking again."""
+        are counted as used), else the seconds to wait before asking ``again``."""
 
     @abstractmethod
     def refund(self, name: str, tokens: float) -> None:
@@ -64,13 +64,14 @@ class RateLimiters(ABC):
         """The waits before ``tokens`` of ``name`` may be used: the reservation's, then, if
         the waiter woke too soon after another use (its process was starved or stopped, and
         overdue waiters woke together), each wait the uses so far ask for."""
-        wait = self.reserve(name, tokens)
+        wait, again = self.reserve(name, tokens), False
         while True:
             if wait > 0:
                 yield wait
-            wait = self.depart(name, tokens)
+            wait = self.depart(name, tokens, again)
             if wait <= 0:
                 return
+            again = True
 
     @abstractmethod
     def throttled(self, name: str, retry_after: float | None = None) -> None:
@@ -99,8 +100,8 @@ class LocalLimiters(RateLimiters):
     def reserve(self, name: str, tokens: float) -> float:
         return self.bucket(name).reserve(tokens)
 
-    def depart(self, name: str, tokens: float) -> float:
-        return self.bucket(name).depart(tokens)
+    def depart(self, name: str, tokens: float, again: bool) -> float:
+        return self.bucket(name).depart(tokens, again=again)
 
     def refund(self, name: str, tokens: float) -> None:
         self.bucket(name).refund(tokens)
