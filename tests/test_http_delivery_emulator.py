@@ -8,13 +8,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.support import spawn_worker, wait_for, worker_processes
+from tests.support import WorkerProcess, spawn_worker, wait_for, worker_processes
 from workerpool.testing.pubsub import PubSubResources
 
 
@@ -26,6 +26,10 @@ class Upstream:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=10) as r:
             body = json.load(r)
         return body["ok"], body["refused"]
+
+
+# partner = 20/s (burst 1), the upstream's own rate
+DECLARED = 'limiters = {"127.0.0.1" = "partner"}\n[rate_limits]\npartner = "20/s:1"\n'
 
 
 @pytest.fixture
@@ -42,11 +46,15 @@ def upstream() -> Iterator[Upstream]:
 
 
 def _run_worker(
-    pubsub_resources: PubSubResources, tmp_path: Path, upstream: Upstream, config: str
+    pubsub_resources: PubSubResources,
+    tmp_path: Path,
+    upstream: Upstream,
+    config: str,
+    during: Callable[[WorkerProcess], None] | None = None,
 ) -> tuple[int, int]:
     """300 deliveries through a real `workerpool run` process with 50 slots, in a process of
-    its own as in production (this test process has run many others); returns how many were
-    dead-lettered and the worker's exit code."""
+    its own as in production (this test process has run many others), ``during`` done to it
+    once it is started; returns how many were dead-lettered and the worker's exit code."""
     pubsub_resources.provision(retry_policy=False)
     url = f"http://127.0.0.1:{upstream.port}/menus"
     pubsub_resources.publish_many(
@@ -68,6 +76,8 @@ def _run_worker(
             store="memory://",
         )
         workers.append(worker)
+        if during is not None:
+            during(worker)
         deadline = time.monotonic() + 120
         while len(upstream.stats()[0]) + dead_lettered < 300 and time.monotonic() < deadline:
             if not wait_for(lambda: len(upstream.stats()[0]) == 300, timeout=2, interval=0.5):
@@ -95,11 +105,34 @@ def test_declared_rate_gets_zero_429s_and_takes_rate_time(
     pubsub_resources: PubSubResources, upstream: Upstream, tmp_path: Path
 ) -> None:
     # Given the same 300 deliveries and 50 slots, with partner = 20/s (burst 1) declared
-    limiter = 'limiters = {"127.0.0.1" = "partner"}\n[rate_limits]\npartner = "20/s:1"\n'
-    dead_lettered, code = _run_worker(pubsub_resources, tmp_path, upstream, limiter)
+    dead_lettered, code = _run_worker(pubsub_resources, tmp_path, upstream, DECLARED)
     # Then no 429 at all, and the run takes 300 / 20 s within 10%
     ok, refused = upstream.stats()
-    span = ok[-1] - ok[0]
+    span = max(ok) - min(ok)
     print(f"20/s declared: {refused} responses 429, 300 requests in {span:.2f}s")
     assert refused == 0 and dead_lettered == 0 and code == 0
     assert abs(span - 299 / 20) <= 0.1 * 15
+
+
+@pytest.mark.alone
+def test_declared_rate_holds_when_the_worker_was_stopped_mid_run(
+    pubsub_resources: PubSubResources, upstream: Upstream, tmp_path: Path
+) -> None:
+    # Given the 300 deliveries at the declared 20/s, and the worker stopped (SIGSTOP) for 2 s
+    # once 60 requests went: 40 slots fall due while it cannot run, and its waiters wake
+    # together after it
+    def stop_for_two_seconds(worker: WorkerProcess) -> None:
+        assert wait_for(lambda: len(upstream.stats()[0]) >= 60, timeout=60)
+        worker.signal(signal.SIGSTOP)
+        try:
+            time.sleep(2)
+        finally:
+            worker.signal(signal.SIGCONT)
+
+    dead_lettered, code = _run_worker(
+        pubsub_resources, tmp_path, upstream, DECLARED, stop_for_two_seconds
+    )
+    # Then the overdue requests still leave one by one at the rate: no 429 at all
+    ok, refused = upstream.stats()
+    print(f"stopped 2 s: {refused} responses 429, 300 requests in {max(ok) - min(ok):.2f}s")
+    assert refused == 0 and dead_lettered == 0 and code == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -64,6 +65,49 @@ def test_throttle_halves_the_rate_then_recovers_additively() -> None:
     assert bucket.rate == 15.0
     clock.now += 10
     assert bucket.rate == 20.0  # never above the declared rate
+
+
+def test_slots_keep_their_order_and_spacing_through_a_throttle_and_its_recovery() -> None:
+    # Given 50 waiters queued on a 20/s bucket, then two 429s (the rate falls to 5/s)
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(20.0, 1), clock=clock)
+    slots = [clock.now + bucket.reserve() for _ in range(50)]
+    bucket.throttled()
+    bucket.throttled()
+    # When a waiter comes every 100 ms while the rate climbs back to 20/s
+    for _ in range(50):
+        clock.now += 0.1
+        slots.append(clock.now + bucket.reserve())
+    # Then each slot comes at least 1/20 s after the one before: none overtakes an earlier one
+    gaps = [later - earlier for earlier, later in pairwise(slots)]
+    assert min(gaps) >= 1 / 20 - 1e-9
+
+
+@pytest.mark.parametrize("burst", [1, 3])
+def test_slots_that_fell_due_in_a_stall_are_used_no_faster_than_the_rate(burst: int) -> None:
+    # Given 10 waiters with slots on a 16/s bucket (1/16 s is exact in binary)
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, burst), clock=clock)
+    for _ in range(10):
+        bucket.reserve()
+    # When their process is stopped for 2 s and all of them wake together after it
+    clock.now += 2.0
+    woke = clock.now
+    asks = [(woke, False)] * 10  # (when, asking again)
+    used: list[float] = []
+    asked = 0
+    while asks:
+        asked += 1
+        clock.now, again = asks.pop(asks.index(min(asks)))
+        wait = bucket.depart(again=again)
+        if wait > 0:
+            asks.append((clock.now + wait, True))  # held back: asks again when told
+        else:
+            used.append(clock.now - woke)
+    # Then the burst goes at once and the rest one 1/16 s apart, as if they had just queued;
+    # each held back was given a turn of its own, so it asked only once more
+    assert used == [0.0] * burst + [(i + 1) / 16 for i in range(10 - burst)]
+    assert asked == 10 + (10 - burst)
 
 
 def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:

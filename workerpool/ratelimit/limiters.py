@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from workerpool.ratelimit.bucket import RateSpec, TokenBucket
@@ -26,6 +26,11 @@ class RateLimiters(ABC):
         """Take ``tokens`` of ``name`` now; return the seconds to wait before using them."""
 
     @abstractmethod
+    def depart(self, name: str, tokens: float, again: bool) -> float:
+        """A waiter's slot for ``tokens`` of ``name`` came: 0.0 if they may be used now (they
+        are counted as used), else the seconds to wait before asking ``again``."""
+
+    @abstractmethod
     def refund(self, name: str, tokens: float) -> None:
         """Give back a reservation its waiter did not use."""
 
@@ -35,21 +40,38 @@ class RateLimiters(ABC):
     def acquire(self, name: str, tokens: float, abort: Flag | threading.Event) -> float | None:
         """Wait for ``tokens`` of ``name``; return the seconds waited, or None if ``abort``
         was set first (the reservation is then given back)."""
-        wait = self.reserve(name, tokens)
-        if wait > 0 and abort.wait(wait):
-            self.refund(name, tokens)
-            return None
-        self.waited(name, wait)
-        return wait
+        waited = 0.0
+        for wait in self._waits(name, tokens):
+            if abort.wait(wait):
+                self.refund(name, tokens)
+                return None
+            waited += wait
+        self.waited(name, waited)
+        return waited
 
     async def acquire_async(self, name: str, tokens: float, abort: Flag) -> float | None:
         """``acquire`` for a coroutine: waits without blocking its event loop."""
-        wait = self.reserve(name, tokens)
-        if wait > 0 and await abort.until(wait):
-            self.refund(name, tokens)
-            return None
-        self.waited(name, wait)
-        return wait
+        waited = 0.0
+        for wait in self._waits(name, tokens):
+            if await abort.until(wait):
+                self.refund(name, tokens)
+                return None
+            waited += wait
+        self.waited(name, waited)
+        return waited
+
+    def _waits(self, name: str, tokens: float) -> Iterator[float]:
+        """The waits before ``tokens`` of ``name`` may be used: the reservation's, then, if
+        the waiter woke too soon after another use (its process was starved or stopped, and
+        overdue waiters woke together), each wait the uses so far ask for."""
+        wait, again = self.reserve(name, tokens), False
+        while True:
+            if wait > 0:
+                yield wait
+            wait = self.depart(name, tokens, again)
+            if wait <= 0:
+                return
+            again = True
 
     @abstractmethod
     def throttled(self, name: str, retry_after: float | None = None) -> None:
@@ -77,6 +99,9 @@ class LocalLimiters(RateLimiters):
 
     def reserve(self, name: str, tokens: float) -> float:
         return self.bucket(name).reserve(tokens)
+
+    def depart(self, name: str, tokens: float, again: bool) -> float:
+        return self.bucket(name).depart(tokens, again=again)
 
     def refund(self, name: str, tokens: float) -> None:
         self.bucket(name).refund(tokens)
