@@ -9,7 +9,7 @@ import signal
 import sqlite3
 from pathlib import Path
 
-from tests.fencing_jobs import KEY, RESOURCE_ENV, FencedResource, Write
+from tests.fenced_resource import KEY, RESOURCE_ENV, FencedResource, Write
 from tests.support import WorkerProcess, spawn_worker, wait_for, worker_processes
 from workerpool.testing.pubsub import PubSubResources
 
