@@ -1,0 +1,90 @@
+"""Periodic schedules as declared in the config: what is taken, and one line for a mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workerpool.config import load_settings
+from workerpool.errors import ConfigError
+
+GOOD = """
+[[schedules]]
+name = "billing-export"
+job = "billing.export"
+cron = "0 2 * * *"
+timezone = "Asia/Tokyo"
+payload = { region = "jp" }
+catch_up = "all"
+catch_up_window = "2h"
+overlap = "skip"
+
+[[schedules]]
+name = "segments"
+job = "segments.refresh"
+every = "30s"
+"""
+
+
+def _load(tmp_path: Path, text: str) -> object:
+    config = tmp_path / "workerpool.toml"
+    config.write_text(text)
+    return load_settings(str(config), env={})
+
+
+def test_schedules_are_read_with_their_defaults(tmp_path: Path) -> None:
+    billing, segments = _load(tmp_path, GOOD).schedules  # type: ignore[attr-defined]
+    assert (billing.name, billing.job, dict(billing.payload)) == (
+        "billing-export", "billing.export", {"region": "jp"}
+    )  # fmt: skip
+    assert (billing.catch_up, billing.catch_up_window, billing.overlap) == ("all", 7200.0, "skip")
+    # 02:00 in Tokyo is 17:00 UTC the day before.
+    assert billing.ticks.after(0) == 17 * 3600
+    assert billing.job_id(17 * 3600) == "periodic:billing-export:1970-01-01T17:00:00.000Z"
+    assert (segments.ticks.every, segments.catch_up, segments.overlap) == (30, "latest", "allow")
+    assert str(segments.ticks.timezone) == "UTC"
+
+
+_MISTAKES = [
+    ('cron = "0 25 * * *"', "schedule 'x' (from {path}): cron '0 25 * * *': "),
+    ('cron = "* * *"', "schedule 'x' (from {path}): cron '* * *' has 3 fields, not 5"),
+    ('cron = "* * * * *"\ntimezone = "Mars/Olympus"',
+     "schedule 'x' (from {path}): unknown timezone 'Mars/Olympus' (an IANA name)"),
+    ('every = "1s"\ncron = "* * * * *"', "schedule 'x' (from {path}): give either cron or every"),
+    ('every = "0.5s"', "schedule 'x' (from {path}): every must be a whole number of seconds"),
+    ('every = "1s"\ncatch_up = "some"', "schedule 'x' (from {path}): catch_up must be one of"),
+    ('every = "1s"\novrelap = "skip"', "schedule 'x' (from {path}): unknown setting ovrelap"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("lines", "message"), _MISTAKES)
+def test_a_bad_schedule_is_one_line_naming_it(tmp_path: Path, lines: str, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        _load(tmp_path, f'[[schedules]]\nname = "x"\njob = "j"\n{lines}\n')
+    text = str(error.value)
+    assert text.startswith(message.format(path=tmp_path / "workerpool.toml")), text
+    assert "\n" not in text
+
+
+def test_a_name_declared_twice_is_refused(tmp_path: Path) -> None:
+    twice = GOOD.replace('name = "segments"', 'name = "billing-export"')
+    with pytest.raises(ConfigError, match=r"schedule 'billing-export' .* is declared twice"):
+        _load(tmp_path, twice)
+
+
+def test_the_worker_stops_with_exit_2_on_a_bad_schedule(tmp_path: Path) -> None:
+    # Given a config whose schedule has an unknown timezone, when the worker starts, then exit 2.
+    config = tmp_path / "workerpool.toml"
+    config.write_text('[[schedules]]\nname = "x"\njob = "j"\ncron = "* * * * *"\ntimezone = "X"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "workerpool", "run", "--config", str(config),
+         "--project", "p", "--subscription", "s"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"workerpool: error: schedule 'x' (from {config}): unknown timezone 'X' (an IANA name)"
+    ]
