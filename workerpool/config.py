@@ -61,7 +61,7 @@ class Settings:
     concurrency: Mapping[str, int] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
-    # ``[[schedules]]``: periodic jobs, fired by the first pool to its topic.
+    # ``[[schedules]]``: periodic jobs, fired by the first pool to its topic (worker.launcher).
     schedules: tuple[Periodic, ...] = ()
 
     def validate(self) -> Settings:
@@ -101,9 +101,7 @@ class Settings:
         if not self.pools:
             return [self]
         return [
-            dataclasses.replace(
-                self, pools=(), schedules=self.schedules if i == 0 else (), **_pool_values(i, pool)
-            ).validate()
+            dataclasses.replace(self, pools=(), **_pool_values(i, pool)).validate()
             for i, pool in enumerate(self.pools)
         ]
 

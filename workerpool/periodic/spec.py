@@ -51,6 +51,23 @@ def parse_schedules(entries: Iterable[Mapping[str, Any]], source: str) -> tuple[
     return tuple(schedules.values())
 
 
+def with_jobs(declared: Iterable[Periodic], jobs: Mapping[str, str | None]) -> tuple[Periodic, ...]:
+    """The schedules of the config and of ``@job(..., schedule=CRON)`` (``jobs``: each
+    registered job's cron or None; such a schedule is named after its job and read in UTC),
+    each checked to name a registered job; ConfigError otherwise."""
+    schedules = {s.name: s for s in declared}
+    for schedule in schedules.values():
+        if schedule.job not in jobs:
+            raise ConfigError(f"schedule {schedule.name!r}: no job {schedule.job!r} is registered")
+    for job, cron in jobs.items():
+        if cron is None:
+            continue
+        if job in schedules:
+            raise ConfigError(f"schedule {job!r} is declared twice (config and @job)")
+        schedules[job] = Periodic(job, job, Ticks(ZoneInfo("UTC"), cron_expression(cron)))
+    return tuple(schedules.values())
+
+
 def parse_schedule(entry: Mapping[str, Any], position: str, source: str) -> Periodic:
     """One schedule, ``position`` naming it while it has no name."""
     name = entry.get("name")
