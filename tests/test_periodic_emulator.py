@@ -5,14 +5,16 @@ the whole fleet was down, as its catch_up says."""
 from __future__ import annotations
 
 import signal
+import sqlite3
 import statistics
 import time
 from collections import Counter
 from pathlib import Path
 
-from tests.support import WorkerProcess, ledger_events, spawn_worker, wait_for
+from tests.support import WorkerProcess, http_get, ledger_events, spawn_worker, wait_for
 from tests.support import worker_processes as processes
 from workerpool.schedule import parse_not_before
+from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
 SCHEDULE = """
@@ -32,12 +34,17 @@ def _config(tmp_path: Path, schedules: list[tuple[str, str, str]]) -> Path:
     return config
 
 
-def _spawn(env: PubSubResources, tmp_path: Path, config: Path, count: int) -> list[WorkerProcess]:
+def _spawn(
+    env: PubSubResources, tmp_path: Path, config: Path, ports: list[int]
+) -> list[WorkerProcess]:
     ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
     started = [
-        spawn_worker(env, ledger, "--config", str(config), "--claim-ttl", "10", store=store)
-        for _ in range(count)
-    ]
+        spawn_worker(
+            env, ledger, "--config", str(config), "--claim-ttl", "10",
+            "--metrics-port", str(port), store=store,
+        )
+        for port in ports
+    ]  # fmt: skip
     assert wait_for(lambda: all(w.ready() for w in started), timeout=90)
     return started
 
@@ -64,6 +71,21 @@ def _lateness(tmp_path: Path, name: str, start: float, end: float) -> list[float
     return late
 
 
+def _published(ports: list[int], name: str) -> int:
+    """The ticks of ``name`` the workers serving /metrics on ``ports`` published (the count
+    of their lateness histogram)."""
+    sample = f'workerpool_periodic_lateness_seconds_count{{schedule="{name}"}} '
+    texts = [http_get(f"http://127.0.0.1:{port}/metrics")[1] for port in ports]
+    lines = [line for text in texts for line in text.splitlines() if line.startswith(sample)]
+    return sum(int(float(line[len(sample) :])) for line in lines)
+
+
+def _marked(tmp_path: Path, name: str) -> int:
+    with sqlite3.connect(tmp_path / "fleet.db") as db:
+        query = "SELECT COUNT(*) FROM periodic_ticks WHERE schedule = ?"
+        return int(db.execute(query, (name,)).fetchone()[0])
+
+
 def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
@@ -79,24 +101,29 @@ def test_each_tick_runs_once_across_three_workers_and_two_killed(
     )
     with processes() as workers:
         # Given three workers sharing an SQLite store, and two schedules ticking every second
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, 3))
+        ports = [free_port() for _ in range(3)]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
         begin = time.time()
         time.sleep(20)
+        # (each tick marked so far was published by one worker: the marks are counted first)
+        marked = {name: _marked(tmp_path, name) for name in names}
+        published = {name: _published(ports, name) for name in names}
         # When two of them are killed with SIGKILL 20 s in, and started again 5 s later
         killed_at = time.time()
         for worker in workers[:2]:
             worker.process.send_signal(signal.SIGKILL)
             worker.wait(10)
         time.sleep(5)
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, 2))
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port(), free_port()]))
         time.sleep(15)
         end = time.time()
         # (the ticks up to the end have run, or will within a claim's life)
         for name in names:
             expected = {float(t) for t in range(int(begin) + 1, int(end) + 1)}
             assert wait_for(lambda n=name, x=expected: x <= set(_ran(tmp_path, n)), 30)
-    # Then every tick in the window ran, and none twice
+    # Then every tick in the window ran, and none twice; each was published once
     for name in names:
+        assert marked[name] - 2 <= published[name] <= marked[name], (marked, published)
         ran = _ran(tmp_path, name)
         window = {t: n for t, n in ran.items() if begin < t <= end}
         assert set(window) == {float(t) for t in range(int(begin) + 1, int(end) + 1)}, name
@@ -107,7 +134,8 @@ def test_each_tick_runs_once_across_three_workers_and_two_killed(
         print(
             f"{name}: {len(window)} ticks; start lateness before the kill p50 "
             f"{statistics.median(steady):.3f} s, p99 {_p99(steady):.3f} s, max "
-            f"{max(steady):.3f} s; over the whole window p99 {_p99(whole):.3f} s"
+            f"{max(steady):.3f} s; over the whole window p99 {_p99(whole):.3f} s; "
+            f"{published[name]} published of {marked[name]} marked at 20 s"
         )
         assert min(steady) >= 0 and _p99(steady) <= 1.0
 
@@ -120,7 +148,7 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
     config = _config(tmp_path, [(m, 'every = "1s"', m) for m in modes])
     with processes() as workers:
         # Given three workers firing three 1-second schedules
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, 3))
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
         time.sleep(8)
         # When all of them stop, and three start again 10 s later
         for worker in workers:
@@ -130,10 +158,10 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
         stopped = time.time()
         time.sleep(10)
         restarted = time.time()
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, 3))
-        time.sleep(6)
-        # (the ticks up to a cutoff have run; a later one may still be on its way at the end)
-        cutoff = restarted + 3
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        # (the ticks up to a cutoff after they are up have run; a later one may still be on
+        # its way at the end)
+        cutoff = time.time() + 3
         assert wait_for(lambda: all(max(_ran(tmp_path, m)) > cutoff + 2 for m in modes), 30)
     ran = {m: Counter({t: n for t, n in _ran(tmp_path, m).items() if t <= cutoff}) for m in modes}
     for mode in modes:
@@ -151,3 +179,20 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
     assert after["latest"][0] > stopped + 8
     missed = int(after["none"][0] - max(t for t in ran["none"] if t <= stopped)) - 1
     print(f"{missed} ticks missed while down: all ran {missed}, latest 1, none 0")
+
+
+def test_a_schedule_naming_no_registered_job_stops_the_worker(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("nightly", 'cron = "0 2 * * *"', "latest")])
+    config.write_text(config.read_text().replace("demo.sleep", "demo.slep"))
+    with processes() as workers:
+        # Given a schedule whose job is misspelt, when a worker starts, then exit 2, one line
+        ledger = tmp_path / "ledger.jsonl"
+        workers.append(spawn_worker(pubsub_resources, ledger, "--config", str(config)))
+        assert workers[0].wait(60) == 2
+        errors = [line for line in workers[0].output().splitlines() if "error" in line]
+        assert errors == [
+            "workerpool: error: schedule 'nightly': no job 'demo.slep' is registered"
+        ], workers[0].output()

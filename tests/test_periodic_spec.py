@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from workerpool.config import load_settings
+from workerpool.config import Settings, load_settings
 from workerpool.errors import ConfigError
+from workerpool.periodic import with_jobs
+from workerpool.registry import Registry
 
 GOOD = """
 [[schedules]]
@@ -29,14 +31,14 @@ every = "30s"
 """
 
 
-def _load(tmp_path: Path, text: str) -> object:
+def _load(tmp_path: Path, text: str) -> Settings:
     config = tmp_path / "workerpool.toml"
     config.write_text(text)
     return load_settings(str(config), env={})
 
 
 def test_schedules_are_read_with_their_defaults(tmp_path: Path) -> None:
-    billing, segments = _load(tmp_path, GOOD).schedules  # type: ignore[attr-defined]
+    billing, segments = _load(tmp_path, GOOD).schedules
     assert (billing.name, billing.job, dict(billing.payload)) == (
         "billing-export", "billing.export", {"region": "jp"}
     )  # fmt: skip
@@ -88,3 +90,33 @@ def test_the_worker_stops_with_exit_2_on_a_bad_schedule(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"workerpool: error: schedule 'x' (from {config}): unknown timezone 'X' (an IANA name)"
     ]
+
+
+def test_job_schedules_join_the_config_and_every_job_is_checked(tmp_path: Path) -> None:
+    jobs = Registry()
+
+    @jobs.job("segments.refresh", schedule="*/5 * * * *")
+    def refresh(ctx: object, payload: dict[str, object]) -> None: ...
+
+    @jobs.job("billing.export")
+    def export(ctx: object, payload: dict[str, object]) -> None: ...
+
+    declared = _load(tmp_path, GOOD.replace("segments.refresh", "billing.export"))
+    crons = {spec.name: spec.options.get("schedule") for spec in jobs.specs()}
+    schedules = with_jobs(declared.schedules, crons)
+    assert [s.name for s in schedules] == ["billing-export", "segments", "segments.refresh"]
+    assert schedules[-1].ticks.after(0) == 300 and schedules[-1].catch_up == "latest"
+    # Given a schedule naming a job no module registered, then one line naming both
+    with pytest.raises(ConfigError, match="schedule 'segments': no job 'nope' is registered"):
+        with_jobs(_load(tmp_path, GOOD.replace("segments.refresh", "nope")).schedules, crons)
+    with pytest.raises(
+        ConfigError, match=r"'segments.refresh' is declared twice \(config and @job"
+    ):
+        with_jobs(
+            _load(tmp_path, GOOD.replace('"segments"', '"segments.refresh"')).schedules, crons
+        )
+
+
+def test_a_bad_cron_on_a_job_fails_at_registration() -> None:
+    with pytest.raises(ValueError, match="job 'j': cron '61 \\* \\* \\* \\*'"):
+        Registry().job("j", schedule="61 * * * *")

@@ -4,36 +4,25 @@ beside the schedule of delayed jobs. Each compare-and-set is one statement."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 
 from workerpool.periodic.marks import Mark, Marks
 from workerpool.stores.sqlite import connect, translated
 
 _LABEL = "periodic ticks"
-_SCHEMA = (
-    """
-    CREATE TABLE IF NOT EXISTS periodic_ticks (
-        schedule TEXT NOT NULL,
-        tick REAL NOT NULL,
-        marked_at REAL NOT NULL,
-        published INTEGER NOT NULL,
-        PRIMARY KEY (schedule, tick)
-    )
-    """,
-    "CREATE INDEX IF NOT EXISTS periodic_unpublished ON periodic_ticks (published, marked_at)",
-)
-
-
-def _create(conn: sqlite3.Connection) -> None:
-    for statement in _SCHEMA:
-        conn.execute(statement)
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS periodic_ticks (
+    schedule TEXT NOT NULL, tick REAL NOT NULL, marked_at REAL NOT NULL,
+    published INTEGER NOT NULL, PRIMARY KEY (schedule, tick)
+);
+CREATE INDEX IF NOT EXISTS periodic_unpublished ON periodic_ticks (published, marked_at);
+"""
 
 
 class SqliteMarks(Marks):
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
         self._lock = threading.Lock()  # one connection: one statement at a time
-        self._conn = connect(path, busy_timeout, _LABEL, _create)
+        self._conn = connect(path, busy_timeout, _LABEL, lambda conn: conn.executescript(_SCHEMA))
 
     def _changed(self, sql: str, *args: object) -> bool:
         with self._lock, translated(_LABEL):
