@@ -4,6 +4,7 @@ the whole fleet was down, as its catch_up says."""
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sqlite3
 import statistics
@@ -22,14 +23,23 @@ SCHEDULE = """
 name = "{name}"
 job = "demo.sleep"
 {when}
-payload = {{ seconds = 0.05 }}
+payload = {{ seconds = {seconds} }}
 catch_up = "{catch_up}"
+overlap = "{overlap}"
 """
 
 
-def _config(tmp_path: Path, schedules: list[tuple[str, str, str]]) -> Path:
+def _config(
+    tmp_path: Path,
+    schedules: list[tuple[str, str, str]],
+    seconds: float = 0.05,
+    overlap: str = "allow",
+) -> Path:
     config = tmp_path / "workerpool.toml"
-    text = "".join(SCHEDULE.format(name=n, when=w, catch_up=c) for n, w, c in schedules)
+    text = "".join(
+        SCHEDULE.format(name=n, when=w, catch_up=c, seconds=seconds, overlap=overlap)
+        for n, w, c in schedules
+    )
     config.write_text(text)
     return config
 
@@ -196,3 +206,24 @@ def test_a_schedule_naming_no_registered_job_stops_the_worker(
         assert errors == [
             "workerpool: error: schedule 'nightly': no job 'demo.slep' is registered"
         ], workers[0].output()
+
+
+def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap="skip")
+    with processes() as workers:
+        # Given three workers and a 1-second schedule whose job takes 2.5 s, overlap "skip"
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        # When it runs for 15 s
+        time.sleep(15)
+    # Then no run started before the one before it ended, and the ticks between were left out
+    runs = sorted(
+        (e["start"], e["end"])
+        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
+        if e["job_id"].startswith("periodic:slow:")
+    )
+    assert len(runs) >= 3, runs
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
+    print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks")

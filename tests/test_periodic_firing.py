@@ -184,3 +184,29 @@ def test_no_schedules_no_thread() -> None:
     firer = Periodics([], MemoryMarks(), "t", Publisher())
     firer.start()
     firer.close(1)
+
+
+@pytest.mark.parametrize(("overlap", "previous_runs", "expected"), [
+    ("skip", True, []), ("skip", False, [0]), ("allow", True, [0]),
+])  # fmt: skip
+def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
+    opened: Callable[[], Marks], marks: Marks, overlap: str, previous_runs: bool,
+    expected: list[int],
+) -> None:  # fmt: skip
+    # Given the tick an hour ago published and its job still holding its claim (or not)
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
+                        10 * HOUR, overlap)  # fmt: skip
+    publisher = Publisher()
+    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60)
+    asked: list[str] = []
+    firer.running = lambda job_id: asked.append(job_id) is None and previous_runs
+    # When the tick on the hour comes due (caught up at start)
+    firer.start()
+    assert wait_for(lambda: marks.last("h") == NOW and not marks.unpublished(NOW + 100), 10)
+    firer.close(5)
+    # Then it is published, or, with "skip" while the previous one runs, marked skipped
+    assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
+    assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
+    assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)

@@ -66,6 +66,9 @@ class Periodics(Middleware):
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Whether a job id holds a live claim, for overlap "skip" (the launcher sets it from
+        # the idempotency store; without one, "skip" fires like "allow").
+        self.running: Callable[[str], bool] | None = None
 
     def start(self) -> None:
         if not self._schedules:
@@ -113,8 +116,22 @@ class Periodics(Middleware):
                 self._fire(schedule, tick)
 
     def _fire(self, schedule: Periodic, tick: float) -> None:
-        if self._marks.mark(schedule.name, tick, self._clock()):
-            self._publish(schedule, tick)
+        if not self._marks.mark(schedule.name, tick, self._clock()):
+            return
+        if self._overlaps(schedule, tick):  # decided once, by the worker that marked it
+            log.info(
+                "periodic %s: tick %s skipped: the previous one still runs", schedule.name, tick
+            )
+            self._marks.published(schedule.name, tick, self._forget(schedule, tick), skipped=True)
+            return
+        self._publish(schedule, tick)
+
+    def _overlaps(self, schedule: Periodic, tick: float) -> bool:
+        """With overlap "skip", whether the last tick run before ``tick`` still holds its claim."""
+        if schedule.overlap != "skip" or self.running is None:
+            return False
+        previous = self._marks.last_run(schedule.name, tick)
+        return previous is not None and self.running(schedule.job_id(previous))
 
     def _take_over(self, now: float) -> None:
         for mark in self._marks.unpublished(now - self._take_over_after):
@@ -135,8 +152,11 @@ class Periodics(Middleware):
             log.warning("periodic %s: tick %s not published yet: %s", schedule.name, tick, exc)
             return
         self._on_late(schedule.name, self._clock() - tick)
-        forget = tick - max(_KEEP, schedule.catch_up_window)
-        self._marks.published(schedule.name, tick, forget)
+        self._marks.published(schedule.name, tick, self._forget(schedule, tick))
+
+    @staticmethod
+    def _forget(schedule: Periodic, tick: float) -> float:
+        return tick - max(_KEEP, schedule.catch_up_window)
 
 
 def _named(mark: Mark) -> tuple[str, str]:

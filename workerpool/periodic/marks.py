@@ -10,6 +10,9 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+# A mark's state.
+UNPUBLISHED, PUBLISHED, SKIPPED = 0, 1, 2
+
 
 @dataclass(frozen=True)
 class Mark:
@@ -31,8 +34,15 @@ class Marks(ABC):
         True for the one caller that did."""
 
     @abstractmethod
-    def published(self, schedule: str, tick: float, forget_before: float) -> None:
-        """The tick's message is out; marks of the schedule before ``forget_before`` go."""
+    def published(
+        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+    ) -> None:
+        """The tick's message is out (or, ``skipped``, will never be: overlap "skip"); marks
+        of the schedule before ``forget_before`` go."""
+
+    @abstractmethod
+    def last_run(self, schedule: str, before: float) -> float | None:
+        """The latest tick of the schedule before ``before`` marked and not skipped."""
 
     @abstractmethod
     def unpublished(self, marked_before: float) -> list[Mark]:
@@ -51,26 +61,30 @@ class MemoryMarks(Marks):
     """The marks of one process, for tests and the in-process worker."""
 
     def __init__(self) -> None:
-        self._marks: dict[tuple[str, float], tuple[float, bool]] = {}  # marked_at, published
+        # (schedule, tick) -> (marked_at, state): UNPUBLISHED, PUBLISHED or SKIPPED
+        self._marks: dict[tuple[str, float], tuple[float, int]] = {}
         self._lock = threading.Lock()
 
     def mark(self, schedule: str, tick: float, now: float) -> bool:
         with self._lock:
             if (schedule, tick) in self._marks:
                 return False
-            self._marks[schedule, tick] = (now, False)
+            self._marks[schedule, tick] = (now, UNPUBLISHED)
             return True
 
     def take_over(self, mark: Mark, now: float) -> bool:
         with self._lock:
-            if self._marks.get((mark.schedule, mark.tick)) != (mark.marked_at, False):
+            if self._marks.get((mark.schedule, mark.tick)) != (mark.marked_at, UNPUBLISHED):
                 return False
-            self._marks[mark.schedule, mark.tick] = (now, False)
+            self._marks[mark.schedule, mark.tick] = (now, UNPUBLISHED)
             return True
 
-    def published(self, schedule: str, tick: float, forget_before: float) -> None:
+    def published(
+        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+    ) -> None:
         with self._lock:
-            self._marks[schedule, tick] = (self._marks[schedule, tick][0], True)
+            state = SKIPPED if skipped else PUBLISHED
+            self._marks[schedule, tick] = (self._marks[schedule, tick][0], state)
             for key in [k for k in self._marks if k[0] == schedule and k[1] < forget_before]:
                 del self._marks[key]
 
@@ -78,13 +92,21 @@ class MemoryMarks(Marks):
         with self._lock:
             return [
                 Mark(schedule, tick, at)
-                for (schedule, tick), (at, done) in self._marks.items()
-                if not done and at < marked_before
+                for (schedule, tick), (at, state) in self._marks.items()
+                if state == UNPUBLISHED and at < marked_before
             ]
 
     def last(self, schedule: str) -> float | None:
         with self._lock:
             return max((tick for s, tick in self._marks if s == schedule), default=None)
+
+    def last_run(self, schedule: str, before: float) -> float | None:
+        with self._lock:
+            return max(
+                (t for (s, t), (_, state) in self._marks.items()
+                 if s == schedule and t < before and state != SKIPPED),
+                default=None,
+            )  # fmt: skip
 
     def close(self) -> None:
         pass

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import threading
 
-from workerpool.periodic.marks import Mark, Marks
+from workerpool.periodic.marks import PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks
 from workerpool.stores.sqlite import connect, translated
 
 _LABEL = "periodic ticks"
+# ``published`` holds a mark's state (workerpool.periodic.marks): 0 no, 1 yes, 2 skipped.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS periodic_ticks (
     schedule TEXT NOT NULL, tick REAL NOT NULL, marked_at REAL NOT NULL,
@@ -30,40 +31,51 @@ class SqliteMarks(Marks):
 
     def mark(self, schedule: str, tick: float, now: float) -> bool:
         return self._changed(
-            "INSERT OR IGNORE INTO periodic_ticks VALUES (?, ?, ?, 0)", schedule, tick, now
-        )
+            "INSERT OR IGNORE INTO periodic_ticks VALUES (?, ?, ?, ?)",
+            schedule, tick, now, UNPUBLISHED,
+        )  # fmt: skip
 
     def take_over(self, mark: Mark, now: float) -> bool:
         return self._changed(
             "UPDATE periodic_ticks SET marked_at = ? "
-            "WHERE schedule = ? AND tick = ? AND marked_at = ? AND published = 0",
-            now, mark.schedule, mark.tick, mark.marked_at,
+            "WHERE schedule = ? AND tick = ? AND marked_at = ? AND published = ?",
+            now, mark.schedule, mark.tick, mark.marked_at, UNPUBLISHED,
         )  # fmt: skip
 
-    def published(self, schedule: str, tick: float, forget_before: float) -> None:
+    def published(
+        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+    ) -> None:
         self._changed(
-            "UPDATE periodic_ticks SET published = 1 WHERE schedule = ? AND tick = ?",
-            schedule, tick,
+            "UPDATE periodic_ticks SET published = ? WHERE schedule = ? AND tick = ?",
+            SKIPPED if skipped else PUBLISHED, schedule, tick,
         )  # fmt: skip
         self._changed(
-            "DELETE FROM periodic_ticks WHERE schedule = ? AND tick < ? AND published = 1",
-            schedule, forget_before,
+            "DELETE FROM periodic_ticks WHERE schedule = ? AND tick < ? AND published != ?",
+            schedule, forget_before, UNPUBLISHED,
+        )  # fmt: skip
+
+    def last_run(self, schedule: str, before: float) -> float | None:
+        return self._max(
+            "SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ? AND tick < ? "
+            "AND published != ?",
+            schedule, before, SKIPPED,
         )  # fmt: skip
 
     def unpublished(self, marked_before: float) -> list[Mark]:
         with self._lock, translated(_LABEL):
             rows = self._conn.execute(
                 "SELECT schedule, tick, marked_at FROM periodic_ticks "
-                "WHERE published = 0 AND marked_at < ?",
-                (marked_before,),
+                "WHERE published = ? AND marked_at < ?",
+                (UNPUBLISHED, marked_before),
             ).fetchall()
         return [Mark(schedule, float(tick), float(at)) for schedule, tick, at in rows]
 
     def last(self, schedule: str) -> float | None:
+        return self._max("SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ?", schedule)
+
+    def _max(self, sql: str, *args: object) -> float | None:
         with self._lock, translated(_LABEL):
-            (tick,) = self._conn.execute(
-                "SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ?", (schedule,)
-            ).fetchone()
+            (tick,) = self._conn.execute(sql, args).fetchone()
         return None if tick is None else float(tick)
 
     def close(self) -> None:

@@ -290,6 +290,8 @@ class Launcher:
                 raise ConfigError(f"idempotency_store: {exc}") from None
         if store is not None:
             idempotency = Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
+            for periodics in (mw for mw in coordination if isinstance(mw, Periodics)):
+                periodics.running = store.running
         return chain(
             telemetry=self.telemetry.middleware(self.subscription),
             coordination=coordination,
