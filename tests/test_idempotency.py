@@ -117,6 +117,18 @@ def test_completed_job_is_done_and_no_longer_claimed(
     assert store.claim(JOB, "w1", "m1", TTL) == Done(completed_at)
 
 
+def test_running_is_a_live_claim_not_completed(store: IdempotencyStore, clock: FakeClock) -> None:
+    # (what a periodic schedule's overlap "skip" asks of its previous tick's job id)
+    assert not store.running(JOB)
+    store.claim(JOB, "w1", "m1", TTL)
+    assert store.running(JOB)
+    clock.advance(TTL + 1)
+    assert not store.running(JOB)  # its holder died: nothing runs
+    store.claim(JOB, "w2", "m2", TTL)
+    store.complete(JOB, "w2", "m2")
+    assert not store.running(JOB)
+
+
 def test_claims_and_completions_in_one_call_decide_as_one_at_a_time(
     store: IdempotencyStore, clock: FakeClock
 ) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
+from workerpool.periodic.spec import Periodic, parse_schedules
 from workerpool.ratelimit import RateSpec, parse_rate
 
 DEFAULT_CONFIG_FILE = "workerpool.toml"
@@ -60,6 +61,8 @@ class Settings:
     concurrency: Mapping[str, int] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
+    # ``[[schedules]]``: periodic jobs, fired by the first pool to its topic (worker.launcher).
+    schedules: tuple[Periodic, ...] = ()
 
     def validate(self) -> Settings:
         positive = (
@@ -128,7 +131,7 @@ def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _coerce(k, v, f"pools[{index}]") for k, v in pool.items()}
 
 
-_STRUCTURED = ("job_config", "rate_limits", "concurrency", "pools")
+_STRUCTURED = ("job_config", "rate_limits", "concurrency", "pools", "schedules")
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _STRUCTURED}
 
 
@@ -200,7 +203,7 @@ def _from_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from exc
-    tables = {"worker", "jobs", "rate_limits", "concurrency", "pools"}
+    tables = {"worker", "jobs", "rate_limits", "concurrency", "pools", "schedules"}
     unknown_tables = sorted(set(document) - tables)
     if unknown_tables:
         raise ConfigError(f"config file {path}: unknown table [{unknown_tables[0]}]")
@@ -213,6 +216,7 @@ def _from_file(path: Path) -> dict[str, Any]:
     values["rate_limits"] = _rate_limits(document.get("rate_limits", {}), str(path))
     values["concurrency"] = _concurrency(document.get("concurrency", {}), str(path))
     values["pools"] = tuple(document.get("pools", ()))
+    values["schedules"] = parse_schedules(document.get("schedules", ()), str(path))
     return values
 
 

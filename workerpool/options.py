@@ -14,10 +14,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from workerpool.periodic.ticks import cron_expression
 from workerpool.slots.keys import KeyTemplate
 
 CONCURRENCY = "concurrency"
 RATE_LIMIT = "rate_limit"
+SCHEDULE = "schedule"
 # What every job takes, read by the worker itself.
 CORE = frozenset({"timeout", "max_attempts", "payload", "config"})
 
@@ -28,12 +30,25 @@ def _concurrency_key(job: str, key: Any) -> None:
     KeyTemplate(key)  # a malformed template fails here, where it is written
 
 
+def _cron(job: str, text: Any) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"job {job!r}: schedule must be a cron expression, got {text!r}")
+    try:
+        cron_expression(text)
+    except ValueError as exc:
+        raise ValueError(f"job {job!r}: {exc}") from None
+
+
 # Option -> the middleware that reads it (for messages) and a check of its value, if any.
 _READERS: dict[str, str] = {
     CONCURRENCY: "workerpool.slots.middleware.Concurrency",
     RATE_LIMIT: "workerpool.worker.middleware.RateLimit",
+    SCHEDULE: "workerpool.periodic.firing.Periodics",
 }
-_CHECKS: dict[str, Callable[[str, Any], None]] = {CONCURRENCY: _concurrency_key}
+_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    CONCURRENCY: _concurrency_key,
+    SCHEDULE: _cron,
+}
 _LOCK = threading.Lock()
 
 

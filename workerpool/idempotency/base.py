@@ -136,6 +136,14 @@ class IdempotencyStore(ABC):
 
         return mutation
 
+    def running(self, job_id: str) -> bool:
+        """Whether a live claim holds ``job_id``, not completed (periodic overlap "skip")."""
+
+        def looking(record: Record | None, now: float) -> tuple[bool, Change]:
+            return record is not None and record.completed_at is None and record.until > now, None
+
+        return self._guarded(lambda: self._mutate(job_id, looking))
+
     def renew(self, job_id: str, owner: str, message_id: str, ttl: float) -> bool:
         return self.renew_many([(job_id, message_id)], owner, ttl)[0]
 

@@ -134,6 +134,12 @@ class Metrics(Middleware):
             description="Time spent waiting for a rate-limit token, by limiter.",
             explicit_bucket_boundaries_advisory=_SECONDS,
         )
+        self._periodic_lateness = meter.create_histogram(
+            c.METRIC_PERIODIC_LATENESS,
+            unit="s",
+            description="How long after its tick a periodic job was published, by schedule.",
+            explicit_bucket_boundaries_advisory=_SECONDS,
+        )
         self._drain = meter.create_histogram(
             c.METRIC_DRAIN_DURATION,
             unit="s",
@@ -211,6 +217,10 @@ class Metrics(Middleware):
     def rate_limit_waited(self, limiter: str, seconds: float) -> None:
         """A run (or an outbound call) waited ``seconds`` for a token of ``limiter``."""
         self._rate_limit_wait.record(seconds, {c.LABEL_LIMITER: limiter})
+
+    def periodic_late(self, schedule: str, seconds: float) -> None:
+        """A tick of ``schedule`` was published ``seconds`` after it fell."""
+        self._periodic_lateness.record(seconds, {c.LABEL_SCHEDULE: schedule})
 
     def watch_pool(self, name: str, pool: WatchedPool) -> None:
         """Report ``pool``'s running jobs, held messages and limit as gauges labelled

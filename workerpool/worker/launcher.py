@@ -36,6 +36,9 @@ from workerpool.ops.admin import (
     subscription_path,
     topic_path,
 )
+from workerpool.options import SCHEDULE
+from workerpool.periodic import MemoryMarks, Periodic, marks_opener, with_jobs
+from workerpool.periodic.firing import Periodics
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import JobSpec, Registry, registry
 from workerpool.schedule import schedule_opener
@@ -125,12 +128,14 @@ class Launcher:
         store: IdempotencyStore | None = None,
         limiters: RateLimiters | None = None,
         telemetry: Telemetry | None = None,
+        schedules: Sequence[Periodic] | None = None,
     ) -> None:
         """``middleware`` come after the ones ``settings.middleware`` names, innermost of the
         chain (workerpool.worker.chain);
         ``store`` overrides ``settings.idempotency_store`` with a store object of your own;
         ``limiters`` are shared by the pools of one process (default: from settings);
-        ``telemetry`` (traces, metrics, job log lines) too (default: global providers).
+        ``telemetry`` (traces, metrics, job log lines) too (default: global providers);
+        ``schedules`` the periodic schedules to fire (default: the settings' and the jobs').
         Nothing is opened or started until ``start``."""
         if not settings.project or not settings.subscription:
             raise ConfigError("project and subscription are required")
@@ -139,6 +144,7 @@ class Launcher:
         self.subscription = subscription_path(settings.project, settings.subscription)
         self.telemetry = telemetry or Telemetry()
         self._jobs = jobs
+        self._schedules = schedules
         # Made now: a bad name stops the worker before it connects to anything.
         self._user_middleware = [*named.build(settings), *middleware]
         self._clients = clients
@@ -288,6 +294,8 @@ class Launcher:
                 raise ConfigError(f"idempotency_store: {exc}") from None
         if store is not None:
             idempotency = Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
+            for periodics in (mw for mw in coordination if isinstance(mw, Periodics)):
+                periodics.running = store.running
         return chain(
             telemetry=self.telemetry.middleware(self.subscription),
             coordination=coordination,
@@ -358,11 +366,12 @@ class Launcher:
         return True
 
     def _coordination(self, topic: str, publisher: Any) -> list[Middleware]:
-        """Delayed jobs, and batches, where the store keeps them (beside the claims)."""
+        """Delayed jobs, periodic ones, and batches, where the store keeps them (beside the
+        claims)."""
         url = self.settings.idempotency_store
         open_schedule, open_batches = schedule_opener(url), batch_opener(url)
         if open_schedule is None:
-            return [Delays(topic, None, None)]
+            return [Delays(topic, None, None), self._periodics(url, topic, publisher)]
         try:
             schedule = open_schedule()
             batches = None if open_batches is None else open_batches()
@@ -370,7 +379,29 @@ class Launcher:
             raise ConfigError(f"idempotency_store (for delays and batches): {exc}") from None
         firer = Firer(schedule, topic, publisher)
         delays: Middleware = Delays(topic, schedule, firer)
-        return [delays] if batches is None else [delays, Batches(batches, schedule, firer)]
+        periodics = self._periodics(url, topic, publisher)
+        return [delays, periodics] + (
+            [] if batches is None else [Batches(batches, schedule, firer)]
+        )
+
+    def _periodics(self, url: str, topic: str, publisher: Any) -> Middleware:
+        """The firer of the periodic schedules (ConfigError for one naming no job)."""
+        schedules = self._schedules
+        if schedules is None:
+            crons = {spec.name: spec.options.get(SCHEDULE) for spec in self._jobs.specs()}
+            schedules = with_jobs(self.settings.schedules, crons)
+        open_marks = marks_opener(url)
+        if not schedules or open_marks is None:
+            if schedules:
+                raise ConfigError("periodic schedules need an idempotency_store, not none")
+            return Periodics((), MemoryMarks(), topic, publisher)
+        try:
+            marks = open_marks()
+        except StoreError as exc:
+            raise ConfigError(f"idempotency_store (for periodic schedules): {exc}") from None
+        return Periodics(
+            schedules, marks, topic, publisher, on_late=self.telemetry.metrics.periodic_late
+        )
 
     def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:
         if limits is None:
@@ -593,10 +624,14 @@ class Fleet:
             settings.rate_limits, on_wait=self.telemetry.metrics.rate_limit_waited
         )
         self.settings = settings
+        # The first pool fires the periodic schedules, to its topic.
         self.launchers = [
-            Launcher(pool, jobs=jobs, limiters=limiters, telemetry=self.telemetry)
-            for pool in settings.pool_settings()
-        ]
+            Launcher(
+                pool, jobs=jobs, limiters=limiters, telemetry=self.telemetry,
+                schedules=None if i == 0 else (),
+            )
+            for i, pool in enumerate(settings.pool_settings())
+        ]  # fmt: skip
 
     def start(self, abort: threading.Event | None = None) -> Fleet:
         """Start the pools one after another, none once ``abort`` is set (a signal came)."""

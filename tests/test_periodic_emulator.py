@@ -1,0 +1,229 @@
+"""Periodic jobs with real worker processes on the Pub/Sub emulator, sharing an SQLite store:
+each tick of a 1-second schedule runs once across three workers, through kill -9, and after
+the whole fleet was down, as its catch_up says."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import sqlite3
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+from tests.support import WorkerProcess, http_get, ledger_events, spawn_worker, wait_for
+from tests.support import worker_processes as processes
+from workerpool.schedule import parse_not_before
+from workerpool.testing.emulator import free_port
+from workerpool.testing.pubsub import PubSubResources
+
+SCHEDULE = """
+[[schedules]]
+name = "{name}"
+job = "demo.sleep"
+{when}
+payload = {{ seconds = {seconds} }}
+catch_up = "{catch_up}"
+overlap = "{overlap}"
+"""
+
+
+def _config(
+    tmp_path: Path,
+    schedules: list[tuple[str, str, str]],
+    seconds: float = 0.05,
+    overlap: str = "allow",
+) -> Path:
+    config = tmp_path / "workerpool.toml"
+    text = "".join(
+        SCHEDULE.format(name=n, when=w, catch_up=c, seconds=seconds, overlap=overlap)
+        for n, w, c in schedules
+    )
+    config.write_text(text)
+    return config
+
+
+def _spawn(
+    env: PubSubResources, tmp_path: Path, config: Path, ports: list[int]
+) -> list[WorkerProcess]:
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    started = [
+        spawn_worker(
+            env, ledger, "--config", str(config), "--claim-ttl", "10",
+            "--metrics-port", str(port), store=store,
+        )
+        for port in ports
+    ]  # fmt: skip
+    assert wait_for(lambda: all(w.ready() for w in started), timeout=90)
+    return started
+
+
+def _ran(tmp_path: Path, name: str) -> Counter[float]:
+    """How many times each tick of ``name`` ran to the end, by the jobs' own ledger."""
+    prefix = f"periodic:{name}:"
+    return Counter(
+        parse_not_before(e["job_id"][len(prefix) :])
+        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
+        if e["job_id"].startswith(prefix)
+    )
+
+
+def _lateness(tmp_path: Path, name: str, start: float, end: float) -> list[float]:
+    """Seconds from each tick in [start, end] to its job's start."""
+    prefix = f"periodic:{name}:"
+    late = []
+    for e in ledger_events(tmp_path / "ledger.jsonl", "done"):
+        if e["job_id"].startswith(prefix):
+            tick = parse_not_before(e["job_id"][len(prefix) :])
+            if start <= tick <= end:
+                late.append(e["start"] - tick)
+    return late
+
+
+def _published(ports: list[int], name: str) -> int:
+    """The ticks of ``name`` the workers serving /metrics on ``ports`` published (the count
+    of their lateness histogram)."""
+    sample = f'workerpool_periodic_lateness_seconds_count{{schedule="{name}"}} '
+    texts = [http_get(f"http://127.0.0.1:{port}/metrics")[1] for port in ports]
+    lines = [line for text in texts for line in text.splitlines() if line.startswith(sample)]
+    return sum(int(float(line[len(sample) :])) for line in lines)
+
+
+def _marked(tmp_path: Path, name: str) -> int:
+    with sqlite3.connect(tmp_path / "fleet.db") as db:
+        query = "SELECT COUNT(*) FROM periodic_ticks WHERE schedule = ?"
+        return int(db.execute(query, (name,)).fetchone()[0])
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+def test_each_tick_runs_once_across_three_workers_and_two_killed(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    names = ("every-second", "cron-seconds")
+    config = _config(
+        tmp_path,
+        [(names[0], 'every = "1s"', "all"), (names[1], 'cron = "* * * * * *"', "all")],
+    )
+    with processes() as workers:
+        # Given three workers sharing an SQLite store, and two schedules ticking every second
+        ports = [free_port() for _ in range(3)]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
+        begin = time.time()
+        time.sleep(20)
+        # (each tick marked so far was published by one worker: the marks are counted first)
+        marked = {name: _marked(tmp_path, name) for name in names}
+        published = {name: _published(ports, name) for name in names}
+        # When two of them are killed with SIGKILL 20 s in, and started again 5 s later
+        killed_at = time.time()
+        for worker in workers[:2]:
+            worker.process.send_signal(signal.SIGKILL)
+            worker.wait(10)
+        time.sleep(5)
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port(), free_port()]))
+        time.sleep(15)
+        end = time.time()
+        # (the ticks up to the end have run, or will within a claim's life)
+        for name in names:
+            expected = {float(t) for t in range(int(begin) + 1, int(end) + 1)}
+            assert wait_for(lambda n=name, x=expected: x <= set(_ran(tmp_path, n)), 30)
+    # Then every tick in the window ran, and none twice; each was published once
+    for name in names:
+        assert marked[name] - 2 <= published[name] <= marked[name], (marked, published)
+        ran = _ran(tmp_path, name)
+        window = {t: n for t, n in ran.items() if begin < t <= end}
+        assert set(window) == {float(t) for t in range(int(begin) + 1, int(end) + 1)}, name
+        assert set(window.values()) == {1}, [t for t, n in window.items() if n > 1]
+        # And before the kill, they started within a second of their tick (p99)
+        steady = _lateness(tmp_path, name, begin + 1, killed_at - 1)
+        whole = _lateness(tmp_path, name, begin, end)
+        print(
+            f"{name}: {len(window)} ticks; start lateness before the kill p50 "
+            f"{statistics.median(steady):.3f} s, p99 {_p99(steady):.3f} s, max "
+            f"{max(steady):.3f} s; over the whole window p99 {_p99(whole):.3f} s; "
+            f"{published[name]} published of {marked[name]} marked at 20 s"
+        )
+        assert min(steady) >= 0 and _p99(steady) <= 1.0
+
+
+def test_after_the_whole_fleet_was_down_catch_up_decides(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    modes = ("all", "latest", "none")
+    config = _config(tmp_path, [(m, 'every = "1s"', m) for m in modes])
+    with processes() as workers:
+        # Given three workers firing three 1-second schedules
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        time.sleep(8)
+        # When all of them stop, and three start again 10 s later
+        for worker in workers:
+            worker.process.send_signal(signal.SIGTERM)
+        for worker in workers:
+            assert worker.wait(60) == 0
+        stopped = time.time()
+        time.sleep(10)
+        restarted = time.time()
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        # (the ticks up to a cutoff after they are up have run; a later one may still be on
+        # its way at the end)
+        cutoff = time.time() + 3
+        assert wait_for(lambda: all(max(_ran(tmp_path, m)) > cutoff + 2 for m in modes), 30)
+    ran = {m: Counter({t: n for t, n in _ran(tmp_path, m).items() if t <= cutoff}) for m in modes}
+    for mode in modes:
+        assert set(ran[mode].values()) == {1}, mode  # none ran twice
+    # Then "all" ran each tick since the first, the missed ones too
+    first, last = min(ran["all"]), max(ran["all"])
+    assert set(ran["all"]) == {float(t) for t in range(int(first), int(last) + 1)}
+    # "latest" the last tick missed only: one more than "none", just before its first tick
+    # after the restart (the first worker up fires both from the same moment)
+    after = {
+        m: sorted(t for t in ran[m] if t > max(t for t in ran[m] if t <= stopped)) for m in modes
+    }
+    assert after["none"][0] > restarted, (after["none"][:3], restarted)
+    assert after["latest"] == [after["none"][0] - 1, *after["none"]], (after, stopped)
+    assert after["latest"][0] > stopped + 8
+    missed = int(after["none"][0] - max(t for t in ran["none"] if t <= stopped)) - 1
+    print(f"{missed} ticks missed while down: all ran {missed}, latest 1, none 0")
+
+
+def test_a_schedule_naming_no_registered_job_stops_the_worker(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("nightly", 'cron = "0 2 * * *"', "latest")])
+    config.write_text(config.read_text().replace("demo.sleep", "demo.slep"))
+    with processes() as workers:
+        # Given a schedule whose job is misspelt, when a worker starts, then exit 2, one line
+        ledger = tmp_path / "ledger.jsonl"
+        workers.append(spawn_worker(pubsub_resources, ledger, "--config", str(config)))
+        assert workers[0].wait(60) == 2
+        errors = [line for line in workers[0].output().splitlines() if "error" in line]
+        assert errors == [
+            "workerpool: error: schedule 'nightly': no job 'demo.slep' is registered"
+        ], workers[0].output()
+
+
+def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap="skip")
+    with processes() as workers:
+        # Given three workers and a 1-second schedule whose job takes 2.5 s, overlap "skip"
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        # When it runs for 15 s
+        time.sleep(15)
+    # Then no run started before the one before it ended, and the ticks between were left out
+    runs = sorted(
+        (e["start"], e["end"])
+        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
+        if e["job_id"].startswith("periodic:slow:")
+    )
+    assert len(runs) >= 3, runs
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
+    print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks")

@@ -1,0 +1,212 @@
+"""Leaderless firing, in process: the marks' compare-and-sets on every backend, and firers
+that share them publishing each tick once (a fake publisher; the emulator test runs real
+workers)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from tests.support import wait_for
+from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
+from workerpool.periodic.firing import Periodics
+
+HOUR = 3600.0
+NOW = 1_800_000_000.0  # on the hour
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def opened(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Marks]]:
+    """Opens the marks, as each worker does (in memory: one store the process shares)."""
+    memory = MemoryMarks()
+    handles: list[Marks] = []
+
+    def open_marks() -> Marks:
+        handles.append(memory if request.param == "memory" else SqliteMarks(tmp_path / "m.db"))
+        return handles[-1]
+
+    yield open_marks
+    for handle in handles:
+        handle.close()
+
+
+@pytest.fixture
+def marks(opened: Callable[[], Marks]) -> Marks:
+    return opened()
+
+
+class Publisher:
+    """Records what is published; every publish succeeds at once."""
+
+    def __init__(self) -> None:
+        self.published: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+
+    def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+        with self._lock:
+            self.published.append(attributes)
+        future: Future[str] = Future()
+        future.set_result(str(len(self.published)))
+        return future
+
+    def job_ids(self) -> list[str]:
+        with self._lock:
+            return [a["job_id"] for a in self.published]
+
+
+def hourly(catch_up: str = "latest", window: float = 10 * HOUR) -> Periodic:
+    return Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, catch_up, window)
+
+
+def job_id(tick: float) -> str:
+    return hourly().job_id(tick)
+
+
+def test_one_mark_per_tick_and_one_take_over(marks: Marks) -> None:
+    assert marks.mark("h", NOW, NOW) is True
+    assert marks.mark("h", NOW, NOW + 1) is False
+    assert marks.unpublished(NOW + 1) == [Mark("h", NOW, NOW)]
+    assert marks.unpublished(NOW) == []
+    # Given an unpublished mark, when two workers take it over, then one does.
+    assert marks.take_over(Mark("h", NOW, NOW), NOW + 10) is True
+    assert marks.take_over(Mark("h", NOW, NOW), NOW + 10) is False
+    marks.published("h", NOW, NOW - HOUR)
+    assert marks.unpublished(NOW + 100) == []
+    assert marks.take_over(Mark("h", NOW, NOW + 10), NOW + 20) is False
+    assert marks.last("h") == NOW and marks.last("other") is None
+
+
+def test_published_forgets_older_marks(marks: Marks) -> None:
+    for tick in (NOW - 2 * HOUR, NOW - HOUR, NOW):
+        marks.mark("h", tick, tick)
+        marks.published("h", tick, tick - HOUR)
+    marks.mark("g", NOW - 5 * HOUR, NOW)
+    assert marks.last("h") == NOW
+    assert marks.unpublished(NOW + 1) == [Mark("g", NOW - 5 * HOUR, NOW)]  # not h's to forget
+
+
+def _run(firers: list[Periodics], publisher: Publisher, count: int) -> list[str]:
+    for firer in firers:
+        firer.start()
+    try:
+        wait_for(lambda: len(publisher.job_ids()) >= count, timeout=10)
+    finally:
+        for firer in firers:
+            firer.close(5)
+    return publisher.job_ids()
+
+
+@pytest.mark.parametrize(
+    ("catch_up", "expected"),
+    [("all", [-4, -3, -2, -1, 0]), ("latest", [0]), ("none", [])],
+)
+def test_catch_up_after_the_fleet_was_down(
+    opened: Callable[[], Marks], marks: Marks, catch_up: str, expected: list[int]
+) -> None:
+    # Given the tick 5 hours ago fired, and the fleet down since
+    marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
+    marks.published("h", NOW - 5 * HOUR, 0)
+    # When three workers start at once
+    publisher = Publisher()
+    firers = [
+        Periodics([hourly(catch_up)], opened(), "t", publisher, clock=lambda: NOW + 60)
+        for _ in range(3)
+    ]
+    ids = _run(firers, publisher, len(expected))
+    # Then each missed tick is published once (all), the latest only, or none
+    assert sorted(ids) == sorted(job_id(NOW + h * HOUR) for h in expected)
+
+
+def test_catch_up_stops_at_the_window(opened: Callable[[], Marks], marks: Marks) -> None:
+    # Given the last tick fired 5 hours ago and a window of 2 hours, then the ticks within it
+    marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
+    marks.published("h", NOW - 5 * HOUR, 0)
+    publisher = Publisher()
+    firer = Periodics([hourly("all", 2 * HOUR)], opened(), "t", publisher, clock=lambda: NOW + 60)
+    assert sorted(_run([firer], publisher, 2)) == [job_id(NOW - HOUR), job_id(NOW)]
+
+
+def test_nothing_is_caught_up_on_the_first_start(opened: Callable[[], Marks], marks: Marks) -> None:
+    publisher = Publisher()
+    firer = Periodics([hourly("all")], opened(), "t", publisher, clock=lambda: NOW + 60)
+    firer.start()
+    firer.close(5)
+    assert publisher.job_ids() == [] and marks.last("h") is None
+
+
+def test_a_mark_left_unpublished_is_published_by_another(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given a worker that marked the tick and died before publishing it
+    marks.mark("h", NOW, NOW)
+    # When another worker runs 10 s later
+    publisher = Publisher()
+    firer = Periodics([hourly("none")], opened(), "t", publisher, clock=lambda: NOW + 10)
+    # Then it publishes the tick, with not_before = the tick
+    assert _run([firer], publisher, 1) == [job_id(NOW)]
+    assert publisher.published[0]["not_before"] == "2027-01-15T08:00:00.000Z"
+    assert marks.unpublished(NOW + 100) == []
+
+
+def test_a_tick_due_is_published_once_by_many_firers(opened: Callable[[], Marks]) -> None:
+    # Given ticks every second, a clock that moves, and four firers sharing the marks
+    publisher = Publisher()
+    clock = _Clock(NOW)
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1))
+    firers = [Periodics([every], opened(), "t", publisher, clock=clock) for _ in range(4)]
+    for firer in firers:
+        firer.start()
+    try:
+        for _ in range(5):  # when five ticks come due, one by one
+            clock.now += 1
+            wait_for(lambda: clock.now - NOW <= len(publisher.job_ids()), timeout=10)
+    finally:
+        for firer in firers:
+            firer.close(5)
+    # Then each was published once
+    assert sorted(publisher.job_ids()) == [every.job_id(NOW + s) for s in range(1, 6)]
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_no_schedules_no_thread() -> None:
+    firer = Periodics([], MemoryMarks(), "t", Publisher())
+    firer.start()
+    firer.close(1)
+
+
+@pytest.mark.parametrize(("overlap", "previous_runs", "expected"), [
+    ("skip", True, []), ("skip", False, [0]), ("allow", True, [0]),
+])  # fmt: skip
+def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
+    opened: Callable[[], Marks], marks: Marks, overlap: str, previous_runs: bool,
+    expected: list[int],
+) -> None:  # fmt: skip
+    # Given the tick an hour ago published and its job still holding its claim (or not)
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
+                        10 * HOUR, overlap)  # fmt: skip
+    publisher = Publisher()
+    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60)
+    asked: list[str] = []
+    firer.running = lambda job_id: asked.append(job_id) is None and previous_runs
+    # When the tick on the hour comes due (caught up at start)
+    firer.start()
+    assert wait_for(lambda: marks.last("h") == NOW and not marks.unpublished(NOW + 100), 10)
+    firer.close(5)
+    # Then it is published, or, with "skip" while the previous one runs, marked skipped
+    assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
+    assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
+    assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)

@@ -1,0 +1,163 @@
+"""The worker's side of periodic jobs: every worker runs a ``Periodics`` thread, and no
+leader is elected.
+
+When a tick is due, each worker tries to mark it (one compare-and-set in the store the fleet
+shares: insert if absent); the one that marked it publishes the job, under the job id derived
+from the schedule and the tick and with ``not_before`` = the tick, so it never starts early,
+then marks it published. A worker that dies between the mark and the publish leaves the mark
+unpublished: after ``take_over_after`` seconds another takes it over (a second compare-and-set,
+on the time it was marked) and publishes it; published twice, it still runs once, since the
+idempotency store knows its job id. Nothing expires while its holder may still be working.
+
+On start a worker looks back for ticks missed while the whole fleet was down, from the last
+tick marked (none marked yet: nothing is missed) but no further than ``catch_up_window``:
+``catch_up`` "all" fires each, "latest" the last one, "none" none.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any
+
+from workerpool.options import SCHEDULE
+from workerpool.periodic.marks import Mark, Marks
+from workerpool.periodic.spec import MAX_CATCH_UP, Periodic
+from workerpool.publishing import JobMessage, publish
+from workerpool.schedule.when import not_before_text
+from workerpool.stores import StoreError
+from workerpool.worker.middleware import Middleware
+
+log = logging.getLogger(__name__)
+
+_PUBLISH_TIMEOUT = 30.0
+# Marks of a schedule are forgotten this long after a later tick was published (at least:
+# longer for a longer catch-up window, which reads the last one).
+_KEEP = 86400.0
+
+
+class Periodics(Middleware):
+    """Fires the ticks of ``schedules`` to ``topic`` (see the module). ``on_late`` hears how
+    late each tick was published, by schedule."""
+
+    options = frozenset({SCHEDULE})
+
+    def __init__(
+        self,
+        schedules: Sequence[Periodic],
+        marks: Marks,
+        topic: str,
+        publisher: Any,
+        *,
+        take_over_after: float = 5.0,
+        on_late: Callable[[str, float], None] = lambda name, seconds: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._schedules = {s.name: s for s in schedules}
+        self._marks = marks
+        self._topic = topic
+        self._publisher = publisher
+        self._take_over_after = take_over_after
+        self._on_late = on_late
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Whether a job id holds a live claim, for overlap "skip" (the launcher sets it from
+        # the idempotency store; without one, "skip" fires like "allow").
+        self.running: Callable[[str], bool] | None = None
+
+    def start(self) -> None:
+        if not self._schedules:
+            return
+        self._thread = threading.Thread(target=self._run, name="workerpool-periodic", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._marks.close()
+
+    def _run(self) -> None:
+        now = self._clock()
+        due = {name: s.ticks.after(now) for name, s in self._schedules.items()}
+        self._guarded(partial(self._catch_up, now))
+        while not self._stop.is_set():
+            now = self._clock()
+            for name, schedule in self._schedules.items():
+                while due[name] <= now:  # (a worker that was held up fires each tick it missed)
+                    tick = due[name]
+                    self._guarded(partial(self._fire, schedule, tick))
+                    due[name] = schedule.ticks.after(tick)
+            self._guarded(partial(self._take_over, now))
+            # Awake at the next tick, and at least every second to take over lost publishes.
+            self._stop.wait(max(0.0, min(min(due.values()) - self._clock(), 1.0)))
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except StoreError as exc:  # another worker may fire it; else it is missed
+            log.warning("periodic schedules: store not reached (%s)", exc)
+        except Exception:  # a bug: keep firing the others
+            log.exception("periodic schedules: firing failed")
+
+    def _catch_up(self, now: float) -> None:
+        for schedule in self._schedules.values():
+            last = self._marks.last(schedule.name)
+            if last is None or schedule.catch_up == "none":
+                continue
+            limit = 1 if schedule.catch_up == "latest" else MAX_CATCH_UP
+            start = max(last, now - schedule.catch_up_window)
+            for tick in schedule.ticks.between(start, now, limit):
+                self._fire(schedule, tick)
+
+    def _fire(self, schedule: Periodic, tick: float) -> None:
+        if not self._marks.mark(schedule.name, tick, self._clock()):
+            return
+        if self._overlaps(schedule, tick):  # decided once, by the worker that marked it
+            log.info(
+                "periodic %s: tick %s skipped: the previous one still runs", schedule.name, tick
+            )
+            self._marks.published(schedule.name, tick, self._forget(schedule, tick), skipped=True)
+            return
+        self._publish(schedule, tick)
+
+    def _overlaps(self, schedule: Periodic, tick: float) -> bool:
+        """With overlap "skip", whether the last tick run before ``tick`` still holds its claim."""
+        if schedule.overlap != "skip" or self.running is None:
+            return False
+        previous = self._marks.last_run(schedule.name, tick)
+        return previous is not None and self.running(schedule.job_id(previous))
+
+    def _take_over(self, now: float) -> None:
+        for mark in self._marks.unpublished(now - self._take_over_after):
+            schedule = self._schedules.get(mark.schedule)
+            if schedule is not None and self._marks.take_over(mark, now):
+                log.info("periodic %s: publishing the tick %s another worker left", *_named(mark))
+                self._publish(schedule, mark.tick)
+
+    def _publish(self, schedule: Periodic, tick: float) -> None:
+        when = datetime.fromtimestamp(tick, UTC)
+        message = JobMessage(
+            schedule.job, dict(schedule.payload), schedule.job_id(tick), {},
+            not_before_text(when, when),
+        )  # fmt: skip
+        try:
+            publish(self._publisher, self._topic, message, timeout=_PUBLISH_TIMEOUT)
+        except Exception as exc:  # left unpublished: taken over after a while
+            log.warning("periodic %s: tick %s not published yet: %s", schedule.name, tick, exc)
+            return
+        self._on_late(schedule.name, self._clock() - tick)
+        self._marks.published(schedule.name, tick, self._forget(schedule, tick))
+
+    @staticmethod
+    def _forget(schedule: Periodic, tick: float) -> float:
+        return tick - max(_KEEP, schedule.catch_up_window)
+
+
+def _named(mark: Mark) -> tuple[str, str]:
+    return mark.schedule, datetime.fromtimestamp(mark.tick, UTC).isoformat()

@@ -1,0 +1,112 @@
+"""The ticks a fleet fired: one mark per (schedule, tick), set by the one worker that won the
+compare-and-set, ``published`` once its message is confirmed. A mark left unpublished (its
+worker died between the mark and the publish) is taken over by another worker with a second
+compare-and-set on the time it was marked. The config stays the source of truth: a mark only
+remembers that a tick fired."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+# A mark's state.
+UNPUBLISHED, PUBLISHED, SKIPPED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Mark:
+    schedule: str
+    tick: float  # seconds since the epoch, UTC
+    marked_at: float
+
+
+class Marks(ABC):
+    """Every method may raise ``StoreError``, and nothing else."""
+
+    @abstractmethod
+    def mark(self, schedule: str, tick: float, now: float) -> bool:
+        """Mark the tick unless it is marked already: True for the one caller that marked it."""
+
+    @abstractmethod
+    def take_over(self, mark: Mark, now: float) -> bool:
+        """Mark again, at ``now``, a tick still unpublished and marked at ``mark.marked_at``:
+        True for the one caller that did."""
+
+    @abstractmethod
+    def published(
+        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+    ) -> None:
+        """The tick's message is out (or, ``skipped``, will never be: overlap "skip"); marks
+        of the schedule before ``forget_before`` go."""
+
+    @abstractmethod
+    def last_run(self, schedule: str, before: float) -> float | None:
+        """The latest tick of the schedule before ``before`` marked and not skipped."""
+
+    @abstractmethod
+    def unpublished(self, marked_before: float) -> list[Mark]:
+        """The marks still unpublished that were marked before ``marked_before``."""
+
+    @abstractmethod
+    def last(self, schedule: str) -> float | None:
+        """The latest tick of the schedule marked (None: none yet)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; the store must not be used afterwards."""
+
+
+class MemoryMarks(Marks):
+    """The marks of one process, for tests and the in-process worker."""
+
+    def __init__(self) -> None:
+        # (schedule, tick) -> (marked_at, state): UNPUBLISHED, PUBLISHED or SKIPPED
+        self._marks: dict[tuple[str, float], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, schedule: str, tick: float, now: float) -> bool:
+        with self._lock:
+            if (schedule, tick) in self._marks:
+                return False
+            self._marks[schedule, tick] = (now, UNPUBLISHED)
+            return True
+
+    def take_over(self, mark: Mark, now: float) -> bool:
+        with self._lock:
+            if self._marks.get((mark.schedule, mark.tick)) != (mark.marked_at, UNPUBLISHED):
+                return False
+            self._marks[mark.schedule, mark.tick] = (now, UNPUBLISHED)
+            return True
+
+    def published(
+        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+    ) -> None:
+        with self._lock:
+            state = SKIPPED if skipped else PUBLISHED
+            self._marks[schedule, tick] = (self._marks[schedule, tick][0], state)
+            for key in [k for k in self._marks if k[0] == schedule and k[1] < forget_before]:
+                del self._marks[key]
+
+    def unpublished(self, marked_before: float) -> list[Mark]:
+        with self._lock:
+            return [
+                Mark(schedule, tick, at)
+                for (schedule, tick), (at, state) in self._marks.items()
+                if state == UNPUBLISHED and at < marked_before
+            ]
+
+    def last(self, schedule: str) -> float | None:
+        with self._lock:
+            return max((tick for s, tick in self._marks if s == schedule), default=None)
+
+    def last_run(self, schedule: str, before: float) -> float | None:
+        with self._lock:
+            return max(
+                (t for (s, t), (_, state) in self._marks.items()
+                 if s == schedule and t < before and state != SKIPPED),
+                default=None,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        pass
