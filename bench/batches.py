@@ -1,7 +1,7 @@
 """``python -m bench.batches``: what a batch child and a delayed job cost the store (SQLite, and
 Firestore on its emulator).
 
-Issue 16 asks for the store round trips and CPU per batch child, the completion latency of a
+Measured: the store round trips and CPU per batch child, the completion latency of a
 10,000-child batch, and timer lateness at 100 and 1,000 timers/s. Measured at the store and
 the firer, with a publisher that only records when it was called, so the figures are the
 schedule's and the batch ledger's own; the Pub/Sub hop after them (a publish and a pull, tens

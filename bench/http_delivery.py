@@ -1,7 +1,7 @@
 """``python -m bench.http_delivery``: should ``http.delivery`` have an async variant?
 
-Issue 14 asks for one (httpx.AsyncClient, one client per process, the same SSRF guard) if it
-measures faster. This runs both through a real ``Processor`` with N slot threads (the worker's
+It would have one (httpx.AsyncClient, one client per process, the same SSRF guard) if that
+measured faster. This runs both through a real ``Processor`` with N slot threads (the worker's
 data path from a leased message to its ack, Pub/Sub left out so only the delivery differs)
 against a local keep-alive HTTP server in a process of its own:
 

@@ -36,7 +36,7 @@ class Plan:
     # The default middleware part by part: (N, backlog, job seconds) runs.
     parts_runs: tuple[tuple[int, int, float], ...] = ((64, 2_000, 0.05), (100, 10_000, 0.0))
     impls: tuple[str, ...] = ("workerpool", "plain", "aio")
-    deviations: tuple[str, ...] = ()  # sizes that differ from issue 7's, and why
+    deviations: tuple[str, ...] = ()  # sizes that differ from the scenario's own, and why
 
 
 FULL = Plan(

@@ -1,6 +1,6 @@
 """``python -m bench.slots``: what a concurrency slot costs, and how many grants one key takes.
 
-Issue 15 asks for the CPU and latency of one slot acquire + release on SQLite and on the
+Measured: the CPU and latency of one slot acquire + release on SQLite and on the
 Firestore emulator, and the acquisitions per second one key sustains. Two measurements per
 backend, side by side in one run:
 

@@ -102,7 +102,7 @@ def _trace(name: str) -> Trace:
     return TRACES[name]()
 
 
-DEFAULT = Policy()  # issue 17's: a 90 s window
+DEFAULT = Policy()  # the policy's default: a 90 s window
 NO_WINDOW = Policy(scale_down_delay=0)
 
 
@@ -129,7 +129,7 @@ def test_the_oracle_is_the_work_and_a_cold_start_for_each_of_the_fewest_replicas
     )
 
 
-# Issue 17's simulator targets, on workerpool's autoscaler, at the default window and at none.
+# The simulator's targets, on workerpool's autoscaler, at the default window and at none.
 # The one the model shows missed is marked so, with why: it fails the suite the day it is met.
 
 BOTH = pytest.mark.parametrize("policy", [DEFAULT, NO_WINDOW], ids=["90s", "0s"])
@@ -233,7 +233,7 @@ def test_month_end_costs_at_most_1_2_times_the_oracle(policy: Policy) -> None:
 
 
 def test_the_month_end_cost_is_reported_at_each_window() -> None:
-    # What BENCHMARKS.md shows beside the target: 4.87x with issue 17's 90 s window (30 idle
+    # What BENCHMARKS.md shows beside the target: 4.87x with the default 90 s window (30 idle
     # replicas held for 90 s after the burst), 1.31x with none (little more than waking to
     # the max costs)
     ours = [Ours(DEFAULT), Ours(NO_WINDOW)]

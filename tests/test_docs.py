@@ -77,3 +77,23 @@ def test_the_code_cites_the_design_page_not_a_missing_design_file() -> None:
     citing = [str(path.relative_to(ROOT)) for path in sources if "DESIGN" in path.read_text()]
     assert citing == []
     assert (DOCS / "design.md").is_file()
+
+
+# The word "issue" and a number: a tracker's numbering means nothing to a reader of the code
+# or the docs.
+TRACKER_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+
+
+def test_no_code_test_or_page_names_a_tracker_issue_by_number() -> None:
+    # Given the code, the tests, the benchmarks and the docs (the dated benchmark history aside)
+    roots = ["workerpool", "jobs", "tests", "bench", "docs", "examples"]
+    files = [p for r in roots for p in (ROOT / r).rglob("*") if p.suffix in {".py", ".md"}]
+    files.append(ROOT / "README.md")
+    # Then none names an issue by its number
+    naming = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in files
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if TRACKER_NUMBER.search(line)
+    ]
+    assert naming == []

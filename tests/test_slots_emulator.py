@@ -31,7 +31,7 @@ from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources, wait_settled
 
 # The jobs that take slots, with limits for their keys (a test declares its own after these).
-# Share of the key's slots kept busy while the backlog lasts: issue 15's 0.90 on both stores.
+# Share of the key's slots kept busy while the backlog lasts: 0.90 on both stores, the target.
 # Measured on a warm Firestore emulator (``warm_firestore``): 0.928-0.955 in six runs, with a
 # release handing its slot to the first in line and deferrals not waiting for their bookings'
 # writes (on a cold emulator the JVM answers writes in 0.1-1 s for its first seconds).

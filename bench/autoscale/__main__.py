@@ -1,4 +1,4 @@
-"""``python -m bench.autoscale``: replay issue 17's traces through workerpool's autoscaler,
+"""``python -m bench.autoscale``: replay the workload traces through workerpool's autoscaler,
 a KEDA-like scaler and always-on, against the oracle; rewrite the section of BENCHMARKS.md
 between its markers and bench/plots/autoscale.png (``--print``: print the section only).
 
@@ -42,7 +42,7 @@ written every 2 s; while the fleet is at zero, a probe of up to {probe_limit:,} 
 replicas it woke start; Cloud Monitoring's backlog every 30 s, less what the fleet has taken \
 since the point was taken; `decide()` with a W s window and a {target:.0%} target; a \
 scale-in drains (starting replicas first, then the least busy by their beats), billed until \
-the last run ends. Issue 17's default window is {window:g} s; 0 s is shown beside it.
+the last run ends. The policy's default window is {window:g} s; 0 s is shown beside it.
 - **workerpool, no Monitoring**: the same where Monitoring cannot be read (the emulator, or \
 no permission).
 """
@@ -70,7 +70,7 @@ def main() -> None:
         runs.append(Runs(trace, found, outcomes))
     took = time.perf_counter() - began
     body = [
-        "## Autoscaling in simulation (issue 17)",
+        "## Autoscaling in simulation",
         "",
         f"`python -m bench.autoscale` ({took:.0f} s; numpy {np.__version__}, seeded traces): "
         "model results, not measurements. workerpool's own autoscaler (its loop, signal "

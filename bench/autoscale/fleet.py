@@ -52,7 +52,7 @@ class Setup:
     readable_after: float = 120.0
     sla_slack: float = 30.0
     # Idle cost counts from this long after the last run ended: the stabilisation window
-    # issue 17 asks for (scale down only after it: the policy's default, 90 s), plus a beat
+    # the targets ask for (scale down only after it: the policy's default, 90 s), plus a beat
     # interval and an autoscaler round for the signals to show that the last run ended.
     idle_grace: float = 93.0
 

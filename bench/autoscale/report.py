@@ -1,4 +1,4 @@
-"""The runs' table, issue 17's targets, the plot, and their section of BENCHMARKS.md."""
+"""The runs' table, the simulator's targets, the plot, and their section of BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _rows(runs: Runs) -> list[str]:
 
 
 def targets(runs: list[Runs], ours: list[str], setup: Setup) -> list[str]:
-    """Issue 17's simulator targets, met or not, for each scaler named in ``ours``."""
+    """The simulator's targets, met or not, for each scaler named in ``ours``."""
     month = next(r for r in runs if r.trace.name == "month-end")
     rows: list[tuple[str, list[tuple[str, bool]]]] = []
 

@@ -1,4 +1,4 @@
-"""The three workloads issue 17 names, as job arrival times and durations (seeded).
+"""The three workloads the autoscaler is judged on, as job arrival times and durations (seeded).
 
 Every job is the same kind: an I/O-bound job (render a document, call an API, write the
 result) whose duration is lognormal with a mean of 2 s (median 1.8 s, 1 in 1,000 over 6 s).

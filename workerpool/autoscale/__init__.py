@@ -1,2 +1,2 @@
-"""Sizing a worker fleet from its signals (issue 17: the policy first; signals, actuators and
+"""Sizing a worker fleet from its signals (the policy first; signals, actuators and
 the CLI come on top of it)."""
