@@ -79,12 +79,12 @@ def test_the_code_cites_the_design_page_not_a_missing_design_file() -> None:
     assert (DOCS / "design.md").is_file()
 
 
-# The word "issue" and a number: a tracker's numbering means nothing to a reader of the code
-# or the docs.
-TRACKER_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+# The word "issue" or "session" and a number: a tracker's or a diary's numbering means nothing
+# to a reader of the code or the docs.
+TRACKER_NUMBER = re.compile(r"\b(issues? #?|sessions? )\d+", re.IGNORECASE)
 
 
-def test_no_code_test_or_page_names_a_tracker_issue_by_number() -> None:
+def test_no_code_test_or_page_names_a_tracker_issue_or_a_session_by_number() -> None:
     # Given the code, the tests, the benchmarks and the docs (the dated benchmark history aside)
     roots = ["workerpool", "jobs", "tests", "bench", "docs", "examples"]
     files = [p for r in roots for p in (ROOT / r).rglob("*") if p.suffix in {".py", ".md"}]
