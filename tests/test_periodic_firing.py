@@ -15,6 +15,7 @@ import pytest
 from tests.support import wait_for
 from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
 from workerpool.periodic.firing import Periodics
+from workerpool.stores import StoreError
 
 HOUR = 3600.0
 NOW = 1_800_000_000.0  # on the hour
@@ -210,3 +211,37 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
     assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
     assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)
+
+
+class _Failing(MemoryMarks):
+    """Marks whose first calls fail: the store out of reach, then a bug."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[Exception] = [StoreError("store down"), RuntimeError("a bug")]
+
+    def mark(self, schedule: str, tick: float, now: float) -> bool:
+        if self.failures:
+            raise self.failures.pop(0)
+        return super().mark(schedule, tick, now)
+
+
+def test_the_firing_thread_survives_a_store_that_fails_and_a_bug() -> None:
+    # Given ticks every second and marks whose first two calls raise
+    publisher = Publisher()
+    clock = _Clock(NOW)
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1))
+    marks = _Failing()
+    firer = Periodics([every], marks, "t", publisher, clock=clock)
+    firer.start()
+    try:
+        # When three ticks come due, one by one, the first two meeting a failure each
+        for left in (1, 0):
+            clock.now += 1
+            assert wait_for(lambda left=left: len(marks.failures) == left, timeout=10)
+        clock.now += 1
+        assert wait_for(publisher.job_ids, timeout=10)
+    finally:
+        firer.close(5)
+    # Then the first two were lost to the failures and the thread went on to fire the third
+    assert publisher.job_ids() == [every.job_id(NOW + 3)]
