@@ -18,7 +18,6 @@ TOO_LONG = frozenset(
         "workerpool/cli.py",
         "workerpool/worker/launcher.py",
         "workerpool/worker/pool.py",
-        "workerpool/worker/processor.py",
     }
 )
 

@@ -1,8 +1,8 @@
 """From a leased message to its ack: decode, run through the middleware, decide, settle.
 
 ``process`` reads top to bottom as the data path; ``decide`` (in ``outcome``) is the one place
-that chooses ack, nack or dead-letter, and ``_settle`` the one place that carries it out for a
-run's own end. A message can also leave without its run ending: given back unstarted
+that chooses ack, nack or dead-letter, and ``Settlement.settle`` (in ``settlement``) the one
+place that carries it out for a run's own end. A message can also leave without its run ending: given back unstarted
 (``give_back``), or handed back while it runs (``interrupt_running`` at the drain deadline,
 ``Run.hand_back`` for a lost claim). Every way out goes through ``decide``, is counted under
 its label in ``stats`` and is told to every middleware's ``settled``, once.
@@ -18,13 +18,12 @@ import inspect
 import logging
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from workerpool import constants as c
-from workerpool.constants import Label
 from workerpool.context import AsyncJobContext, Flag, JobContext, RunContext
 from workerpool.errors import Defer, PermanentError, RateLimitedError, RetryableError
 from workerpool.ratelimit import RateLimiters
@@ -33,31 +32,24 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.counts import Counts
 from workerpool.worker.delivery import Delivery
-from workerpool.worker.envelope import Job, Rejection, decode, job_id_of
-from workerpool.worker.failures import Failure
+from workerpool.worker.envelope import Job, Rejection, decode
 from workerpool.worker.interfaces import Acks, FailureRecords, Leases
 from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import (
     LAPSED_COME_BACK,
-    Ack,
     CopyForAnother,
-    DeadLetter,
     Deferred,
-    Facts,
     Failed,
     Interrupted,
     LostLease,
-    Nack,
     NotStarted,
     Outcome,
-    RecordFailed,
     Rejected,
-    Renew,
     Succeeded,
-    decide,
 )
 from workerpool.worker.renewal import Renewer
-from workerpool.worker.run import UNPARKABLE, Permit, Run, Settled
+from workerpool.worker.run import UNPARKABLE, Permit, Run
+from workerpool.worker.settlement import Settlement, Subject
 
 log = logging.getLogger(__name__)
 
@@ -86,38 +78,6 @@ class Ending(enum.Enum):
 # Has a thread that may block carry the rest of an async run; what it returns is how far
 # that thread carried it (SETTLED or RECORDING).
 Resume = Callable[[Callable[[], Ending]], None]
-
-# How long a worker thread waits to learn whether an exactly-once ack took.
-_ACK_CONFIRM_TIMEOUT = 60.0
-
-
-@dataclass(frozen=True)
-class _Subject:
-    """What a failure record, the logs and the decision say a message was."""
-
-    job_name: str
-    job_id: str
-    attempt: int  # Pub/Sub's delivery attempt
-    max_attempts: int = 1
-    # This run's number among the job id's tries: its earlier failures + 1 where the
-    # idempotency store counts them, else the delivery attempt (deferrals included).
-    tries: int = 0
-    tries_by_job: bool = False  # the store counts them: a copy of the message goes on from them
-
-    @classmethod
-    def of(cls, job: Job, run: Run | None = None) -> _Subject:
-        failures = None if run is None else run.failures
-        tries = job.delivery_attempt if failures is None else failures + 1
-        return cls(
-            job.name, job.job_id, job.delivery_attempt, job.spec.max_attempts, tries,
-            tries_by_job=failures is not None,
-        )  # fmt: skip
-
-    @classmethod
-    def unstarted(cls, delivery: Delivery) -> _Subject:
-        """What a message that never started says it is (it may name any job, or none)."""
-        attempt = delivery.delivery_attempt or 0
-        return cls(delivery.attributes.get(c.ATTR_JOB, ""), job_id_of(delivery), attempt)
 
 
 class AttemptCounter:
@@ -166,23 +126,21 @@ class Processor:
         self._registry = registry
         self._loop = loop or EventLoop()
         self._limiters = limiters
-        self._acks = acks
         self._leases = leases
-        self._records = records
         self._renewer = renewer
         self._middleware = list(middleware)
         self._chain = Chain(self._middleware)
-        # Those that hear how each message left: a call a message each, only where it is heard.
-        self._hear_settled = [
-            mw for mw in self._middleware if type(mw).settled is not Middleware.settled
-        ]
+        self._settlement = Settlement(
+            acks, leases, records, self._middleware, renewer,
+            backoff=settings.backoff, retry_policy=settings.retry_policy,
+            exactly_once=settings.exactly_once,
+        )  # fmt: skip
         self._settings = settings
         self._attempts = AttemptCounter()
         self._running: dict[Delivery, Run] = {}  # started, until settled
         self._stopping = False  # the drain deadline passed: nothing starts any more
         self._lock = threading.Lock()
         self.draining = Flag()
-        self._counts: Counts[str] = Counts()
         self._ahead: dict[str, bool] = {}  # by job name: see ``starts_ahead``
 
     def starts_ahead(self, delivery: Delivery) -> bool:
@@ -233,7 +191,7 @@ class Processor:
         this thread waits for the task."""
         attempt = self._attempts.attempt(delivery)
         if self._renewer is not None and not self._renewer.ours(delivery.attributes):
-            self._settle(delivery, CopyForAnother(), _Subject.unstarted(delivery))
+            self._settlement.settle(delivery, CopyForAnother(), Subject.unstarted(delivery))
             return Ending.SETTLED
         decoded = decode(
             delivery,
@@ -242,12 +200,14 @@ class Processor:
             max_payload_bytes=self._settings.max_payload_bytes,
         )
         if isinstance(decoded, Rejection):
-            subject = _Subject(decoded.job_name, decoded.job_id, attempt)
-            self._settle(delivery, Rejected(decoded.error_type, decoded.error_message), subject)
+            subject = Subject(decoded.job_name, decoded.job_id, attempt)
+            self._settlement.settle(
+                delivery, Rejected(decoded.error_type, decoded.error_message), subject
+            )
             return Ending.SETTLED
         run = self._begin(decoded, delivery, permit)
         if run is None:
-            self._settle(delivery, Interrupted(), _Subject.of(decoded))
+            self._settlement.settle(delivery, Interrupted(), Subject.of(decoded))
             return Ending.SETTLED
         steps = Steps(self._chain, run)
         if decoded.spec.is_async and resume is not None and not self._settings.exactly_once:
@@ -311,19 +271,19 @@ class Processor:
                 outcome = Failed(type(exc).__name__, str(exc), exc)
             run.outcome = outcome
             if run.completion is None:
-                self._settle(delivery, outcome, _Subject.of(run.job, run), run)
+                self._settlement.settle(delivery, outcome, Subject.of(run.job, run), run)
                 return Ending.SETTLED
             if self._settings.exactly_once:
                 # Its ack waits for Pub/Sub's confirmation: on the recording thread that wait
                 # would hold up every completion after it, so this slot waits instead.
                 final = _when_recorded(outcome, _wait_for(run.completion))
-                self._settle(delivery, final, _Subject.of(run.job, run), run)
+                self._settlement.settle(delivery, final, Subject.of(run.job, run), run)
                 return Ending.SETTLED
 
             def recorded(result: Outcome) -> None:
                 try:
                     final = _when_recorded(outcome, result)
-                    self._settle(delivery, final, _Subject.of(run.job, run), run)
+                    self._settlement.settle(delivery, final, Subject.of(run.job, run), run)
                 finally:
                     if left is not None:
                         left()
@@ -387,116 +347,10 @@ class Processor:
         run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
         return True
 
-    def _settle(
-        self, delivery: Delivery, outcome: Outcome, subject: _Subject, run: Run | None = None
-    ) -> None:
-        facts = self._facts(subject)
-        action = decide(outcome, facts)
-        error_type = ""
-        renewed = False
-        if isinstance(action, DeadLetter | Renew):
-            # The lease stays extended while a record or a copy is published (SETTLING), and
-            # a hand-back that came first means nothing is published.
-            if not delivery.begin_settle():
-                return
-            if isinstance(action, DeadLetter):
-                error_type = action.error_type
-                action = self._record(delivery, action, subject, facts)
-            if isinstance(action, Renew):  # also a record not published on the last delivery
-                action = self._renewed([(delivery, action)])[0]
-                renewed = isinstance(action, Ack)
-            if not delivery.finish_settle():
-                return  # the end of a drain gave it back meanwhile
-        elif not delivery.take():
-            return  # a hand-back (drain deadline, lost claim) settled it already
-        self._leases.remove(delivery)
-        label = self._send(delivery, action)
-        if label is not Label.DEAD_LETTERED:
-            error_type = ""
-        self._finish(
-            Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                    subject.attempt, run, error_type, attributes=delivery.attributes,
-                    ack_id=delivery.ack_id, renewed=renewed)
-        )  # fmt: skip
-
-    def _facts(self, subject: _Subject, *, renewable: bool = True) -> Facts:
-        """``renewable``: a copy may be published now (not at the end of a drain)."""
-        renewer = self._renewer
-        return Facts(
-            subject.tries or subject.attempt, subject.max_attempts, self._settings.backoff,
-            self._settings.retry_policy,
-            last_delivery=renewable and renewer is not None and renewer.last(subject.attempt),
-            tries_outlive_message=subject.tries_by_job,
-        )  # fmt: skip
-
-    def _renewed(self, renewals: Sequence[tuple[Delivery, Renew]]) -> list[Ack | Nack]:
-        """Each message's action once its copy is published (an ack) or not (its nack)."""
-        assert self._renewer is not None, "only a renewer says a delivery is the last"
-        published = self._renewer.renew([(delivery, r.after) for delivery, r in renewals])
-        return [
-            Ack(r.otherwise.label) if ok else r.otherwise
-            for (_, r), ok in zip(renewals, published, strict=True)
-        ]
-
-    def _record(
-        self, delivery: Delivery, action: DeadLetter, subject: _Subject, facts: Facts
-    ) -> Ack | Nack | Renew:
-        record = Failure(
-            action.error_type, action.error_message, subject.job_name, subject.job_id,
-            subject.attempt,
-        )  # fmt: skip
-        try:
-            self._records.publish(delivery, record)
-        except Exception as exc:  # any failure to record means we must not ack
-            log.error("failure record for %s not published: %s", subject.job_id, exc)
-            retry = decide(RecordFailed(str(exc)), facts)
-            assert not isinstance(retry, DeadLetter)
-            return retry
-        log.warning(
-            "job %s (%s) dead-lettered: %s: %s",
-            subject.job_name,
-            subject.job_id,
-            action.error_type,
-            action.error_message,
-        )
-        return Ack(Label.DEAD_LETTERED)
-
-    def _send(self, delivery: Delivery, action: Ack | Nack) -> Label:
-        match action:
-            case Ack(label):
-                return label if self._ack(delivery) else Label.ACK_FAILED
-            case Nack(delay, label):
-                delivery.returned = True
-                self._acks.modack([delivery.ack_id], delay)
-                return label
-
-    def _ack(self, delivery: Delivery) -> bool:
-        confirmation = self._acks.ack(delivery.ack_id, confirm=self._settings.exactly_once)
-        if confirmation is None:
-            return True
-        # Exactly-once: a refused or unanswered ack means the message comes back (or went to
-        # another worker already); the idempotency store, not this ack, stops a second run.
-        try:
-            took = confirmation.result(timeout=_ACK_CONFIRM_TIMEOUT)
-        except TimeoutError:
-            log.error("ack of message %s was not confirmed in time", delivery.message_id)
-            return False
-        if not took:
-            log.error("ack of message %s was refused by Pub/Sub", delivery.message_id)
-        return took
-
     @property
     def stats(self) -> Counts[str]:
         """How many messages left under each label (``constants.Label``), live."""
-        return self._counts
-
-    def _finish(self, event: Settled) -> None:
-        self._counts.add(event.label)
-        for mw in self._hear_settled:
-            try:
-                mw.settled(event)
-            except Exception:  # telemetry must never break the data path
-                log.exception("%s.settled failed", type(mw).__name__)
+        return self._settlement.stats
 
     # --- messages that leave without their run's own end -----------------------------------
 
@@ -508,8 +362,8 @@ class Processor:
         taken = [d for d in deliveries if (d.force() if force else d.take())]
         with self._lock:
             runs = [self._running.get(d) for d in taken]
-        self._nack_now(
-            [(d, _Subject.of(run.job) if run else _Subject.unstarted(d), run)
+        self._settlement.nack_now(
+            [(d, Subject.of(run.job) if run else Subject.unstarted(d), run)
              for d, run in zip(taken, runs, strict=True)],
             Interrupted() if force else NotStarted(),
             renewable=not force,
@@ -535,8 +389,8 @@ class Processor:
         taken = [run for run in runs if run.delivery.take()]
         for run in runs:
             run.ctx.cancelled.set()
-        self._nack_now(
-            [(run.delivery, _Subject.of(run.job), run) for run in taken], outcome, renewable
+        self._settlement.nack_now(
+            [(run.delivery, Subject.of(run.job), run) for run in taken], outcome, renewable
         )
         for run in taken:
             for mw in self._middleware:
@@ -545,46 +399,6 @@ class Processor:
                 except Exception:
                     log.exception("%s.interrupted failed", type(mw).__name__)
         return len(taken)
-
-    def _nack_now(
-        self,
-        taken: Sequence[tuple[Delivery, _Subject, Run | None]],
-        outcome: Outcome,
-        renewable: bool = True,
-    ) -> None:
-        """Settle messages already taken with ``outcome``, one request per delay for all (and,
-        if ``renewable``, their copies published together, for those on their last delivery)."""
-        decided = [
-            decide(outcome, self._facts(subject, renewable=renewable)) for _, subject, _ in taken
-        ]
-        renewals = [
-            (delivery, action)
-            for (delivery, _, _), action in zip(taken, decided, strict=True)
-            if isinstance(action, Renew)
-        ]
-        copied = iter(self._renewed(renewals) if renewals else ())
-        by_delay: dict[float, list[str]] = defaultdict(list)
-        labels = []
-        for (delivery, _, _), decision in zip(taken, decided, strict=True):
-            self._leases.remove(delivery)
-            action = next(copied) if isinstance(decision, Renew) else decision
-            match action:
-                case Ack(label):
-                    self._acks.ack(delivery.ack_id)  # its copy is out: a lost ack, a duplicate
-                case Nack(delay, label):
-                    delivery.returned = True
-                    by_delay[delay].append(delivery.ack_id)
-                case _:
-                    raise AssertionError(f"{outcome!r} must give the message back")
-            labels.append((label, isinstance(decision, Renew) and isinstance(action, Ack)))
-        for delay, ack_ids in by_delay.items():
-            self._acks.modack(ack_ids, delay)
-        for (delivery, subject, run), (label, renewed) in zip(taken, labels, strict=True):
-            self._finish(
-                Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                        subject.attempt, run, attributes=delivery.attributes,
-                        ack_id=delivery.ack_id, renewed=renewed)
-            )  # fmt: skip
 
 
 @functools.cache
