@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -242,13 +243,24 @@ def run_workerpool(args: argparse.Namespace, recorder: Recorder, stop: Stop) -> 
     serve_until_drained(flags, logging.INFO if "logs" in parts else logging.WARNING)
 
 
+def _serve_function() -> Any:
+    """``serve`` where the revision under test keeps it (a baseline may be older)."""
+    for module in ("workerpool.assembly.service", "workerpool.worker.service"):
+        try:
+            return importlib.import_module(module).serve
+        except ImportError:
+            continue
+    raise ImportError("no service module")
+
+
 def serve_until_drained(flags: dict[str, Any], log_level: int) -> None:
     """What ``workerpool run`` does, short of ending the process (the report comes after)."""
     try:
         from workerpool.config import load_settings
         from workerpool.telemetry.logs import setup_logging
-        from workerpool.worker.service import serve
-    except ImportError:  # a baseline from before workerpool.worker.service: its CLI returns
+
+        serve = _serve_function()
+    except ImportError:  # a baseline from before the service module: its CLI returns
         from workerpool.cli import main
 
         level = "info" if log_level == logging.INFO else "warning"

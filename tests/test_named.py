@@ -1,4 +1,4 @@
-"""Naming middleware in the config (workerpool.worker.named): what a name may point at, and
+"""Naming middleware in the config (workerpool.assembly.named): what a name may point at, and
 the order they are made in."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from workerpool import Middleware, Settings
+from workerpool.assembly import named
 from workerpool.errors import ConfigError
-from workerpool.worker import named
 
 
 class Recorder(Middleware):

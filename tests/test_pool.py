@@ -13,12 +13,12 @@ import pytest
 
 from tests.support import wait_for
 from workerpool import JobContext, PermanentError
+from workerpool.assembly.launcher import Launcher, Phase
 from workerpool.config import Settings
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
-from workerpool.worker.launcher import Launcher, Phase
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
 from workerpool.worker.outcome import Interrupted
 from workerpool.worker.pool import DrainReport, Pool, PoolLimits

@@ -11,9 +11,9 @@ import pytest
 
 from tests.support import wait_for
 from workerpool import JobContext
+from workerpool.assembly.launcher import Launcher, Phase
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
-from workerpool.worker.launcher import Launcher, Phase
 from workerpool.worker.pool import DrainReport
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from tests.support import wait_for
 from workerpool import JobContext
+from workerpool.assembly.fleet import Fleet
 from workerpool.config import Settings
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
-from workerpool.worker.launcher import Fleet
 
 
 def test_a_flood_on_one_subscription_does_not_delay_the_other(

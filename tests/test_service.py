@@ -12,7 +12,7 @@ import pytest
 _PROBE = """
 import gc, json, sys
 gc.set_threshold(*json.loads(sys.argv[1]))
-from workerpool.worker.service import collect_rarely
+from workerpool.assembly.service import collect_rarely
 collect_rarely()
 print(json.dumps({"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count()}))
 """

@@ -16,7 +16,6 @@ MAX_LINES = 500
 TOO_LONG = frozenset(
     {
         "workerpool/cli.py",
-        "workerpool/worker/launcher.py",
         "workerpool/worker/pool.py",
     }
 )

@@ -15,7 +15,7 @@ from tests.support import http_get, wait_for
 from workerpool.registry import Registry
 from workerpool.telemetry.health import HealthServer
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
-from workerpool.worker import processor as processor_module
+from workerpool.worker import settlement
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.lease import Leaser
@@ -272,7 +272,7 @@ def test_an_exactly_once_ack_that_is_never_answered_is_counted_not_raised(
             super().ack(ack_id)
             return Future()  # never resolved
 
-    monkeypatch.setattr(processor_module, "_ACK_CONFIRM_TIMEOUT", 0.05)
+    monkeypatch.setattr(settlement, "_ACK_CONFIRM_TIMEOUT", 0.05)
     jobs = Registry()
     jobs.job("t.ok")(lambda ctx, payload: None)
     processor = Processor(

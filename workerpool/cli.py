@@ -14,6 +14,8 @@ from typing import Any
 import click
 
 from workerpool import constants as c
+from workerpool.assembly.named import find_all
+from workerpool.assembly.service import exit_now, serve
 from workerpool.config import Settings, load_settings
 from workerpool.errors import ConfigError
 from workerpool.ops.admin import (
@@ -29,8 +31,6 @@ from workerpool.telemetry.exporters import publish_span
 from workerpool.telemetry.logs import LOG_FORMATS, setup_logging
 from workerpool.worker.clients import connect
 from workerpool.worker.envelope import parse_json
-from workerpool.worker.named import find_all
-from workerpool.worker.service import exit_now, serve
 from workerpool.worker.signals import held, release
 
 

@@ -38,7 +38,7 @@ class Settings:
     max_backoff: float = c.DEFAULT_MAX_BACKOFF
     jobs: tuple[str, ...] = ()
     # Middleware to add after the defaults, innermost: entry-point names of the
-    # ``workerpool.middleware`` group or ``module:Name`` paths (workerpool.worker.named).
+    # ``workerpool.middleware`` group or ``module:Name`` paths (workerpool.assembly.named).
     middleware: tuple[str, ...] = ()
     idempotency_store: str = "sqlite:///workerpool-idempotency.db"
     claim_ttl: float = c.DEFAULT_CLAIM_TTL
@@ -61,7 +61,7 @@ class Settings:
     concurrency: Mapping[str, int] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
-    # ``[[schedules]]``: periodic jobs, fired by the first pool to its topic (worker.launcher).
+    # ``[[schedules]]``: periodic jobs, fired by the first pool to its topic (assembly.launcher).
     schedules: tuple[Periodic, ...] = ()
 
     def validate(self) -> Settings:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from workerpool.assembly.launcher import Launcher
     from workerpool.testing.pubsub import PubSubResources
-    from workerpool.worker.launcher import Launcher
 
 # The emulator takes any project id; ``PUBSUB_PROJECT_ID`` picks another.
 PROJECT = os.environ.get("PUBSUB_PROJECT_ID", "workerpool-test")

@@ -26,7 +26,7 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 
-import workerpool.worker.launcher
+import workerpool.assembly.build
 from tests.faults.store import FaultyStore
 from workerpool.batches.store import BatchStore, Completion
 from workerpool.idempotency import StoreError, StoreOpener, StoreUnavailable
@@ -66,7 +66,7 @@ def _faulty(opener: StoreOpener, faults: list[dict[str, Any]], when: str) -> Sto
 
 def _install(spec: dict[str, Any]) -> None:
     if spec.get("store"):
-        real = workerpool.worker.launcher.store_opener
+        real = workerpool.assembly.build.store_opener
 
         def store_opener(url: str, **kwargs: Any) -> StoreOpener | None:
             opener = real(url, **kwargs)
@@ -76,7 +76,7 @@ def _install(spec: dict[str, Any]) -> None:
                 else _faulty(opener, spec["store"], spec.get("while_file", ""))
             )
 
-        workerpool.worker.launcher.store_opener = store_opener  # type: ignore[assignment]
+        workerpool.assembly.build.store_opener = store_opener  # type: ignore[assignment]
     if spec.get("record_delay"):
         delay = float(spec["record_delay"])
         publish = DeadLetterPublisher.publish

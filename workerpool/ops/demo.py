@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from workerpool.assembly.launcher import Launcher
 from workerpool.config import Settings
 from workerpool.constants import Label
 from workerpool.ops.admin import ProvisionRequest, provision, topic_path
@@ -20,7 +21,6 @@ from workerpool.registry import load_entry_points
 from workerpool.telemetry.textlog import live_console
 from workerpool.testing.emulator import LocalEmulator
 from workerpool.worker.clients import Clients
-from workerpool.worker.launcher import Launcher
 
 PROJECT = "workerpool-demo"
 TOPIC, SUBSCRIPTION, DEAD_LETTER_TOPIC = "demo-jobs", "demo-jobs-sub", "demo-dead-letter"

@@ -11,13 +11,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from workerpool.assembly.launcher import Launcher
 from workerpool.config import Settings
 from workerpool.idempotency import IdempotencyStore
 from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
 from workerpool.registry import Registry, import_job_modules, registry
 from workerpool.telemetry import Telemetry
 from workerpool.worker.clients import Clients, publisher_client, subscriber_client
-from workerpool.worker.launcher import Launcher
 
 
 @dataclass

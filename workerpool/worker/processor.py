@@ -2,10 +2,11 @@
 
 ``process`` reads top to bottom as the data path; ``decide`` (in ``outcome``) is the one place
 that chooses ack, nack or dead-letter, and ``Settlement.settle`` (in ``settlement``) the one
-place that carries it out for a run's own end. A message can also leave without its run ending: given back unstarted
-(``give_back``), or handed back while it runs (``interrupt_running`` at the drain deadline,
-``Run.hand_back`` for a lost claim). Every way out goes through ``decide``, is counted under
-its label in ``stats`` and is told to every middleware's ``settled``, once.
+place that carries it out for a run's own end. A message can also leave without its run
+ending: given back unstarted (``give_back``), or handed back while it runs
+(``interrupt_running`` at the drain deadline, ``Run.hand_back`` for a lost claim). Every way
+out goes through ``decide``, is counted under its label in ``stats`` and is told to every
+middleware's ``settled``, once.
 """
 
 from __future__ import annotations

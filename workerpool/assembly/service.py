@@ -14,11 +14,11 @@ import threading
 import time
 from typing import NoReturn
 
+from workerpool.assembly.fleet import Fleet
 from workerpool.config import Settings
 from workerpool.telemetry import PrometheusReader, Telemetry, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
 from workerpool.telemetry.logs import set_trace_project
-from workerpool.worker.launcher import Fleet
 from workerpool.worker.signals import Signals
 
 log = logging.getLogger(__name__)
