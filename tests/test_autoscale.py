@@ -332,7 +332,7 @@ def test_a_mistake_in_the_autoscalers_settings_exits_2_with_one_line_before_conn
 def test_the_slots_a_replica_will_have_come_from_the_workers_own_arguments(
     worker_args: tuple[str, ...], slots: int
 ) -> None:
-    from workerpool.cli import _max_outstanding
+    from workerpool.cli.autoscale import _max_outstanding
     from workerpool.config import Settings
 
     assert _max_outstanding(worker_args, Settings()) == slots

@@ -1,0 +1,15 @@
+"""The ``workerpool`` command: the group in ``root``, each command group in a module of its own."""
+
+from workerpool.cli.admin import provision, status
+from workerpool.cli.autoscale import autoscale
+from workerpool.cli.batch import batch
+from workerpool.cli.dlq import dlq
+from workerpool.cli.publish import publish
+from workerpool.cli.root import main
+from workerpool.cli.run import demo, list_jobs, run
+from workerpool.cli.schedule import schedule
+
+for command in (run, list_jobs, demo, publish, provision, status, dlq, batch, schedule, autoscale):
+    main.add_command(command)
+
+__all__ = ["main"]

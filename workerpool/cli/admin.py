@@ -1,0 +1,77 @@
+"""``workerpool provision`` and ``status``: the subscription and what the fleet holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from workerpool.config import load_settings
+from workerpool.ops.admin import (
+    ProvisionRequest,
+    subscription_path,
+)
+from workerpool.ops.admin import provision as provision_resources
+from workerpool.worker.clients import connect
+
+
+@click.command()
+@click.option("--project", required=True)
+@click.option("--topic", required=True)
+@click.option("--subscription", required=True)
+@click.option("--dead-letter-topic", required=True)
+@click.option("--dead-letter-subscription", default="", help="Default: DEAD_LETTER_TOPIC-sub.")
+@click.option("--ack-deadline", type=click.IntRange(10, 600), default=60, show_default=True)
+@click.option("--max-delivery-attempts", type=click.IntRange(5, 100), default=10, show_default=True)
+@click.option("--min-backoff", type=click.FloatRange(0, 600), default=10, show_default=True)
+@click.option("--max-backoff", type=click.FloatRange(0, 600), default=600, show_default=True)
+@click.option("--filter", "filter_", default="", help="Subscription filter expression.")
+@click.option("--exactly-once", is_flag=True, help="Enable exactly-once delivery.")
+@click.option("--ordered", is_flag=True, help="Enable message ordering (by ordering key).")
+def provision(**options: Any) -> None:
+    """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
+    options["filter"] = options.pop("filter_")
+    clients = connect()
+    try:
+        for resource, created in provision_resources(
+            clients.publisher, clients.subscriber, ProvisionRequest(**options)
+        ):
+            click.echo(f"{'created' if created else 'exists '}  {resource}")
+    finally:
+        clients.close()
+
+
+@click.command()
+@click.option("--project", required=True)
+@click.option("--subscription", required=True)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--idempotency-store", help="The store the workers share (for their slots).")
+@click.option("--concurrency", multiple=True, help="A limit KEY=LIMIT to show (repeatable).")
+def status(
+    project: str,
+    subscription: str,
+    config_file: str | None,
+    idempotency_store: str | None,
+    concurrency: tuple[str, ...],
+) -> None:
+    """Show a subscription's settings, its backlog where Cloud Monitoring is reachable, and
+    each declared concurrency key's limit, holders and waiters."""
+    from workerpool.ops.status import slot_lines, status_lines
+    from workerpool.slots import open_slot_store
+
+    flags = {"idempotency_store": idempotency_store, "concurrency": concurrency}
+    settings = load_settings(config_file, flags)
+    slots: list[tuple[str, str]] = []
+    if settings.concurrency:
+        store = open_slot_store(settings.idempotency_store)
+        try:
+            slots = slot_lines(store, settings.concurrency)
+        finally:
+            store.close()
+    clients = connect()
+    try:
+        lines = status_lines(clients.subscriber, subscription_path(project, subscription), slots)
+    finally:
+        clients.close()
+    for line in lines:
+        click.echo(line)
