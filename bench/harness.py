@@ -24,7 +24,8 @@ from google.pubsub_v1 import PubsubMessage
 
 from bench.consumer import ACK_DEADLINE, JOB
 from workerpool.config import Settings
-from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
+from workerpool.ops.admin import ProvisionRequest, provision
+from workerpool.pubsub import subscription_path, topic_path
 from workerpool.testing.emulator import free_port
 
 _PUBLISH_BATCH = 1000  # messages per Publish call

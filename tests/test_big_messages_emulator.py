@@ -1,6 +1,6 @@
 """Messages near Pub/Sub's 10 MB limit run through a real worker on the emulator.
 
-The library's own emulator channel caps what it receives at 4 MiB (see workerpool/clients.py):
+The library's own emulator channel caps what it receives at 4 MiB (see workerpool/pubsub.py):
 without the channel ``Clients`` builds, every pull holding one of these fails with
 ResourceExhausted, and the whole batch, small messages included, comes back and fails again.
 """
@@ -18,9 +18,9 @@ from google.api_core import exceptions as gexc
 
 from tests.support import wait_for
 from workerpool import JobContext
+from workerpool.pubsub import subscriber_client
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
-from workerpool.worker.clients import subscriber_client
 from workerpool.worker.pool import Pool
 
 BIG = 9_500_000  # bytes of message data: over gRPC's 4 MiB default, under Pub/Sub's 10 MB

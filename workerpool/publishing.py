@@ -118,7 +118,7 @@ def _publisher() -> Any:
     global _default_publisher
     with _default_lock:
         if _default_publisher is None:
-            from workerpool.worker.clients import publisher_client
+            from workerpool.pubsub import publisher_client
 
             _default_publisher = publisher_client()
         return _default_publisher
@@ -197,7 +197,7 @@ def publish_batch(
     from workerpool.batches import batch_opener
     from workerpool.batches.store import DEADLINE_JOB, deadline_job_id, deliver
     from workerpool.config import load_settings
-    from workerpool.ops.admin import require_topic
+    from workerpool.pubsub import require_topic
     from workerpool.schedule import schedule_opener
 
     topic = topic_of(topic, project)

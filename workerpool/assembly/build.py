@@ -20,10 +20,10 @@ from workerpool.errors import ConfigError
 from workerpool.heartbeats import heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
-from workerpool.ops.admin import SubscriptionInfo, describe_subscription, topic_path
 from workerpool.options import SCHEDULE
 from workerpool.periodic import MemoryMarks, Periodic, marks_opener, with_jobs
 from workerpool.periodic.firing import Periodics
+from workerpool.pubsub import Clients, SubscriptionInfo, describe_subscription, topic_path
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
 from workerpool.schedule import schedule_opener
@@ -36,7 +36,6 @@ from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
-from workerpool.worker.clients import Clients
 from workerpool.worker.failures import DeadLetterPublisher
 from workerpool.worker.heartbeat import Heartbeat
 from workerpool.worker.lease import Leaser

@@ -24,16 +24,12 @@ from workerpool.config import Settings
 from workerpool.constants import Label
 from workerpool.errors import ConfigError
 from workerpool.idempotency import IdempotencyStore
-from workerpool.ops.admin import (
-    SubscriptionInfo,
-    subscription_path,
-)
 from workerpool.periodic import Periodic
+from workerpool.pubsub import Clients, SubscriptionInfo, connect, subscription_path
 from workerpool.ratelimit import LocalLimiters, RateLimiters
 from workerpool.registry import JobSpec, Registry, registry
 from workerpool.slots.declared import declared_limits
 from workerpool.telemetry import Telemetry
-from workerpool.worker.clients import Clients, connect
 from workerpool.worker.failures import worker_identity
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.pool import DrainReport, Pool

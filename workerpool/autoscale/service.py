@@ -28,12 +28,11 @@ from workerpool.config import Settings
 from workerpool.errors import ConfigError
 from workerpool.heartbeats import HeartbeatStore, heartbeat_opener
 from workerpool.leadership import LeadershipStore, leadership_opener
-from workerpool.ops.admin import describe_subscription, subscription_path
 from workerpool.ops.monitoring import BacklogReader
+from workerpool.pubsub import describe_subscription, subscriber_client, subscription_path
 from workerpool.stores import StoreError
 from workerpool.telemetry import PrometheusReader, telemetry_from_env
 from workerpool.telemetry.health import HealthServer
-from workerpool.worker.clients import subscriber_client
 from workerpool.worker.signals import Signals
 
 log = logging.getLogger(__name__)

@@ -7,12 +7,9 @@ from typing import Any
 import click
 
 from workerpool.config import load_settings
-from workerpool.ops.admin import (
-    ProvisionRequest,
-    subscription_path,
-)
+from workerpool.ops.admin import ProvisionRequest
 from workerpool.ops.admin import provision as provision_resources
-from workerpool.worker.clients import connect
+from workerpool.pubsub import connect, subscription_path
 
 
 @click.command()

@@ -9,11 +9,7 @@ from typing import Any
 
 import click
 
-from workerpool.ops.admin import (
-    describe_subscription,
-    subscription_path,
-)
-from workerpool.worker.clients import connect
+from workerpool.pubsub import connect, describe_subscription, subscription_path
 
 
 @click.group()

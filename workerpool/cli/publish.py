@@ -10,12 +10,9 @@ from typing import Any
 import click
 
 from workerpool.errors import ConfigError
-from workerpool.ops.admin import (
-    topic_path,
-)
 from workerpool.publishing import JobMessage, publish_batch, publish_many, read_jsonl
+from workerpool.pubsub import connect, topic_path
 from workerpool.telemetry.exporters import publish_span
-from workerpool.worker.clients import connect
 from workerpool.worker.envelope import parse_json
 
 

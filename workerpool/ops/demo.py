@@ -15,12 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from workerpool.assembly.launcher import Launcher
 from workerpool.config import Settings
 from workerpool.constants import Label
-from workerpool.ops.admin import ProvisionRequest, provision, topic_path
+from workerpool.ops.admin import ProvisionRequest, provision
 from workerpool.publishing import JobMessage, publish_many
+from workerpool.pubsub import Clients, topic_path
 from workerpool.registry import load_entry_points
 from workerpool.telemetry.textlog import live_console
 from workerpool.testing.emulator import LocalEmulator
-from workerpool.worker.clients import Clients
 
 PROJECT = "workerpool-demo"
 TOPIC, SUBSCRIPTION, DEAD_LETTER_TOPIC = "demo-jobs", "demo-jobs-sub", "demo-dead-letter"

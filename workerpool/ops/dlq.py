@@ -23,7 +23,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 
 from workerpool import constants as c
-from workerpool.ops.admin import subscription_path
+from workerpool.pubsub import subscription_path
 
 log = logging.getLogger(__name__)
 

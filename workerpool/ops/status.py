@@ -17,7 +17,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workerpool.ops.admin import SubscriptionInfo, describe_subscription
 from workerpool.ops.monitoring import (
     EMULATOR_VARIABLE,
     OLDEST_UNACKED_AGE,
@@ -25,6 +24,7 @@ from workerpool.ops.monitoring import (
     latest,
     monitoring_session,
 )
+from workerpool.pubsub import SubscriptionInfo, describe_subscription
 from workerpool.slots.store import SlotStore
 
 

@@ -14,10 +14,16 @@ from typing import Any
 from workerpool.assembly.launcher import Launcher
 from workerpool.config import Settings
 from workerpool.idempotency import IdempotencyStore
-from workerpool.ops.admin import ProvisionRequest, provision, subscription_path, topic_path
+from workerpool.ops.admin import ProvisionRequest, provision
+from workerpool.pubsub import (
+    Clients,
+    publisher_client,
+    subscriber_client,
+    subscription_path,
+    topic_path,
+)
 from workerpool.registry import Registry, import_job_modules, registry
 from workerpool.telemetry import Telemetry
-from workerpool.worker.clients import Clients, publisher_client, subscriber_client
 
 
 @dataclass
