@@ -18,6 +18,7 @@ from workerpool.batches.middleware import Batches
 from workerpool.config import Settings
 from workerpool.errors import ConfigError
 from workerpool.heartbeats import heartbeat_opener
+from workerpool.heartbeats.replica import Heartbeat
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.options import SCHEDULE
@@ -37,7 +38,6 @@ from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import DeadLetterPublisher
-from workerpool.worker.heartbeat import Heartbeat
 from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
 from workerpool.worker.ordering import Sequencer
