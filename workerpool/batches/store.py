@@ -303,6 +303,10 @@ class BatchStore(ABC):
         """The batches soonest due first, for ``workerpool batch list``."""
         return self._atomic(lambda tx: [_counted(tx, batch) for batch in tx.batches(limit)])
 
+    def pending_children(self, batch_id: str, limit: int = 100) -> list[str]:
+        """Job ids of the batch's children with no final outcome yet, for the dashboard."""
+        return self._atomic(lambda tx: tx.children(batch_id, PENDING, limit))
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -8,8 +8,21 @@ from workerpool.cli.publish import publish
 from workerpool.cli.root import main
 from workerpool.cli.run import demo, list_jobs, run
 from workerpool.cli.schedule import schedule
+from workerpool.dashboard.command import dashboard
 
-for command in (run, list_jobs, demo, publish, provision, status, dlq, batch, schedule, autoscale):
+for command in (
+    run,
+    list_jobs,
+    demo,
+    publish,
+    provision,
+    status,
+    dlq,
+    batch,
+    schedule,
+    autoscale,
+    dashboard,
+):
     main.add_command(command)
 
 __all__ = ["main"]

@@ -31,6 +31,7 @@ def schedule_list(
 ) -> None:
     """Show the delayed jobs soonest due first: when, in how long, the job and its id."""
     from workerpool.schedule import schedule_opener
+    from workerpool.schedule.when import span
 
     settings = load_settings(config_file, {"idempotency_store": idempotency_store})
     opener = schedule_opener(settings.idempotency_store)
@@ -49,14 +50,5 @@ def schedule_list(
     for entry in entries:
         due = datetime.fromtimestamp(entry.due, UTC).isoformat(timespec="seconds")
         job = entry.attributes.get(c.ATTR_JOB, "?")
-        click.echo(f"{due}  in {_span(entry.due - now):>9}  {job}  {entry.job_id}  {entry.topic}")
+        click.echo(f"{due}  in {span(entry.due - now):>9}  {job}  {entry.job_id}  {entry.topic}")
     click.echo(f"{len(entries)} delayed job(s)")
-
-
-def _span(seconds: float) -> str:
-    if seconds <= 0:
-        return "due"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.1f}s"

@@ -203,6 +203,11 @@ class IdempotencyStore(ABC):
         items = [(job_id, releasing(message_id)) for job_id, message_id in claims]
         self._guarded(lambda: self._mutate_many(items))
 
+    def completed_per_minute(self, since: float) -> dict[int, int] | None:
+        """How many job ids completed in each minute (seconds since the epoch // 60) from
+        ``since`` on, for the dashboard; None from a backend that cannot count them."""
+        return None
+
     def _guarded(self, call: Callable[[], T]) -> T:
         return guarded(self, call)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from workerpool.idempotency.base import (
@@ -43,6 +44,15 @@ class MemoryStore(IdempotencyStore):
         expired = [k for k, r in self._records.items() if r.expire_at(self.retention) <= now]
         for job_id in expired:
             del self._records[job_id]
+
+    def completed_per_minute(self, since: float) -> dict[int, int] | None:
+        with self._lock:
+            minutes = Counter(
+                int(r.completed_at // 60)
+                for r in self._records.values()
+                if r.completed_at is not None and r.completed_at >= since
+            )
+        return dict(minutes)
 
     def close(self) -> None:
         pass

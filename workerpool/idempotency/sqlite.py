@@ -407,6 +407,16 @@ class SqliteStore(IdempotencyStore):
         assert request.mutation is not None  # every request has one or the other
         return request.mutation
 
+    _PER_MINUTE = (
+        "SELECT CAST(completed_at / 60 AS INTEGER) AS minute, COUNT(*) FROM idempotency"
+        " WHERE completed_at >= ? GROUP BY minute"
+    )
+
+    def completed_per_minute(self, since: float) -> dict[int, int] | None:
+        # A scan of the table (no index on completed_at: every completion would pay for one).
+        with self._commit_lock, translated(_LABEL):
+            return {int(m): int(n) for m, n in self._conn.execute(self._PER_MINUTE, (since,))}
+
     def _purge(self) -> None:
         _delete_expired(self._conn, self._clock())
 

@@ -5,7 +5,8 @@ replay them where they came from.
 they are held until the listing ends, so each is seen once. ``replay`` republishes each record
 to its ``source_topic`` with the failure attributes stripped (``job``, ``job_id``, the trace
 context and any other original attribute kept) and acks it only once Pub/Sub has confirmed the
-republish; records it skips (``--job``, ``--dry-run``) are given back at the end.
+republish; records it skips (``--job``, ``--dry-run``) are given back at the end. ``delete``
+acks the records it matches without republishing them (the dashboard's delete).
 
 Records forwarded by the subscription's own dead-letter policy (a worker crashed before it
 could write one) carry Pub/Sub's ``CloudPubSubDeadLetter*`` attributes instead: they are listed
@@ -15,7 +16,7 @@ with error type ``max_delivery_attempts`` and replayed to the topic of their sou
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 _PULL_TIMEOUT = 2.0
 _PUBLISH_TIMEOUT = 60.0
 _BATCH = 100
+
+# Which records a call takes, beyond ``job``: the dashboard's filters and selections.
+Match = Callable[["FailureRecord"], bool]
 
 
 @dataclass(frozen=True)
@@ -147,10 +151,20 @@ class _Puller:
         self.held.clear()
 
 
+def _wanted(record: FailureRecord, job: str | None, match: Match | None) -> bool:
+    return (job is None or record.job == job) and (match is None or match(record))
+
+
 def peek(
-    subscriber: Any, subscription: str, *, limit: int = 100, job: str | None = None
+    subscriber: Any,
+    subscription: str,
+    *,
+    limit: int = 100,
+    job: str | None = None,
+    match: Match | None = None,
 ) -> list[FailureRecord]:
-    """Up to ``limit`` records (of ``job`` only, if given), left on the subscription."""
+    """Up to ``limit`` records (of ``job`` only, and that ``match``, if given), left on the
+    subscription."""
     puller = _Puller(subscriber, subscription)
     records: list[FailureRecord] = []
     try:
@@ -160,7 +174,7 @@ def peek(
                 break
             for record in batch:
                 puller.hold(record)
-                if (job is None or record.job == job) and len(records) < limit:
+                if _wanted(record, job, match) and len(records) < limit:
                     records.append(record)
     finally:
         puller.release()
@@ -169,7 +183,8 @@ def peek(
 
 @dataclass(frozen=True)
 class Replayed:
-    """What ``replay`` did with one record: ``replayed``, ``would_replay`` or ``failed``."""
+    """What ``replay`` did with one record: ``replayed``, ``would_replay`` or ``failed``
+    (``delete``: ``deleted``)."""
 
     record: FailureRecord
     status: str
@@ -187,25 +202,37 @@ class Replayer:
         self._topics: dict[str, str] = {}  # source subscription -> its topic
 
     def replay(
-        self, *, job: str | None = None, limit: int | None = None, dry_run: bool = False
+        self,
+        *,
+        job: str | None = None,
+        match: Match | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
     ) -> Iterator[Replayed]:
         """Yield one ``Replayed`` per matching record, as each is done."""
         puller = _Puller(self._subscriber, self._subscription)
-        count = 0
         try:
-            while limit is None or count < limit:
-                batch = puller.pull(_BATCH)
-                if batch is None:
-                    break
-                chosen: list[FailureRecord] = []
-                for record in batch:
-                    wanted = job is None or record.job == job
-                    if wanted and (limit is None or count + len(chosen) < limit):
-                        chosen.append(record)
-                    else:
-                        puller.hold(record)
-                count += len(chosen)
+            for chosen in _choose(puller, job, match, limit):
                 yield from self._batch(chosen, puller, dry_run)
+        finally:
+            puller.release()
+
+    def delete(
+        self, *, job: str | None = None, match: Match | None = None, limit: int | None = None
+    ) -> Iterator[Replayed]:
+        """Ack the matching records without republishing them (status ``deleted``): they are
+        gone for good."""
+        puller = _Puller(self._subscriber, self._subscription)
+        try:
+            for chosen in _choose(puller, job, match, limit):
+                if chosen:
+                    self._subscriber.acknowledge(
+                        request={
+                            "subscription": self._subscription,
+                            "ack_ids": [record.ack_id for record in chosen],
+                        }
+                    )
+                yield from (Replayed(record, "deleted") for record in chosen)
         finally:
             puller.release()
 
@@ -252,6 +279,26 @@ class Replayer:
                 log.warning("cannot read %s to find the record's topic: %s", path, exc)
                 self._topics[path] = ""
         return self._topics[path]
+
+
+def _choose(
+    puller: _Puller, job: str | None, match: Match | None, limit: int | None
+) -> Iterator[list[FailureRecord]]:
+    """The matching records, a pulled batch at a time, ``limit`` at most; the others are held
+    to be given back."""
+    count = 0
+    while limit is None or count < limit:
+        batch = puller.pull(_BATCH)
+        if batch is None:
+            break
+        chosen: list[FailureRecord] = []
+        for record in batch:
+            if _wanted(record, job, match) and (limit is None or count + len(chosen) < limit):
+                chosen.append(record)
+            else:
+                puller.hold(record)
+        count += len(chosen)
+        yield chosen
 
 
 def table(records: list[FailureRecord], *, width: int = 60) -> list[str]:

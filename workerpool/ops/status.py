@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from workerpool.ops.keys import key_states
 from workerpool.ops.monitoring import (
     EMULATOR_VARIABLE,
     OLDEST_UNACKED_AGE,
@@ -90,23 +91,17 @@ def slot_lines(store: SlotStore, limits: Mapping[str, int]) -> list[tuple[str, s
     """Each declared key's limit, holders, waiters and deferred jobs; a pattern ("partner:*")
     shows every key of it that has a record."""
     lines = []
-    now = time.time()
-    for declared, limit in sorted(limits.items()):
-        keys = store.keys(declared[:-1]) if declared.endswith("*") else [declared]
-        if not keys:
-            lines.append((f"concurrency {declared}", f"limit {limit} each, no key in use"))
-        for key in keys:
-            table = store.table(key)
-            holders = ", ".join(
-                f"{holder} (token {lease.token}, {now - lease.since:.0f}s)"
-                for holder, lease in sorted(table.holders.items(), key=lambda h: h[1].since)
-            )
-            hold = f", mean hold {table.hold:.1f}s" if table.hold else ""
-            lines.append((
-                f"concurrency {key}",
-                f"limit {limit}, {len(table.holders)} held{': ' + holders if holders else ''}; "
-                f"{len(table.waiters)} replicas waiting, {len(table.booked)} jobs deferred{hold}",
-            ))  # fmt: skip
+    for state in key_states(store, limits, time.time()):
+        if not state.in_use:
+            lines.append((f"concurrency {state.key}", f"limit {state.limit} each, no key in use"))
+            continue
+        holders = ", ".join(f"{h.name} (token {h.token}, {h.held_for:.0f}s)" for h in state.holders)
+        hold = f", mean hold {state.hold:.1f}s" if state.hold else ""
+        lines.append((
+            f"concurrency {state.key}",
+            f"limit {state.limit}, {len(state.holders)} held{': ' + holders if holders else ''}; "
+            f"{state.waiters} replicas waiting, {state.deferred} jobs deferred{hold}",
+        ))  # fmt: skip
     return lines
 
 

@@ -83,3 +83,13 @@ def parse_not_before(text: str, now: datetime | None = None) -> float:
     if when - (now or datetime.now(UTC)) > MAX_AHEAD:
         raise ValueError(f"not_before {text!r} is more than 365 days ahead")
     return when.timestamp()
+
+
+def span(seconds: float) -> str:
+    """How long until something is due, short: 4.2s, 3.5m, 1.2h, 2.0d ("due": no time left)."""
+    if seconds <= 0:
+        return "due"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"

@@ -1,0 +1,147 @@
+"""The dashboard's pages over in-process stores (what each page reads and how it shows it),
+the CSRF and confirmation rules of its actions, and the store counts its chart draws."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from workerpool.batches import MemoryBatches
+from workerpool.config import Settings
+from workerpool.dashboard import create_app
+from workerpool.dashboard.command import parse_bind
+from workerpool.dashboard.letters import Selection
+from workerpool.dashboard.stores import Openers
+from workerpool.errors import ConfigError
+from workerpool.heartbeats import Beat, MemoryHeartbeats
+from workerpool.idempotency import MemoryStore, SqliteStore
+from workerpool.ops.dlq import FailureRecord
+from workerpool.schedule import Entry, MemorySchedule
+from workerpool.slots import MemorySlots
+
+SUBSCRIPTION = "projects/p/subscriptions/jobs"
+
+
+def _no_backlog(subscription: str) -> list[tuple[str, str]]:
+    return [("backlog", "unknown here")]
+
+
+@pytest.fixture
+def client() -> TestClient:
+    now = time.time()
+    beats, slots = MemoryHeartbeats(), MemorySlots()
+    beats.beat(Beat("host-1-abc", SUBSCRIPTION, "host", 1, 8, 3, 2, 1.0, False, False,
+                    now - 1, now + 30))  # fmt: skip
+    slots.acquire("exports", "host-1-abc", 2, 30.0)
+    batches, schedule, done = MemoryBatches(), MemorySchedule(), MemoryStore()
+    batches.create("b-1", "projects/p/topics/jobs", "done.job", ["c-1", "c-2"], now + 600)
+    batches.commit("b-1")
+    batches.record("b-1", "c-1", True)
+    schedule.add(Entry("projects/p/topics/jobs", "later-1", now + 3600, b"{}", {"job": "j.x"}))
+    done.claim("j-1", "w", "m-1", 30.0)
+    done.complete("j-1", "w", "m-1")
+    openers = Openers(
+        heartbeats=lambda: beats, slots=lambda: slots, batches=lambda: batches,
+        schedule=lambda: schedule, completions=lambda: done,
+    )  # fmt: skip
+    settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2})
+    return TestClient(create_app(settings, openers=openers, dead_letter_subscription="dlq-sub"))
+
+
+@pytest.fixture(autouse=True)
+def _emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backlog is then "unavailable on the emulator", said without asking Cloud Monitoring.
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "localhost:1")
+
+
+def test_overview_shows_each_replica_and_the_chart_without_any_script(client: TestClient) -> None:
+    page = client.get("/").text
+    assert '<td class="running">3</td>' in page
+    assert '<td class="held">2</td>' in page
+    assert '<td class="free">5</td>' in page
+    assert "unavailable on the emulator" in page
+    assert '<img id="done-chart" src="http://testserver/chart/done.svg"' in page
+    chart = client.get("/chart/done.svg")
+    assert chart.headers["content-type"] == "image/svg+xml" and "<svg" in chart.text
+    assert not re.findall(r"(?:src|href)=\"(?:https?:)?//", chart.text)  # loads nothing
+    # The page's only script is its own, served by the app: nothing from the internet.
+    assert page.count("<script") == 1
+    assert 'src="http://testserver/static/live.js"' in page
+    assert client.get("/static/live.js").status_code == 200
+    fragment = client.get("/?fragment=1").text
+    assert '<td class="running">3</td>' in fragment and "<nav>" not in fragment
+
+
+def test_keys_batches_and_schedules_pages(client: TestClient) -> None:
+    keys = client.get("/keys").text
+    assert '<td class="holders">1<br>host-1-abc (token 1,' in keys
+    batches = client.get("/batches").text
+    assert "50%" in batches and "<td>c-2</td>" in batches and "open" in batches
+    schedules = client.get("/schedules").text
+    assert "later-1" in schedules and "j.x" in schedules
+    assert client.get("/nowhere").status_code == 404
+
+
+def test_actions_need_the_csrf_token_a_confirmation_and_a_post(client: TestClient) -> None:
+    form = {"action": "replay", "scope": "selected", "id": "m-1", "confirmed": "yes"}
+    assert client.post("/dead-letters/confirm", data=form).status_code == 403
+    assert client.post("/dead-letters/apply", data=form).status_code == 403
+    token = client.get("/keys").cookies["workerpool_csrf"]
+    forged = {**form, "csrf_token": "not-the-cookie"}
+    assert client.post("/dead-letters/apply", data=forged).status_code == 403
+    other_site = client.post(
+        "/dead-letters/apply", data={**form, "csrf_token": token},
+        headers={"origin": "http://evil.example"},
+    )  # fmt: skip
+    assert other_site.status_code == 403
+    asked = client.post("/dead-letters/confirm", data={**form, "csrf_token": token})
+    assert asked.status_code == 200 and "Replay the 1 selected record(s)" in asked.text
+    unconfirmed = {**form, "csrf_token": token, "confirmed": "no"}
+    assert client.post("/dead-letters/apply", data=unconfirmed).status_code == 400
+    nothing = {"action": "delete", "scope": "selected", "csrf_token": token}
+    assert client.post("/dead-letters/confirm", data=nothing).status_code == 400
+    assert client.get("/dead-letters/apply").status_code == 405
+
+
+def _record(job: str, error_type: str, message_id: str) -> FailureRecord:
+    return FailureRecord("ack", message_id, b"{}", {"job": job, "error_type": error_type})
+
+
+def test_a_selection_takes_its_job_error_type_and_ids() -> None:
+    records = [_record("a", "bad_payload", "1"), _record("a", "permanent", "2"),
+               _record("b", "permanent", "3")]  # fmt: skip
+    assert [r.message_id for r in records if Selection(job="a")(r)] == ["1", "2"]
+    assert [r.message_id for r in records if Selection(error_type="permanent")(r)] == ["2", "3"]
+    assert [r.message_id for r in records if Selection(ids=frozenset({"3"}))(r)] == ["3"]
+    assert Selection(job="a", error_type="permanent").describe() == (
+        "every record of job a and error type permanent"
+    )
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_completions_are_counted_by_the_minute(kind: str, tmp_path: Path) -> None:
+    clock = [600.0]
+    store = (
+        MemoryStore(clock=lambda: clock[0])
+        if kind == "memory"
+        else SqliteStore(tmp_path / "s.db", clock=lambda: clock[0])
+    )
+    for job_id, at in (("a", 600.0), ("b", 630.0), ("c", 700.0), ("d", 1000.0)):
+        clock[0] = at
+        store.claim(job_id, "w", "m", 30.0)
+        store.complete(job_id, "w", "m")
+    store.claim("running", "w", "m", 30.0)  # claimed, not completed: not counted
+    assert store.completed_per_minute(620.0) == {10: 1, 11: 1, 16: 1}
+    store.close()
+
+
+def test_bind_is_host_and_port() -> None:
+    assert parse_bind("0.0.0.0:9000") == ("0.0.0.0", 9000)
+    assert parse_bind("[::1]:8080") == ("::1", 8080)
+    for bad in ("8080", "host:", "host:99999", ":80"):
+        with pytest.raises(ConfigError):
+            parse_bind(bad)

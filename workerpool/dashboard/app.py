@@ -1,0 +1,198 @@
+"""The dashboard's ASGI app: read-only pages over the fleet, each with a live part its page
+polls (``?fragment=1``), and the dead letters' actions, each a POST behind a confirmation page
+and a CSRF token."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from workerpool.config import Settings
+from workerpool.dashboard import csrf
+from workerpool.dashboard.chart import done_chart
+from workerpool.dashboard.letters import ACTIONS, Selection, apply, letters
+from workerpool.dashboard.reading import LIMIT, Fleet
+from workerpool.dashboard.stores import Openers
+from workerpool.dashboard.templating import environment
+from workerpool.pubsub import Clients, connect, subscription_path
+from workerpool.stores import StoreError
+
+log = logging.getLogger(__name__)
+
+# Each read page: its title and what its template gets (read in a worker thread).
+PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
+    "overview": ("Overview", lambda f: {"replicas": f.replicas(), "backlog": f.backlog()}),
+    "keys": ("Keys", lambda f: {"keys": f.keys()}),
+    "batches": ("Batches", lambda f: {"batches": f.batches()}),
+    "schedules": ("Schedules", lambda f: {"delayed": f.delayed(), "periodic": f.periodic()}),
+}
+# What a page shows instead when a store or Pub/Sub cannot be read: why, in one line.
+_UNREADABLE = (StoreError, gexc.GoogleAPICallError)
+
+
+class Dashboard:
+    def __init__(self, fleet: Fleet, clients: Clients | None, dead_letters: str) -> None:
+        self.fleet = fleet
+        self._clients = clients
+        self.dead_letters = dead_letters  # the dead-letter subscription's path, or ""
+        self.templates = Jinja2Templates(env=environment(), context_processors=[self._context])
+
+    @property
+    def clients(self) -> Clients:
+        if self._clients is None:
+            self._clients = connect()
+        return self._clients
+
+    def close(self) -> None:
+        if self._clients is not None:
+            self._clients.close()
+
+    def _context(self, request: Request) -> dict[str, Any]:
+        return {"pages": PAGES, "letters_page": bool(self.dead_letters)}
+
+    def render(self, request: Request, name: str, context: dict[str, Any]) -> Response:
+        token = csrf.token(request)
+        response = self.templates.TemplateResponse(
+            request, name, {**context, "csrf_field": csrf.FIELD, "csrf_token": token}
+        )
+        csrf.remember(response, token)
+        return response
+
+    async def page(self, request: Request) -> Response:
+        name = request.path_params.get("page", "overview")
+        if name not in PAGES:
+            return HTMLResponse("no such page", status_code=404)
+        title, read = PAGES[name]
+        context = await _read(lambda: read(self.fleet))
+        if request.query_params.get("fragment"):
+            return self.render(request, f"{name}_live.html", context)
+        return self.render(request, "page.html", {**context, "page": name, "title": title})
+
+    async def chart(self, request: Request) -> Response:
+        """The chart of jobs done per minute, as an SVG image: shown by an <img>, in which a
+        browser runs no script (pygal writes its config as one)."""
+        counts = await run_in_threadpool(self.fleet.done_per_minute)
+        if counts is None:
+            return Response("this store does not count completions by time", status_code=404)
+        return Response(done_chart(counts), media_type="image/svg+xml")
+
+    async def letters(self, request: Request) -> Response:
+        selection = Selection.of(request.query_params, [])
+        context = await _read(
+            lambda: {
+                "letters": letters(self.clients.subscriber, self.dead_letters, selection, LIMIT)
+            }
+        )
+        return self.render(
+            request,
+            "letters.html",
+            {**context, "selection": selection, "limit": LIMIT, "title": "Dead letters"},
+        )
+
+    async def confirm(self, request: Request) -> Response:
+        """The confirmation page of an action asked for on the Dead letters page."""
+        found = await _action(request)
+        if isinstance(found, Response):
+            return found
+        action, selection = found
+        return self.render(
+            request,
+            "confirm.html",
+            {"action": action, "selection": selection, "title": f"Confirm: {action}"},
+        )
+
+    async def apply(self, request: Request) -> Response:
+        """An action confirmed: carried out, with an audit line of who asked."""
+        found = await _action(request)
+        if isinstance(found, Response):
+            return found
+        action, selection = found
+        if (await request.form()).get("confirmed") != "yes":  # asked for, never confirmed
+            return HTMLResponse("refused: not confirmed", status_code=400)
+        who = request.headers.get("x-goog-authenticated-user-email") or (
+            request.client.host if request.client else "unknown"
+        )
+        clients = self.clients
+        counts = await run_in_threadpool(
+            apply, clients.subscriber, clients.publisher, self.dead_letters, action, selection
+        )
+        log.warning(
+            "dashboard: %s of %s on %s by %s: %s", action, selection.describe(),
+            self.dead_letters, who, dict(counts) or "nothing matched",
+        )  # fmt: skip
+        return self.render(
+            request,
+            "applied.html",
+            {"action": action, "selection": selection, "counts": counts, "title": "Done"},
+        )
+
+
+async def _action(request: Request) -> tuple[str, Selection] | Response:
+    """The action and selection a POST asks for, or the response refusing it."""
+    form = await request.form()
+    if not csrf.allowed(request, str(form.get(csrf.FIELD, ""))):
+        return HTMLResponse("refused: missing or wrong CSRF token", status_code=403)
+    one = str(form.get("one", ""))
+    action = "replay" if one else str(form.get("action", ""))
+    if action not in ACTIONS:
+        return HTMLResponse(f"unknown action {action!r}", status_code=400)
+    selected = one or form.get("scope") == "selected"
+    ids = [one] if one else [str(i) for i in form.getlist("id")] if selected else []
+    if selected and not ids:
+        return HTMLResponse("nothing selected", status_code=400)
+    return action, Selection.of(form, ids)
+
+
+async def _read(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``read()`` in a worker thread (stores and Pub/Sub block); what went wrong, if it did."""
+    try:
+        return await run_in_threadpool(read)
+    except _UNREADABLE as exc:
+        return {"error": f"cannot read: {exc}"}
+
+
+def create_app(
+    settings: Settings,
+    *,
+    dead_letter_subscription: str = "",
+    openers: Openers | None = None,
+    clients: Clients | None = None,
+) -> Starlette:
+    """The dashboard of the fleet ``settings`` describe (its stores beside
+    ``settings.idempotency_store``), as an ASGI app to serve or mount. The dead letters are
+    read from ``dead_letter_subscription`` (default: ``settings.dead_letter_topic`` + "-sub",
+    as ``workerpool provision`` names it); Pub/Sub ``clients`` are made on first use."""
+    fleet = Fleet(settings, openers or Openers.of(settings.idempotency_store))
+    letters_sub = dead_letter_subscription or (
+        f"{settings.dead_letter_topic}-sub" if settings.dead_letter_topic else ""
+    )
+    dashboard = Dashboard(
+        fleet, clients, subscription_path(settings.project, letters_sub) if letters_sub else ""
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        dashboard.close()
+
+    routes = [
+        Route("/", dashboard.page, name="overview"),
+        Route("/chart/done.svg", dashboard.chart, name="chart"),
+        Route("/dead-letters", dashboard.letters, name="letters"),
+        Route("/dead-letters/confirm", dashboard.confirm, methods=["POST"], name="confirm"),
+        Route("/dead-letters/apply", dashboard.apply, methods=["POST"], name="apply"),
+        Route("/{page}", dashboard.page, name="page"),
+        Mount("/static", StaticFiles(packages=[("workerpool.dashboard", "static")]), name="static"),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,140 @@
+"""What each page shows, read from the stores the fleet shares and from Pub/Sub: plain data,
+no HTML (the templates render it, escaped)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workerpool.batches.store import Batch
+from workerpool.config import Settings
+from workerpool.dashboard.stores import Openers, opened
+from workerpool.ops.keys import KeyState, key_states
+from workerpool.ops.status import backlog_lines
+from workerpool.periodic import Marks, Periodic
+from workerpool.pubsub import subscription_path
+from workerpool.schedule.store import Entry
+
+# The chart's span: jobs done per minute over the last hour.
+CHART_MINUTES = 60
+# Rows a list shows at most.
+LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Replica:
+    replica: str
+    host: str
+    subscription: str
+    slots: int
+    running: int
+    held: int  # messages held and not started yet
+    draining: bool
+    beat_age: float  # seconds since its last beat
+
+    @property
+    def free(self) -> int:
+        return max(0, self.slots - self.running)
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    batch: Batch
+    pending_ids: list[str]
+
+    @property
+    def percent(self) -> int:
+        settled = self.batch.done + self.batch.failed
+        return round(100 * settled / self.batch.total) if self.batch.total else 100
+
+
+@dataclass(frozen=True)
+class PeriodicRow:
+    name: str
+    job: str
+    next_tick: float
+    last_tick: float | None  # None: never fired (or the store keeps no marks)
+
+
+class Fleet:
+    """Reads the fleet ``settings`` describes: its subscriptions, the stores ``openers``
+    open, and Cloud Monitoring (the backlog)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        openers: Openers,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self._openers = openers
+        self._clock = clock
+
+    def subscriptions(self) -> list[str]:
+        return [
+            subscription_path(pool.project, pool.subscription)
+            for pool in self.settings.pool_settings()
+            if pool.subscription
+        ]
+
+    def replicas(self) -> list[Replica]:
+        now = self._clock()
+        with opened(self._openers.heartbeats) as store:
+            if store is None:
+                return []
+            beats = [beat for sub in self.subscriptions() for beat in store.live(sub, now)]
+        return [
+            Replica(b.replica, b.host, b.subscription, b.slots, b.running, b.waiting,
+                    b.draining, now - b.at)
+            for b in beats
+        ]  # fmt: skip
+
+    def backlog(self) -> dict[str, list[tuple[str, str]]]:
+        """Each subscription's backlog and oldest unacked age (Cloud Monitoring), or why not."""
+        return {sub: backlog_lines(sub) for sub in self.subscriptions()}
+
+    def done_per_minute(self) -> list[int] | None:
+        """Jobs completed in each of the last CHART_MINUTES minutes, oldest first; None when
+        the store cannot count them."""
+        now = self._clock()
+        last = int(now // 60)
+        with opened(self._openers.completions) as store:
+            counts = None if store is None else store.completed_per_minute((last - 59) * 60)
+        if counts is None:
+            return None
+        return [counts.get(minute, 0) for minute in range(last - CHART_MINUTES + 1, last + 1)]
+
+    def keys(self) -> list[KeyState]:
+        if not self.settings.concurrency:
+            return []
+        with opened(self._openers.slots) as store:
+            if store is None:
+                return []
+            return key_states(store, self.settings.concurrency, self._clock())
+
+    def batches(self) -> list[BatchRow]:
+        with opened(self._openers.batches) as store:
+            if store is None:
+                return []
+            return [
+                BatchRow(b, store.pending_children(b.batch_id, LIMIT) if b.pending else [])
+                for b in store.batches(LIMIT)
+            ]
+
+    def delayed(self) -> list[Entry]:
+        with opened(self._openers.schedule) as store:
+            return [] if store is None else store.entries(None, LIMIT)
+
+    def periodic(self) -> list[PeriodicRow]:
+        """The config's ``[[schedules]]`` (``@job`` schedules need the job modules: not read
+        here), each with its next tick and the last one the fleet fired."""
+        now = self._clock()
+        with opened(self._openers.marks if self.settings.schedules else None) as marks:
+            return [_periodic(s, now, marks) for s in self.settings.schedules]
+
+
+def _periodic(schedule: Periodic, now: float, marks: Marks | None) -> PeriodicRow:
+    last = None if marks is None else marks.last(schedule.name)
+    return PeriodicRow(schedule.name, schedule.job, schedule.ticks.after(now), last)

@@ -1,0 +1,21 @@
+// The live parts of a page: every element with data-live is replaced every 2 s by the page's
+// fragment (the same page with ?fragment=1), so what changed shows without a reload.
+(function () {
+  const PERIOD_MS = 2000;
+  for (const element of document.querySelectorAll("[data-live]")) {
+    const url = element.dataset.live;
+    const refresh = async () => {
+      try {
+        const response = await fetch(url, { headers: { "Accept": "text/html" } });
+        if (response.ok) {
+          element.innerHTML = await response.text();
+          element.dataset.refreshed = String(Date.now());
+        }
+      } catch (error) {
+        // The dashboard restarting: keep what is shown and try again at the next tick.
+      }
+      setTimeout(refresh, PERIOD_MS);
+    };
+    setTimeout(refresh, PERIOD_MS);
+  }
+})();

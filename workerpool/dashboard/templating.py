@@ -1,0 +1,23 @@
+"""The pages' Jinja2 environment: the package's templates, every value escaped, and the
+filters they format times with (``span``: a length of time, ``utc``: a moment)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import jinja2
+
+from workerpool.schedule.when import span
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("workerpool.dashboard", "templates"), autoescape=True
+    )
+    env.filters["span"] = span
+    env.filters["utc"] = utc
+    return env
+
+
+def utc(when: float) -> str:
+    return datetime.fromtimestamp(when, UTC).isoformat(timespec="seconds")
