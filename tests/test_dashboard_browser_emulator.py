@@ -1,0 +1,159 @@
+"""The dashboard in a real browser (the system's chromium, driven by Playwright) over real
+worker processes on the Pub/Sub emulator sharing an SQLite store: the live replica and what it
+runs, a key's holder, dead letters whose payload and error carry a script shown as text, and a
+selection of them replayed from the page, run again, and only those."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import http_get, ledger_events, spawn_worker, wait_for, worker_processes
+from workerpool.testing.emulator import free_port
+from workerpool.testing.pubsub import PubSubResources
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+SCRIPT = "<script>alert(1)</script>"
+# The jobs published while the first worker, which knows none of them, runs: dead letters.
+UNKNOWN = {"r-1": "t1", "r-2": "t2", "r-3": "t3"}
+
+
+@contextlib.contextmanager
+def _dashboard(config: Path, env: PubSubResources, log: Path) -> Iterator[str]:
+    port = free_port()
+    environment = {**os.environ, "PUBSUB_EMULATOR_HOST": env.host}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "workerpool", "dashboard", "--config", str(config),
+             "--bind", f"127.0.0.1:{port}"],
+            env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: http_get(url + "/keys")[0] == 200, 30), log.read_text()
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(10)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    # The system's chromium, never a browser Playwright would download (.ci/run installs it).
+    assert CHROMIUM, "chromium is not installed: apt-get install chromium"
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def test_the_dashboard_shows_the_fleet_and_replays_a_selection(
+    pubsub_resources: PubSubResources, tmp_path: Path, browser: Any
+) -> None:
+    env = pubsub_resources
+    env.provision()
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    config = tmp_path / "workerpool.toml"
+    config.write_text(
+        f'[worker]\nproject = "{env.project}"\nsubscription = "{env.subscription}"\n'
+        f'dead_letter_topic = "{env.dead_letter_topic}"\nidempotency_store = "{store}"\n'
+        '\n[concurrency]\n"demo-slots" = 1\n"tenant:*" = 1\n'
+    )
+    with worker_processes() as workers:
+        # Given dead letters: jobs the first worker does not know, one payload and one job
+        # name carrying a script
+        first = spawn_worker(env, ledger, store=store)
+        workers.append(first)
+        for job_id, tenant in UNKNOWN.items():
+            env.publish("demo.tenant_sleep", {"tenant": SCRIPT + tenant}, job_id=job_id)
+        env.publish(SCRIPT, {}, job_id="named-script")
+        assert wait_for(lambda: len(_letters(env)) == 4, 60), first.output()
+        first.signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        # and a worker that knows them running two long jobs, one holding the key's slot
+        second = spawn_worker(
+            env, ledger, "--jobs", "workerpool_jobs.demo_slots",
+            "--concurrency", "demo-slots=1", "--concurrency", "tenant:*=1",
+            "--max-outstanding", "4", store=store,
+        )  # fmt: skip
+        workers.append(second)
+        env.publish("demo.slot_sleep", {"seconds": 60}, job_id="holder")
+        env.publish("demo.sleep", {"seconds": 60}, job_id="sleeper")
+        assert wait_for(lambda: len(ledger_events(ledger, "start", second.pid)) == 2, 30)
+
+        with _dashboard(config, env, tmp_path / "dashboard.log") as url:
+            page = browser.new_page()
+            dialogs: list[str] = []
+            errors: list[str] = []
+            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+
+            # Then the Overview shows the replica and its two running jobs, live
+            page.goto(url + "/")
+            running = page.locator("#replicas td.running")
+            running.first.wait_for()
+            page.wait_for_function(
+                "document.querySelector('#replicas td.running')?.textContent === '2'",
+                timeout=15000,
+            )
+            assert page.locator("#replicas tr[data-replica]").count() == 1
+            assert page.locator("#replicas td.free").inner_text() == "2"  # 4 slots, 2 running
+
+            # and the Keys page the key's one holder
+            page.goto(url + "/keys")
+            holders = page.locator('tr[data-key="demo-slots"] td.holders').inner_text()
+            assert holders.startswith("1") and second_worker_id(second) in holders
+
+            # and the dead letters show the scripts as text, none of them run
+            page.goto(url + "/dead-letters")
+            page.locator("#letters tr[data-message]").nth(3).wait_for()
+            payloads = page.locator("pre.payload").all_inner_texts()
+            assert sum(SCRIPT in text for text in payloads) == 3
+            assert any(SCRIPT in t for t in page.locator("td.error-message").all_inner_texts())
+            page.wait_for_timeout(500)
+            assert dialogs == []
+
+            # When two of them are selected and replayed, through the confirmation page
+            for job_id in ("r-1", "r-2"):
+                page.locator("#letters tr", has_text=job_id).locator("input").check()
+            page.get_by_role("button", name="Replay selected").click()
+            assert "Replay the 2 selected record(s)" in page.locator("#question").inner_text()
+            page.locator("#confirm").click()
+            assert "2 replayed" in page.locator("#result").inner_text()
+            assert errors == [] and dialogs == []
+
+        # Then those two run once each, and the others stay dead letters
+        def done() -> set[str]:
+            return {e["job_id"] for e in ledger_events(ledger, "done")} & set(UNKNOWN)
+
+        assert wait_for(lambda: done() == {"r-1", "r-2"}, 30), second.output()
+        left = {record["job_id"] for record in _letters(env)}
+        assert left == {"r-3", "named-script"}
+        assert done() == {"r-1", "r-2"}
+
+
+def second_worker_id(worker: Any) -> str:
+    """The start of a worker's id (``host-pid-random``): its host and pid."""
+    return f"-{worker.pid}-"
+
+
+def _letters(env: PubSubResources) -> list[dict[str, str]]:
+    from workerpool.ops.dlq import peek
+
+    return [
+        {"job_id": record.job_id}
+        for record in peek(env.subscriber, env.dead_letter_subscription_path, limit=50)
+    ]
