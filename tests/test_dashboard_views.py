@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from workerpool.batches import MemoryBatches
@@ -145,3 +147,13 @@ def test_bind_is_host_and_port() -> None:
     for bad in ("8080", "host:", "host:99999", ":80"):
         with pytest.raises(ConfigError):
             parse_bind(bad)
+
+
+def test_mounted_under_a_path_its_links_stay_under_it() -> None:
+    settings = Settings(project="p", subscription="jobs", idempotency_store="none")
+    outer = Starlette(routes=[Mount("/workerpool", create_app(settings))])
+    page = TestClient(outer).get("/workerpool/keys")
+    assert page.status_code == 200
+    links = re.findall(r'(?:href|src|action)="http://testserver([^"]*)"', page.text)
+    assert links and all(link.startswith("/workerpool/") for link in links)
+    assert "No concurrency limit declared" in page.text
