@@ -1,7 +1,8 @@
 """The dashboard in a real browser (the system's chromium, driven by Playwright) over real
 worker processes on the Pub/Sub emulator sharing an SQLite store: the live replica and what it
-runs, a key's holder, dead letters whose payload and error carry a script shown as text, and a
-selection of them replayed from the page, run again, and only those."""
+runs, a key's holder, a batch and a delayed job, dead letters whose payload and error carry a
+script shown as text, and a selection of them replayed from the page, run again, and only
+those; then a job's records replayed through the filter, and one deleted."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import expect, sync_playwright
 
 from tests.support import http_get, ledger_events, spawn_worker, wait_for, worker_processes
+from workerpool import JobMessage, publish, publish_batch
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or ""
 SCRIPT = "<script>alert(1)</script>"
+TOKEN = "open sesame"  # the dashboard's: its actions are confirmed with it
 # The jobs published while the first worker, which knows none of them, runs: dead letters.
 UNKNOWN = {"r-1": "t1", "r-2": "t2", "r-3": "t3"}
 
@@ -30,7 +35,8 @@ UNKNOWN = {"r-1": "t1", "r-2": "t2", "r-3": "t3"}
 @contextlib.contextmanager
 def _dashboard(config: Path, env: PubSubResources, log: Path) -> Iterator[str]:
     port = free_port()
-    environment = {**os.environ, "PUBSUB_EMULATOR_HOST": env.host}
+    environment = {**os.environ, "PUBSUB_EMULATOR_HOST": env.host,
+                   "WORKERPOOL_DASHBOARD_TOKEN": TOKEN}  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "workerpool", "dashboard", "--config", str(config),
@@ -50,8 +56,6 @@ def _dashboard(config: Path, env: PubSubResources, log: Path) -> Iterator[str]:
 def browser() -> Iterator[Any]:
     # The system's chromium, never a browser Playwright would download (.ci/run installs it).
     assert CHROMIUM, "chromium is not installed: apt-get install chromium"
-    from playwright.sync_api import sync_playwright
-
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
@@ -93,6 +97,12 @@ def test_the_dashboard_shows_the_fleet_and_replays_a_selection(
         env.publish("demo.slot_sleep", {"seconds": 60}, job_id="holder")
         env.publish("demo.sleep", {"seconds": 60}, job_id="sleeper")
         assert wait_for(lambda: len(ledger_events(ledger, "start", second.pid)) == 2, 30)
+        # and a batch of two quick children, and a job delayed by an hour
+        children = [JobMessage("demo.sleep", {"seconds": 0.1}, f"child-{i}") for i in (1, 2)]
+        publish_batch(env.topic_path, children, on_complete="demo.batch_done", batch_id="b-1",
+                      store=store, publisher=env.publisher)  # fmt: skip
+        publish(env.topic_path, "demo.sleep", {}, job_id="later", publisher=env.publisher,
+                not_before=timedelta(hours=1))  # fmt: skip
 
         with _dashboard(config, env, tmp_path / "dashboard.log") as url:
             page = browser.new_page()
@@ -117,6 +127,16 @@ def test_the_dashboard_shows_the_fleet_and_replays_a_selection(
             holders = page.locator('tr[data-key="demo-slots"] td.holders').inner_text()
             assert holders.startswith("1") and second_worker_id(second) in holders
 
+            # and the batch finalized by its last child, and the delayed job
+            page.goto(url + "/batches")
+            batch = page.locator('#batches tr[data-batch="b-1"]')
+            batch.wait_for()
+            expect(batch).to_contain_text("finalized by last_child", timeout=15000)
+            expect(batch).to_contain_text("100%")
+            page.goto(url + "/schedules")
+            expect(page.locator("#delayed")).to_contain_text("later", timeout=15000)
+            _screenshots(page, url)
+
             # and the dead letters show the scripts as text, none of them run
             page.goto(url + "/dead-letters")
             page.locator("#letters tr[data-message]").nth(3).wait_for()
@@ -131,18 +151,54 @@ def test_the_dashboard_shows_the_fleet_and_replays_a_selection(
                 page.locator("#letters tr", has_text=job_id).locator("input").check()
             page.get_by_role("button", name="Replay selected").click()
             assert "Replay the 2 selected record(s)" in page.locator("#question").inner_text()
-            page.locator("#confirm").click()
+            _confirm(page)
             assert "2 replayed" in page.locator("#result").inner_text()
+
+            # Then those two run once each, and the others stay dead letters
+            assert wait_for(lambda: _done(ledger) == {"r-1", "r-2"}, 30), second.output()
+            assert {record["job_id"] for record in _letters(env)} == {"r-3", "named-script"}
+
+            # When every record of a job is replayed through the filter
+            page.goto(url + "/dead-letters?job=demo.tenant_sleep")
+            assert page.locator("#letters tr[data-message]").count() == 1
+            page.get_by_role("button", name="Replay all matching the filter").click()
+            assert "every record of job demo.tenant_sleep" in page.locator("#question").inner_text()
+            _confirm(page)
+            assert "1 replayed" in page.locator("#result").inner_text()
+            # and the last one is deleted, confirmed
+            page.goto(url + "/dead-letters")
+            page.locator("#letters tr", has_text="named-script").locator("input").check()
+            page.get_by_role("button", name="Delete selected").click()
+            _confirm(page)
+            assert "1 deleted" in page.locator("#result").inner_text()
             assert errors == [] and dialogs == []
 
-        # Then those two run once each, and the others stay dead letters
-        def done() -> set[str]:
-            return {e["job_id"] for e in ledger_events(ledger, "done")} & set(UNKNOWN)
+        # Then that job's record ran too, and none is left
+        assert wait_for(lambda: _done(ledger) == set(UNKNOWN), 30), second.output()
+        assert _letters(env) == []
+        assert len([e for e in ledger_events(ledger, "done") if e["job_id"] in UNKNOWN]) == 3
 
-        assert wait_for(lambda: done() == {"r-1", "r-2"}, 30), second.output()
-        left = {record["job_id"] for record in _letters(env)}
-        assert left == {"r-3", "named-script"}
-        assert done() == {"r-1", "r-2"}
+
+def _screenshots(page: Any, url: str) -> None:
+    """Each page as a picture, where WORKERPOOL_DASHBOARD_SCREENSHOTS names a folder (the
+    docs' pictures are made so)."""
+    folder = os.environ.get("WORKERPOOL_DASHBOARD_SCREENSHOTS")
+    if not folder:
+        return
+    for name, path in (("overview", "/"), ("keys", "/keys"), ("batches", "/batches"),
+                       ("schedules", "/schedules"), ("dead-letters", "/dead-letters")):  # fmt: skip
+        page.goto(url + path)
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+
+
+def _confirm(page: Any) -> None:
+    page.locator("#token").fill(TOKEN)
+    page.locator("#confirm").click()
+
+
+def _done(ledger: Path) -> set[str]:
+    return {e["job_id"] for e in ledger_events(ledger, "done")} & set(UNKNOWN)
 
 
 def second_worker_id(worker: Any) -> str:

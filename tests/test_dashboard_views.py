@@ -26,6 +26,7 @@ from workerpool.schedule import Entry, MemorySchedule
 from workerpool.slots import MemorySlots
 
 SUBSCRIPTION = "projects/p/subscriptions/jobs"
+TOKEN = "sesame"
 
 
 def _no_backlog(subscription: str) -> list[tuple[str, str]]:
@@ -51,7 +52,8 @@ def client() -> TestClient:
         schedule=lambda: schedule, completions=lambda: done,
     )  # fmt: skip
     settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2})
-    return TestClient(create_app(settings, openers=openers, dead_letter_subscription="dlq-sub"))
+    app = create_app(settings, openers=openers, dead_letter_subscription="dlq-sub", token=TOKEN)
+    return TestClient(app)
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +91,8 @@ def test_keys_batches_and_schedules_pages(client: TestClient) -> None:
 
 
 def test_actions_need_the_csrf_token_a_confirmation_and_a_post(client: TestClient) -> None:
-    form = {"action": "replay", "scope": "selected", "id": "m-1", "confirmed": "yes"}
+    form = {"action": "replay", "scope": "selected", "id": "m-1", "confirmed": "yes",
+            "token": TOKEN}  # fmt: skip
     assert client.post("/dead-letters/confirm", data=form).status_code == 403
     assert client.post("/dead-letters/apply", data=form).status_code == 403
     token = client.get("/keys").cookies["workerpool_csrf"]
@@ -104,6 +107,8 @@ def test_actions_need_the_csrf_token_a_confirmation_and_a_post(client: TestClien
     assert asked.status_code == 200 and "Replay the 1 selected record(s)" in asked.text
     unconfirmed = {**form, "csrf_token": token, "confirmed": "no"}
     assert client.post("/dead-letters/apply", data=unconfirmed).status_code == 400
+    wrong_token = {**form, "csrf_token": token, "token": "guess"}
+    assert client.post("/dead-letters/apply", data=wrong_token).status_code == 403
     nothing = {"action": "delete", "scope": "selected", "csrf_token": token}
     assert client.post("/dead-letters/confirm", data=nothing).status_code == 400
     assert client.get("/dead-letters/apply").status_code == 405
@@ -157,3 +162,13 @@ def test_mounted_under_a_path_its_links_stay_under_it() -> None:
     links = re.findall(r'(?:href|src|action)="http://testserver([^"]*)"', page.text)
     assert links and all(link.startswith("/workerpool/") for link in links)
     assert "No concurrency limit declared" in page.text
+
+
+def test_without_a_token_it_is_read_only() -> None:
+    settings = Settings(project="p", subscription="jobs", idempotency_store="none")
+    client = TestClient(create_app(settings, dead_letter_subscription="dlq-sub"))
+    token = client.get("/keys").cookies["workerpool_csrf"]
+    form = {"action": "replay", "scope": "filter", "confirmed": "yes", "csrf_token": token,
+            "token": ""}  # fmt: skip
+    assert client.post("/dead-letters/confirm", data=form).status_code == 403
+    assert client.post("/dead-letters/apply", data=form).status_code == 403

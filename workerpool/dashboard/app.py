@@ -5,6 +5,7 @@ and a CSRF token."""
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -42,8 +43,11 @@ _UNREADABLE = (StoreError, gexc.GoogleAPICallError)
 
 
 class Dashboard:
-    def __init__(self, fleet: Fleet, clients: Clients | None, dead_letters: str) -> None:
+    def __init__(
+        self, fleet: Fleet, clients: Clients | None, dead_letters: str, token: str
+    ) -> None:
         self.fleet = fleet
+        self._token = token  # "": read-only, every action refused
         self._clients = clients
         self.dead_letters = dead_letters  # the dead-letter subscription's path, or ""
         self.templates = Jinja2Templates(env=environment(), context_processors=[self._context])
@@ -59,7 +63,11 @@ class Dashboard:
             self._clients.close()
 
     def _context(self, request: Request) -> dict[str, Any]:
-        return {"pages": PAGES, "letters_page": bool(self.dead_letters)}
+        return {
+            "pages": PAGES,
+            "letters_page": bool(self.dead_letters),
+            "actions": bool(self._token),
+        }
 
     def render(self, request: Request, name: str, context: dict[str, Any]) -> Response:
         token = csrf.token(request)
@@ -102,7 +110,7 @@ class Dashboard:
 
     async def confirm(self, request: Request) -> Response:
         """The confirmation page of an action asked for on the Dead letters page."""
-        found = await _action(request)
+        found = await self._action(request, confirmed=False)
         if isinstance(found, Response):
             return found
         action, selection = found
@@ -114,12 +122,10 @@ class Dashboard:
 
     async def apply(self, request: Request) -> Response:
         """An action confirmed: carried out, with an audit line of who asked."""
-        found = await _action(request)
+        found = await self._action(request, confirmed=True)
         if isinstance(found, Response):
             return found
         action, selection = found
-        if (await request.form()).get("confirmed") != "yes":  # asked for, never confirmed
-            return HTMLResponse("refused: not confirmed", status_code=400)
         who = request.headers.get("x-goog-authenticated-user-email") or (
             request.client.host if request.client else "unknown"
         )
@@ -137,21 +143,31 @@ class Dashboard:
             {"action": action, "selection": selection, "counts": counts, "title": "Done"},
         )
 
-
-async def _action(request: Request) -> tuple[str, Selection] | Response:
-    """The action and selection a POST asks for, or the response refusing it."""
-    form = await request.form()
-    if not csrf.allowed(request, str(form.get(csrf.FIELD, ""))):
-        return HTMLResponse("refused: missing or wrong CSRF token", status_code=403)
-    one = str(form.get("one", ""))
-    action = "replay" if one else str(form.get("action", ""))
-    if action not in ACTIONS:
-        return HTMLResponse(f"unknown action {action!r}", status_code=400)
-    selected = one or form.get("scope") == "selected"
-    ids = [one] if one else [str(i) for i in form.getlist("id")] if selected else []
-    if selected and not ids:
-        return HTMLResponse("nothing selected", status_code=400)
-    return action, Selection.of(form, ids)
+    async def _action(
+        self, request: Request, *, confirmed: bool
+    ) -> tuple[str, Selection] | Response:
+        """The action and selection a POST asks for, or the response refusing it: without a
+        token configured, with a wrong CSRF token, and (``confirmed``: the action itself)
+        without the confirmation and the dashboard's token."""
+        if not self._token:
+            return HTMLResponse("refused: read-only (no --token configured)", status_code=403)
+        form = await request.form()
+        if not csrf.allowed(request, str(form.get(csrf.FIELD, ""))):
+            return HTMLResponse("refused: missing or wrong CSRF token", status_code=403)
+        if confirmed and form.get("confirmed") != "yes":
+            return HTMLResponse("refused: not confirmed", status_code=400)
+        sent = str(form.get("token", "")).encode()
+        if confirmed and not hmac.compare_digest(sent, self._token.encode()):
+            return HTMLResponse("refused: wrong token", status_code=403)
+        one = str(form.get("one", ""))
+        action = "replay" if one else str(form.get("action", ""))
+        if action not in ACTIONS:
+            return HTMLResponse(f"unknown action {action!r}", status_code=400)
+        selected = one or form.get("scope") == "selected"
+        ids = [one] if one else [str(i) for i in form.getlist("id")] if selected else []
+        if selected and not ids:
+            return HTMLResponse("nothing selected", status_code=400)
+        return action, Selection.of(form, ids)
 
 
 async def _read(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -166,19 +182,25 @@ def create_app(
     settings: Settings,
     *,
     dead_letter_subscription: str = "",
+    token: str = "",
     openers: Openers | None = None,
     clients: Clients | None = None,
 ) -> Starlette:
     """The dashboard of the fleet ``settings`` describe (its stores beside
     ``settings.idempotency_store``), as an ASGI app to serve or mount. The dead letters are
     read from ``dead_letter_subscription`` (default: ``settings.dead_letter_topic`` + "-sub",
-    as ``workerpool provision`` names it); Pub/Sub ``clients`` are made on first use."""
+    as ``workerpool provision`` names it); Pub/Sub ``clients`` are made on first use. Without
+    a ``token`` the dashboard is read-only; with one, an action is carried out only once
+    confirmed with it."""
     fleet = Fleet(settings, openers or Openers.of(settings.idempotency_store))
     letters_sub = dead_letter_subscription or (
         f"{settings.dead_letter_topic}-sub" if settings.dead_letter_topic else ""
     )
     dashboard = Dashboard(
-        fleet, clients, subscription_path(settings.project, letters_sub) if letters_sub else ""
+        fleet,
+        clients,
+        subscription_path(settings.project, letters_sub) if letters_sub else "",
+        token,
     )
 
     @contextlib.asynccontextmanager

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pygal
 
 
@@ -17,7 +19,11 @@ def done_chart(counts: list[int]) -> str:
         x_title="minutes ago",
         y_title="jobs done",
         show_minor_x_labels=False,
+        truncate_label=-1,
     )
+    # Whole jobs on the y axis, about five lines of them (pygal would draw 0.2 steps).
+    step = max(1, math.ceil(max(counts, default=0) / 5))
+    chart.y_labels = list(range(0, max(counts, default=0) + step + 1, step))
     chart.x_labels = [str(len(counts) - 1 - i) for i in range(len(counts))]
     chart.x_labels_major = [label for label in chart.x_labels if int(label) % 10 == 0]
     chart.add("done", counts)

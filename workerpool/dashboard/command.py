@@ -30,8 +30,19 @@ def parse_bind(bind: str) -> tuple[str, int]:
     default="",
     help="Where the failure records are read [default: DEAD_LETTER_TOPIC-sub].",
 )
+@click.option(
+    "--token",
+    envvar="WORKERPOOL_DASHBOARD_TOKEN",
+    default="",
+    help="Allow actions (replay, delete), each confirmed with this token [default: read-only; "
+    "WORKERPOOL_DASHBOARD_TOKEN].",
+)
 def dashboard(
-    config_file: str | None, idempotency_store: str | None, bind: str, dead_letter_subscription: str
+    config_file: str | None,
+    idempotency_store: str | None,
+    bind: str,
+    dead_letter_subscription: str,
+    token: str,
 ) -> None:
     """Serve the web dashboard: replicas, keys, batches, schedules and dead letters."""
     host, port = parse_bind(bind)
@@ -45,7 +56,7 @@ def dashboard(
             f"the dashboard needs its extra: pip install 'workerpool[dashboard]' ({exc})"
         ) from None
     try:
-        app = create_app(settings, dead_letter_subscription=dead_letter_subscription)
+        app = create_app(settings, dead_letter_subscription=dead_letter_subscription, token=token)
     except (ValueError, ImportError) as exc:
         raise ConfigError(f"idempotency_store {settings.idempotency_store}: {exc}") from None
     click.echo(f"workerpool dashboard on http://{host}:{port}/")
