@@ -77,3 +77,9 @@ def test_the_wheel_holds_two_typed_top_level_packages(tmp_path: Path) -> None:
     assert {"workerpool/py.typed", "workerpool_jobs/py.typed"} <= set(names)
     packages = {name.rsplit("/", 1)[0].replace("/", ".") for name in names if "__init__" in name}
     assert packages == _packages_in_the_tree()
+    # and the dashboard's templates and static files with it
+    data = ROOT / "workerpool" / "dashboard"
+    shipped = {
+        str(f.relative_to(ROOT)) for d in ("templates", "static") for f in (data / d).iterdir()
+    }
+    assert shipped and shipped <= set(names)
