@@ -121,6 +121,15 @@ def test_the_dashboard_shows_the_fleet_and_replays_a_selection(
             )
             assert page.locator("#replicas tr[data-replica]").count() == 1
             assert page.locator("#replicas td.free").inner_text() == "2"  # 4 slots, 2 running
+            # and a job started after the page loaded shows there with no reload (a beat
+            # every 2 s, a refresh every 2 s: the wait allows for a loaded machine)
+            page.evaluate("window.loadedOnce = true")
+            env.publish("demo.sleep", {"seconds": 60}, job_id="late")
+            page.wait_for_function(
+                "document.querySelector('#replicas td.running')?.textContent === '3'",
+                timeout=15000,
+            )
+            assert page.evaluate("window.loadedOnce") is True
 
             # and the Keys page the key's one holder
             page.goto(url + "/keys")
