@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 from workerpool.batches import MemoryBatches
 from workerpool.config import Settings
 from workerpool.dashboard import create_app
+from workerpool.dashboard.chart import NOT_COUNTED
 from workerpool.dashboard.command import parse_bind
 from workerpool.dashboard.letters import Selection
 from workerpool.dashboard.stores import Openers
@@ -152,6 +153,12 @@ def test_bind_is_host_and_port() -> None:
     for bad in ("8080", "host:", "host:99999", ":80"):
         with pytest.raises(ConfigError):
             parse_bind(bad)
+
+
+def test_a_store_that_does_not_count_completions_says_so_in_the_chart() -> None:
+    settings = Settings(project="p", subscription="jobs", idempotency_store="none")
+    chart = TestClient(create_app(settings)).get("/chart/done.svg")
+    assert chart.status_code == 200 and NOT_COUNTED in chart.text
 
 
 def test_mounted_under_a_path_its_links_stay_under_it() -> None:

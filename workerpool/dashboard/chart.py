@@ -7,10 +7,15 @@ import math
 
 import pygal
 
+# Drawn instead of bars by a store that cannot count completions by time.
+NOT_COUNTED = "not counted by this store (SQLite counts them)"
 
-def done_chart(counts: list[int]) -> str:
-    """An SVG of ``counts`` (one a minute, oldest first, the last one now)."""
+
+def done_chart(counts: list[int] | None) -> str:
+    """An SVG of ``counts`` (one a minute, oldest first, the last one now); None: a chart
+    saying they are not counted."""
     chart = pygal.Bar(
+        no_data_text=NOT_COUNTED,
         js=[],
         disable_xml_declaration=True,
         show_legend=False,
@@ -21,6 +26,8 @@ def done_chart(counts: list[int]) -> str:
         show_minor_x_labels=False,
         truncate_label=-1,
     )
+    if counts is None:
+        return str(chart.render(is_unicode=True))
     # Whole jobs on the y axis, about five lines of them (pygal would draw 0.2 steps).
     step = max(1, math.ceil(max(counts, default=0) / 5))
     chart.y_labels = list(range(0, max(counts, default=0) + step + 1, step))
