@@ -3,8 +3,11 @@ the CSRF and confirmation rules of its actions, and the store counts its chart d
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -155,6 +158,12 @@ def test_bind_is_host_and_port() -> None:
             parse_bind(bad)
 
 
+def test_without_a_dead_letter_topic_the_page_says_where_to_set_one() -> None:
+    settings = Settings(project="p", subscription="jobs", idempotency_store="none")
+    page = TestClient(create_app(settings)).get("/dead-letters")
+    assert page.status_code == 200 and "No dead-letter subscription" in page.text
+
+
 def test_a_store_that_does_not_count_completions_says_so_in_the_chart() -> None:
     settings = Settings(project="p", subscription="jobs", idempotency_store="none")
     chart = TestClient(create_app(settings)).get("/chart/done.svg")
@@ -179,3 +188,12 @@ def test_without_a_token_it_is_read_only() -> None:
             "token": ""}  # fmt: skip
     assert client.post("/dead-letters/confirm", data=form).status_code == 403
     assert client.post("/dead-letters/apply", data=form).status_code == 403
+
+
+def test_the_chart_package_leaves_the_process_imports_as_they_were() -> None:
+    # pygal's own import hook warned on every import that missed, anywhere in the process
+    assert "workerpool.dashboard.chart" in sys.modules
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("no_such_module_anywhere")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -43,20 +44,24 @@ _UNREADABLE = (StoreError, gexc.GoogleAPICallError)
 
 
 class Dashboard:
+    """The app's endpoints over one fleet, its dead-letter subscription and its token."""
+
     def __init__(
         self, fleet: Fleet, clients: Clients | None, dead_letters: str, token: str
     ) -> None:
         self.fleet = fleet
         self._token = token  # "": read-only, every action refused
         self._clients = clients
+        self._connecting = threading.Lock()  # endpoints run on several threads
         self.dead_letters = dead_letters  # the dead-letter subscription's path, or ""
         self.templates = Jinja2Templates(env=environment(), context_processors=[self._context])
 
     @property
     def clients(self) -> Clients:
-        if self._clients is None:
-            self._clients = connect()
-        return self._clients
+        with self._connecting:
+            if self._clients is None:
+                self._clients = connect()
+            return self._clients
 
     def close(self) -> None:
         if self._clients is not None:
@@ -95,11 +100,13 @@ class Dashboard:
 
     async def letters(self, request: Request) -> Response:
         selection = Selection.of(request.query_params, [])
-        context = await _read(
-            lambda: {
-                "letters": letters(self.clients.subscriber, self.dead_letters, selection, LIMIT)
-            }
-        )
+        context: dict[str, Any] = {"letters": []}
+        if self.dead_letters:  # else the page says where they would be read from
+            context = await _read(
+                lambda: {
+                    "letters": letters(self.clients.subscriber, self.dead_letters, selection, LIMIT)
+                }
+            )
         return self.render(
             request,
             "letters.html",

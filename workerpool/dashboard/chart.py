@@ -4,8 +4,14 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pygal
+
+# pygal adds an import hook for its map plugins (pygal.maps.*, not used here) that only has
+# the find_module Python 3.12 drops: every import that misses after it warns (ImportWarning).
+# Taken out, so importing the dashboard leaves the process's imports as they were.
+sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, pygal.PluginImportFixer)]
 
 # Drawn instead of bars by a store that cannot count completions by time.
 NOT_COUNTED = "not counted by this store (SQLite counts them)"
