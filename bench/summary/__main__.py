@@ -21,8 +21,8 @@ from bench.results import load, machine
 from bench.summary.render import render
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-# Each runner with the report's settings, in the report's order. The sizes are the smallest
-# whose ratios held from run to run on 2 shared cores; each runner's defaults are larger.
+# Each runner with the report's settings, in the report's order: sizes a quarter of each
+# runner's defaults or less, so the whole fits in about 20 minutes of a shared 2-core machine.
 RUNS: dict[str, list[str]] = {
     "pubsub": ["bench", "--short", "--plots", "bench/plots"],
     "autoscale": ["bench.autoscale"],

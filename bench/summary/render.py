@@ -12,10 +12,12 @@ from bench.results import Grid, Section, grid_markdown
 
 SETTINGS = (
     "the short settings of `python -m bench.summary` (each section's command below): backlogs "
-    "and durations smaller than each runner's defaults, as short as still gives ratios that "
-    "hold from run to run. Every ratio is of figures measured side by side in one run of one "
-    "runner; no figure is compared across sections. The machine was shared with other work "
-    "while these ran: the load average is each section's."
+    "and durations a quarter of each runner's defaults or less, so that every runner fits in "
+    "about 20 minutes of a shared 2-core machine. Every ratio is of figures measured side by "
+    "side in one run of one runner; no figure is compared across sections. The machine was "
+    "shared with other work while these ran (each section gives the load average at its start "
+    "and end): a cell's min-max shows how far its runs spread, and a ratio of cells that "
+    "spread widely is a rough one; `python -m bench` with its full sizes narrows them."
 )
 
 
