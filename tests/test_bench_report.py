@@ -3,6 +3,7 @@ free of a diary's dated sessions."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bench.results import command_line, load
@@ -43,3 +44,13 @@ def test_a_section_measured_at_another_commit_is_marked_carried_over() -> None:
 def test_a_section_names_its_command_without_where_it_wrote_the_results() -> None:
     argv = ["--short", "--json", "/tmp/x.json", "--plots", "p", "--json=y"]
     assert command_line("python -m bench", argv) == "python -m bench --short --plots p"
+
+
+def test_benchmarks_md_is_a_short_report_without_dated_sessions() -> None:
+    lines = (ROOT / "BENCHMARKS.md").read_text().splitlines()
+    assert len(lines) <= MOST_LINES
+    # A diary's entries: lines naming a numbered session, or headings that carry a date.
+    dated = re.compile(r"\bsession \d+|^#+ .*\d{4}-\d{2}-\d{2}", re.IGNORECASE)
+    assert [line for line in lines if dated.search(line)] == []
+    assert lines[0] == "# Benchmarks"
+    assert "written by `python -m bench.summary`" in lines[2]
