@@ -9,7 +9,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.consumer import ASYNC_IMPLS
@@ -64,20 +64,13 @@ FULL = Plan(
 
 # BENCHMARKS.md's run (``python -m bench.summary``): every scenario, 3 runs, backlogs a quarter
 # of the full run's or less, so the whole takes about 12 minutes on 2 cores.
-SHORT = Plan(
-    runs=3,
+SHORT = replace(
+    FULL,
     throughput_counts={1: 500, 10: 5_000, 100: 5_000},
-    impls_and_bare=("workerpool", "workerpool-bare", "plain", "aio"),
     util_backlogs={8: 400, 64: 1_280},
-    util_seconds=0.05,
-    drain_n=8,
     drain_backlog=80,
-    drain_seconds=2.0,
-    drain_signal_after=3.0,
     drain_cap=5.0,
     soak_count=20_000,
-    soak_n=100,
-    rates=(10.0, 100.0, 1_000.0),
     rate_seconds=2.0,
     parts_runs=((64, 1_280, 0.05), (100, 5_000, 0.0)),
     deviations=(
