@@ -3,7 +3,7 @@
 # is the README's test command, the one .ci/run runs after the same checks.
 PYTHON ?= python
 
-.PHONY: check format lint types docs unit test proto
+.PHONY: check format lint types docs unit test proto bench-report
 
 check: format lint types docs unit
 
@@ -29,6 +29,11 @@ unit:
 
 test:
 	$(PYTHON) -m pytest -n 2
+
+# BENCHMARKS.md, written by the bench: every runner of bench/ with the report's short settings
+# (about 20 minutes on 2 cores), its results in bench/results/, then the report from them.
+bench-report:
+	$(PYTHON) -m bench.summary
 
 # The KEDA external scaler's modules (workerpool/autoscale/externalscaler_pb2*.py[i]), generated
 # from externalscaler.proto and committed. The generator is pinned old on purpose, and installed

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, SqliteBatches
 from workerpool.batches.store import deliver
@@ -44,6 +46,18 @@ from workerpool.schedule import Entry, ScheduleStore, SqliteSchedule
 from workerpool.schedule.delays import Firer
 from workerpool.testing.emulator import LocalEmulator
 
+ABOUT = [
+    "Measured at the store and the firer, with a publisher that only records when it was "
+    "called, so the figures are the schedule's and the batch ledger's own (the Pub/Sub hop "
+    "after them is the emulator tests' to show). Children: the children of one committed "
+    "batch recorded done by writer threads, each with a store handle of its own; round trips "
+    "(SQLite: transactions; Firestore: calls to the service), lost races (Firestore commits "
+    "refused), CPU per child; the completion latency is from the start of the last child's "
+    "write to its completion being handed to the publisher. On Firestore once per number of "
+    "tallies: 1 is every child rewriting one document. Timers: timers due at a rate, added "
+    "ahead by one worker whose firer fires them while a second firer reads them from the "
+    "store; how late each was published, and the store round trips per timer.",
+]
 TOPIC = "projects/bench/topics/jobs"
 PROJECT = "workerpool-bench"
 
@@ -238,7 +252,7 @@ def timers(used: Backend, rate: int, seconds: float) -> tuple[float, float, floa
     )
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="sqlite,firestore")
     parser.add_argument("--children", type=int, default=10_000)
@@ -246,12 +260,21 @@ def main() -> None:
     parser.add_argument("--tallies", default="32,1", help="Firestore: tallies per batch")
     parser.add_argument("--rates", default="100,1000")
     parser.add_argument("--seconds", type=float, default=5.0)
-    args: Any = parser.parse_args()
-    print(f"batch of {args.children:,} children, {args.writers} writers\n")
-    print("| backend | round trips per child | lost races per child | CPU per child | "
-          "children/s | last child's write to its completion handed over |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- |")
-    timer_rows = []
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args: Any = parser.parse_args(argv)
+    stamp = Stamp()
+    kids = Grid(
+        f"A batch of {args.children:,} children, {args.writers} writers",
+        "",
+        ["backend", "round trips per child", "lost races per child", "CPU per child",
+         "children/s", "last child's write to its completion handed over"],
+    )  # fmt: skip
+    timed = Grid(
+        f"Timers, for {args.seconds:g} s",
+        "",
+        ["backend", "timers due per second", "lateness p50", "p99", "max",
+         "round trips per timer"],
+    )  # fmt: skip
     for name in args.backends.split(","):
         with backend(name) as used:
             for tallies in args.tallies.split(",") if name == "firestore" else [""]:
@@ -263,19 +286,18 @@ def main() -> None:
 
                     firestore.TALLIES = int(tallies)
                 f = children(used, args.children, args.writers)
-                print(f"| {label} | {f.trips:.2f} | {f.lost:.3f} | {f.cpu * 1e6:,.0f} us | "
-                      f"{f.rate:,.0f} | {f.latency * 1000:.1f} ms |")  # fmt: skip
+                kids.rows.append([label, f"{f.trips:.2f}", f"{f.lost:.3f}",
+                                  f"{f.cpu * 1e6:,.0f} us", f"{f.rate:,.0f}",
+                                  f"{f.latency * 1000:.1f} ms"])  # fmt: skip
             for each in (int(r) for r in args.rates.split(",")):
                 p50, p99, worst, trips = timers(used, each, args.seconds)
-                timer_rows.append(
-                    f"| {name} | {each:,} | {p50 * 1000:.1f} ms | {p99 * 1000:.1f} ms | "
-                    f"{worst * 1000:.1f} ms | {trips:.2f} |"
-                )
-    print()
-    print("| backend | timers due per second | lateness p50 | p99 | max | round trips per timer |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print("\n".join(timer_rows))
+                timed.rows.append([name, f"{each:,}", f"{p50 * 1000:.1f} ms",
+                                   f"{p99 * 1000:.1f} ms", f"{worst * 1000:.1f} ms",
+                                   f"{trips:.2f}"])  # fmt: skip
+    command = command_line("python -m bench.batches", argv)
+    title = "Batches and delayed jobs, at the store"
+    emit(Section("batches", title, command, ABOUT, [kids, timed]), stamp, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -27,16 +27,28 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool import AsyncJobContext, PermanentError, RetryableError
 from workerpool.errors import RateLimitedError
 from workerpool.registry import Registry, registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.processor import Processor, ProcessorSettings
+
+ABOUT = [
+    "Should `http.delivery` have an async variant? Both run through a real `Processor` with N "
+    "slot threads (the worker's data path from a leased message to its ack, Pub/Sub left out "
+    "so only the delivery differs) against a local keep-alive HTTP server in a process of its "
+    "own. sync: the job as it is, `requests` with one keep-alive session per slot thread. "
+    "async: the candidate, `httpx.AsyncClient`, one for the process, on the pool's event loop. "
+    "Each variant runs several times, the order rotating; medians of deliveries per second and "
+    "of the client process's CPU per 1,000 deliveries; the ratio row is of those medians.",
+]
 
 _client: httpx.AsyncClient | None = None
 
@@ -147,7 +159,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--count", type=int, default=6_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--port", type=int, default=18_181)
+    parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.serve:
         asyncio.run(_serve(args.serve))
         return
@@ -168,8 +182,8 @@ def main(argv: list[str]) -> None:
 
 
 def _report(args: argparse.Namespace, measure: Callable[[str, int], tuple[float, float]]) -> None:
-    variants = ["sync", "async"]
-    print("| N | variant | deliveries/s | CPU per 1,000, s |\n| --- | --- | --- | --- |")
+    stamp, variants = Stamp(), ["sync", "async"]
+    grid = Grid("", "", ["N", "variant", "deliveries/s", "CPU per 1,000, s"])
     for n in args.n:
         rates: dict[str, list[float]] = {v: [] for v in variants}
         cpus: dict[str, list[float]] = {v: [] for v in variants}
@@ -178,13 +192,20 @@ def _report(args: argparse.Namespace, measure: Callable[[str, int], tuple[float,
                 rate, cpu = measure(variant, n)
                 rates[variant].append(rate)
                 cpus[variant].append(cpu)
+        rate_of = {v: statistics.median(rates[v]) for v in variants}
+        cpu_of = {v: statistics.median(cpus[v]) for v in variants}
         for variant in variants:
-            print(
-                f"| {n} | {variant} | {statistics.median(rates[variant]):,.0f} "
-                f"| {statistics.median(cpus[variant]):.2f} |"
+            grid.rows.append(
+                [str(n), variant, f"{rate_of[variant]:,.0f}", f"{cpu_of[variant]:.2f}"]
             )
-        ratio = statistics.median(rates["async"]) / statistics.median(rates["sync"])
-        print(f"| {n} | async / sync | {ratio:.2f} | |")
+        ratios = [
+            f"{rate_of['async'] / rate_of['sync']:.2f}",
+            f"{cpu_of['async'] / cpu_of['sync']:.2f}",
+        ]
+        grid.rows.append([str(n), "async / sync", *ratios])
+    command = command_line("python -m bench.http_delivery", args.argv)
+    title = "http.delivery: the sync job against an async candidate"
+    emit(Section("http_delivery", title, command, ABOUT, [grid]), stamp, args.json)
 
 
 if __name__ == "__main__":

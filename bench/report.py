@@ -1,20 +1,17 @@
-"""BENCHMARKS.md and its plots from the scenarios' tables.
-
-Everything above the notes marker is rewritten on each full run; the hand-written notes below
-it are kept.
+"""The scenarios' tables, targets and plots: printed, as a section of BENCHMARKS.md
+(``--json``), or as a markdown report of one run (``--out``), where the hand-written notes below
+the notes marker are kept.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import math
-import os
-import platform
-import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.results import Grid, Section, commit, grid_markdown, machine
 from bench.scenarios import Context, Row, Table
 from workerpool.config import Settings
 
@@ -84,7 +81,7 @@ def _order(impl: str) -> tuple[int, str]:
     return (list(IMPL_TEXT).index(name) if name in IMPL_TEXT else len(IMPL_TEXT), ref)
 
 
-def table_markdown(table: Table) -> list[str]:
+def table_grid(table: Table) -> Grid:
     present = {impl for row in table.rows for impl in row.values}
     impls = sorted(present, key=_order)
     # What workerpool is compared with: the other libraries, then everything off, then each
@@ -95,21 +92,18 @@ def table_markdown(table: Table) -> list[str]:
         (i, old) for i in impls if (old := next((o for o in impls if o.startswith(i + "@")), None))
     ]
     header = ["figure", *impls, *(f"{a} / {b}" for a, b in pairs)]
-    lines = [
-        f"## {table.scenario}",
-        "",
-        table.description,
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + " --- |" * len(header),
-    ]
+    grid = Grid(table.scenario, table.description, header)
     for row in table.rows:
         label = row.label + (f", {row.unit}" if row.unit else "")
         if row.better:
             label += f" ({row.better} is better)"
         cells = [cell(row, i) for i in impls] + [ratio(row, a, b) for a, b in pairs]
-        lines.append("| " + " | ".join([label, *cells]) + " |")
-    return [*lines, ""]
+        grid.rows.append([label, *cells])
+    return grid
+
+
+def table_markdown(table: Table) -> list[str]:
+    return grid_markdown(table_grid(table), level=2)
 
 
 def find(ctx: Context, scenario: str, label: str) -> Row | None:
@@ -122,12 +116,16 @@ def find(ctx: Context, scenario: str, label: str) -> Row | None:
 
 
 def targets(ctx: Context) -> list[str]:
-    """The issue's targets against what was measured: a miss is a finding, shown as such."""
-    lines = ["| target | measured (workerpool) | met |", "| --- | --- | --- |"]
+    return grid_markdown(targets_grid(ctx), level=2)
+
+
+def targets_grid(ctx: Context) -> Grid:
+    """The targets against what was measured: a miss is a finding, shown as such."""
+    grid = Grid("Targets", "", ["target", "measured (workerpool)", "met"])
 
     def add(target: str, measured: str, met: bool | None) -> None:
         verdict = "n/a" if met is None else "yes" if met else "**no**"
-        lines.append(f"| {target} | {measured} | {verdict} |")
+        grid.rows.append([target, measured, verdict])
 
     for n in ctx.plan.throughput_counts:
         row = find(ctx, f"1. Throughput, N = {n}", "throughput")
@@ -166,7 +164,7 @@ def targets(ctx: Context) -> list[str]:
     if growth and growth.values.get("workerpool"):
         value = max(growth.values["workerpool"])
         add("soak RSS growth 50 % -> 100 % < 10 %", f"{fmt(value)} %", value < 10)
-    return lines
+    return grid
 
 
 def _defaults_targets(ctx: Context, add: Any) -> None:
@@ -215,42 +213,14 @@ def versions() -> Iterable[str]:
             yield f"{name} (not installed)"
 
 
-def machine() -> str:
-    model = ""
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    cpus = len(os.sched_getaffinity(0))
-    system = f"{platform.system()} {platform.release()}"
-    return f"{cpus} CPUs ({model}), {system}, Python {platform.python_version()}"
-
-
-def commit() -> str:
-    result = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=Path(__file__).parent,
-    )
-    return result.stdout.strip() or "unknown"
-
-
-def markdown(ctx: Context, header: dict[str, str], plots: list[Path], out: Path) -> str:
-    lines = [
-        "# Benchmarks: workerpool against the plain google-cloud-pubsub subscriber",
-        "",
-        "<!-- everything above the notes marker is written by `python -m bench` -->",
-        "",
-        *(f"- {key}: {value}" for key, value in header.items()),
-        f"- machine: {machine()}",
-        f"- libraries: {', '.join(versions())}; workerpool at commit {commit()}",
+def method(ctx: Context) -> list[str]:
+    """How the figures were measured: the libraries, what a cell is, the implementations."""
+    return [
+        f"- libraries: {', '.join(versions())}",
         f"- each cell: the median of {ctx.plan.runs} runs (min-max) unless the scenario says "
         "otherwise; implementations run in turn, the order rotating each run; a ratio is of "
         "medians",
-        *(f"- differs from the issue: {text}" for text in ctx.plan.deviations),
+        *(f"- differs from the scenario's own size: {text}" for text in ctx.plan.deviations),
         "",
         "Implementations (each a process of its own, on one local Pub/Sub emulator; every job "
         "records its own start and end):",
@@ -262,10 +232,30 @@ def markdown(ctx: Context, header: dict[str, str], plots: list[Path], out: Path)
             else []
         ),
         "",
-        "## Targets",
+    ]
+
+
+def section(ctx: Context, command: str, plots: list[Path], root: Path) -> Section:
+    """The run as a section of BENCHMARKS.md (``python -m bench --json``)."""
+    return Section(
+        name="pubsub",
+        title="workerpool against the plain client and gcloud-aio-pubsub, on the emulator",
+        command=command,
+        about=method(ctx),
+        grids=[targets_grid(ctx), *map(table_grid, ctx.tables)],
+        notes=["Runs that lost or repeated jobs: " + ("; ".join(ctx.anomalies) or "none.")],
+        plots=[str(p.resolve().relative_to(root)) for p in plots],
+    )
+
+
+def markdown(ctx: Context, header: dict[str, str], plots: list[Path], out: Path) -> str:
+    lines = [
+        "# Benchmarks: workerpool against the plain google-cloud-pubsub subscriber",
         "",
+        *(f"- {key}: {value}" for key, value in header.items()),
+        f"- machine: {machine()}; workerpool at commit {commit()}",
+        *method(ctx),
         *targets(ctx),
-        "",
     ]
     for table in ctx.tables:
         lines += table_markdown(table)

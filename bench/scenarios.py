@@ -9,7 +9,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.consumer import ASYNC_IMPLS
@@ -59,6 +59,25 @@ FULL = Plan(
         "no-op jobs/s at N = 1, so 20,000 would take over 4 minutes per run",
         "utilisation at N = 1 uses a backlog of 200, not 2,000: 2,000 x 50 ms is 100 s per run",
         "the soak runs once per implementation, not 3 times (about 3 minutes each)",
+    ),
+)
+
+# BENCHMARKS.md's run (``python -m bench.summary``): every scenario, 3 runs, backlogs a quarter
+# of the full run's or less, so the whole takes about 12 minutes on 2 cores.
+SHORT = replace(
+    FULL,
+    throughput_counts={1: 500, 10: 5_000, 100: 5_000},
+    util_backlogs={8: 400, 64: 1_280},
+    drain_backlog=80,
+    drain_cap=5.0,
+    soak_count=20_000,
+    rate_seconds=2.0,
+    parts_runs=((64, 1_280, 0.05), (100, 5_000, 0.0)),
+    deviations=(
+        "--short: backlogs a quarter of the full run's or less (throughput 500 jobs at N = 1, "
+        "5,000 at N = 10 and 100; utilisation 400 jobs at N = 8, 1,280 at N = 64), a soak of "
+        "20,000 jobs, rate limits held 2 s, a drain backlog of 80 with redelivery waited up to "
+        "5 s",
     ),
 )
 

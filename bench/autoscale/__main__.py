@@ -1,6 +1,6 @@
 """``python -m bench.autoscale``: replay the workload traces through workerpool's autoscaler,
-a KEDA-like scaler and always-on, against the oracle; rewrite the section of BENCHMARKS.md
-between its markers and bench/plots/autoscale.png (``--print``: print the section only).
+a KEDA-like scaler and always-on, against the oracle, and print the tables (``--json``: also
+write the results for BENCHMARKS.md, and bench/plots/autoscale.png).
 
 These are model results (bench/autoscale/fleet.py says what is modelled), the same on any
 machine: the traces are seeded and nothing depends on a clock.
@@ -9,7 +9,7 @@ machine: the traces are seeded and nothing depends on a clock.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,9 +17,10 @@ import numpy as np
 
 from bench.autoscale.fleet import Scaler, Setup, simulate
 from bench.autoscale.oracle import oracle
-from bench.autoscale.report import Runs, plot, section, setup_lines, table, targets, write_section
+from bench.autoscale.report import Runs, plot, setup_lines, table, targets_grid
 from bench.autoscale.scalers import KedaLike, Ours
 from bench.autoscale.traces import traces
+from bench.results import Section, Stamp, command_line, emit
 from workerpool.autoscale.policy import Policy
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -48,16 +49,15 @@ no permission).
 """
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.autoscale", description=__doc__)
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    parser.add_argument("--print", action="store_true", help="print the section, write nothing")
+    parser.add_argument("--json", type=Path, help="also write the results here, and the plot")
     parser.add_argument(
         "--scale-down-delay", type=float, default=Policy().scale_down_delay,
         help="our policy's stabilisation window, seconds",
     )  # fmt: skip
-    args = parser.parse_args()
-    began, setup, workloads = time.perf_counter(), Setup(), traces()
+    args = parser.parse_args(argv)
+    stamp, setup, workloads = Stamp(), Setup(), traces()
     policy = Policy(scale_down_delay=args.scale_down_delay, max_replicas=setup.max_replicas)
     windows = sorted({policy.scale_down_delay, 0.0}, reverse=True)
     ours = [Ours(replace(policy, scale_down_delay=w)) for w in windows]
@@ -68,14 +68,11 @@ def main() -> None:
         outcomes = {f"always-on ({found.replicas})": found.always_on}
         outcomes |= {s.name: simulate(trace, s, setup) for s in scalers}
         runs.append(Runs(trace, found, outcomes))
-    took = time.perf_counter() - began
-    body = [
-        "## Autoscaling in simulation",
-        "",
-        f"`python -m bench.autoscale` ({took:.0f} s; numpy {np.__version__}, seeded traces): "
-        "model results, not measurements. workerpool's own autoscaler (its loop, signal "
-        "reader and policy) runs against a model of the fleet and of what it reads "
-        "(bench/autoscale/fleet.py says what is modelled).",
+    about = [
+        f"Model results, not measurements (numpy {np.__version__}, seeded traces: the same on "
+        "any machine). workerpool's own autoscaler (its loop, signal reader and policy) runs "
+        "against a model of the fleet and of what it reads (bench/autoscale/fleet.py says what "
+        "is modelled); x oracle is instance-seconds over the oracle's, in the same run.",
         "",
         *setup_lines(setup, workloads),
         "",
@@ -88,20 +85,14 @@ def main() -> None:
             slots=setup.slots,
         ).splitlines(),
         "",
-        *table(runs),
-        "",
-        *targets(runs, [o.name for o in ours], setup),
-        "",
     ]
-    if args.print:
-        print(section(body))
-        return
-    drawn = plot(runs, PLOT, shown=4)
-    if drawn is not None:
-        body.append(f"![autoscale]({drawn.relative_to(args.out.resolve().parent)})")
-    write_section(args.out, section(body))
-    print(f"wrote {args.out} and {PLOT}" if drawn else f"wrote {args.out}")
+    command = command_line("python -m bench.autoscale", argv)
+    grids = [table(runs), targets_grid(runs, [o.name for o in ours], setup)]
+    drawn = plot(runs, PLOT, shown=4) if args.json else None
+    plots = [str(drawn.relative_to(ROOT))] if drawn else []
+    title = "Autoscaling, in simulation"
+    emit(Section("autoscale", title, command, about, grids, plots=plots), stamp, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

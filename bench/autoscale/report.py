@@ -1,4 +1,4 @@
-"""The runs' table, the simulator's targets, the plot, and their section of BENCHMARKS.md."""
+"""The runs' table, the simulator's targets and the plot."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from typing import Any
 from bench.autoscale.fleet import Outcome, Setup
 from bench.autoscale.oracle import Oracle
 from bench.autoscale.traces import Trace
-
-BEGIN = "<!-- bench.autoscale: begin (written by `python -m bench.autoscale`) -->"
-END = "<!-- bench.autoscale: end -->"
+from bench.results import Grid, grid_markdown
 
 
 @dataclass(frozen=True)
@@ -28,34 +26,34 @@ def _seconds(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
 
-def table(runs: list[Runs]) -> list[str]:
-    lines = [
-        "| trace | scaler | instance-seconds | x oracle | p95 wait, s | max wait, s "
-        "| jobs killed by scale-in | idle cost, instance-s | most replicas "
-        "| most probes of a message |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        *(line for each in runs for line in _rows(each)),
-    ]
-    return lines
+def table(runs: list[Runs]) -> Grid:
+    header = ["trace", "scaler", "instance-seconds", "x oracle", "p95 wait, s", "max wait, s",
+              "jobs killed by scale-in", "idle cost, instance-s", "most replicas",
+              "most probes of a message"]  # fmt: skip
+    return Grid("Runs", "", header, [row for each in runs for row in _rows(each)])
 
 
-def _rows(runs: Runs) -> list[str]:
+def _rows(runs: Runs) -> list[list[str]]:
     bound = runs.oracle.instance_seconds
+    name = runs.trace.name
     rows = [
-        f"| {runs.trace.name} | oracle (lower bound; {runs.oracle.replicas} replicas) "
-        f"| {bound:,.0f} | 1.00 | - | - | 0 | 0 | {runs.oracle.replicas} | - |"
-    ]
-    for name, out in runs.outcomes.items():
+        [name, f"oracle (lower bound; {runs.oracle.replicas} replicas)", f"{bound:,.0f}", "1.00",
+         "-", "-", "0", "0", str(runs.oracle.replicas), "-"]
+    ]  # fmt: skip
+    for scaler, out in runs.outcomes.items():
         rows.append(
-            f"| {runs.trace.name} | {name} | {out.instance_seconds:,.0f} "
-            f"| {out.instance_seconds / bound:.2f} | {_seconds(out.p95_wait)} "
-            f"| {_seconds(out.waits[-1])} | {out.killed} | {out.idle_cost:,.0f} | {out.peak} "
-            f"| {out.most_probed} |"
-        )
+            [name, scaler, f"{out.instance_seconds:,.0f}", f"{out.instance_seconds / bound:.2f}",
+             _seconds(out.p95_wait), _seconds(out.waits[-1]), str(out.killed),
+             f"{out.idle_cost:,.0f}", str(out.peak), str(out.most_probed)]
+        )  # fmt: skip
     return rows
 
 
 def targets(runs: list[Runs], ours: list[str], setup: Setup) -> list[str]:
+    return grid_markdown(targets_grid(runs, ours, setup))
+
+
+def targets_grid(runs: list[Runs], ours: list[str], setup: Setup) -> Grid:
     """The simulator's targets, met or not, for each scaler named in ``ours``."""
     month = next(r for r in runs if r.trace.name == "month-end")
     rows: list[tuple[str, list[tuple[str, bool]]]] = []
@@ -69,14 +67,11 @@ def targets(runs: list[Runs], ours: list[str], setup: Setup) -> list[str]:
         row(f"{each.trace.name}: jobs killed by scale-in = 0", _killed, each)
     for each in runs:
         row(f"{each.trace.name}: idle cost = 0", _idle, each)
-    lines = [
-        "| target | " + " | ".join(f"{name} | met" for name in ours) + " |",
-        "| --- |" + " --- | --- |" * len(ours),
-    ]
+    grid = Grid("Targets", "", ["target", *(cell for name in ours for cell in (name, "met"))])
     for what, figures in rows:
-        cells = " | ".join(f"{value} | {'yes' if met else '**no**'}" for value, met in figures)
-        lines.append(f"| {what} | {cells} |")
-    return lines
+        cells = (cell for value, met in figures for cell in (value, "yes" if met else "**no**"))
+        grid.rows.append([what, *cells])
+    return grid
 
 
 def _cost(runs: Runs, out: Outcome) -> tuple[str, bool]:
@@ -109,21 +104,6 @@ def setup_lines(setup: Setup, traces: list[Trace]) -> list[str]:
     ]
     lines += [f"- {t.name}: {t.about} ({len(t.arrivals):,} jobs)" for t in traces]
     return lines
-
-
-def section(body: list[str]) -> str:
-    return "\n".join([BEGIN, *body, END]) + "\n"
-
-
-def write_section(path: Path, text: str) -> None:
-    """Put ``text`` in place of the section between the markers, or at the end."""
-    current = path.read_text() if path.exists() else ""
-    if BEGIN in current and END in current:
-        before, rest = current.split(BEGIN, 1)
-        after = rest.split(END, 1)[1].removeprefix("\n")
-        path.write_text(before + text + after)
-    else:
-        path.write_text(current.rstrip("\n") + "\n\n" + text)
 
 
 def plot(runs: list[Runs], path: Path, shown: int) -> Path | None:
