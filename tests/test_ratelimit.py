@@ -44,10 +44,12 @@ def test_four_seconds_at_100_per_second_from_many_threads() -> None:
     stop.set()
     for thread in threads:
         thread.join()
-    # Then 4 s hold 400 +- 5 plus the burst, and no 100 ms window beats burst + its share
+    # Then 4 s never hold more than 400 plus the burst, and no 100 ms window beats burst + its
+    # share, however the threads were scheduled (a loaded machine only lowers the count: the
+    # floor, half the rate, only catches a limiter that stalls)
     in_window = sorted(t for t in granted if t < seconds)
     print(f"granted in {seconds:g} s: {len(in_window)}")
-    assert abs(len(in_window) - (spec.rate * seconds + spec.burst)) <= 5
+    assert spec.rate * seconds / 2 <= len(in_window) <= spec.rate * seconds + spec.burst + 1
     windows = (i / 100 for i in range(int(seconds * 100) - 10))
     busiest = max(sum(1 for t in in_window if s <= t < s + 0.1) for s in windows)
     print(f"busiest 100 ms window: {busiest}")
