@@ -139,6 +139,7 @@ class PoolBuilder:
                 s.max_payload_bytes,
                 retry_policy=info.has_retry_policy,
                 exactly_once=info.exactly_once,
+                ordered=info.message_ordering,
                 job_config=job_config,
             ),
             limiters=self._limiters,
@@ -147,7 +148,7 @@ class PoolBuilder:
         )
         prefetch = s.prefetch_for(ordered=info.message_ordering)
         limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
-        sequencer = _sequencer(info, s.max_backoff)
+        sequencer = Sequencer() if info.message_ordering else None
         pool = Pool(processor, leaser, limits, sequencer=sequencer)
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
@@ -262,14 +263,6 @@ def _check_options(jobs: Registry, middleware: Sequence[Middleware], limits: Rat
         name = spec.options.get("rate_limit")
         if name and name not in limiter_names:
             raise ConfigError(f"job {spec.name} uses rate limit {name!r}, which is not declared")
-
-
-def _sequencer(info: SubscriptionInfo, max_backoff: float) -> Sequencer | None:
-    """On an ordered subscription. What a key gave back comes back after the longest retry
-    delay (ours or the subscription's) and a minute more, or is another worker's."""
-    if not info.message_ordering:
-        return None
-    return Sequencer(owed_for=max(max_backoff, info.max_backoff) + 60.0)
 
 
 def _opener(url: str) -> StoreOpener | None:

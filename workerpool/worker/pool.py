@@ -177,7 +177,7 @@ class Pool:
                     self._held_bytes < self.limits.max_bytes or self._held == 0
                 )
                 place = self._place(delivery) if fits and not self._quiet.is_set() else None
-                if place is None or place is Place.RELEASE:
+                if place is None:
                     released.append(delivery)
                     continue
                 self._held += 1
@@ -198,7 +198,7 @@ class Pool:
             # More than we asked for, or we are draining: let another worker have them now.
             self._processor.give_back(released)
             log.info(
-                "%s released %d messages beyond its bound or ahead of their key",
+                "%s released %d messages beyond its bound",
                 self.name,
                 len(released),
             )
