@@ -17,8 +17,9 @@ from workerpool.publishing import JobMessage, publish
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.limits import PoolLimits
 from workerpool.worker.ordering import Place, Sequencer
-from workerpool.worker.pool import Pool, PoolLimits
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 
 

@@ -39,9 +39,10 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import DeadLetterPublisher
 from workerpool.worker.lease import Leaser
+from workerpool.worker.limits import PoolLimits
 from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
 from workerpool.worker.ordering import Sequencer
-from workerpool.worker.pool import Pool, PoolLimits
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
 from workerpool.worker.renewal import Renewer

@@ -65,3 +65,16 @@ class Sequencer:
         for queued in self._keys.values():
             queued.clear()
         return waiting
+
+
+class Unordered:
+    """A subscription without message ordering: every message may start at once."""
+
+    def place(self, delivery: Delivery) -> Place:
+        return Place.START
+
+    def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
+        return None, []
+
+    def release_all(self) -> list[Delivery]:
+        return []
