@@ -26,7 +26,7 @@ from tests.support import (
     wait_for,
     worker_processes,
 )
-from workerpool import publish
+from workerpool import publish, publish_batch
 from workerpool.cli import main
 from workerpool.publishing import JobMessage, publish_many
 from workerpool.testing.pubsub import PubSubResources
@@ -255,6 +255,39 @@ def test_a_kill_and_a_restart_keep_every_key_in_order_and_run_no_job_twice(
     assert killed < 300
     assert set(_done_once(ledger, 300).values()) == {1}
     _assert_in_order_one_at_a_time(ledger, 10, 30)
+
+
+def test_a_batch_runs_its_keyed_children_in_each_key_order_then_completes_once(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given an ordered subscription and a batch of 3 keys x 10 children, published with keys
+    env = pubsub_resources
+    env.provision(ordered=True)
+    ledger = tmp_path / "ledger.jsonl"
+    store = f"sqlite:///{tmp_path / 'claims.db'}"  # the workers' (``worker_command``)
+    children = [
+        JobMessage("demo.sleep", {"seconds": 0.01}, _job_id(key, number), ordering_key=f"key-{key}")
+        for number in range(10)
+        for key in range(3)
+    ]
+    with worker_processes() as workers:
+        workers.append(spawn_worker(env, ledger, "--max-outstanding", "4"))
+        batch_id = publish_batch(
+            env.topic_path, children, on_complete="demo.batch_done", store=store,
+            publisher=env.publisher,
+        )  # fmt: skip
+        # When a worker runs them
+        complete = f"batch:{batch_id}:complete"
+        assert wait_for(
+            lambda: any(r["job_id"] == complete for r in ledger_events(ledger, "done")), timeout=60
+        ), workers[0].output()
+    # Then each key's children ran in publish order, one at a time, and the batch completed
+    runs = {key: found for key, found in _runs_by_key(ledger).items() if key != complete}
+    assert sorted(runs) == ["k0", "k1", "k2"]
+    assert all(len(found) == 10 for found in runs.values())
+    assert not _out_of_order(runs)
+    _assert_one_at_a_time(runs)
+    assert [r["job_id"] for r in ledger_events(ledger, "done")].count(complete) == 1
 
 
 def test_the_cli_provisions_an_ordered_subscription_and_publishes_with_keys(
