@@ -105,9 +105,13 @@ def _assert_in_order_one_at_a_time(ledger: Path, keys: int, per_key: int) -> Non
 
 
 def _done_once(ledger: Path, expected: int) -> Counter[str]:
-    done = Counter(r["job_id"] for r in ledger_events(ledger, "done"))
+    done = _done_once_or_more(ledger)
     assert len(done) == expected, f"{len(done)} of {expected} job ids done"
     return done
+
+
+def _done_once_or_more(ledger: Path) -> Counter[str]:
+    return Counter(r["job_id"] for r in ledger_events(ledger, "done"))
 
 
 def _busy_while_keys_wait(ledger: Path, n: int) -> float:
@@ -228,7 +232,9 @@ def test_a_kill_and_a_restart_keep_every_key_in_order_and_run_no_job_twice(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     """A worker killed outright leaves its leases to lapse and its claims to expire (``--claim-
-    ttl``): its messages come back first, in their key's order, and wait for their claims."""
+    ttl``): its messages come back first, in their key's order, and wait for their claims. A
+    job whose run ended just before the kill, its completion not yet recorded, runs again
+    (at least once): that, and only that, may run twice."""
     # Given 10 keys of 30 jobs each, sleeping 20-50 ms, and a worker running them 4 at a time
     rng = random.Random(11)
     _publish_keyed(pubsub_resources, 10, 30, lambda key, number: rng.uniform(0.02, 0.05))
@@ -243,17 +249,25 @@ def test_a_kill_and_a_restart_keep_every_key_in_order_and_run_no_job_twice(
         first.wait(30)
         killed = len(ledger_events(ledger, "done"))
         workers.append(spawn_worker(pubsub_resources, ledger, *args))
-        _run_until_done(workers, ledger, 300)
+        assert wait_for(lambda: len(_done_once_or_more(ledger)) >= 300, timeout=120), workers[
+            -1
+        ].output()[-3000:]
     # Then across both every key ran in publish order, never two at once, nothing was lost
-    # and no job id ran to its end twice
+    # and no job id ran to its end twice but one the killed worker ended unrecorded
     cut = Counter(r["job_id"] for r in ledger_events(ledger, "start")) - Counter(
         r["job_id"] for r in ledger_events(ledger, "done")
     )
     after = max(r["end"] for r in ledger_events(ledger, "done")) - workers[-1].launched
-    print(f"\n{killed} done before the kill, cut short by it: {sorted(cut)}; the rest done "
-          f"{after:.1f}s after the restart")  # fmt: skip
+    done = _done_once_or_more(ledger)
+    twice = {job_id for job_id, times in done.items() if times > 1}
+    print(
+        f"\n{killed} done before the kill; cut short by it: {sorted(cut)}; ended before it "
+        f"and run again: {sorted(twice)}; the rest done {after:.1f}s after the restart"
+    )
     assert killed < 300
-    assert set(_done_once(ledger, 300).values()) == {1}
+    assert len(done) == 300 and max(done.values()) <= 2
+    killed_ended = {r["job_id"] for r in ledger_events(ledger, "done", first.pid)}
+    assert twice <= killed_ended and len(twice) <= 4, twice
     _assert_in_order_one_at_a_time(ledger, 10, 30)
 
 
