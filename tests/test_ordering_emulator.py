@@ -178,6 +178,35 @@ def test_a_failing_job_holds_its_key_back_and_no_other_key(
     assert others_ended < succeeded
 
 
+def test_a_job_that_exhausts_its_attempts_is_recorded_once_and_its_key_goes_on(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given 3 keys of 10 jobs each, where job 4 of key 1 always fails with a retryable error
+    failing = _job_id(1, 4)
+    _publish_keyed(
+        pubsub_resources, 3, 10, lambda key, number: 0.01,
+        {failing: {"fail": "retryable", "fail_until": 0}}, retry_policy=False,
+    )  # fmt: skip
+    ledger = tmp_path / "ledger.jsonl"
+    with worker_processes() as workers:
+        # When one worker runs them (the default: record and go on)
+        workers.append(spawn_worker(pubsub_resources, ledger, "--max-outstanding", "4"))
+        _run_until_done(workers, ledger, 29)
+        records = pubsub_resources.dead_letters(expected=1, timeout=30)
+    # Then it ran until its max_attempts and left one failure record
+    runs = _runs_by_key(ledger)
+    tries = [r for r in runs["k1"] if r["job_id"] == failing]
+    assert len(records) == 1 and records[0].attributes["job_id"] == failing, records
+    assert [r["outcome"] for r in tries] == ["retryable"] * len(tries) and len(tries) > 1
+    # And its key went on after it, in order: every other job ran once, none of key 1's
+    # later jobs before its last try
+    assert set(_done_once(ledger, 29).values()) == {1}
+    later = [r for r in runs["k1"] if r["job_id"] > failing]
+    assert len(later) == 5 and min(r["start"] for r in later) >= tries[-1]["end"]
+    assert not _out_of_order(runs)
+    _assert_one_at_a_time(runs)
+
+
 def test_two_workers_run_every_key_in_order_and_never_one_key_at_once(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
