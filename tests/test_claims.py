@@ -28,8 +28,9 @@ from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.keeper import LeaseKeeper
+from workerpool.worker.limits import PoolLimits
 from workerpool.worker.outcome import Outcome
-from workerpool.worker.pool import Pool, PoolLimits
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.timers import Timers
 

@@ -12,12 +12,14 @@ import pytest
 
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
+from workerpool import constants as c
 from workerpool.publishing import JobMessage, publish
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.limits import PoolLimits
 from workerpool.worker.ordering import Place, Sequencer
-from workerpool.worker.pool import Pool, PoolLimits
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 
 
@@ -69,46 +71,6 @@ def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -
     assert sequencer.settled(a0) == (None, [])
 
 
-def test_a_key_owes_what_it_gave_back_and_runs_nothing_else_of_it_first() -> None:
-    # Given key a whose message 1 was given back with 2 after it, and 3 never delivered yet
-    now = [0.0]
-    sequencer = Sequencer(owed_for=60.0, clock=lambda: now[0])
-    a = [_keyed("a", i) for i in range(5)]
-    for delivery in a[1:3]:
-        sequencer.place(delivery)
-    a[1].returned = True
-    assert sequencer.settled(a[1]) == (None, [a[2]])
-    # When they come back as the emulator redelivers them, never delivered first, Then those
-    # are given back, and the given back ones run in the key's order
-    fresh = _keyed("a", 3)
-    assert sequencer.place(fresh) is Place.RELEASE
-    assert sequencer.place(_keyed("a", 2)) is Place.RELEASE  # not first: back again
-    again = [_keyed("a", i) for i in (1, 2, 3)]
-    assert [sequencer.place(d) for d in again] == [Place.START, Place.WAIT, Place.WAIT]
-    # And a key that owes a message that never comes back waits for it only ``owed_for``
-    b0, b1 = _keyed("b", 0), _keyed("b", 1)
-    sequencer.place(b0)
-    b0.returned = True
-    sequencer.settled(b0)
-    assert sequencer.place(b1) is Place.RELEASE
-    now[0] = 61.0
-    assert sequencer.place(_keyed("b", 1)) is Place.START
-
-
-def test_a_copy_made_on_the_last_delivery_is_owed_in_its_message_place() -> None:
-    # Given key a owing its message 0, given back
-    sequencer = Sequencer()
-    a0 = _keyed("a", 0)
-    sequencer.place(a0)
-    a0.returned = True
-    sequencer.settled(a0)
-    # When a copy of it comes (published on its last delivery, naming it), Then it starts
-    copy = _keyed("a", 9)
-    copy.attributes["copy_of"] = a0.message_id
-    assert sequencer.place(_keyed("a", 1)) is Place.RELEASE
-    assert sequencer.place(copy) is Place.START
-
-
 class _Ledger:
     """A job that writes (key, number, start, end) and fails where it is told to."""
 
@@ -130,7 +92,8 @@ class _Ledger:
 def _ordered_pool(ledger: _Ledger, n: int, prefetch: int) -> tuple[Pool, FakeAcks]:
     jobs, acks, leases = Registry(), FakeAcks(), FakeLeaser()
     jobs.job("t.step")(ledger)
-    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
+    settings = ProcessorSettings(ordered=True)
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), settings)
     pool = Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer())
     pool.start()
     return pool, acks
@@ -164,8 +127,10 @@ def test_a_pool_gives_back_a_failed_message_and_the_later_ones_of_its_key_unrun(
         assert wait_for(lambda: len(acks.modacked) == 3, timeout=10, interval=0.005)
     finally:
         pool.quiet()
-    # And a's failed message and both after it are given back, none of the later ones run
+    # And a's failed message and both after it are given back by a lapsing lease (never a
+    # nack: the emulator redelivers a nacked one after its key's undelivered ones), none run
     assert sorted(a for a, _ in acks.modacked) == ["ack-a-1", "ack-a-2", "ack-a-3"]
+    assert min(seconds for _, seconds in acks.modacked) == c.ORDERED_GIVE_BACK_SECONDS
     assert "ack-a-2" not in acks.acked and "ack-a-3" not in acks.acked
     assert [r[0] for r in ledger.runs if r[0].startswith("a-")] == ["a-0", "a-1"]
     assert pool.held == 0

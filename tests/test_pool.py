@@ -19,9 +19,10 @@ from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
 from workerpool.worker.outcome import Interrupted
-from workerpool.worker.pool import DrainReport, Pool, PoolLimits
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers

@@ -14,7 +14,7 @@ from workerpool import JobContext
 from workerpool.assembly.launcher import Launcher, Phase
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
-from workerpool.worker.pool import DrainReport
+from workerpool.worker.limits import DrainReport
 
 
 class Tracker:

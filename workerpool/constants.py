@@ -86,6 +86,10 @@ MIN_DEFAULT_PREFETCH: Final = 2
 PREFETCH_SHARE_OF_N: Final = 4
 # On an ordered subscription: the default prefetch per slot (``Settings.prefetch_for``).
 ORDERED_PREFETCH_PER_SLOT: Final = 2
+# On an ordered subscription a keyed message is given back by this short a lease, never by a
+# nack: the emulator redelivers a key from its first lapsed message, in order, but a nacked one
+# after the key's messages never delivered yet (measured). Pub/Sub does the former either way.
+ORDERED_GIVE_BACK_SECONDS: Final = 1.0
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 DEFAULT_LEASE_EXTENSION: Final = 30.0
 DEFAULT_MIN_BACKOFF: Final = 2.0

@@ -39,9 +39,10 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import DeadLetterPublisher
 from workerpool.worker.lease import Leaser
+from workerpool.worker.limits import PoolLimits
 from workerpool.worker.middleware import Middleware, RateLimit, TimeLimit
 from workerpool.worker.ordering import Sequencer
-from workerpool.worker.pool import Pool, PoolLimits
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import Puller
 from workerpool.worker.renewal import Renewer
@@ -139,6 +140,7 @@ class PoolBuilder:
                 s.max_payload_bytes,
                 retry_policy=info.has_retry_policy,
                 exactly_once=info.exactly_once,
+                ordered=info.message_ordering,
                 job_config=job_config,
             ),
             limiters=self._limiters,
@@ -147,7 +149,7 @@ class PoolBuilder:
         )
         prefetch = s.prefetch_for(ordered=info.message_ordering)
         limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
-        sequencer = _sequencer(info, s.max_backoff)
+        sequencer = Sequencer() if info.message_ordering else None
         pool = Pool(processor, leaser, limits, sequencer=sequencer)
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)
@@ -262,14 +264,6 @@ def _check_options(jobs: Registry, middleware: Sequence[Middleware], limits: Rat
         name = spec.options.get("rate_limit")
         if name and name not in limiter_names:
             raise ConfigError(f"job {spec.name} uses rate limit {name!r}, which is not declared")
-
-
-def _sequencer(info: SubscriptionInfo, max_backoff: float) -> Sequencer | None:
-    """On an ordered subscription. What a key gave back comes back after the longest retry
-    delay (ours or the subscription's) and a minute more, or is another worker's."""
-    if not info.message_ordering:
-        return None
-    return Sequencer(owed_for=max(max_backoff, info.max_backoff) + 60.0)
 
 
 def _opener(url: str) -> StoreOpener | None:

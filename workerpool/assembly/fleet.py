@@ -11,7 +11,7 @@ from workerpool.config import Settings
 from workerpool.ratelimit import LocalLimiters
 from workerpool.registry import Registry, registry
 from workerpool.telemetry import Telemetry
-from workerpool.worker.pool import DrainReport
+from workerpool.worker.limits import DrainReport
 
 
 class Fleet:

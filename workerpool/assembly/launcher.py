@@ -31,8 +31,9 @@ from workerpool.registry import JobSpec, Registry, registry
 from workerpool.slots.declared import declared_limits
 from workerpool.telemetry import Telemetry
 from workerpool.worker.failures import worker_identity
+from workerpool.worker.limits import DrainReport
 from workerpool.worker.middleware import Middleware
-from workerpool.worker.pool import DrainReport, Pool
+from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor
 
 log = logging.getLogger(__name__)

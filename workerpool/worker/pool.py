@@ -44,42 +44,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from workerpool import constants as c
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.interfaces import Leases
-from workerpool.worker.ordering import Place, Sequencer
+from workerpool.worker.limits import PoolLimits
+from workerpool.worker.ordering import Place, Sequencer, Unordered
+from workerpool.worker.permits import AHEAD, HELD, NONE, PARKED, SlotPermit, Start
 from workerpool.worker.processor import Ending, Processor
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PoolLimits:
-    max_outstanding: int
-    prefetch: int
-    max_bytes: int = c.DEFAULT_MAX_HELD_BYTES
-
-    def __post_init__(self) -> None:
-        if self.max_outstanding < 1:
-            raise ValueError(f"max_outstanding must be at least 1, got {self.max_outstanding}")
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch must be 0 or more, got {self.prefetch}")
-        if self.max_bytes < 1:
-            raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
-
-    @property
-    def max_held(self) -> int:
-        return self.max_outstanding + self.prefetch
-
-
-@dataclass(frozen=True)
-class DrainReport:
-    released_waiting: int
-    finished: int
-    interrupted: int
-    seconds: float
 
 
 class Pool:
@@ -97,11 +70,11 @@ class Pool:
         self.name = name
         self._processor = processor
         self._leases = leases
-        self._sequencer = sequencer
+        self._sequencer = sequencer or Unordered()
         # Admitted messages, a slot thread's wake-up to carry on async runs (``_RESUME``),
         # and, at the end, one None per slot thread.
         self._waiting: queue.SimpleQueue[Delivery | _Resume | None] = queue.SimpleQueue()
-        self._resumed: collections.deque[tuple[_Permit, Delivery, Callable[[], Ending]]] = (
+        self._resumed: collections.deque[tuple[SlotPermit, Delivery, Callable[[], Ending]]] = (
             collections.deque()
         )
         self._resume_pending = False
@@ -112,8 +85,8 @@ class Pool:
         self._starting: set[Delivery] = set()  # taken by a slot thread, waiting for a permit
         # Async runs made ready ahead, oldest first: their permit, and how to start them; and
         # every thread waiting for a permit, in the order they came (both hold a ticket).
-        self._ready: collections.deque[tuple[_Permit, Start]] = collections.deque()
-        self._waiters: dict[_Permit, int] = {}
+        self._ready: collections.deque[tuple[SlotPermit, Start]] = collections.deque()
+        self._waiters: dict[SlotPermit, int] = {}
         self._tickets = itertools.count()
         self._launching = threading.local()  # see ``_launch``
         self._unstarted = 0  # admitted, and not yet running or given back
@@ -176,8 +149,10 @@ class Pool:
                 fits = self._held < self.limits.max_held and (
                     self._held_bytes < self.limits.max_bytes or self._held == 0
                 )
-                place = self._place(delivery) if fits and not self._quiet.is_set() else None
-                if place is None or place is Place.RELEASE:
+                place = (
+                    self._sequencer.place(delivery) if fits and not self._quiet.is_set() else None
+                )
+                if place is None:
                     released.append(delivery)
                     continue
                 self._held += 1
@@ -198,17 +173,13 @@ class Pool:
             # More than we asked for, or we are draining: let another worker have them now.
             self._processor.give_back(released)
             log.info(
-                "%s released %d messages beyond its bound or ahead of their key",
+                "%s released %d messages beyond its bound",
                 self.name,
                 len(released),
             )
 
-    def _place(self, delivery: Delivery) -> Place:
-        """(Under the lock.)"""
-        return Place.START if self._sequencer is None else self._sequencer.place(delivery)
-
     def _slot(self) -> None:
-        permit = _Permit(self)
+        permit = SlotPermit(self)
         while True:
             item = self._waiting.get()
             if item is None:
@@ -223,9 +194,9 @@ class Pool:
                 continue
             start = functools.partial(self._start, permit, delivery)
             if self._carry(permit, delivery, start) is Ending.CARRIED:
-                permit = _Permit(self)  # the run keeps this one until it ends
+                permit = SlotPermit(self)  # the run keeps this one until it ends
 
-    def _start(self, permit: _Permit, delivery: Delivery) -> Ending:
+    def _start(self, permit: SlotPermit, delivery: Delivery) -> Ending:
         if self._processor.starts_ahead(delivery) and self._go_ahead(permit):
             pass  # its middleware runs now; it starts once it is granted a permit
         elif not self._wait_for_permit(permit, delivery):
@@ -235,7 +206,7 @@ class Pool:
         resume = functools.partial(self._resume, permit, delivery)
         return self._processor.process(delivery, permit, left, resume)
 
-    def _carry(self, permit: _Permit, delivery: Delivery, step: Callable[[], Ending]) -> Ending:
+    def _carry(self, permit: SlotPermit, delivery: Delivery, step: Callable[[], Ending]) -> Ending:
         """Carry ``delivery``'s run through ``step`` on this thread; unless the run goes on
         without it, give its permit back (and, if it settled, its place in the hold)."""
         ending = Ending.SETTLED
@@ -249,7 +220,7 @@ class Pool:
                 self._end_run(permit, delivery, settled=ending is Ending.SETTLED)
         return ending
 
-    def _end_run(self, permit: _Permit, delivery: Delivery, *, settled: bool) -> None:
+    def _end_run(self, permit: SlotPermit, delivery: Delivery, *, settled: bool) -> None:
         if settled:
             self._leases.remove(delivery)
         with self._cond:
@@ -260,17 +231,17 @@ class Pool:
         self._launch(starts)
         self._give_back_after(after)
 
-    def _let_go(self, permit: _Permit) -> list[Start]:
+    def _let_go(self, permit: SlotPermit) -> list[Start]:
         """(Under the lock.) The run is done with ``permit``, whatever its state; what to
         start with a permit it freed (outside the lock, ``_launch``)."""
         starts = []
-        if permit.state is _HELD:
+        if permit.state is HELD:
             starts = self._free_permit()
-        elif permit.state is _PARKED:
+        elif permit.state is PARKED:
             self._parked -= 1
-        elif permit.state is _AHEAD:  # it ended before it was ready (a middleware ended it)
+        elif permit.state is AHEAD:  # it ended before it was ready (a middleware ended it)
             self._started_one()
-        permit.state = _NONE
+        permit.state = NONE
         return starts
 
     def _free_permit(self) -> list[Start]:
@@ -299,7 +270,7 @@ class Pool:
             self._ready.popleft()
             self._free -= 1
             self._started_one()
-            ahead.state = _HELD
+            ahead.state = HELD
             starts.append(start)
         return starts
 
@@ -325,35 +296,35 @@ class Pool:
         finally:
             self._launching.queue = None
 
-    def _go_ahead(self, permit: _Permit) -> bool:
+    def _go_ahead(self, permit: SlotPermit) -> bool:
         """Make an async run ready ahead, without a permit, if every permit is taken. (Its
         place is in the hold, which bounds it: it holds no thread.) Read without the lock: a
-        permit freed meanwhile goes to it when it is ready (``_start_when_held``)."""
+        permit freed meanwhile goes to it when it is ready (``start_when_held``)."""
         if self._quiet.is_set() or self._free:
             return False
-        permit.state = _AHEAD  # nobody else sees this permit yet
+        permit.state = AHEAD  # nobody else sees this permit yet
         permit.ticket = next(self._tickets)
         return True
 
-    def _start_when_held(self, permit: _Permit, start: Start) -> None:
-        if permit.state is _HELD:  # held: only its run changes its state, and that is us
+    def start_when_held(self, permit: SlotPermit, start: Start) -> None:
+        if permit.state is HELD:  # held: only its run changes its state, and that is us
             start(True)
             return
         with self._cond:
-            if permit.state is _AHEAD and not self._quiet.is_set():
+            if permit.state is AHEAD and not self._quiet.is_set():
                 self._ready.append((permit, start))
                 starts = self._dispatch()
                 granted: bool | None = None  # by whoever frees a permit, or refused by quiet()
             else:
                 starts = []
-                granted = permit.state is _HELD
+                granted = permit.state is HELD
                 if not granted:
                     self._let_go(permit)
         if granted is not None:
             start(granted)
         self._launch(starts)
 
-    def _resume(self, permit: _Permit, delivery: Delivery, rest: Callable[[], Ending]) -> None:
+    def _resume(self, permit: SlotPermit, delivery: Delivery, rest: Callable[[], Ending]) -> None:
         """(From the event loop's thread, or wherever a run that was ready ahead was refused.)
         Have a slot thread carry the rest of an async run whose task ended, once its permit
         went to the next run, started right here. One wake-up for all the runs that end
@@ -394,8 +365,6 @@ class Pool:
         its key held here are returned, to be given back after it (outside the lock)."""
         self._held -= 1
         self._held_bytes -= delivery.size
-        if self._sequencer is None:
-            return []
         after, back = self._sequencer.settled(delivery)
         if after is not None:
             self._waiting.put(after)
@@ -412,18 +381,18 @@ class Pool:
         if deliveries:
             self._processor.give_back(deliveries)
 
-    def _put_down(self, permit: _Permit) -> bool:
+    def put_down(self, permit: SlotPermit) -> bool:
         with self._cond:
-            if permit.state is not _HELD or self._parked >= self.limits.prefetch:
+            if permit.state is not HELD or self._parked >= self.limits.prefetch:
                 return False
             self._parked += 1
-            permit.state = _PARKED
+            permit.state = PARKED
             starts = self._free_permit()
             self._cond.notify_all()
         self._launch(starts)
         return True
 
-    def _wait_for_permit(self, permit: _Permit, delivery: Delivery) -> bool:
+    def _wait_for_permit(self, permit: SlotPermit, delivery: Delivery) -> bool:
         with self._cond:
             self._starting.add(delivery)
             try:
@@ -438,11 +407,11 @@ class Pool:
         if self._unstarted == self._low:
             self._cond.notify_all()  # the puller may be waiting for this
 
-    def _pick_up(self, permit: _Permit) -> bool:
+    def pick_up(self, permit: SlotPermit) -> bool:
         with self._cond:
             return self._pick_up_locked(permit)
 
-    def _pick_up_locked(self, permit: _Permit) -> bool:
+    def _pick_up_locked(self, permit: SlotPermit) -> bool:
         """False once the pool is quiet: nothing that has not started starts any more. The
         wait is in line with the runs made ready ahead (``_dispatch``)."""
         if not self._free and not self._quiet.is_set():
@@ -454,10 +423,10 @@ class Pool:
                 del self._waiters[permit]
         if self._quiet.is_set():
             return False
-        if permit.state is _PARKED:
+        if permit.state is PARKED:
             self._parked -= 1
         self._free -= 1
-        permit.state = _HELD
+        permit.state = HELD
         return True
 
     def stop_starting(self) -> int:
@@ -492,8 +461,7 @@ class Pool:
             self._waiting.put(_RESUME)
         with self._cond:
             starting = list(self._starting)  # their threads count them out of held
-            if self._sequencer is not None:  # behind their key: given back with the rest
-                waiting += self._sequencer.release_all()
+            waiting += self._sequencer.release_all()  # behind their key: back with the rest
         released = self._processor.give_back(waiting + starting)
         with self._cond:
             self._drop_unstarted(waiting)
@@ -524,37 +492,8 @@ class Pool:
         return not any(thread.is_alive() for thread in self._threads)
 
 
-# How a run made ready ahead starts once granted a permit (True), or ends unstarted (False).
-Start = Callable[[bool], None]
-
-
 class _Resume:
     """In the slot threads' queue: wake up and carry on the async runs whose tasks ended."""
 
 
 _RESUME = _Resume()
-
-# A slot thread's permit: none yet, held (its run may run), parked (its run waits without), or
-# ahead (an async run made ready without one, counted with the parked).
-_NONE, _HELD, _PARKED, _AHEAD = "none", "held", "parked", "ahead"
-
-
-class _Permit:
-    """A slot thread's permit (``run.Permit``); ``state`` and ``ticket`` (when a run made
-    ready ahead came) are guarded by the pool's lock."""
-
-    __slots__ = ("_pool", "state", "ticket")
-
-    def __init__(self, pool: Pool) -> None:
-        self._pool = pool
-        self.state = _NONE
-        self.ticket = 0
-
-    def put_down(self) -> bool:
-        return self._pool._put_down(self)
-
-    def pick_up(self) -> bool:
-        return self._pool._pick_up(self)
-
-    def start_when_held(self, start: Start) -> None:
-        self._pool._start_when_held(self, start)

@@ -63,6 +63,9 @@ class ProcessorSettings:
     retry_policy: bool = False
     # The subscription delivers exactly once: an ack can be refused, so wait for its result.
     exactly_once: bool = False
+    # The subscription delivers each ordering key in order: a keyed message goes back by a
+    # short lease, not a nack (see ``Settlement``).
+    ordered: bool = False
     # Each job's own section of the config file, ``[jobs."NAME"]``, handed to it as ctx.config
     # (converted to the job's ``config`` dataclass, if it declares one: ``Registry.configs``).
     job_config: Mapping[str, Any] = field(default_factory=dict)
@@ -134,7 +137,7 @@ class Processor:
         self._settlement = Settlement(
             acks, leases, records, self._middleware, renewer,
             backoff=settings.backoff, retry_policy=settings.retry_policy,
-            exactly_once=settings.exactly_once,
+            exactly_once=settings.exactly_once, ordered=settings.ordered,
         )  # fmt: skip
         self._settings = settings
         self._attempts = AttemptCounter()

@@ -82,11 +82,12 @@ class Settlement:
         backoff: Backoff,
         retry_policy: bool,
         exactly_once: bool,
+        ordered: bool = False,
     ) -> None:
         """``renewer`` publishes a fresh copy of a message that must wait on the last delivery
         the subscription allows (None: it is nacked); ``retry_policy``: the subscription
         spaces redeliveries itself; ``exactly_once``: an ack can be refused, so its result is
-        waited for."""
+        waited for; ``ordered``: the subscription delivers each ordering key in order."""
         self._acks = acks
         self._leases = leases
         self._records = records
@@ -94,6 +95,7 @@ class Settlement:
         self._backoff = backoff
         self._retry_policy = retry_policy
         self._exactly_once = exactly_once
+        self._ordered = ordered
         # Those that hear how each message left: a call a message each, only where it is heard.
         self._hear_settled = [mw for mw in middleware if type(mw).settled is not Middleware.settled]
         self._counts: Counts[str] = Counts()
@@ -178,8 +180,15 @@ class Settlement:
                 return label if self._ack(delivery) else Label.ACK_FAILED
             case Nack(delay, label):
                 delivery.returned = True
-                self._acks.modack([delivery.ack_id], delay)
+                self._acks.modack([delivery.ack_id], self._give_back_after(delivery, delay))
                 return label
+
+    def _give_back_after(self, delivery: Delivery, delay: float) -> float:
+        """A keyed message of an ordered subscription is not nacked but let lapse (at once
+        would put it behind its key's later messages on the emulator; see ``ordering``)."""
+        if self._ordered and delivery.ordering_key:
+            return max(delay, c.ORDERED_GIVE_BACK_SECONDS)
+        return delay
 
     def _ack(self, delivery: Delivery) -> bool:
         confirmation = self._acks.ack(delivery.ack_id, confirm=self._exactly_once)
@@ -236,7 +245,7 @@ class Settlement:
                     self._acks.ack(delivery.ack_id)  # its copy is out: a lost ack, a duplicate
                 case Nack(delay, label):
                     delivery.returned = True
-                    by_delay[delay].append(delivery.ack_id)
+                    by_delay[self._give_back_after(delivery, delay)].append(delivery.ack_id)
                 case _:
                     raise AssertionError(f"{outcome!r} must give the message back")
             labels.append((label, isinstance(decision, Renew) and isinstance(action, Ack)))
