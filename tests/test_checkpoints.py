@@ -258,3 +258,20 @@ def test_a_store_that_fails_loses_no_removal() -> None:
     store.down = False
     writer.flush()
     assert store.load("j1") is None
+
+
+def test_status_running_shows_each_run_as_a_row() -> None:
+    from workerpool.progress.running import running_lines
+
+    rows = [
+        report("host-1-ab/j1", at=100.0, done=57, note="page 57"),
+        Report("host-2-cd/j2", "sync", "j2", "host-2-cd", 90.0, 3, None, "", 1.0, 2.0),
+        Report("host-2-cd/j3", "sync", "j3", "host-2-cd", 90.0, None, None, "", 1, 2),
+    ]
+    assert running_lines(rows) == [
+        "JOB   JOB ID  REPLICA    STARTED (UTC)        PROGRESS      NOTE",
+        "copy  j1      host-1-ab  1970-01-01 00:01:30  57/100 (57%)  page 57",
+        "sync  j2      host-2-cd  1970-01-01 00:01:30  3",
+        "sync  j3      host-2-cd  1970-01-01 00:01:30  -",
+        "3 job(s) running",
+    ]
