@@ -4,7 +4,6 @@ idempotency store's file."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 from collections.abc import Sequence
 
@@ -12,34 +11,25 @@ from workerpool.progress.store import FORGET_AFTER, JobStateStore, Report, decod
 from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "checkpoints"
-_SCHEMA = (
-    """
-    CREATE TABLE IF NOT EXISTS checkpoints (
-        job_id TEXT PRIMARY KEY,
-        state TEXT NOT NULL,
-        at REAL NOT NULL
-    )
-    """,
-    """
-    CREATE TABLE IF NOT EXISTS progress (
-        key TEXT PRIMARY KEY,
-        started REAL NOT NULL,
-        until REAL NOT NULL,
-        report TEXT NOT NULL
-    )
-    """,
-)
-
-
-def _setup(conn: sqlite3.Connection) -> None:
-    for statement in _SCHEMA:
-        conn.execute(statement)
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS progress (
+    key TEXT PRIMARY KEY,
+    started REAL NOT NULL,
+    until REAL NOT NULL,
+    report TEXT NOT NULL
+);
+"""
 
 
 class SqliteJobState(JobStateStore):
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
         self._lock = threading.Lock()  # one connection: one statement at a time
-        self._conn = connect(path, busy_timeout, _LABEL, _setup)
+        self._conn = connect(path, busy_timeout, _LABEL, lambda conn: conn.executescript(_SCHEMA))
 
     def save(self, job_id: str, state: str, at: float) -> None:
         # Autocommit: the row is in the file (the OS's cache: it survives a kill -9) once
