@@ -1,5 +1,6 @@
 """Jobs for the demo and the tests: sleep for a while (``demo.sleep``, or ``demo.async_sleep``
-as an ``async def``), fail on demand.
+as an ``async def``), fail on demand, work through steps resuming from a checkpoint
+(``demo.steps``).
 
 If ``WORKERPOOL_DEMO_LEDGER`` names a file, every run appends one JSON line to it (job id,
 message id, attempt, pid, start and end times), which is how the tests check from outside a
@@ -112,6 +113,30 @@ def _end(ctx: RunContext, request: SleepRequest, started: float, finished: bool)
     _record(ctx, started, "done" if finished else "cancelled")
     if not finished:
         raise RetryableError("cancelled before the sleep ended")
+
+
+@dataclass
+class StepsRequest:
+    steps: int = 100
+    step_seconds: float = 0.05
+
+
+@job("demo.steps", timeout=600, payload=StepsRequest)
+def steps(ctx: JobContext, request: StepsRequest) -> None:
+    """Steps of ``step_seconds`` each, a checkpoint after each: a run after a crash, a drain
+    or a retry starts at the step after the last one stored, so at most the one step that was
+    under way when the last run stopped is done twice. Each step done is a ledger line."""
+    started = time.time()
+    first = 0 if ctx.last_checkpoint is None else int(ctx.last_checkpoint["next"])
+    _record(ctx, started, "resume", step=first)
+    for step in range(first, request.steps):
+        if not ctx.sleep(request.step_seconds):
+            _record(ctx, started, "cancelled", step=step)
+            raise RetryableError(f"cancelled before step {step}")
+        _record(ctx, started, "step", step=step)
+        ctx.checkpoint({"next": step + 1})
+        ctx.progress(step + 1, request.steps, note=f"step {step + 1}")
+    _record(ctx, started, "done")
 
 
 @job("demo.echo", timeout=60)

@@ -34,6 +34,22 @@ class Slots(Protocol):
         ...
 
 
+class RunState(Protocol):
+    """A run's checkpoints and progress in the store the fleet shares (``workerpool.progress``)."""
+
+    def last(self) -> Any:
+        """The checkpoint an earlier run of the job id left, None if none."""
+        ...
+
+    def save(self, state: Any) -> None:
+        """Store ``state`` (a JSON value) as the job id's checkpoint; returns once stored."""
+        ...
+
+    def report(self, done: float, total: float | None, note: str) -> None:
+        """Keep the run's progress, to be written to the store soon (not now)."""
+        ...
+
+
 @dataclass
 class RunContext:
     """What every handler's context holds, sync or async.
@@ -68,6 +84,8 @@ class RunContext:
     # what the job writes, which refuses a write with an older token than it has seen: the
     # write of a run whose process was paused past its claim while another worker ran the job.
     fencing_token: int | None = None
+    # Set by the checkpoints middleware where a shared store is configured.
+    run_state: RunState | None = field(default=None, repr=False)
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.getLogger("workerpool.job")
     )
@@ -78,6 +96,23 @@ class RunContext:
         key, its pool's), by key: each grows with every grant of its key (a slot taken with
         ``slot`` has its own, ``lease.token``)."""
         return {} if self.slots is None else self.slots.tokens
+
+    @property
+    def last_checkpoint(self) -> Any:
+        """The state the last run of this job id stored with ``checkpoint`` (after a crash,
+        a drain, a retry, a lost claim), to resume from; None if there is none."""
+        return None if self.run_state is None else self.run_state.last()
+
+    def progress(self, done: float, total: float | None = None, note: str = "") -> None:
+        """Report how far the run has got (``workerpool status --running`` shows it). Cheap
+        in a loop: kept in memory and written to the store about once a second."""
+        if self.run_state is not None:
+            self.run_state.report(done, total, note)
+
+    def _run_state(self) -> RunState:
+        if self.run_state is None:
+            raise LookupError("checkpoints need a shared store: set idempotency_store")
+        return self.run_state
 
     def throttled(self, limiter: str, retry_after: float | None = None) -> None:
         """Tell ``limiter`` the upstream answered "too many requests": it slows down."""
@@ -119,6 +154,14 @@ class JobContext(RunContext):
         """Sleep up to ``seconds``; return False early if the run is cancelled."""
         return not self.cancelled.wait(seconds)
 
+    def checkpoint(self, state: Any) -> None:
+        """Store ``state`` (a JSON value, at most 64 KiB encoded) under this job id; returns
+        once it is stored. The next run of the job id, if this one does not finish, gets it
+        as ``last_checkpoint``; it is deleted when the job finishes. Raises
+        ``CheckpointTooLarge`` (a ``ValueError``) past the limit, ``TypeError`` for a value
+        JSON cannot hold, ``LookupError`` where no shared store is configured."""
+        self._run_state().save(state)
+
     @contextmanager
     def slot(self, key: str, *, holder: str | None = None) -> Iterator[Any]:
         """Hold a slot of the fleet-wide concurrency key ``key`` for the ``with`` block (a
@@ -155,6 +198,10 @@ class AsyncJobContext(RunContext):
     async def sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return False early if the run is cancelled."""
         return not await self.cancelled.until(seconds)
+
+    async def checkpoint(self, state: Any) -> None:
+        """``JobContext.checkpoint``, the store's write on a thread, not on the event loop."""
+        await asyncio.to_thread(self._run_state().save, state)
 
     @asynccontextmanager
     async def slot(self, key: str, *, holder: str | None = None) -> AsyncIterator[Any]:

@@ -24,6 +24,8 @@ from workerpool.idempotency.middleware import Idempotency
 from workerpool.options import SCHEDULE
 from workerpool.periodic import MemoryMarks, Periodic, marks_opener, with_jobs
 from workerpool.periodic.firing import Periodics
+from workerpool.progress import job_state_opener
+from workerpool.progress.middleware import Checkpoints
 from workerpool.pubsub import Clients, SubscriptionInfo, describe_subscription, topic_path
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
@@ -198,9 +200,19 @@ class PoolBuilder:
             idempotency=idempotency,
             concurrency=concurrency,
             rate_limit=RateLimit(self._limiters),
+            checkpoints=self._checkpoints(),
             time_limit=TimeLimit(timers),
             user=self._user_middleware,
         )
+
+    def _checkpoints(self) -> Checkpoints | None:
+        """Checkpoints and progress, where the store keeps them (beside the claims)."""
+        try:
+            opener = job_state_opener(self.settings.idempotency_store)
+            store = None if opener is None else opener()
+        except (ValueError, ImportError, StoreError) as exc:
+            raise ConfigError(f"idempotency_store (for checkpoints): {exc}") from None
+        return None if store is None else Checkpoints(store, self.worker_id)
 
     def _coordination(self, topic: str, publisher: Any) -> list[Middleware]:
         """Delayed jobs, periodic ones, and batches, where the store keeps them (beside the

@@ -14,7 +14,9 @@ after it do. The defaults, and why each sits where it does:
    (a run waits for its token only once it may run).
 5. Rate limit: one token per run, taken after every default that may turn a run away (a
    duplicate, a run without a slot), so none is spent on one.
-6. Time limit: counts the job's ``timeout`` from its handler's start.
+6. Checkpoints and progress: inside every default that may turn a run away, so only a run
+   that starts its handler reads its job's checkpoint or shows as running.
+7. Time limit: counts the job's ``timeout`` from its handler's start.
 
 The user's middleware (the config's ``middleware``, then those given to ``Launcher``) come
 after them, innermost, in the order named: they wrap the handler alone, so they see only runs
@@ -38,6 +40,7 @@ def chain(
     idempotency: Middleware | None,
     concurrency: Middleware | None,
     rate_limit: Middleware,
+    checkpoints: Middleware | None,
     time_limit: Middleware,
     user: Sequence[Middleware] = (),
 ) -> list[Middleware]:
@@ -48,6 +51,7 @@ def chain(
         *([idempotency] if idempotency is not None else []),
         *([concurrency] if concurrency is not None else []),
         rate_limit,
+        *([checkpoints] if checkpoints is not None else []),
         time_limit,
         *user,
     ]

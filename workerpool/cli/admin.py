@@ -39,25 +39,36 @@ def provision(**options: Any) -> None:
 
 
 @click.command()
-@click.option("--project", required=True)
-@click.option("--subscription", required=True)
+@click.option("--project", help="Required but with --running.")
+@click.option("--subscription", help="Required but with --running.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
-@click.option("--idempotency-store", help="The store the workers share (for their slots).")
+@click.option("--idempotency-store", help="The store the workers share (slots, progress).")
 @click.option("--concurrency", multiple=True, help="A limit KEY=LIMIT to show (repeatable).")
+@click.option("--running", is_flag=True, help="Only the jobs running now, with their progress.")
 def status(
-    project: str,
-    subscription: str,
+    project: str | None,
+    subscription: str | None,
     config_file: str | None,
     idempotency_store: str | None,
     concurrency: tuple[str, ...],
+    running: bool,
 ) -> None:
     """Show a subscription's settings, its backlog where Cloud Monitoring is reachable, and
-    each declared concurrency key's limit, holders and waiters."""
+    each declared concurrency key's limit, holders and waiters; or (--running) the jobs
+    running in the fleet: job, job id, replica, started, progress, note."""
     from workerpool.ops.status import slot_lines, status_lines
     from workerpool.slots import open_slot_store
 
     flags = {"idempotency_store": idempotency_store, "concurrency": concurrency}
     settings = load_settings(config_file, flags)
+    if running:
+        from workerpool.progress.running import running_now
+
+        for line in running_now(settings.idempotency_store):
+            click.echo(line)
+        return
+    if not project or not subscription:
+        raise click.UsageError("--project and --subscription are required (but with --running)")
     slots: list[tuple[str, str]] = []
     if settings.concurrency:
         store = open_slot_store(settings.idempotency_store)

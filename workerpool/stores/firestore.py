@@ -312,6 +312,14 @@ class Documents:
         with self._translated():
             self._ref(key).set(data, **self._call_options(deadline))
 
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The document's data, None if there is none: one read, for a record only one
+        writer changes (a job's checkpoint), so no copy is kept to decide on."""
+        deadline = time.monotonic() + self._timeout
+        with self._translated():
+            snapshot = self._ref(key).get(**self._call_options(deadline))
+        return snapshot.to_dict() if snapshot.exists else None
+
     def remove(self, key: str) -> None:
         deadline = time.monotonic() + self._timeout
         with self._translated():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -64,6 +64,7 @@ def run_job(
     rate_limits: Mapping[str, str] | None = None,
     jobs: Registry = registry,
     data: bytes | None = None,
+    middleware: Sequence[Middleware] = (),
 ) -> JobResult:
     """Run the job ``job`` (its name, or its handler as ``@job`` registered it in ``jobs``)
     once with ``payload`` (a JSON value; ``data`` gives the message body as bytes instead),
@@ -73,7 +74,9 @@ def run_job(
     instance of its config dataclass). ``cancel_after`` seconds, the drain deadline passes
     (``ctx.cancelled``, the message handed back). ``rate_limits`` declares the limiters its
     ``ctx.acquire`` calls use (``{"partner": "5/s"}``); the one its ``@job(rate_limit=...)``
-    names, unless declared here, never makes it wait.
+    names, unless declared here, never makes it wait. ``middleware`` runs inside the kit's
+    own, just outside the time limit (``workerpool.progress.middleware.Checkpoints`` over a
+    ``MemoryJobState``, for a job that resumes from ``ctx.last_checkpoint``).
     """
     spec = _spec(job, jobs)
     alone = Registry()
@@ -81,8 +84,9 @@ def run_job(
     acks, records = FakeAcks(), FakeDeadLetters()
     limiters = _limiters(spec, rate_limits or {})
     timers, loop, seen = Timers(), EventLoop(), _Seen()
+    chain = [seen, RateLimit(limiters), *middleware, TimeLimit(timers)]
     processor = Processor(
-        alone, acks, FakeLeaser(), records, [seen, RateLimit(limiters), TimeLimit(timers)],
+        alone, acks, FakeLeaser(), records, chain,
         ProcessorSettings(Backoff(), job_config=_config(alone, spec, config)),
         limiters=limiters, loop=loop,
     )  # fmt: skip
