@@ -10,10 +10,14 @@ import sqlite3
 import statistics
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
+
+from click.testing import CliRunner
 
 from tests.support import WorkerProcess, http_get, ledger_events, spawn_worker, wait_for
 from tests.support import worker_processes as processes
+from workerpool.cli import main
 from workerpool.schedule import parse_not_before
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
@@ -36,7 +40,7 @@ def _config(
     overlap: str = "allow",
 ) -> Path:
     config = tmp_path / "workerpool.toml"
-    text = "".join(
+    text = '[worker]\njobs = ["workerpool_jobs.demo"]\n' + "".join(
         SCHEDULE.format(name=n, when=w, catch_up=c, seconds=seconds, overlap=overlap)
         for n, w, c in schedules
     )
@@ -57,6 +61,16 @@ def _spawn(
     ]  # fmt: skip
     assert wait_for(lambda: all(w.ready() for w in started), timeout=90)
     return started
+
+
+def _command(tmp_path: Path, config: Path, *args: str) -> str:
+    """``workerpool schedule ARGS`` on the fleet's store, in this process; its output."""
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    result = CliRunner().invoke(
+        main, ["schedule", *args, "--config", str(config), "--idempotency-store", store]
+    )
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def _ran(tmp_path: Path, name: str) -> Counter[float]:
@@ -227,3 +241,67 @@ def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
     assert len(runs) >= 3, runs
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
     print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks")
+
+
+def test_pause_stops_a_running_fleet_firing_and_resume_restarts_it(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("tick", 'every = "1s"', "all")])
+    with processes() as workers:
+        # Given two workers firing a 1-second schedule (catch_up "all")
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "ab"]))
+        time.sleep(4)
+        # When it is paused for 6 s, then resumed
+        paused_at = time.time()
+        _command(tmp_path, config, "pause", "tick")
+        time.sleep(6)
+        resumed_at = time.time()
+        _command(tmp_path, config, "resume", "tick")
+        time.sleep(5)
+        end = time.time()
+        assert wait_for(lambda: max(_ran(tmp_path, "tick")) >= int(end), 30)
+    ran = _ran(tmp_path, "tick")
+    # Then no tick fired while it was paused (from the first after the pause), nor after
+    # the resume did any of those, whatever its catch_up
+    assert [t for t in ran if paused_at < t < resumed_at] == [], (paused_at, resumed_at)
+    # And each tick before the pause and after the resume ran, once
+    before = [t for t in ran if t <= paused_at]
+    assert set(before) >= {float(t) for t in range(int(paused_at) - 2, int(paused_at) + 1)}
+    assert set(ran) >= {float(t) for t in range(int(resumed_at) + 1, int(end) + 1)}
+    assert set(ran.values()) == {1}
+    print(f"paused {resumed_at - paused_at:.1f} s: {len(before)} ticks before, "
+          f"{len([t for t in ran if t > resumed_at])} after, none between")  # fmt: skip
+
+
+def test_trigger_runs_once_and_backfill_each_tick_once_with_three_workers(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("hourly", 'every = "1h"', "none")])
+    with processes() as workers:
+        # Given three workers and an hourly schedule
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        # When it is triggered once, and its last ten ticks are backfilled
+        said = _command(tmp_path, config, "trigger", "hourly")
+        triggered = said.split()[2]
+        hour = int(time.time()) // 3600 * 3600
+        span = [datetime.fromtimestamp(t, UTC).isoformat() for t in (hour - 36000, hour - 3600)]
+        backfill = ["backfill", "hourly", "--from", span[0], "--to", span[1]]
+        assert _command(tmp_path, config, *backfill) == (
+            "hourly: 10 tick(s) to fire, 0 fired already\n"
+        )
+        ticks = {float(t) for t in range(hour - 36000, hour, 3600)}
+        assert wait_for(lambda: set(_ran(tmp_path, "hourly")) >= ticks, 30)
+        # (and backfilled again, once those ran)
+        assert _command(tmp_path, config, *backfill) == (
+            "hourly: 0 tick(s) to fire, 10 fired already\n"
+        )
+        time.sleep(5)  # (a worker looks for marks to publish every second)
+    done = [e["job_id"] for e in ledger_events(tmp_path / "ledger.jsonl", "done")]
+    # Then the triggered run ran once, under its own job id
+    assert done.count(triggered) == 1 and triggered.startswith("periodic:hourly:"), said
+    # And each backfilled tick ran once, the second backfill adding none
+    ran = _ran(tmp_path, "hourly")
+    assert {t: ran[t] for t in ticks} == {t: 1 for t in ticks}
+    assert len(done) == 11, done

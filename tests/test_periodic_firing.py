@@ -15,6 +15,7 @@ import pytest
 from tests.support import wait_for
 from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
 from workerpool.periodic.firing import Periodics
+from workerpool.periodic.marks import PUBLISHED, REQUESTED, SKIPPED, UNPUBLISHED, Pause
 from workerpool.stores import StoreError
 
 HOUR = 3600.0
@@ -245,3 +246,93 @@ def test_the_firing_thread_survives_a_store_that_fails_and_a_bug() -> None:
         firer.close(5)
     # Then the first two were lost to the failures and the thread went on to fire the third
     assert publisher.job_ids() == [every.job_id(NOW + 3)]
+
+
+def test_pauses_and_the_latest_mark_are_shared(opened: Callable[[], Marks], marks: Marks) -> None:
+    # Given one worker's handle pausing a schedule and another resuming a second one
+    marks.pause("h", True, NOW)
+    opened().pause("g", False, NOW + 1)
+    # Then every handle reads both, and the latest tick of a schedule with its state
+    assert opened().pauses() == {"h": Pause(True, NOW), "g": Pause(False, NOW + 1)}
+    marks.mark("h", NOW, NOW)
+    marks.mark("h", NOW - HOUR, NOW)
+    marks.published("h", NOW - HOUR, 0, skipped=True)
+    assert opened().latest("h") == (NOW, UNPUBLISHED) and marks.latest("g") is None
+    marks.published("h", NOW, 0, skipped=True)
+    assert marks.latest("h") == (NOW, SKIPPED)
+
+
+class _Reading(MemoryMarks):
+    """Marks that count how often the pauses were read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def pauses(self) -> dict[str, Pause]:
+        self.reads += 1
+        return super().pauses()
+
+
+def test_a_paused_schedule_fires_nothing_and_resumed_not_what_it_missed() -> None:
+    # Given ticks every second, fired by two firers, paused after the first tick
+    publisher = Publisher()
+    clock = _Clock(NOW)
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="all")
+    marks = _Reading()
+    firers = [Periodics([every], marks, "t", publisher, clock=clock) for _ in range(2)]
+    for firer in firers:
+        firer.start()
+    try:
+        clock.now += 1
+        assert wait_for(lambda: len(publisher.job_ids()) == 1, timeout=10)
+        marks.pause("s", True, clock.now)
+        # When three ticks fall while it is paused (each firer reads the pauses at each)
+        for _ in range(3):
+            reads = marks.reads
+            clock.now += 1
+            assert wait_for(lambda r=reads: marks.reads >= r + 2, timeout=10)
+        # And it is resumed and one more falls
+        marks.pause("s", False, clock.now)
+        clock.now += 1
+        assert wait_for(lambda: len(publisher.job_ids()) == 2, timeout=10)
+    finally:
+        for firer in firers:
+            firer.close(5)
+    # Then only the ticks before the pause and after the resume fired
+    assert publisher.job_ids() == [every.job_id(NOW + 1), every.job_id(NOW + 5)]
+
+
+def test_a_worker_started_after_a_resume_catches_up_nothing_of_the_pause(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given the tick at NOW fired, the schedule paused for three ticks, then resumed
+    marks.mark("h", NOW, NOW)
+    marks.published("h", NOW, 0)
+    marks.pause("h", True, NOW + 1)
+    marks.pause("h", False, NOW + 3.5 * HOUR)
+    # When a worker starts before the next tick, catch_up "all"
+    publisher = Publisher()
+    firer = Periodics([hourly("all")], opened(), "t", publisher, clock=lambda: NOW + 3.6 * HOUR)
+    firer.start()
+    firer.close(5)
+    # Then the ticks that fell while it was paused are not fired
+    assert publisher.job_ids() == [] and marks.last("h") == NOW
+
+
+def test_an_operators_mark_is_published_once_unmeasured(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given a run an operator asked for: a mark unpublished, marked at REQUESTED
+    marks.mark("h", NOW - 3 * HOUR, REQUESTED)
+    # When three workers run
+    publisher = Publisher()
+    late: list[float] = []
+    firers = [
+        Periodics([hourly("none")], opened(), "t", publisher, clock=lambda: NOW + 60,
+                  on_late=lambda name, seconds: late.append(seconds))
+        for _ in range(3)
+    ]  # fmt: skip
+    # Then one publishes it, and its lateness is not measured (it was asked for now)
+    assert _run(firers, publisher, 1) == [job_id(NOW - 3 * HOUR)]
+    assert marks.latest("h") == (NOW - 3 * HOUR, PUBLISHED) and late == []

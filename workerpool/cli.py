@@ -485,7 +485,7 @@ def batch_list(config_file: str | None, idempotency_store: str | None, limit: in
 
 @main.group()
 def schedule() -> None:
-    """Delayed jobs waiting in the workers' schedule."""
+    """Delayed jobs waiting in the workers' schedule, and the periodic schedules."""
 
 
 @schedule.command("list")
@@ -522,6 +522,66 @@ def schedule_list(
         job = entry.attributes.get(c.ATTR_JOB, "?")
         click.echo(f"{due}  in {_span(entry.due - now):>9}  {job}  {entry.job_id}  {entry.topic}")
     click.echo(f"{len(entries)} delayed job(s)")
+    with _periodic(config_file, idempotency_store) as control:
+        rows = control.rows()
+    for row in rows:
+        click.echo(str(row))
+    if rows:
+        click.echo(f"{len(rows)} periodic schedule(s)")
+
+
+def _periodic(config_file: str | None, idempotency_store: str | None) -> Any:
+    """The operations on the periodic schedules (workerpool.periodic.control)."""
+    from workerpool.periodic.control import operating
+
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    find_all(settings)  # first: a job may take an option one of them declares
+    _load_jobs(settings.jobs)
+    return operating(settings, registry)
+
+
+@schedule.command("pause")
+@click.argument("name")
+@_store_options
+def schedule_pause(name: str, config_file: str | None, idempotency_store: str | None) -> None:
+    """Stop a periodic schedule firing, on every worker, until it is resumed."""
+    with _periodic(config_file, idempotency_store) as control:
+        control.pause(name, True)
+    click.echo(f"{name}: paused")
+
+
+@schedule.command("resume")
+@click.argument("name")
+@_store_options
+def schedule_resume(name: str, config_file: str | None, idempotency_store: str | None) -> None:
+    """Fire a paused schedule's ticks again, from the next (those missed while paused, never)."""
+    with _periodic(config_file, idempotency_store) as control:
+        control.pause(name, False)
+    click.echo(f"{name}: resumed")
+
+
+@schedule.command("trigger")
+@click.argument("name")
+@_store_options
+def schedule_trigger(name: str, config_file: str | None, idempotency_store: str | None) -> None:
+    """Run a periodic schedule's job once now, under a job id of its own."""
+    with _periodic(config_file, idempotency_store) as control:
+        job_id = control.trigger(name)
+    click.echo(f"{name}: triggered {job_id} (the next worker to look publishes it)")
+
+
+@schedule.command("backfill")
+@click.argument("name")
+@click.option("--from", "start", required=True, help="RFC 3339 time: the first tick, included.")
+@click.option("--to", "end", required=True, help="RFC 3339 time: the last tick, included.")
+@_store_options
+def schedule_backfill(
+    name: str, start: str, end: str, config_file: str | None, idempotency_store: str | None
+) -> None:
+    """Fire each tick of a periodic schedule in a past range once (fired ones: not again)."""
+    with _periodic(config_file, idempotency_store) as control:
+        fired, before = control.backfill(name, start, end)
+    click.echo(f"{name}: {fired} tick(s) to fire, {before} fired already")
 
 
 def _span(seconds: float) -> str:

@@ -21,8 +21,8 @@ from workerpool.heartbeats import heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.ops.admin import SubscriptionInfo, describe_subscription, topic_path
-from workerpool.options import SCHEDULE
-from workerpool.periodic import MemoryMarks, Periodic, marks_opener, with_jobs
+from workerpool.periodic import MemoryMarks, Periodic, marks_opener
+from workerpool.periodic.control import declared
 from workerpool.periodic.firing import Periodics
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
@@ -224,8 +224,7 @@ class PoolBuilder:
         """The firer of the periodic schedules (ConfigError for one naming no job)."""
         schedules = self._schedules
         if schedules is None:
-            crons = {spec.name: spec.options.get(SCHEDULE) for spec in self._jobs.specs()}
-            schedules = with_jobs(self.settings.schedules, crons)
+            schedules = declared(self.settings.schedules, self._jobs)
         open_marks = marks_opener(url)
         if not schedules or open_marks is None:
             if schedules:

@@ -12,6 +12,11 @@ idempotency store knows its job id. Nothing expires while its holder may still b
 On start a worker looks back for ticks missed while the whole fleet was down, from the last
 tick marked (none marked yet: nothing is missed) but no further than ``catch_up_window``:
 ``catch_up`` "all" fires each, "latest" the last one, "none" none.
+
+A paused schedule fires nothing (each worker reads the pauses when a tick is due), and the
+ticks that fell while it was paused are never caught up: a worker looks back no further than
+the schedule's last pause or resume. Runs an operator asked for (trigger, backfill) are
+marks left for the next worker to take over.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from functools import partial
 from typing import Any
 
 from workerpool.options import SCHEDULE
-from workerpool.periodic.marks import Mark, Marks
+from workerpool.periodic.marks import REQUESTED, Mark, Marks, Pause
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic
 from workerpool.publishing import JobMessage, publish
 from workerpool.schedule.when import not_before_text
@@ -66,6 +71,7 @@ class Periodics(Middleware):
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pauses: dict[str, Pause] = {}  # as last read (kept while the store fails)
         # Whether a job id holds a live claim, for overlap "skip" (the launcher sets it from
         # the idempotency store; without one, "skip" fires like "allow").
         self.running: Callable[[str], bool] | None = None
@@ -88,10 +94,13 @@ class Periodics(Middleware):
         self._guarded(partial(self._catch_up, now))
         while not self._stop.is_set():
             now = self._clock()
+            if min(due.values()) <= now:
+                self._guarded(self._read_pauses)
             for name, schedule in self._schedules.items():
                 while due[name] <= now:  # (a worker that was held up fires each tick it missed)
                     tick = due[name]
-                    self._guarded(partial(self._fire, schedule, tick))
+                    if not self._paused(name):
+                        self._guarded(partial(self._fire, schedule, tick))
                     due[name] = schedule.ticks.after(tick)
             self._guarded(partial(self._take_over, now))
             # Awake at the next tick, and at least every second to take over lost publishes.
@@ -105,13 +114,22 @@ class Periodics(Middleware):
         except Exception:  # a bug: keep firing the others
             log.exception("periodic schedules: firing failed")
 
+    def _read_pauses(self) -> None:
+        self._pauses = self._marks.pauses()
+
+    def _paused(self, name: str) -> bool:
+        pause = self._pauses.get(name)
+        return pause is not None and pause.paused
+
     def _catch_up(self, now: float) -> None:
+        self._read_pauses()
         for schedule in self._schedules.values():
             last = self._marks.last(schedule.name)
-            if last is None or schedule.catch_up == "none":
+            if last is None or schedule.catch_up == "none" or self._paused(schedule.name):
                 continue
             limit = 1 if schedule.catch_up == "latest" else MAX_CATCH_UP
-            start = max(last, now - schedule.catch_up_window)
+            pause = self._pauses.get(schedule.name)
+            start = max(last, now - schedule.catch_up_window, pause.since if pause else last)
             for tick in schedule.ticks.between(start, now, limit):
                 self._fire(schedule, tick)
 
@@ -137,10 +155,14 @@ class Periodics(Middleware):
         for mark in self._marks.unpublished(now - self._take_over_after):
             schedule = self._schedules.get(mark.schedule)
             if schedule is not None and self._marks.take_over(mark, now):
-                log.info("periodic %s: publishing the tick %s another worker left", *_named(mark))
-                self._publish(schedule, mark.tick)
+                requested = mark.marked_at == REQUESTED
+                left = "an operator asked for" if requested else "another worker left"
+                log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
+                self._publish(schedule, mark.tick, late=not requested)
 
-    def _publish(self, schedule: Periodic, tick: float) -> None:
+    def _publish(self, schedule: Periodic, tick: float, *, late: bool = True) -> None:
+        """Publish the tick's job; ``late``: its lateness is measured (not for an operator's
+        run, which is as late as it was asked)."""
         when = datetime.fromtimestamp(tick, UTC)
         message = JobMessage(
             schedule.job, dict(schedule.payload), schedule.job_id(tick), {},
@@ -151,7 +173,8 @@ class Periodics(Middleware):
         except Exception as exc:  # left unpublished: taken over after a while
             log.warning("periodic %s: tick %s not published yet: %s", schedule.name, tick, exc)
             return
-        self._on_late(schedule.name, self._clock() - tick)
+        if late:
+            self._on_late(schedule.name, self._clock() - tick)
         self._marks.published(schedule.name, tick, self._forget(schedule, tick))
 
     @staticmethod

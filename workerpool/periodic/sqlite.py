@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
-from workerpool.periodic.marks import PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks
+from workerpool.periodic.marks import PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks, Pause
 from workerpool.stores.sqlite import connect, translated
 
 _LABEL = "periodic ticks"
@@ -17,6 +17,9 @@ CREATE TABLE IF NOT EXISTS periodic_ticks (
     published INTEGER NOT NULL, PRIMARY KEY (schedule, tick)
 );
 CREATE INDEX IF NOT EXISTS periodic_unpublished ON periodic_ticks (published, marked_at);
+CREATE TABLE IF NOT EXISTS periodic_paused (
+    schedule TEXT PRIMARY KEY, paused INTEGER NOT NULL, since REAL NOT NULL
+);
 """
 
 
@@ -70,8 +73,23 @@ class SqliteMarks(Marks):
             ).fetchall()
         return [Mark(schedule, float(tick), float(at)) for schedule, tick, at in rows]
 
-    def last(self, schedule: str) -> float | None:
-        return self._max("SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ?", schedule)
+    def latest(self, schedule: str) -> tuple[float, int] | None:
+        with self._lock, translated(_LABEL):
+            row = self._conn.execute(
+                "SELECT tick, published FROM periodic_ticks WHERE schedule = ? "
+                "ORDER BY tick DESC LIMIT 1",
+                (schedule,),
+            ).fetchone()
+        return None if row is None else (float(row[0]), int(row[1]))
+
+    def pause(self, schedule: str, paused: bool, now: float) -> None:
+        self._changed("INSERT OR REPLACE INTO periodic_paused VALUES (?, ?, ?)",
+                      schedule, int(paused), now)  # fmt: skip
+
+    def pauses(self) -> dict[str, Pause]:
+        with self._lock, translated(_LABEL):
+            rows = self._conn.execute("SELECT schedule, paused, since FROM periodic_paused")
+            return {name: Pause(bool(paused), float(since)) for name, paused, since in rows}
 
     def _max(self, sql: str, *args: object) -> float | None:
         with self._lock, translated(_LABEL):
