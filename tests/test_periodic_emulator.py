@@ -98,10 +98,25 @@ def _lateness(tmp_path: Path, name: str, start: float, end: float) -> list[float
 def _published(ports: list[int], name: str) -> int:
     """The ticks of ``name`` the workers serving /metrics on ``ports`` published (the count
     of their lateness histogram)."""
-    sample = f'workerpool_periodic_lateness_seconds_count{{schedule="{name}"}} '
+    return _summed(ports, "workerpool_periodic_lateness_seconds_count{", f'schedule="{name}"')
+
+
+def _counted(ports: list[int], name: str, outcome: str) -> int:
+    """The ticks of ``name`` the workers serving /metrics on ``ports`` counted ``outcome``."""
+    return _summed(
+        ports, "workerpool_periodic_ticks_total{", f'schedule="{name}"', f'outcome="{outcome}"'
+    )
+
+
+def _summed(ports: list[int], metric: str, *labels: str) -> int:
+    """The sum over the workers of the samples of ``metric`` with all of ``labels``."""
     texts = [http_get(f"http://127.0.0.1:{port}/metrics")[1] for port in ports]
-    lines = [line for text in texts for line in text.splitlines() if line.startswith(sample)]
-    return sum(int(float(line[len(sample) :])) for line in lines)
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for text in texts
+        for line in text.splitlines()
+        if line.startswith(metric) and all(label in line for label in labels)
+    )
 
 
 def _marked(tmp_path: Path, name: str) -> int:
@@ -182,11 +197,13 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
         stopped = time.time()
         time.sleep(10)
         restarted = time.time()
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        ports = [free_port() for _ in "abc"]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
         # (the ticks up to a cutoff after they are up have run; a later one may still be on
         # its way at the end)
         cutoff = time.time() + 3
         assert wait_for(lambda: all(max(_ran(tmp_path, m)) > cutoff + 2 for m in modes), 30)
+        counted = {m: _counted(ports, m, "missed") for m in modes}
     ran = {m: Counter({t: n for t, n in _ran(tmp_path, m).items() if t <= cutoff}) for m in modes}
     for mode in modes:
         assert set(ran[mode].values()) == {1}, mode  # none ran twice
@@ -202,7 +219,12 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
     assert after["latest"] == [after["none"][0] - 1, *after["none"]], (after, stopped)
     assert after["latest"][0] > stopped + 8
     missed = int(after["none"][0] - max(t for t in ran["none"] if t <= stopped)) - 1
-    print(f"{missed} ticks missed while down: all ran {missed}, latest 1, none 0")
+    # And the ticks left out were counted missed, once: all but the latest with "latest";
+    # with "none", all but those of the last 5 s before the first worker started
+    assert counted["all"] == 0 and counted["latest"] == missed - 1, (counted, missed)
+    assert missed - 7 <= counted["none"] <= missed - 3, (counted, missed)
+    print(f"{missed} ticks missed while down: all ran {missed}, latest 1, none 0; "
+          f"counted missed: {counted}")  # fmt: skip
 
 
 def test_a_schedule_naming_no_registered_job_stops_the_worker(
@@ -229,9 +251,11 @@ def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
     config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap="skip")
     with processes() as workers:
         # Given three workers and a 1-second schedule whose job takes 2.5 s, overlap "skip"
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        ports = [free_port() for _ in "abc"]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
         # When it runs for 15 s
         time.sleep(15)
+        fired, skipped = (_counted(ports, "slow", outcome) for outcome in ("fired", "skipped"))
     # Then no run started before the one before it ended, and the ticks between were left out
     runs = sorted(
         (e["start"], e["end"])
@@ -240,7 +264,10 @@ def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
     )
     assert len(runs) >= 3, runs
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
-    print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks")
+    # And the ticks left out were counted skipped, once each: 15 ticks, fired or skipped
+    assert fired in (len(runs), len(runs) + 1) and 13 <= fired + skipped <= 16, (fired, skipped)
+    print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks; counted "
+          f"{fired} fired, {skipped} skipped")  # fmt: skip
 
 
 def test_pause_stops_a_running_fleet_firing_and_resume_restarts_it(

@@ -5,6 +5,7 @@ workers)."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -103,25 +104,49 @@ def _run(firers: list[Periodics], publisher: Publisher, count: int) -> list[str]
     return publisher.job_ids()
 
 
+class Counted:
+    """What the firers counted (their ``on_ticks``), by schedule and outcome."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+
+    def __call__(self, schedule: str, outcome: str, count: int) -> None:
+        self.calls.append((schedule, outcome, count))
+
+    def totals(self) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for _, outcome, count in self.calls:
+            totals[outcome] += count
+        return dict(totals)
+
+
 @pytest.mark.parametrize(
-    ("catch_up", "expected"),
-    [("all", [-4, -3, -2, -1, 0]), ("latest", [0]), ("none", [])],
+    ("catch_up", "expected", "counted"),
+    [
+        ("all", [-4, -3, -2, -1, 0], {"fired": 5}),
+        ("latest", [0], {"fired": 1, "missed": 4}),
+        ("none", [], {"missed": 5}),
+    ],
 )
 def test_catch_up_after_the_fleet_was_down(
-    opened: Callable[[], Marks], marks: Marks, catch_up: str, expected: list[int]
-) -> None:
+    opened: Callable[[], Marks], marks: Marks, catch_up: str, expected: list[int],
+    counted: dict[str, int],
+) -> None:  # fmt: skip
     # Given the tick 5 hours ago fired, and the fleet down since
     marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
     marks.published("h", NOW - 5 * HOUR, 0)
     # When three workers start at once
-    publisher = Publisher()
+    publisher, counts = Publisher(), Counted()
     firers = [
-        Periodics([hourly(catch_up)], opened(), "t", publisher, clock=lambda: NOW + 60)
+        Periodics([hourly(catch_up)], opened(), "t", publisher, clock=lambda: NOW + 60,
+                  on_ticks=counts)
         for _ in range(3)
-    ]
+    ]  # fmt: skip
     ids = _run(firers, publisher, len(expected))
     # Then each missed tick is published once (all), the latest only, or none
     assert sorted(ids) == sorted(job_id(NOW + h * HOUR) for h in expected)
+    # And the ticks fired and those left out are counted once, by one of the workers
+    assert counts.totals() == counted
 
 
 def test_catch_up_stops_at_the_window(opened: Callable[[], Marks], marks: Marks) -> None:
@@ -201,7 +226,9 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
                         10 * HOUR, overlap)  # fmt: skip
     publisher = Publisher()
-    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60)
+    counts = Counted()
+    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60,
+                      on_ticks=counts)  # fmt: skip
     asked: list[str] = []
     firer.running = lambda job_id: asked.append(job_id) is None and previous_runs
     # When the tick on the hour comes due (caught up at start)
@@ -212,6 +239,7 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
     assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
     assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)
+    assert counts.totals() == ({"fired": 1} if expected else {"skipped": 1})
 
 
 class _Failing(MemoryMarks):
@@ -256,9 +284,9 @@ def test_pauses_and_the_latest_mark_are_shared(opened: Callable[[], Marks], mark
     assert opened().pauses() == {"h": Pause(True, NOW), "g": Pause(False, NOW + 1)}
     marks.mark("h", NOW, NOW)
     marks.mark("h", NOW - HOUR, NOW)
-    marks.published("h", NOW - HOUR, 0, skipped=True)
+    marks.published("h", NOW - HOUR, 0, SKIPPED)
     assert opened().latest("h") == (NOW, UNPUBLISHED) and marks.latest("g") is None
-    marks.published("h", NOW, 0, skipped=True)
+    marks.published("h", NOW, 0, SKIPPED)
     assert marks.latest("h") == (NOW, SKIPPED)
 
 
@@ -329,7 +357,7 @@ def test_an_operators_mark_is_published_once_unmeasured(
     publisher = Publisher()
     late: list[float] = []
     firers = [
-        Periodics([hourly("none")], opened(), "t", publisher, clock=lambda: NOW + 60,
+        Periodics([hourly("none")], opened(), "t", publisher, clock=lambda: NOW - 3 * HOUR + 60,
                   on_late=lambda name, seconds: late.append(seconds))
         for _ in range(3)
     ]  # fmt: skip

@@ -235,7 +235,12 @@ class PoolBuilder:
         except StoreError as exc:
             raise ConfigError(f"idempotency_store (for periodic schedules): {exc}") from None
         return Periodics(
-            schedules, marks, topic, publisher, on_late=self.telemetry.metrics.periodic_late
+            schedules,
+            marks,
+            topic,
+            publisher,
+            on_late=self.telemetry.metrics.periodic_late,
+            on_ticks=self.telemetry.metrics.periodic_ticks,
         )
 
     def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:

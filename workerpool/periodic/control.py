@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from workerpool.errors import ConfigError
 from workerpool.options import SCHEDULE
 from workerpool.periodic import marks_opener
-from workerpool.periodic.marks import PUBLISHED, REQUESTED, SKIPPED, Marks
+from workerpool.periodic.marks import MISSED, PUBLISHED, REQUESTED, SKIPPED, Marks
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic, with_jobs
 from workerpool.registry import Registry
 from workerpool.schedule.when import parse_rfc3339
@@ -29,7 +29,7 @@ from workerpool.stores import StoreError
 if TYPE_CHECKING:  # (the config imports the periodic package)
     from workerpool.config import Settings
 
-_STATES = {PUBLISHED: "published", SKIPPED: "skipped (overlap)"}
+_STATES = {PUBLISHED: "published", SKIPPED: "skipped (overlap)", MISSED: "missed (catch_up)"}
 
 
 def declared(schedules: Sequence[Periodic], jobs: Registry) -> tuple[Periodic, ...]:

@@ -11,7 +11,9 @@ idempotency store knows its job id. Nothing expires while its holder may still b
 
 On start a worker looks back for ticks missed while the whole fleet was down, from the last
 tick marked (none marked yet: nothing is missed) but no further than ``catch_up_window``:
-``catch_up`` "all" fires each, "latest" the last one, "none" none.
+``catch_up`` "all" fires each, "latest" the last one, "none" none. The worker that marks the
+latest of them counts the ticks left out as missed (with "none", it marks it missed: only
+ticks older than ``take_over_after``, which a running fleet would have marked).
 
 A paused schedule fires nothing (each worker reads the pauses when a tick is due), and the
 ticks that fell while it was paused are never caught up: a worker looks back no further than
@@ -30,7 +32,7 @@ from functools import partial
 from typing import Any
 
 from workerpool.options import SCHEDULE
-from workerpool.periodic.marks import REQUESTED, Mark, Marks, Pause
+from workerpool.periodic.marks import MISSED, PUBLISHED, REQUESTED, SKIPPED, Mark, Marks, Pause
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic
 from workerpool.publishing import JobMessage, publish
 from workerpool.schedule.when import not_before_text
@@ -47,7 +49,8 @@ _KEEP = 86400.0
 
 class Periodics(Middleware):
     """Fires the ticks of ``schedules`` to ``topic`` (see the module). ``on_late`` hears how
-    late each tick was published, by schedule."""
+    late each tick was published, by schedule; ``on_ticks`` how many ticks of a schedule were
+    "fired", "skipped" (overlap) or "missed" (catch_up), each counted by one worker."""
 
     options = frozenset({SCHEDULE})
 
@@ -60,6 +63,7 @@ class Periodics(Middleware):
         *,
         take_over_after: float = 5.0,
         on_late: Callable[[str, float], None] = lambda name, seconds: None,
+        on_ticks: Callable[[str, str, int], None] = lambda name, outcome, count: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._schedules = {s.name: s for s in schedules}
@@ -68,6 +72,7 @@ class Periodics(Middleware):
         self._publisher = publisher
         self._take_over_after = take_over_after
         self._on_late = on_late
+        self._on_ticks = on_ticks
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,7 +111,7 @@ class Periodics(Middleware):
             # Awake at the next tick, and at least every second to take over lost publishes.
             self._stop.wait(max(0.0, min(min(due.values()) - self._clock(), 1.0)))
 
-    def _guarded(self, step: Callable[[], None]) -> None:
+    def _guarded(self, step: Callable[[], object]) -> None:
         try:
             step()
         except StoreError as exc:  # another worker may fire it; else it is missed
@@ -125,24 +130,46 @@ class Periodics(Middleware):
         self._read_pauses()
         for schedule in self._schedules.values():
             last = self._marks.last(schedule.name)
-            if last is None or schedule.catch_up == "none" or self._paused(schedule.name):
+            if last is None or self._paused(schedule.name):
                 continue
-            limit = 1 if schedule.catch_up == "latest" else MAX_CATCH_UP
             pause = self._pauses.get(schedule.name)
             start = max(last, now - schedule.catch_up_window, pause.since if pause else last)
-            for tick in schedule.ticks.between(start, now, limit):
-                self._fire(schedule, tick)
+            end = now - self._take_over_after if schedule.catch_up == "none" else now
+            self._catch_up_ticks(schedule, schedule.ticks.between(start, end, MAX_CATCH_UP))
 
-    def _fire(self, schedule: Periodic, tick: float) -> None:
-        if not self._marks.mark(schedule.name, tick, self._clock()):
+    def _catch_up_ticks(self, schedule: Periodic, missed: list[float]) -> None:
+        """Fire what catch_up keeps of the ``missed`` ticks; the worker that marks the latest
+        counts the ticks left out."""
+        if not missed:
             return
+        kept = {"all": missed, "latest": missed[-1:], "none": []}[schedule.catch_up]
+        if kept:
+            won = [self._fire(schedule, tick) for tick in kept][-1]
+        else:
+            won = self._marks.mark(schedule.name, missed[-1], self._clock())
+            if won:
+                self._settle(schedule, missed[-1], MISSED)
+        if won and len(missed) > len(kept):
+            log.info("periodic %s: %d ticks missed while the fleet was down",
+                     schedule.name, len(missed) - len(kept))  # fmt: skip
+            self._on_ticks(schedule.name, "missed", len(missed) - len(kept))
+
+    def _fire(self, schedule: Periodic, tick: float) -> bool:
+        """Mark the tick and publish its job (or skip it); whether this worker marked it."""
+        if not self._marks.mark(schedule.name, tick, self._clock()):
+            return False
         if self._overlaps(schedule, tick):  # decided once, by the worker that marked it
             log.info(
                 "periodic %s: tick %s skipped: the previous one still runs", schedule.name, tick
             )
-            self._marks.published(schedule.name, tick, self._forget(schedule, tick), skipped=True)
-            return
+            self._settle(schedule, tick, SKIPPED)
+            self._on_ticks(schedule.name, "skipped", 1)
+            return True
         self._publish(schedule, tick)
+        return True
+
+    def _settle(self, schedule: Periodic, tick: float, state: int) -> None:
+        self._marks.published(schedule.name, tick, self._forget(schedule, tick), state)
 
     def _overlaps(self, schedule: Periodic, tick: float) -> bool:
         """With overlap "skip", whether the last tick run before ``tick`` still holds its claim."""
@@ -175,7 +202,8 @@ class Periodics(Middleware):
             return
         if late:
             self._on_late(schedule.name, self._clock() - tick)
-        self._marks.published(schedule.name, tick, self._forget(schedule, tick))
+        self._on_ticks(schedule.name, "fired", 1)
+        self._settle(schedule, tick, PUBLISHED)
 
     @staticmethod
     def _forget(schedule: Periodic, tick: float) -> float:

@@ -15,7 +15,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 # A mark's state.
-UNPUBLISHED, PUBLISHED, SKIPPED = 0, 1, 2
+# (MISSED: the latest tick catch_up left out after a downtime, marked to count them once.)
+UNPUBLISHED, PUBLISHED, SKIPPED, MISSED = 0, 1, 2, 3
+# The states of a tick that did not run.
+NOT_RUN = (SKIPPED, MISSED)
 # The time an operator's mark was marked at: before any worker's, so taken over at once.
 REQUESTED = 0.0
 
@@ -49,14 +52,15 @@ class Marks(ABC):
 
     @abstractmethod
     def published(
-        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
-        """The tick's message is out (or, ``skipped``, will never be: overlap "skip"); marks
-        of the schedule before ``forget_before`` go."""
+        """The tick's message is out (or, SKIPPED or MISSED, will never be); marks of the
+        schedule before ``forget_before`` go."""
 
     @abstractmethod
     def last_run(self, schedule: str, before: float) -> float | None:
-        """The latest tick of the schedule before ``before`` marked and not skipped."""
+        """The latest tick of the schedule before ``before`` marked and not skipped or
+        missed."""
 
     @abstractmethod
     def unpublished(self, marked_before: float) -> list[Mark]:
@@ -108,10 +112,9 @@ class MemoryMarks(Marks):
             return True
 
     def published(
-        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
         with self._lock:
-            state = SKIPPED if skipped else PUBLISHED
             self._marks[schedule, tick] = (self._marks[schedule, tick][0], state)
             for key in [k for k in self._marks if k[0] == schedule and k[1] < forget_before]:
                 del self._marks[key]
@@ -141,7 +144,7 @@ class MemoryMarks(Marks):
         with self._lock:
             return max(
                 (t for (s, t), (_, state) in self._marks.items()
-                 if s == schedule and t < before and state != SKIPPED),
+                 if s == schedule and t < before and state not in NOT_RUN),
                 default=None,
             )  # fmt: skip
 

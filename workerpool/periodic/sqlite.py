@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import threading
 
-from workerpool.periodic.marks import PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks, Pause
+from workerpool.periodic.marks import MISSED, PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks, Pause
 from workerpool.stores.sqlite import connect, translated
 
 _LABEL = "periodic ticks"
-# ``published`` holds a mark's state (workerpool.periodic.marks): 0 no, 1 yes, 2 skipped.
+# ``published`` holds a mark's state (workerpool.periodic.marks): 0 no, 1 yes, 2 skipped,
+# 3 missed.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS periodic_ticks (
     schedule TEXT NOT NULL, tick REAL NOT NULL, marked_at REAL NOT NULL,
@@ -46,11 +47,11 @@ class SqliteMarks(Marks):
         )  # fmt: skip
 
     def published(
-        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
         self._changed(
             "UPDATE periodic_ticks SET published = ? WHERE schedule = ? AND tick = ?",
-            SKIPPED if skipped else PUBLISHED, schedule, tick,
+            state, schedule, tick,
         )  # fmt: skip
         self._changed(
             "DELETE FROM periodic_ticks WHERE schedule = ? AND tick < ? AND published != ?",
@@ -60,8 +61,8 @@ class SqliteMarks(Marks):
     def last_run(self, schedule: str, before: float) -> float | None:
         return self._max(
             "SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ? AND tick < ? "
-            "AND published != ?",
-            schedule, before, SKIPPED,
+            "AND published NOT IN (?, ?)",
+            schedule, before, SKIPPED, MISSED,
         )  # fmt: skip
 
     def unpublished(self, marked_before: float) -> list[Mark]:
