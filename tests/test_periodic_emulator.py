@@ -13,6 +13,7 @@ from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from tests.support import WorkerProcess, http_get, ledger_events, spawn_worker, wait_for
@@ -244,30 +245,45 @@ def test_a_schedule_naming_no_registered_job_stops_the_worker(
         ], workers[0].output()
 
 
-def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
-    pubsub_resources: PubSubResources, tmp_path: Path
+@pytest.mark.parametrize("overlap", ["skip", "buffer_one"])
+def test_overlap_runs_no_tick_while_the_previous_one_runs(
+    pubsub_resources: PubSubResources, tmp_path: Path, overlap: str
 ) -> None:
     pubsub_resources.provision(retry_policy=False)
-    config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap="skip")
+    config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap=overlap)
     with processes() as workers:
-        # Given three workers and a 1-second schedule whose job takes 2.5 s, overlap "skip"
+        # Given three workers and a 1-second schedule whose job takes 2.5 s
         ports = [free_port() for _ in "abc"]
         workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
         # When it runs for 15 s
         time.sleep(15)
         fired, skipped = (_counted(ports, "slow", outcome) for outcome in ("fired", "skipped"))
-    # Then no run started before the one before it ended, and the ticks between were left out
+    # Then no run started before the one before it ended
+    prefix = "periodic:slow:"
     runs = sorted(
-        (e["start"], e["end"])
+        (e["start"], e["end"], parse_not_before(e["job_id"][len(prefix) :]))
         for e in ledger_events(tmp_path / "ledger.jsonl", "done")
-        if e["job_id"].startswith("periodic:slow:")
+        if e["job_id"].startswith(prefix)
     )
     assert len(runs) >= 3, runs
-    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
-    # And the ticks left out were counted skipped, once each: 15 ticks, fired or skipped
-    assert fired in (len(runs), len(runs) + 1) and 13 <= fired + skipped <= 16, (fired, skipped)
-    print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks; counted "
-          f"{fired} fired, {skipped} skipped")  # fmt: skip
+    pairs = list(itertools.pairwise(runs))
+    assert all(later[0] >= earlier[1] for earlier, later in pairs), runs
+    gaps = [later[0] - earlier[1] for earlier, later in pairs]
+    waited = []
+    if overlap == "skip":
+        # And each run is of a tick that fell after the one before it ended
+        assert all(later[2] > earlier[1] for earlier, later in pairs), runs
+        assert fired in (len(runs), len(runs) + 1) and 13 <= fired + skipped <= 16
+    else:
+        # And runs of ticks that fell while the one before it ran: kept waiting, each started
+        # once that one ended (the workers look every second); the others fell after it
+        waited = [(e, la) for e, la in pairs if e[0] < la[2] < e[1]]
+        assert waited and all(la[2] > e[1] for e, la in pairs if (e, la) not in waited), runs
+        assert max(la[0] - e[1] for e, la in waited) < 2.5, waited
+        assert len(runs) <= fired <= len(runs) + 2 and 12 <= fired + skipped <= 16
+    print(f"overlap {overlap}: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks; counted "
+          f"{fired} fired, {skipped} skipped; from one run's end to the next's start "
+          f"{min(gaps):.2f}-{max(gaps):.2f} s; {len(waited)} of a tick that waited")  # fmt: skip
 
 
 def test_pause_stops_a_running_fleet_firing_and_resume_restarts_it(

@@ -16,7 +16,14 @@ import pytest
 from tests.support import wait_for
 from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
 from workerpool.periodic.firing import Periodics
-from workerpool.periodic.marks import PUBLISHED, REQUESTED, SKIPPED, UNPUBLISHED, Pause
+from workerpool.periodic.marks import (
+    BUFFERED,
+    PUBLISHED,
+    REQUESTED,
+    SKIPPED,
+    UNPUBLISHED,
+    Pause,
+)  # fmt: skip
 from workerpool.stores import StoreError
 
 HOUR = 3600.0
@@ -240,6 +247,41 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
     assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)
     assert counts.totals() == ({"fired": 1} if expected else {"skipped": 1})
+
+
+def test_overlap_buffer_one_keeps_one_tick_waiting_and_fires_it_when_the_run_ends(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given the tick an hour ago published and its job still running, overlap "buffer_one"
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "none",
+                        10 * HOUR, "buffer_one")  # fmt: skip
+    publisher, counts, clock = Publisher(), Counted(), _Clock(NOW - 1)
+    firers = [Periodics([schedule], opened(), "t", publisher, clock=clock, on_ticks=counts)
+              for _ in range(2)]  # fmt: skip
+    runs = threading.Event()
+    runs.set()
+    for firer in firers:
+        firer.running = lambda job_id: runs.is_set() and job_id == hourly().job_id(NOW - HOUR)
+        firer.start()
+    try:
+        # When the tick on the hour comes due, then the next one, while it still runs
+        clock.now = NOW + 1
+        assert wait_for(lambda: marks.unpublished(REQUESTED) == [Mark("h", NOW, BUFFERED)], 10)
+        clock.now = NOW + HOUR + 1
+        assert wait_for(lambda: marks.latest("h") == (NOW + HOUR, SKIPPED), 10)
+        # Then the first waits, unpublished, and the second is skipped
+        assert publisher.job_ids() == []
+        # And once the run ends, the waiting tick is published, once
+        runs.clear()
+        assert wait_for(lambda: publisher.job_ids() == [job_id(NOW)], 10)
+        assert wait_for(lambda: not marks.unpublished(clock.now + 100), 10)
+    finally:
+        for firer in firers:
+            firer.close(5)
+    assert publisher.job_ids() == [job_id(NOW)]
+    assert counts.totals() == {"skipped": 1, "fired": 1}
 
 
 class _Failing(MemoryMarks):

@@ -59,8 +59,8 @@ _MISTAKES = [
     ('every = "0.5s"', "schedule 'x' (from {path}): every must be a whole number of seconds"),
     ('every = "1s"\ncatch_up = "some"', "schedule 'x' (from {path}): catch_up must be one of"),
     ('every = "1s"\novrelap = "skip"', "schedule 'x' (from {path}): unknown setting ovrelap"),
-    ('every = "1s"\noverlap = "buffer_one"',
-     "schedule 'x' (from {path}): overlap \"buffer_one\" is not supported yet"),
+    ('every = "1s"\noverlap = "bufer_one"',
+     "schedule 'x' (from {path}): overlap must be one of skip, allow, buffer_one"),
 ]  # fmt: skip
 
 

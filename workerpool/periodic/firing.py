@@ -32,7 +32,16 @@ from functools import partial
 from typing import Any
 
 from workerpool.options import SCHEDULE
-from workerpool.periodic.marks import MISSED, PUBLISHED, REQUESTED, SKIPPED, Mark, Marks, Pause
+from workerpool.periodic.marks import (
+    BUFFERED,
+    MISSED,
+    PUBLISHED,
+    REQUESTED,
+    SKIPPED,
+    Mark,
+    Marks,
+    Pause,
+)  # fmt: skip
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic
 from workerpool.publishing import JobMessage, publish
 from workerpool.schedule.when import not_before_text
@@ -45,6 +54,8 @@ _PUBLISH_TIMEOUT = 30.0
 # Marks of a schedule are forgotten this long after a later tick was published (at least:
 # longer for a longer catch-up window, which reads the last one).
 _KEEP = 86400.0
+# Why a mark is taken over, by the time it was marked at.
+_LEFT = {REQUESTED: "an operator asked for", BUFFERED: "that waited for the previous run"}
 
 
 class Periodics(Middleware):
@@ -155,37 +166,59 @@ class Periodics(Middleware):
             self._on_ticks(schedule.name, "missed", len(missed) - len(kept))
 
     def _fire(self, schedule: Periodic, tick: float) -> bool:
-        """Mark the tick and publish its job (or skip it); whether this worker marked it."""
-        if not self._marks.mark(schedule.name, tick, self._clock()):
+        """Mark the tick and publish its job (or skip it, or leave it waiting); whether this
+        worker marked it. The overlap policy is applied once, by the worker that marked it."""
+        marked_at = self._clock()
+        if not self._marks.mark(schedule.name, tick, marked_at):
             return False
-        if self._overlaps(schedule, tick):  # decided once, by the worker that marked it
-            log.info(
-                "periodic %s: tick %s skipped: the previous one still runs", schedule.name, tick
-            )
+        blocked = self._blocked(schedule, tick)
+        if blocked is None:
+            self._publish(schedule, tick)
+        elif blocked == "runs" and schedule.overlap == "buffer_one":
+            log.info("periodic %s: tick %s waits for the previous one to end", schedule.name, tick)
+            self._marks.take_over(Mark(schedule.name, tick, marked_at), BUFFERED)
+        else:
+            log.info("periodic %s: tick %s skipped: the previous one %s", schedule.name, tick,
+                     "still runs" if blocked == "runs" else "waits already")  # fmt: skip
             self._settle(schedule, tick, SKIPPED)
             self._on_ticks(schedule.name, "skipped", 1)
-            return True
-        self._publish(schedule, tick)
         return True
 
     def _settle(self, schedule: Periodic, tick: float, state: int) -> None:
         self._marks.published(schedule.name, tick, self._forget(schedule, tick), state)
 
-    def _overlaps(self, schedule: Periodic, tick: float) -> bool:
-        """With overlap "skip", whether the last tick run before ``tick`` still holds its claim."""
-        if schedule.overlap != "skip" or self.running is None:
-            return False
+    def _blocked(self, schedule: Periodic, tick: float) -> str | None:
+        """Unless overlap is "allow": "runs" if the job of the last tick run before ``tick``
+        still holds its claim, "waits" if that tick waits for the one before it to end
+        (overlap "buffer_one"); None if the tick may fire."""
+        if schedule.overlap == "allow" or self.running is None:
+            return None
         previous = self._marks.last_run(schedule.name, tick)
+        if previous is None:
+            return None
+        if self.running(schedule.job_id(previous)):
+            return "runs"
+        waiting = Mark(schedule.name, previous, BUFFERED)
+        if schedule.overlap == "buffer_one" and waiting in self._marks.unpublished(REQUESTED):
+            return "waits"
+        return None
+
+    def _still_blocked(self, schedule: Periodic, mark: Mark) -> bool:
+        """Whether a tick waiting for the previous run (overlap "buffer_one") still waits."""
+        if mark.marked_at != BUFFERED or self.running is None:
+            return False
+        previous = self._marks.last_run(schedule.name, mark.tick)
         return previous is not None and self.running(schedule.job_id(previous))
 
     def _take_over(self, now: float) -> None:
         for mark in self._marks.unpublished(now - self._take_over_after):
             schedule = self._schedules.get(mark.schedule)
-            if schedule is not None and self._marks.take_over(mark, now):
-                requested = mark.marked_at == REQUESTED
-                left = "an operator asked for" if requested else "another worker left"
+            if schedule is None or self._still_blocked(schedule, mark):
+                continue
+            if self._marks.take_over(mark, now):
+                left = _LEFT.get(mark.marked_at, "another worker left")
                 log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
-                self._publish(schedule, mark.tick, late=not requested)
+                self._publish(schedule, mark.tick, late=mark.marked_at != REQUESTED)
 
     def _publish(self, schedule: Periodic, tick: float, *, late: bool = True) -> None:
         """Publish the tick's job; ``late``: its lateness is measured (not for an operator's

@@ -21,6 +21,9 @@ UNPUBLISHED, PUBLISHED, SKIPPED, MISSED = 0, 1, 2, 3
 NOT_RUN = (SKIPPED, MISSED)
 # The time an operator's mark was marked at: before any worker's, so taken over at once.
 REQUESTED = 0.0
+# The time a tick waiting for the previous run to end is marked at (overlap "buffer_one"):
+# before REQUESTED, so told apart; taken over once that run ends.
+BUFFERED = -1.0
 
 
 @dataclass(frozen=True)

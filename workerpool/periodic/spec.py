@@ -15,7 +15,7 @@ from workerpool.periodic.ticks import Ticks, cron_expression
 from workerpool.schedule.when import parse_delay
 
 CATCH_UP = ("none", "latest", "all")
-OVERLAP = ("skip", "allow")  # "buffer_one" is not there yet: refused, not run as "allow"
+OVERLAP = ("skip", "allow", "buffer_one")
 _KEYS = {"name", "job", "cron", "every", "timezone", "payload", "catch_up", "catch_up_window",
          "overlap"}  # fmt: skip
 _DEFAULTS: dict[str, Any] = {"timezone": "UTC", "payload": {}, "catch_up": "latest",
@@ -97,8 +97,6 @@ def _text(values: Mapping[str, Any], key: str) -> str:
 
 
 def _choice(values: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
-    if key == "overlap" and values[key] == "buffer_one":
-        raise ValueError('overlap "buffer_one" is not supported yet (use "skip" or "allow")')
     if values[key] not in choices:
         raise ValueError(f"{key} must be one of {', '.join(choices)}, got {values[key]!r}")
     return str(values[key])
