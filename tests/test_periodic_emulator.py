@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.support import WorkerProcess, http_get, ledger_events, spawn_worker, wait_for
+from tests.support import (
+    WorkerProcess,
+    http_get,
+    ledger_events,
+    shared_store,
+    spawn_worker,
+    wait_for,
+)  # fmt: skip
 from tests.support import worker_processes as processes
 from workerpool.cli import main
 from workerpool.schedule import parse_not_before
@@ -50,13 +57,20 @@ def _config(
 
 
 def _spawn(
-    env: PubSubResources, tmp_path: Path, config: Path, ports: list[int]
+    env: PubSubResources,
+    tmp_path: Path,
+    config: Path,
+    ports: list[int],
+    store: tuple[str, dict[str, str]] | None = None,
 ) -> list[WorkerProcess]:
-    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    """Workers sharing ``store`` (its URL and the environment that reaches it; default an
+    SQLite file of the test's)."""
+    ledger = tmp_path / "ledger.jsonl"
+    url, extra_env = store or (f"sqlite:///{tmp_path / 'fleet.db'}", {})
     started = [
         spawn_worker(
             env, ledger, "--config", str(config), "--claim-ttl", "10",
-            "--metrics-port", str(port), store=store,
+            "--metrics-port", str(port), store=url, extra_env=extra_env,
         )
         for port in ports
     ]  # fmt: skip
@@ -348,3 +362,32 @@ def test_trigger_runs_once_and_backfill_each_tick_once_with_three_workers(
     ran = _ran(tmp_path, "hourly")
     assert {t: ran[t] for t in ticks} == {t: 1 for t in ticks}
     assert len(done) == 11, done
+
+
+def test_each_tick_runs_once_across_three_workers_on_firestore(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("on-firestore", 'every = "1s"', "all")])
+    store = shared_store("firestore", request, tmp_path, warm=True)
+    with processes() as workers:
+        # Given three workers sharing a Firestore store, and a schedule ticking every second
+        ports = [free_port() for _ in "abc"]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports, store))
+        # When it runs for 20 s
+        begin = time.time()
+        time.sleep(20)
+        end = time.time()
+        expected = {float(t) for t in range(int(begin) + 1, int(end) + 1)}
+        assert wait_for(lambda: expected <= set(_ran(tmp_path, "on-firestore")), 30)
+        published = _published(ports, "on-firestore")
+    # Then every tick in the window ran, once, and started within a second of its tick
+    ran = _ran(tmp_path, "on-firestore")
+    assert {t: ran[t] for t in expected} == {t: 1 for t in expected}
+    late = _lateness(tmp_path, "on-firestore", begin + 1, end)
+    assert min(late) >= 0 and _p99(late) <= 1.0, late
+    # And each tick was published by one worker (up to the last, maybe still on its way)
+    assert published - len(ran) in (0, 1), (published, len(ran))
+    p50, p99 = statistics.median(late), _p99(late)
+    print(f"on Firestore: {len(expected)} ticks, each ran once; start lateness p50 {p50:.3f} s, "
+          f"p99 {p99:.3f} s; {published} published")  # fmt: skip

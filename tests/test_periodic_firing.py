@@ -13,7 +13,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from tests.support import wait_for
+from tests.conftest import FIRESTORE_PROJECT
+from tests.support import store_handles, wait_for
 from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
 from workerpool.periodic.firing import Periodics
 from workerpool.periodic.marks import (
@@ -30,19 +31,22 @@ HOUR = 3600.0
 NOW = 1_800_000_000.0  # on the hour
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-def opened(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Marks]]:
+@pytest.fixture(params=["memory", "sqlite", "firestore"])
+def opened(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[], Marks]]:
     """Opens the marks, as each worker does (in memory: one store the process shares)."""
-    memory = MemoryMarks()
-    handles: list[Marks] = []
 
-    def open_marks() -> Marks:
-        handles.append(memory if request.param == "memory" else SqliteMarks(tmp_path / "m.db"))
-        return handles[-1]
+    def firestore(collection: str) -> Marks:
+        from workerpool.periodic.firestore import FirestoreMarks
 
-    yield open_marks
-    for handle in handles:
-        handle.close()
+        return FirestoreMarks(FIRESTORE_PROJECT, collection)
+
+    with store_handles(
+        request.param, request, monkeypatch,
+        memory=MemoryMarks, sqlite=lambda: SqliteMarks(tmp_path / "m.db"), firestore=firestore,
+    ) as make:  # fmt: skip
+        yield make
 
 
 @pytest.fixture
