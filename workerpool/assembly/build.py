@@ -222,9 +222,9 @@ class PoolBuilder:
 
     def _periodics(self, url: str, topic: str, publisher: Any) -> Middleware:
         """The firer of the periodic schedules (ConfigError for one naming no job)."""
-        schedules = self._schedules
-        if schedules is None:
-            schedules = declared(self.settings.schedules, self._jobs)
+        given = self._schedules
+        schedules = declared(self.settings.schedules if given is None else given, self._jobs,
+                             crons=given is None)  # fmt: skip
         open_marks = marks_opener(url)
         if not schedules or open_marks is None:
             if schedules:

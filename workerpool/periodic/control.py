@@ -32,10 +32,15 @@ if TYPE_CHECKING:  # (the config imports the periodic package)
 _STATES = {PUBLISHED: "published", SKIPPED: "skipped (overlap)", MISSED: "missed (catch_up)"}
 
 
-def declared(schedules: Sequence[Periodic], jobs: Registry) -> tuple[Periodic, ...]:
-    """The schedules of the config and of the jobs' ``@job(schedule=)`` (ConfigError for one
-    naming no registered job)."""
-    return with_jobs(schedules, {spec.name: spec.options.get(SCHEDULE) for spec in jobs.specs()})
+def declared(
+    schedules: Sequence[Periodic], jobs: Registry, *, crons: bool = True
+) -> tuple[Periodic, ...]:
+    """The schedules of the config and (``crons``) of the jobs' ``@job(schedule=)``
+    (ConfigError for one naming no registered job)."""
+    return with_jobs(
+        schedules,
+        {spec.name: spec.options.get(SCHEDULE) if crons else None for spec in jobs.specs()},
+    )
 
 
 @dataclass(frozen=True)
