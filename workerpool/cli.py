@@ -540,34 +540,32 @@ def _periodic(config_file: str | None, idempotency_store: str | None) -> Any:
     return operating(settings, registry)
 
 
-@schedule.command("pause")
-@click.argument("name")
-@_store_options
-def schedule_pause(name: str, config_file: str | None, idempotency_store: str | None) -> None:
-    """Stop a periodic schedule firing, on every worker, until it is resumed."""
-    with _periodic(config_file, idempotency_store) as control:
-        control.pause(name, True)
-    click.echo(f"{name}: paused")
+def _on_schedule(command: str, help_text: str, act: Callable[[Any, str], str]) -> None:
+    """A ``schedule`` command on one periodic schedule NAME: ``act(control, NAME)`` says
+    what it did."""
+
+    @schedule.command(command, help=help_text)
+    @click.argument("name")
+    @_store_options
+    def on_schedule(name: str, config_file: str | None, idempotency_store: str | None) -> None:
+        with _periodic(config_file, idempotency_store) as control:
+            said = act(control, name)
+        click.echo(f"{name}: {said}")
 
 
-@schedule.command("resume")
-@click.argument("name")
-@_store_options
-def schedule_resume(name: str, config_file: str | None, idempotency_store: str | None) -> None:
-    """Fire a paused schedule's ticks again, from the next (those missed while paused, never)."""
-    with _periodic(config_file, idempotency_store) as control:
-        control.pause(name, False)
-    click.echo(f"{name}: resumed")
-
-
-@schedule.command("trigger")
-@click.argument("name")
-@_store_options
-def schedule_trigger(name: str, config_file: str | None, idempotency_store: str | None) -> None:
-    """Run a periodic schedule's job once now, under a job id of its own."""
-    with _periodic(config_file, idempotency_store) as control:
-        job_id = control.trigger(name)
-    click.echo(f"{name}: triggered {job_id} (the next worker to look publishes it)")
+_on_schedule(
+    "pause",
+    "Stop a periodic schedule firing, on every worker, until it is resumed.",
+    lambda control, name: control.pause(name, True) or "paused",
+)
+_on_schedule(
+    "resume",
+    "Fire a paused schedule's ticks again, from the next (those missed while paused, never).",
+    lambda control, name: control.pause(name, False) or "resumed",
+)
+_on_schedule("trigger", "Run a periodic schedule's job once now, under a job id of its own.",
+             lambda control, name: f"triggered {control.trigger(name)} (the next worker to "
+             "look publishes it)")  # fmt: skip
 
 
 @schedule.command("backfill")
