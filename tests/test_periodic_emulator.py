@@ -10,10 +10,22 @@ import sqlite3
 import statistics
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.support import WorkerProcess, http_get, ledger_events, spawn_worker, wait_for
+import pytest
+from click.testing import CliRunner
+
+from tests.support import (
+    WorkerProcess,
+    http_get,
+    ledger_events,
+    shared_store,
+    spawn_worker,
+    wait_for,
+)  # fmt: skip
 from tests.support import worker_processes as processes
+from workerpool.cli import main
 from workerpool.schedule import parse_not_before
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
@@ -36,7 +48,7 @@ def _config(
     overlap: str = "allow",
 ) -> Path:
     config = tmp_path / "workerpool.toml"
-    text = "".join(
+    text = '[worker]\njobs = ["workerpool_jobs.demo"]\n' + "".join(
         SCHEDULE.format(name=n, when=w, catch_up=c, seconds=seconds, overlap=overlap)
         for n, w, c in schedules
     )
@@ -45,18 +57,35 @@ def _config(
 
 
 def _spawn(
-    env: PubSubResources, tmp_path: Path, config: Path, ports: list[int]
+    env: PubSubResources,
+    tmp_path: Path,
+    config: Path,
+    ports: list[int],
+    store: tuple[str, dict[str, str]] | None = None,
 ) -> list[WorkerProcess]:
-    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    """Workers sharing ``store`` (its URL and the environment that reaches it; default an
+    SQLite file of the test's)."""
+    ledger = tmp_path / "ledger.jsonl"
+    url, extra_env = store or (f"sqlite:///{tmp_path / 'fleet.db'}", {})
     started = [
         spawn_worker(
             env, ledger, "--config", str(config), "--claim-ttl", "10",
-            "--metrics-port", str(port), store=store,
+            "--metrics-port", str(port), store=url, extra_env=extra_env,
         )
         for port in ports
     ]  # fmt: skip
     assert wait_for(lambda: all(w.ready() for w in started), timeout=90)
     return started
+
+
+def _command(tmp_path: Path, config: Path, *args: str) -> str:
+    """``workerpool schedule ARGS`` on the fleet's store, in this process; its output."""
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    result = CliRunner().invoke(
+        main, ["schedule", *args, "--config", str(config), "--idempotency-store", store]
+    )
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def _ran(tmp_path: Path, name: str) -> Counter[float]:
@@ -84,10 +113,25 @@ def _lateness(tmp_path: Path, name: str, start: float, end: float) -> list[float
 def _published(ports: list[int], name: str) -> int:
     """The ticks of ``name`` the workers serving /metrics on ``ports`` published (the count
     of their lateness histogram)."""
-    sample = f'workerpool_periodic_lateness_seconds_count{{schedule="{name}"}} '
+    return _summed(ports, "workerpool_periodic_lateness_seconds_count{", f'schedule="{name}"')
+
+
+def _counted(ports: list[int], name: str, outcome: str) -> int:
+    """The ticks of ``name`` the workers serving /metrics on ``ports`` counted ``outcome``."""
+    return _summed(
+        ports, "workerpool_periodic_ticks_total{", f'schedule="{name}"', f'outcome="{outcome}"'
+    )
+
+
+def _summed(ports: list[int], metric: str, *labels: str) -> int:
+    """The sum over the workers of the samples of ``metric`` with all of ``labels``."""
     texts = [http_get(f"http://127.0.0.1:{port}/metrics")[1] for port in ports]
-    lines = [line for text in texts for line in text.splitlines() if line.startswith(sample)]
-    return sum(int(float(line[len(sample) :])) for line in lines)
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for text in texts
+        for line in text.splitlines()
+        if line.startswith(metric) and all(label in line for label in labels)
+    )
 
 
 def _marked(tmp_path: Path, name: str) -> int:
@@ -168,11 +212,13 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
         stopped = time.time()
         time.sleep(10)
         restarted = time.time()
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
+        ports = [free_port() for _ in "abc"]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
         # (the ticks up to a cutoff after they are up have run; a later one may still be on
         # its way at the end)
         cutoff = time.time() + 3
         assert wait_for(lambda: all(max(_ran(tmp_path, m)) > cutoff + 2 for m in modes), 30)
+        counted = {m: _counted(ports, m, "missed") for m in modes}
     ran = {m: Counter({t: n for t, n in _ran(tmp_path, m).items() if t <= cutoff}) for m in modes}
     for mode in modes:
         assert set(ran[mode].values()) == {1}, mode  # none ran twice
@@ -188,7 +234,12 @@ def test_after_the_whole_fleet_was_down_catch_up_decides(
     assert after["latest"] == [after["none"][0] - 1, *after["none"]], (after, stopped)
     assert after["latest"][0] > stopped + 8
     missed = int(after["none"][0] - max(t for t in ran["none"] if t <= stopped)) - 1
-    print(f"{missed} ticks missed while down: all ran {missed}, latest 1, none 0")
+    # And the ticks left out were counted missed, once: all but the latest with "latest";
+    # with "none", all but those of the last 5 s before the first worker started
+    assert counted["all"] == 0 and counted["latest"] == missed - 1, (counted, missed)
+    assert missed - 7 <= counted["none"] <= missed - 3, (counted, missed)
+    print(f"{missed} ticks missed while down: all ran {missed}, latest 1, none 0; "
+          f"counted missed: {counted}")  # fmt: skip
 
 
 def test_a_schedule_naming_no_registered_job_stops_the_worker(
@@ -208,22 +259,135 @@ def test_a_schedule_naming_no_registered_job_stops_the_worker(
         ], workers[0].output()
 
 
-def test_overlap_skip_runs_no_tick_while_the_previous_one_runs(
+@pytest.mark.parametrize("overlap", ["skip", "buffer_one"])
+def test_overlap_runs_no_tick_while_the_previous_one_runs(
+    pubsub_resources: PubSubResources, tmp_path: Path, overlap: str
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap=overlap)
+    with processes() as workers:
+        # Given three workers and a 1-second schedule whose job takes 2.5 s
+        ports = [free_port() for _ in "abc"]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
+        # When it runs for 15 s
+        time.sleep(15)
+        fired, skipped = (_counted(ports, "slow", outcome) for outcome in ("fired", "skipped"))
+    # Then no run started before the one before it ended
+    prefix = "periodic:slow:"
+    runs = sorted(
+        (e["start"], e["end"], parse_not_before(e["job_id"][len(prefix) :]))
+        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
+        if e["job_id"].startswith(prefix)
+    )
+    assert len(runs) >= 3, runs
+    pairs = list(itertools.pairwise(runs))
+    assert all(later[0] >= earlier[1] for earlier, later in pairs), runs
+    gaps = [later[0] - earlier[1] for earlier, later in pairs]
+    waited = []
+    if overlap == "skip":
+        # And each run is of a tick that fell after the one before it ended
+        assert all(later[2] > earlier[1] for earlier, later in pairs), runs
+        assert fired in (len(runs), len(runs) + 1) and 13 <= fired + skipped <= 16
+    else:
+        # And runs of ticks that fell while the one before it ran: kept waiting, each started
+        # once that one ended (the workers look every second); the others fell after it
+        waited = [(e, la) for e, la in pairs if e[0] < la[2] < e[1]]
+        assert waited and all(la[2] > e[1] for e, la in pairs if (e, la) not in waited), runs
+        assert max(la[0] - e[1] for e, la in waited) < 2.5, waited
+        assert len(runs) <= fired <= len(runs) + 2 and 12 <= fired + skipped <= 16
+    print(f"overlap {overlap}: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks; counted "
+          f"{fired} fired, {skipped} skipped; from one run's end to the next's start "
+          f"{min(gaps):.2f}-{max(gaps):.2f} s; {len(waited)} of a tick that waited")  # fmt: skip
+
+
+def test_pause_stops_a_running_fleet_firing_and_resume_restarts_it(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
     pubsub_resources.provision(retry_policy=False)
-    config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap="skip")
+    config = _config(tmp_path, [("tick", 'every = "1s"', "all")])
     with processes() as workers:
-        # Given three workers and a 1-second schedule whose job takes 2.5 s, overlap "skip"
+        # Given two workers firing a 1-second schedule (catch_up "all")
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "ab"]))
+        time.sleep(4)
+        # When it is paused for 6 s, then resumed
+        paused_at = time.time()
+        _command(tmp_path, config, "pause", "tick")
+        time.sleep(6)
+        resumed_at = time.time()
+        _command(tmp_path, config, "resume", "tick")
+        time.sleep(5)
+        end = time.time()
+        assert wait_for(lambda: max(_ran(tmp_path, "tick")) >= int(end), 30)
+    ran = _ran(tmp_path, "tick")
+    # Then no tick fired while it was paused (from the first after the pause), nor after
+    # the resume did any of those, whatever its catch_up
+    assert [t for t in ran if paused_at < t < resumed_at] == [], (paused_at, resumed_at)
+    # And each tick before the pause and after the resume ran, once
+    before = [t for t in ran if t <= paused_at]
+    assert set(before) >= {float(t) for t in range(int(paused_at) - 2, int(paused_at) + 1)}
+    assert set(ran) >= {float(t) for t in range(int(resumed_at) + 1, int(end) + 1)}
+    assert set(ran.values()) == {1}
+    print(f"paused {resumed_at - paused_at:.1f} s: {len(before)} ticks before, "
+          f"{len([t for t in ran if t > resumed_at])} after, none between")  # fmt: skip
+
+
+def test_trigger_runs_once_and_backfill_each_tick_once_with_three_workers(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("hourly", 'every = "1h"', "none")])
+    with processes() as workers:
+        # Given three workers and an hourly schedule
         workers.extend(_spawn(pubsub_resources, tmp_path, config, [free_port() for _ in "abc"]))
-        # When it runs for 15 s
-        time.sleep(15)
-    # Then no run started before the one before it ended, and the ticks between were left out
-    runs = sorted(
-        (e["start"], e["end"])
-        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
-        if e["job_id"].startswith("periodic:slow:")
-    )
-    assert len(runs) >= 3, runs
-    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
-    print(f"overlap skip: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks")
+        # When it is triggered once, and its last ten ticks are backfilled
+        said = _command(tmp_path, config, "trigger", "hourly")
+        triggered = said.split()[2]
+        hour = int(time.time()) // 3600 * 3600
+        span = [datetime.fromtimestamp(t, UTC).isoformat() for t in (hour - 36000, hour - 3600)]
+        backfill = ["backfill", "hourly", "--from", span[0], "--to", span[1]]
+        assert _command(tmp_path, config, *backfill) == (
+            "hourly: 10 tick(s) to fire, 0 fired already\n"
+        )
+        ticks = {float(t) for t in range(hour - 36000, hour, 3600)}
+        assert wait_for(lambda: set(_ran(tmp_path, "hourly")) >= ticks, 30)
+        # (and backfilled again, once those ran)
+        assert _command(tmp_path, config, *backfill) == (
+            "hourly: 0 tick(s) to fire, 10 fired already\n"
+        )
+        time.sleep(5)  # (a worker looks for marks to publish every second)
+    done = [e["job_id"] for e in ledger_events(tmp_path / "ledger.jsonl", "done")]
+    # Then the triggered run ran once, under its own job id
+    assert done.count(triggered) == 1 and triggered.startswith("periodic:hourly:"), said
+    # And each backfilled tick ran once, the second backfill adding none
+    ran = _ran(tmp_path, "hourly")
+    assert {t: ran[t] for t in ticks} == {t: 1 for t in ticks}
+    assert len(done) == 11, done
+
+
+def test_each_tick_runs_once_across_three_workers_on_firestore(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    pubsub_resources.provision(retry_policy=False)
+    config = _config(tmp_path, [("on-firestore", 'every = "1s"', "all")])
+    store = shared_store("firestore", request, tmp_path, warm=True)
+    with processes() as workers:
+        # Given three workers sharing a Firestore store, and a schedule ticking every second
+        ports = [free_port() for _ in "abc"]
+        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports, store))
+        # When it runs for 20 s
+        begin = time.time()
+        time.sleep(20)
+        end = time.time()
+        expected = {float(t) for t in range(int(begin) + 1, int(end) + 1)}
+        assert wait_for(lambda: expected <= set(_ran(tmp_path, "on-firestore")), 30)
+        published = _published(ports, "on-firestore")
+    # Then every tick in the window ran, once, and started within a second of its tick
+    ran = _ran(tmp_path, "on-firestore")
+    assert {t: ran[t] for t in expected} == {t: 1 for t in expected}
+    late = _lateness(tmp_path, "on-firestore", begin + 1, end)
+    assert min(late) >= 0 and _p99(late) <= 1.0, late
+    # And each tick was published by one worker (up to the last, maybe still on its way)
+    assert published - len(ran) in (0, 1), (published, len(ran))
+    p50, p99 = statistics.median(late), _p99(late)
+    print(f"on Firestore: {len(expected)} ticks, each ran once; start lateness p50 {p50:.3f} s, "
+          f"p99 {p99:.3f} s; {published} published")  # fmt: skip

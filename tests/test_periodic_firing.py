@@ -5,6 +5,7 @@ workers)."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -12,28 +13,40 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from tests.support import wait_for
+from tests.conftest import FIRESTORE_PROJECT
+from tests.support import store_handles, wait_for
 from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
 from workerpool.periodic.firing import Periodics
+from workerpool.periodic.marks import (
+    BUFFERED,
+    PUBLISHED,
+    REQUESTED,
+    SKIPPED,
+    UNPUBLISHED,
+    Pause,
+)  # fmt: skip
 from workerpool.stores import StoreError
 
 HOUR = 3600.0
 NOW = 1_800_000_000.0  # on the hour
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-def opened(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], Marks]]:
+@pytest.fixture(params=["memory", "sqlite", "firestore"])
+def opened(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[], Marks]]:
     """Opens the marks, as each worker does (in memory: one store the process shares)."""
-    memory = MemoryMarks()
-    handles: list[Marks] = []
 
-    def open_marks() -> Marks:
-        handles.append(memory if request.param == "memory" else SqliteMarks(tmp_path / "m.db"))
-        return handles[-1]
+    def firestore(collection: str) -> Marks:
+        from workerpool.periodic.firestore import FirestoreMarks
 
-    yield open_marks
-    for handle in handles:
-        handle.close()
+        return FirestoreMarks(FIRESTORE_PROJECT, collection)
+
+    with store_handles(
+        request.param, request, monkeypatch,
+        memory=MemoryMarks, sqlite=lambda: SqliteMarks(tmp_path / "m.db"), firestore=firestore,
+    ) as make:  # fmt: skip
+        yield make
 
 
 @pytest.fixture
@@ -102,25 +115,49 @@ def _run(firers: list[Periodics], publisher: Publisher, count: int) -> list[str]
     return publisher.job_ids()
 
 
+class Counted:
+    """What the firers counted (their ``on_ticks``), by schedule and outcome."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+
+    def __call__(self, schedule: str, outcome: str, count: int) -> None:
+        self.calls.append((schedule, outcome, count))
+
+    def totals(self) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for _, outcome, count in self.calls:
+            totals[outcome] += count
+        return dict(totals)
+
+
 @pytest.mark.parametrize(
-    ("catch_up", "expected"),
-    [("all", [-4, -3, -2, -1, 0]), ("latest", [0]), ("none", [])],
+    ("catch_up", "expected", "counted"),
+    [
+        ("all", [-4, -3, -2, -1, 0], {"fired": 5}),
+        ("latest", [0], {"fired": 1, "missed": 4}),
+        ("none", [], {"missed": 5}),
+    ],
 )
 def test_catch_up_after_the_fleet_was_down(
-    opened: Callable[[], Marks], marks: Marks, catch_up: str, expected: list[int]
-) -> None:
+    opened: Callable[[], Marks], marks: Marks, catch_up: str, expected: list[int],
+    counted: dict[str, int],
+) -> None:  # fmt: skip
     # Given the tick 5 hours ago fired, and the fleet down since
     marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
     marks.published("h", NOW - 5 * HOUR, 0)
     # When three workers start at once
-    publisher = Publisher()
+    publisher, counts = Publisher(), Counted()
     firers = [
-        Periodics([hourly(catch_up)], opened(), "t", publisher, clock=lambda: NOW + 60)
+        Periodics([hourly(catch_up)], opened(), "t", publisher, clock=lambda: NOW + 60,
+                  on_ticks=counts)
         for _ in range(3)
-    ]
+    ]  # fmt: skip
     ids = _run(firers, publisher, len(expected))
     # Then each missed tick is published once (all), the latest only, or none
     assert sorted(ids) == sorted(job_id(NOW + h * HOUR) for h in expected)
+    # And the ticks fired and those left out are counted once, by one of the workers
+    assert counts.totals() == counted
 
 
 def test_catch_up_stops_at_the_window(opened: Callable[[], Marks], marks: Marks) -> None:
@@ -200,7 +237,9 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
                         10 * HOUR, overlap)  # fmt: skip
     publisher = Publisher()
-    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60)
+    counts = Counted()
+    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60,
+                      on_ticks=counts)  # fmt: skip
     asked: list[str] = []
     firer.running = lambda job_id: asked.append(job_id) is None and previous_runs
     # When the tick on the hour comes due (caught up at start)
@@ -211,6 +250,42 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
     assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
     assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)
+    assert counts.totals() == ({"fired": 1} if expected else {"skipped": 1})
+
+
+def test_overlap_buffer_one_keeps_one_tick_waiting_and_fires_it_when_the_run_ends(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given the tick an hour ago published and its job still running, overlap "buffer_one"
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "none",
+                        10 * HOUR, "buffer_one")  # fmt: skip
+    publisher, counts, clock = Publisher(), Counted(), _Clock(NOW - 1)
+    firers = [Periodics([schedule], opened(), "t", publisher, clock=clock, on_ticks=counts)
+              for _ in range(2)]  # fmt: skip
+    runs = threading.Event()
+    runs.set()
+    for firer in firers:
+        firer.running = lambda job_id: runs.is_set() and job_id == hourly().job_id(NOW - HOUR)
+        firer.start()
+    try:
+        # When the tick on the hour comes due, then the next one, while it still runs
+        clock.now = NOW + 1
+        assert wait_for(lambda: marks.unpublished(REQUESTED) == [Mark("h", NOW, BUFFERED)], 10)
+        clock.now = NOW + HOUR + 1
+        assert wait_for(lambda: marks.latest("h") == (NOW + HOUR, SKIPPED), 10)
+        # Then the first waits, unpublished, and the second is skipped
+        assert publisher.job_ids() == []
+        # And once the run ends, the waiting tick is published, once
+        runs.clear()
+        assert wait_for(lambda: publisher.job_ids() == [job_id(NOW)], 10)
+        assert wait_for(lambda: not marks.unpublished(clock.now + 100), 10)
+    finally:
+        for firer in firers:
+            firer.close(5)
+    assert publisher.job_ids() == [job_id(NOW)]
+    assert counts.totals() == {"skipped": 1, "fired": 1}
 
 
 class _Failing(MemoryMarks):
@@ -245,3 +320,93 @@ def test_the_firing_thread_survives_a_store_that_fails_and_a_bug() -> None:
         firer.close(5)
     # Then the first two were lost to the failures and the thread went on to fire the third
     assert publisher.job_ids() == [every.job_id(NOW + 3)]
+
+
+def test_pauses_and_the_latest_mark_are_shared(opened: Callable[[], Marks], marks: Marks) -> None:
+    # Given one worker's handle pausing a schedule and another resuming a second one
+    marks.pause("h", True, NOW)
+    opened().pause("g", False, NOW + 1)
+    # Then every handle reads both, and the latest tick of a schedule with its state
+    assert opened().pauses() == {"h": Pause(True, NOW), "g": Pause(False, NOW + 1)}
+    marks.mark("h", NOW, NOW)
+    marks.mark("h", NOW - HOUR, NOW)
+    marks.published("h", NOW - HOUR, 0, SKIPPED)
+    assert opened().latest("h") == (NOW, UNPUBLISHED) and marks.latest("g") is None
+    marks.published("h", NOW, 0, SKIPPED)
+    assert marks.latest("h") == (NOW, SKIPPED)
+
+
+class _Reading(MemoryMarks):
+    """Marks that count how often the pauses were read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def pauses(self) -> dict[str, Pause]:
+        self.reads += 1
+        return super().pauses()
+
+
+def test_a_paused_schedule_fires_nothing_and_resumed_not_what_it_missed() -> None:
+    # Given ticks every second, fired by two firers, paused after the first tick
+    publisher = Publisher()
+    clock = _Clock(NOW)
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="all")
+    marks = _Reading()
+    firers = [Periodics([every], marks, "t", publisher, clock=clock) for _ in range(2)]
+    for firer in firers:
+        firer.start()
+    try:
+        clock.now += 1
+        assert wait_for(lambda: len(publisher.job_ids()) == 1, timeout=10)
+        marks.pause("s", True, clock.now)
+        # When three ticks fall while it is paused (each firer reads the pauses at each)
+        for _ in range(3):
+            reads = marks.reads
+            clock.now += 1
+            assert wait_for(lambda r=reads: marks.reads >= r + 2, timeout=10)
+        # And it is resumed and one more falls
+        marks.pause("s", False, clock.now)
+        clock.now += 1
+        assert wait_for(lambda: len(publisher.job_ids()) == 2, timeout=10)
+    finally:
+        for firer in firers:
+            firer.close(5)
+    # Then only the ticks before the pause and after the resume fired
+    assert publisher.job_ids() == [every.job_id(NOW + 1), every.job_id(NOW + 5)]
+
+
+def test_a_worker_started_after_a_resume_catches_up_nothing_of_the_pause(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given the tick at NOW fired, the schedule paused for three ticks, then resumed
+    marks.mark("h", NOW, NOW)
+    marks.published("h", NOW, 0)
+    marks.pause("h", True, NOW + 1)
+    marks.pause("h", False, NOW + 3.5 * HOUR)
+    # When a worker starts before the next tick, catch_up "all"
+    publisher = Publisher()
+    firer = Periodics([hourly("all")], opened(), "t", publisher, clock=lambda: NOW + 3.6 * HOUR)
+    firer.start()
+    firer.close(5)
+    # Then the ticks that fell while it was paused are not fired
+    assert publisher.job_ids() == [] and marks.last("h") == NOW
+
+
+def test_an_operators_mark_is_published_once_unmeasured(
+    opened: Callable[[], Marks], marks: Marks
+) -> None:
+    # Given a run an operator asked for: a mark unpublished, marked at REQUESTED
+    marks.mark("h", NOW - 3 * HOUR, REQUESTED)
+    # When three workers run
+    publisher = Publisher()
+    late: list[float] = []
+    firers = [
+        Periodics([hourly("none")], opened(), "t", publisher, clock=lambda: NOW - 3 * HOUR + 60,
+                  on_late=lambda name, seconds: late.append(seconds))
+        for _ in range(3)
+    ]  # fmt: skip
+    # Then one publishes it, and its lateness is not measured (it was asked for now)
+    assert _run(firers, publisher, 1) == [job_id(NOW - 3 * HOUR)]
+    assert marks.latest("h") == (NOW - 3 * HOUR, PUBLISHED) and late == []

@@ -59,8 +59,8 @@ _MISTAKES = [
     ('every = "0.5s"', "schedule 'x' (from {path}): every must be a whole number of seconds"),
     ('every = "1s"\ncatch_up = "some"', "schedule 'x' (from {path}): catch_up must be one of"),
     ('every = "1s"\novrelap = "skip"', "schedule 'x' (from {path}): unknown setting ovrelap"),
-    ('every = "1s"\noverlap = "buffer_one"',
-     "schedule 'x' (from {path}): overlap \"buffer_one\" is not supported yet"),
+    ('every = "1s"\noverlap = "bufer_one"',
+     "schedule 'x' (from {path}): overlap must be one of skip, allow, buffer_one"),
 ]  # fmt: skip
 
 
@@ -122,3 +122,35 @@ def test_job_schedules_join_the_config_and_every_job_is_checked(tmp_path: Path) 
 def test_a_bad_cron_on_a_job_fails_at_registration() -> None:
     with pytest.raises(ValueError, match="job 'j': cron '61 \\* \\* \\* \\*'"):
         Registry().job("j", schedule="61 * * * *")
+
+
+POOLS = """
+[[pools]]
+subscription = "reports-sub"
+[[pools]]
+subscription = "billing-sub"
+[[schedules]]
+name = "reports"
+job = "j"
+every = "1h"
+[[schedules]]
+name = "billing"
+job = "j"
+every = "1h"
+pool = "{pool}"
+"""
+
+
+def test_each_pool_fires_the_schedules_that_name_it_the_first_the_others(tmp_path: Path) -> None:
+    settings = _load(tmp_path, POOLS.format(pool="billing-sub"))
+    fired = [[s.name for s in pool.schedules] for pool in settings.pool_settings()]
+    assert fired == [["reports"], ["billing"]]
+
+
+def test_a_schedule_naming_no_pool_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        _load(tmp_path, POOLS.format(pool="biling-sub"))
+    assert str(error.value) == (
+        "schedule 'billing': pool 'biling-sub' is not the subscription of a pool "
+        "(reports-sub, billing-sub)"
+    )

@@ -6,12 +6,14 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from tests.support import wait_for
 from workerpool import JobContext
 from workerpool.assembly.fleet import Fleet
 from workerpool.config import Settings
+from workerpool.periodic import parse_schedules
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
 
@@ -75,3 +77,42 @@ def test_a_flood_on_one_subscription_does_not_delay_the_other(
     assert peak["heavy"] == 2 and peak["light"] <= 4
     # 12 jobs of 0.05 s in 4 slots need ~0.15 s of work: far less than one heavy job's turn
     assert waits[-1] < 0.5 * heavy_left / 2
+
+
+def test_each_pool_fires_the_periodic_schedules_that_name_it(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given two pools on two topics, a schedule of the first and one naming the second
+    first, second = (
+        pubsub_resources,
+        PubSubResources(pubsub_resources.project, pubsub_resources.host),
+    )
+    first.provision()
+    second.provision()
+    jobs, ran = Registry(), []
+
+    @jobs.job("t.tick")
+    def tick(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ran.append(ctx.job_id)
+
+    schedules = parse_schedules([
+        {"name": "first", "job": "t.tick", "every": "1s"},
+        {"name": "second", "job": "t.tick", "every": "1s", "pool": second.subscription},
+    ], "test")  # fmt: skip
+    settings = Settings(
+        project=pubsub_resources.project,
+        idempotency_store=f"sqlite:///{tmp_path / 'fleet.db'}",
+        pools=({"subscription": first.subscription}, {"subscription": second.subscription}),
+        schedules=schedules,
+    ).validate()
+    # When the fleet runs
+    fleet = Fleet(settings, jobs=jobs).start()
+    try:
+        done = [launcher.processor.stats for launcher in fleet.launchers]
+        assert wait_for(lambda: min(stats["done"] for stats in done) >= 3, timeout=30), done
+    finally:
+        fleet.stop(time.monotonic() + 5)
+        second.close()
+    # Then each pool ran the ticks of its own schedule, published to its topic
+    names = {job_id.split(":")[1] for job_id in ran}
+    assert names == {"first", "second"} and len(ran) == len(set(ran))

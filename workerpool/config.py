@@ -61,7 +61,8 @@ class Settings:
     concurrency: Mapping[str, int] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
-    # ``[[schedules]]``: periodic jobs, fired by the first pool to its topic (assembly.launcher).
+    # ``[[schedules]]``: periodic jobs, each fired by the pool its ``pool`` names (default the
+    # first) to its topic; a pool's Settings keep its own (``pool_settings``).
     schedules: tuple[Periodic, ...] = ()
 
     def validate(self) -> Settings:
@@ -87,6 +88,13 @@ class Settings:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if self.pools and not all(pool.subscription for pool in self.pool_settings()):
             raise ConfigError("every [[pools]] entry needs a subscription")
+        subscriptions = [pool.subscription for pool in self.pool_settings()]
+        for schedule in self.schedules:
+            if schedule.pool and schedule.pool not in subscriptions:
+                raise ConfigError(
+                    f"schedule {schedule.name!r}: pool {schedule.pool!r} is not the "
+                    "subscription of a pool (" + ", ".join(subscriptions) + ")"
+                )
         return self
 
     @property
@@ -109,10 +117,16 @@ class Settings:
         """One Settings per pool: the ``[[pools]]`` entries over these, or just these."""
         if not self.pools:
             return [self]
-        return [
-            dataclasses.replace(self, pools=(), **_pool_values(i, pool)).validate()
+        pools = [
+            dataclasses.replace(self, pools=(), **_pool_values(i, pool))
             for i, pool in enumerate(self.pools)
         ]
+        return [
+            dataclasses.replace(pool, schedules=tuple(
+                s for s in self.schedules if s.pool == pool.subscription or (not s.pool and i == 0)
+            )).validate()
+            for i, pool in enumerate(pools)
+        ]  # fmt: skip
 
 
 def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:

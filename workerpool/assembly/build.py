@@ -21,8 +21,8 @@ from workerpool.heartbeats import heartbeat_opener
 from workerpool.heartbeats.replica import Heartbeat
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
-from workerpool.options import SCHEDULE
-from workerpool.periodic import MemoryMarks, Periodic, marks_opener, with_jobs
+from workerpool.periodic import MemoryMarks, Periodic, marks_opener
+from workerpool.periodic.control import declared
 from workerpool.periodic.firing import Periodics
 from workerpool.progress import job_state_opener
 from workerpool.progress.middleware import Checkpoints
@@ -235,10 +235,9 @@ class PoolBuilder:
 
     def _periodics(self, url: str, topic: str, publisher: Any) -> Middleware:
         """The firer of the periodic schedules (ConfigError for one naming no job)."""
-        schedules = self._schedules
-        if schedules is None:
-            crons = {spec.name: spec.options.get(SCHEDULE) for spec in self._jobs.specs()}
-            schedules = with_jobs(self.settings.schedules, crons)
+        given = self._schedules
+        schedules = declared(self.settings.schedules if given is None else given, self._jobs,
+                             crons=given is None)  # fmt: skip
         open_marks = marks_opener(url)
         if not schedules or open_marks is None:
             if schedules:
@@ -249,7 +248,12 @@ class PoolBuilder:
         except StoreError as exc:
             raise ConfigError(f"idempotency_store (for periodic schedules): {exc}") from None
         return Periodics(
-            schedules, marks, topic, publisher, on_late=self.telemetry.metrics.periodic_late
+            schedules,
+            marks,
+            topic,
+            publisher,
+            on_late=self.telemetry.metrics.periodic_late,
+            on_ticks=self.telemetry.metrics.periodic_ticks,
         )
 
     def _concurrency(self, timers: Timers, limits: Limits | None) -> Concurrency | None:

@@ -31,11 +31,12 @@ class Fleet:
             settings.rate_limits, on_wait=self.telemetry.metrics.rate_limit_waited
         )
         self.settings = settings
-        # The first pool fires the periodic schedules, to its topic.
+        # Each pool fires the periodic schedules its settings keep, to its topic; the first
+        # also those declared on the jobs (@job(schedule=)).
         self.launchers = [
             Launcher(
                 pool, jobs=jobs, limiters=limiters, telemetry=self.telemetry,
-                schedules=None if i == 0 else (),
+                schedules=None if i == 0 else pool.schedules,
             )
             for i, pool in enumerate(settings.pool_settings())
         ]  # fmt: skip

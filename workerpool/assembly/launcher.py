@@ -73,7 +73,8 @@ class Launcher:
         ``store`` overrides ``settings.idempotency_store`` with a store object of your own;
         ``limiters`` are shared by the pools of one process (default: from settings);
         ``telemetry`` (traces, metrics, job log lines) too (default: global providers);
-        ``schedules`` the periodic schedules to fire (default: the settings' and the jobs').
+        ``schedules`` the periodic schedules to fire (default: the settings' and the jobs'),
+        each checked to name a registered job.
         Nothing is opened or started until ``start``."""
         if not settings.project or not settings.subscription:
             raise ConfigError("project and subscription are required")

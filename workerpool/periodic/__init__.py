@@ -10,7 +10,7 @@ from workerpool.periodic.marks import Mark, Marks, MemoryMarks
 from workerpool.periodic.spec import Periodic, parse_schedule, parse_schedules, with_jobs
 from workerpool.periodic.sqlite import SqliteMarks
 from workerpool.periodic.ticks import Ticks, cron_expression
-from workerpool.stores import StoreError, opener
+from workerpool.stores import opener
 
 __all__ = [
     "Mark",
@@ -28,14 +28,14 @@ __all__ = [
 
 
 def marks_opener(url: str) -> Callable[[], Marks] | None:
-    """What opens the marks of fired ticks beside the idempotency store ``url`` names; None
-    for ``none``. Firestore is not supported yet: opening it raises StoreError."""
+    """What opens the marks of fired ticks beside the idempotency store ``url`` names
+    (Firestore: the collections ``<COLLECTION>-periodic`` and ``-periodic-pauses``); None for
+    ``none``. Raises ImportError for a missing extra."""
     return opener(url, "periodic ticks", memory=MemoryMarks, sqlite=SqliteMarks,
                   firestore=_firestore)  # fmt: skip
 
 
 def _firestore() -> Callable[[str, str], Marks]:
-    def refuse(project: str, collection: str) -> Marks:
-        raise StoreError("periodic schedules on Firestore are not supported yet")
+    from workerpool.periodic.firestore import FirestoreMarks
 
-    return refuse
+    return FirestoreMarks

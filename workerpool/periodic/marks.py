@@ -2,7 +2,11 @@
 compare-and-set, ``published`` once its message is confirmed. A mark left unpublished (its
 worker died between the mark and the publish) is taken over by another worker with a second
 compare-and-set on the time it was marked. The config stays the source of truth: a mark only
-remembers that a tick fired."""
+remembers that a tick fired.
+
+An operator's run (``workerpool schedule trigger`` or ``backfill``) is a mark set unpublished
+and marked at ``REQUESTED``, long ago: the next worker to look takes it over and publishes it.
+Pauses are records beside the marks, read by every worker."""
 
 from __future__ import annotations
 
@@ -11,7 +15,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 # A mark's state.
-UNPUBLISHED, PUBLISHED, SKIPPED = 0, 1, 2
+# (MISSED: the latest tick catch_up left out after a downtime, marked to count them once.)
+UNPUBLISHED, PUBLISHED, SKIPPED, MISSED = 0, 1, 2, 3
+# The states of a tick that did not run.
+NOT_RUN = (SKIPPED, MISSED)
+# The time an operator's mark was marked at: before any worker's, so taken over at once.
+REQUESTED = 0.0
+# The time a tick waiting for the previous run to end is marked at (overlap "buffer_one"):
+# before REQUESTED, so told apart; taken over once that run ends.
+BUFFERED = -1.0
 
 
 @dataclass(frozen=True)
@@ -19,6 +31,14 @@ class Mark:
     schedule: str
     tick: float  # seconds since the epoch, UTC
     marked_at: float
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A schedule paused (or resumed, no longer paused) at ``since``."""
+
+    paused: bool
+    since: float
 
 
 class Marks(ABC):
@@ -35,22 +55,36 @@ class Marks(ABC):
 
     @abstractmethod
     def published(
-        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
-        """The tick's message is out (or, ``skipped``, will never be: overlap "skip"); marks
-        of the schedule before ``forget_before`` go."""
+        """The tick's message is out (or, SKIPPED or MISSED, will never be); marks of the
+        schedule before ``forget_before`` go."""
 
     @abstractmethod
     def last_run(self, schedule: str, before: float) -> float | None:
-        """The latest tick of the schedule before ``before`` marked and not skipped."""
+        """The latest tick of the schedule before ``before`` marked and not skipped or
+        missed."""
 
     @abstractmethod
     def unpublished(self, marked_before: float) -> list[Mark]:
         """The marks still unpublished that were marked before ``marked_before``."""
 
     @abstractmethod
+    def latest(self, schedule: str) -> tuple[float, int] | None:
+        """The latest tick of the schedule marked and its state (None: none yet)."""
+
     def last(self, schedule: str) -> float | None:
         """The latest tick of the schedule marked (None: none yet)."""
+        found = self.latest(schedule)
+        return None if found is None else found[0]
+
+    @abstractmethod
+    def pause(self, schedule: str, paused: bool, now: float) -> None:
+        """Pause the schedule, or resume it, from ``now``."""
+
+    @abstractmethod
+    def pauses(self) -> dict[str, Pause]:
+        """The schedules ever paused, and whether they still are."""
 
     @abstractmethod
     def close(self) -> None:
@@ -63,6 +97,7 @@ class MemoryMarks(Marks):
     def __init__(self) -> None:
         # (schedule, tick) -> (marked_at, state): UNPUBLISHED, PUBLISHED or SKIPPED
         self._marks: dict[tuple[str, float], tuple[float, int]] = {}
+        self._pauses: dict[str, Pause] = {}
         self._lock = threading.Lock()
 
     def mark(self, schedule: str, tick: float, now: float) -> bool:
@@ -80,10 +115,9 @@ class MemoryMarks(Marks):
             return True
 
     def published(
-        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
         with self._lock:
-            state = SKIPPED if skipped else PUBLISHED
             self._marks[schedule, tick] = (self._marks[schedule, tick][0], state)
             for key in [k for k in self._marks if k[0] == schedule and k[1] < forget_before]:
                 del self._marks[key]
@@ -96,15 +130,24 @@ class MemoryMarks(Marks):
                 if state == UNPUBLISHED and at < marked_before
             ]
 
-    def last(self, schedule: str) -> float | None:
+    def latest(self, schedule: str) -> tuple[float, int] | None:
         with self._lock:
-            return max((tick for s, tick in self._marks if s == schedule), default=None)
+            ticks = [tick for s, tick in self._marks if s == schedule]
+            return (max(ticks), self._marks[schedule, max(ticks)][1]) if ticks else None
+
+    def pause(self, schedule: str, paused: bool, now: float) -> None:
+        with self._lock:
+            self._pauses[schedule] = Pause(paused, now)
+
+    def pauses(self) -> dict[str, Pause]:
+        with self._lock:
+            return dict(self._pauses)
 
     def last_run(self, schedule: str, before: float) -> float | None:
         with self._lock:
             return max(
                 (t for (s, t), (_, state) in self._marks.items()
-                 if s == schedule and t < before and state != SKIPPED),
+                 if s == schedule and t < before and state not in NOT_RUN),
                 default=None,
             )  # fmt: skip
 

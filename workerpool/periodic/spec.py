@@ -15,11 +15,11 @@ from workerpool.periodic.ticks import Ticks, cron_expression
 from workerpool.schedule.when import parse_delay
 
 CATCH_UP = ("none", "latest", "all")
-OVERLAP = ("skip", "allow")  # "buffer_one" is not there yet: refused, not run as "allow"
+OVERLAP = ("skip", "allow", "buffer_one")
 _KEYS = {"name", "job", "cron", "every", "timezone", "payload", "catch_up", "catch_up_window",
-         "overlap"}  # fmt: skip
+         "overlap", "pool"}  # fmt: skip
 _DEFAULTS: dict[str, Any] = {"timezone": "UTC", "payload": {}, "catch_up": "latest",
-                             "catch_up_window": "1h", "overlap": "allow"}  # fmt: skip
+                             "catch_up_window": "1h", "overlap": "allow", "pool": ""}  # fmt: skip
 # Ticks fired at once after a downtime with catch_up "all", at most: the latest ones.
 MAX_CATCH_UP = 1000
 
@@ -33,6 +33,8 @@ class Periodic:
     catch_up: str = "latest"
     catch_up_window: float = 3600.0  # seconds
     overlap: str = "allow"
+    # The subscription of the ``[[pools]]`` entry that fires it, to its topic ("": the first).
+    pool: str = ""
 
     def job_id(self, tick: float) -> str:
         """The tick's job id: the same on every worker, so its job runs once."""
@@ -83,7 +85,7 @@ def parse_schedule(entry: Mapping[str, Any], position: str, source: str) -> Peri
             name, _text(values, "job"), _ticks(values), _payload(values["payload"]),
             _choice(values, "catch_up", CATCH_UP),
             parse_delay(str(values["catch_up_window"])).total_seconds(),
-            _choice(values, "overlap", OVERLAP),
+            _choice(values, "overlap", OVERLAP), _pool(values["pool"]),
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -97,11 +99,15 @@ def _text(values: Mapping[str, Any], key: str) -> str:
 
 
 def _choice(values: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
-    if key == "overlap" and values[key] == "buffer_one":
-        raise ValueError('overlap "buffer_one" is not supported yet (use "skip" or "allow")')
     if values[key] not in choices:
         raise ValueError(f"{key} must be one of {', '.join(choices)}, got {values[key]!r}")
     return str(values[key])
+
+
+def _pool(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"pool names a [[pools]] subscription (a string), got {value!r}")
+    return value.strip()
 
 
 def _payload(value: Any) -> Mapping[str, Any]:

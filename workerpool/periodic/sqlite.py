@@ -6,17 +6,21 @@ from __future__ import annotations
 import os
 import threading
 
-from workerpool.periodic.marks import PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks
+from workerpool.periodic.marks import MISSED, PUBLISHED, SKIPPED, UNPUBLISHED, Mark, Marks, Pause
 from workerpool.stores.sqlite import connect, translated
 
 _LABEL = "periodic ticks"
-# ``published`` holds a mark's state (workerpool.periodic.marks): 0 no, 1 yes, 2 skipped.
+# ``published`` holds a mark's state (workerpool.periodic.marks): 0 no, 1 yes, 2 skipped,
+# 3 missed.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS periodic_ticks (
     schedule TEXT NOT NULL, tick REAL NOT NULL, marked_at REAL NOT NULL,
     published INTEGER NOT NULL, PRIMARY KEY (schedule, tick)
 );
 CREATE INDEX IF NOT EXISTS periodic_unpublished ON periodic_ticks (published, marked_at);
+CREATE TABLE IF NOT EXISTS periodic_paused (
+    schedule TEXT PRIMARY KEY, paused INTEGER NOT NULL, since REAL NOT NULL
+);
 """
 
 
@@ -43,11 +47,11 @@ class SqliteMarks(Marks):
         )  # fmt: skip
 
     def published(
-        self, schedule: str, tick: float, forget_before: float, *, skipped: bool = False
+        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
         self._changed(
             "UPDATE periodic_ticks SET published = ? WHERE schedule = ? AND tick = ?",
-            SKIPPED if skipped else PUBLISHED, schedule, tick,
+            state, schedule, tick,
         )  # fmt: skip
         self._changed(
             "DELETE FROM periodic_ticks WHERE schedule = ? AND tick < ? AND published != ?",
@@ -57,8 +61,8 @@ class SqliteMarks(Marks):
     def last_run(self, schedule: str, before: float) -> float | None:
         return self._max(
             "SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ? AND tick < ? "
-            "AND published != ?",
-            schedule, before, SKIPPED,
+            "AND published NOT IN (?, ?)",
+            schedule, before, SKIPPED, MISSED,
         )  # fmt: skip
 
     def unpublished(self, marked_before: float) -> list[Mark]:
@@ -70,8 +74,23 @@ class SqliteMarks(Marks):
             ).fetchall()
         return [Mark(schedule, float(tick), float(at)) for schedule, tick, at in rows]
 
-    def last(self, schedule: str) -> float | None:
-        return self._max("SELECT MAX(tick) FROM periodic_ticks WHERE schedule = ?", schedule)
+    def latest(self, schedule: str) -> tuple[float, int] | None:
+        with self._lock, translated(_LABEL):
+            row = self._conn.execute(
+                "SELECT tick, published FROM periodic_ticks WHERE schedule = ? "
+                "ORDER BY tick DESC LIMIT 1",
+                (schedule,),
+            ).fetchone()
+        return None if row is None else (float(row[0]), int(row[1]))
+
+    def pause(self, schedule: str, paused: bool, now: float) -> None:
+        self._changed("INSERT OR REPLACE INTO periodic_paused VALUES (?, ?, ?)",
+                      schedule, int(paused), now)  # fmt: skip
+
+    def pauses(self) -> dict[str, Pause]:
+        with self._lock, translated(_LABEL):
+            rows = self._conn.execute("SELECT schedule, paused, since FROM periodic_paused")
+            return {name: Pause(bool(paused), float(since)) for name, paused, since in rows}
 
     def _max(self, sql: str, *args: object) -> float | None:
         with self._lock, translated(_LABEL):

@@ -140,6 +140,12 @@ class Metrics(Middleware):
             description="How long after its tick a periodic job was published, by schedule.",
             explicit_bucket_boundaries_advisory=_SECONDS,
         )
+        self._periodic_ticks = meter.create_counter(
+            c.METRIC_PERIODIC_TICKS,
+            unit="{tick}",
+            description="Ticks of periodic schedules by outcome: fired (published), skipped "
+            "(by the overlap policy) or missed (left out by catch_up after a downtime).",
+        )
         self._drain = meter.create_histogram(
             c.METRIC_DRAIN_DURATION,
             unit="s",
@@ -221,6 +227,10 @@ class Metrics(Middleware):
     def periodic_late(self, schedule: str, seconds: float) -> None:
         """A tick of ``schedule`` was published ``seconds`` after it fell."""
         self._periodic_lateness.record(seconds, {c.LABEL_SCHEDULE: schedule})
+
+    def periodic_ticks(self, schedule: str, outcome: str, count: int) -> None:
+        """``count`` ticks of ``schedule`` were fired, skipped or missed (``outcome``)."""
+        self._periodic_ticks.add(count, {c.LABEL_SCHEDULE: schedule, c.LABEL_OUTCOME: outcome})
 
     def watch_pool(self, name: str, pool: WatchedPool) -> None:
         """Report ``pool``'s running jobs, held messages and limit as gauges labelled
