@@ -4,6 +4,7 @@ cannot do its work, and carries on (pure logic: fakes for Pub/Sub, no emulator).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
@@ -196,8 +197,9 @@ def test_timers_fire_in_order_and_cancelled_ones_never_fire() -> None:
         cancelled = [timers.call_after(60, lambda: order.append(-1)) for _ in range(3000)]
         for timer in cancelled:
             timer.cancel()
+        now = time.monotonic()  # one base: a slow registration cannot reorder their times
         for i in (3, 1, 2):
-            timers.call_after(0.05 * i, lambda i=i: order.append(i))  # type: ignore[misc]
+            timers.call_at(now + 0.05 * i, lambda i=i: order.append(i))  # type: ignore[misc]
         # Then the three fire in order of their times, and the cancelled ones are swept out
         # of the heap by later scheduling instead of being kept until they are due
         assert wait_for(lambda: len(order) == 3, timeout=10, interval=0.005)
