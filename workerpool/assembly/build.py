@@ -16,6 +16,8 @@ from workerpool.assembly.chain import chain
 from workerpool.batches import batch_opener
 from workerpool.batches.middleware import Batches
 from workerpool.config import Settings
+from workerpool.control.middleware import CancelGate, Cancels, CancelWatch
+from workerpool.control.opening import cancel_opener
 from workerpool.errors import ConfigError
 from workerpool.heartbeats import heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
@@ -197,8 +199,21 @@ class PoolBuilder:
             concurrency=concurrency,
             rate_limit=RateLimit(self._limiters),
             time_limit=TimeLimit(timers),
+            cancels=self._cancels(),
             user=self._user_middleware,
         )
+
+    def _cancels(self) -> tuple[Middleware, Middleware] | None:
+        """The cancel gate and watch, where the store keeps cancels (beside the claims)."""
+        try:
+            opener = cancel_opener(self.settings.idempotency_store)
+            store = None if opener is None else opener()
+        except (ValueError, ImportError, StoreError) as exc:
+            raise ConfigError(f"idempotency_store (for cancels): {exc}") from None
+        if store is None:
+            return None
+        cancels = Cancels(store)
+        return CancelGate(cancels), CancelWatch(cancels)
 
     def _coordination(self, topic: str, publisher: Any) -> list[Middleware]:
         """Delayed jobs, periodic ones, and batches, where the store keeps them (beside the

@@ -3,13 +3,16 @@
 from workerpool.cli.admin import provision, status
 from workerpool.cli.autoscale import autoscale
 from workerpool.cli.batch import batch
+from workerpool.cli.control import cancel
 from workerpool.cli.dlq import dlq
 from workerpool.cli.publish import publish
 from workerpool.cli.root import main
 from workerpool.cli.run import demo, list_jobs, run
 from workerpool.cli.schedule import schedule
 
-for command in (run, list_jobs, demo, publish, provision, status, dlq, batch, schedule, autoscale):
+for command in (
+    run, list_jobs, demo, publish, provision, status, dlq, batch, schedule, autoscale, cancel,
+):  # fmt: skip
     main.add_command(command)
 
 __all__ = ["main"]
