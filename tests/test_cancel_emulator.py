@@ -14,6 +14,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from click.testing import CliRunner
+
 from tests.support import (
     ledger_events,
     read_ledger,
@@ -21,6 +23,9 @@ from tests.support import (
     wait_for,
     worker_processes,
 )
+from workerpool import JobMessage, publish_batch
+from workerpool.cli import main
+from workerpool.control.middleware import POLL_INTERVAL
 from workerpool.schedule import not_before_text
 from workerpool.testing.pubsub import PubSubResources
 
@@ -177,3 +182,52 @@ def test_a_cancel_given_while_no_worker_runs_and_one_of_a_delayed_job_are_honour
     outcomes = _outcomes(workers)
     assert outcomes["while-stopped"] == ["cancelled"]
     assert outcomes["delayed"] == ["scheduled", "cancelled"]
+
+
+def test_a_batch_cancelled_halfway_completes_once_with_its_cancelled_count(
+    pubsub_resources: PubSubResources, tmp_path: Path
+) -> None:
+    # Given two workers of N = 4 and a batch of 100 one-second children
+    pubsub_resources.provision()
+    ledger = tmp_path / "ledger.jsonl"
+    store = f"sqlite:///{tmp_path / 'claims.db'}"
+    children = [JobMessage("demo.sleep", {"seconds": 1.0}, f"child-{i}") for i in range(100)]
+    with worker_processes() as workers:
+        for _ in range(2):
+            workers.append(spawn_worker(pubsub_resources, ledger, "--max-outstanding", "4"))
+        assert wait_for(lambda: all(w.ready() for w in workers), timeout=30)
+        batch_id = publish_batch(
+            pubsub_resources.topic_path, children, on_complete="demo.batch_done",
+            store=store, publisher=pubsub_resources.publisher,
+        )  # fmt: skip
+        # When it is cancelled once about half its children are done
+        assert wait_for(lambda: len(ledger_events(ledger, "done")) >= 50, timeout=60)
+        said = CliRunner().invoke(main, ["batch", "cancel", batch_id, "--idempotency-store", store])
+        returned = time.time()
+        assert said.exit_code == 0, said.output
+        # Then its completion runs, and once only (a few more seconds for a second one)
+        completion = f"batch:{batch_id}:complete"
+        assert wait_for(lambda: _done(ledger, completion), timeout=30)
+        time.sleep(5)
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        codes = [worker.wait(40) for worker in workers]
+    [payload] = [r["batch"] for r in _done(ledger, completion)]
+    runs = [r for r in read_ledger(ledger) if r["job_id"].startswith("child-")]
+    late = sorted(r["start"] - returned for r in runs if r["outcome"] == "start"
+                  and r["start"] > returned)  # fmt: skip
+    print(f"\n{said.output.strip()}; completion {payload}; started after the cancel: {late}")
+    # with every child either succeeded or cancelled, the cancelled counted apart
+    assert payload["succeeded"] + payload["cancelled"] == 100 and payload["failed"] == 0
+    assert payload["cancelled"] >= 30
+    done = {r["job_id"] for r in runs if r["outcome"] == "done"}
+    assert len(done) == payload["succeeded"]
+    assert not done & set(payload["cancelled_job_ids"])
+    # and no child started once the workers' next look at the cancels was past (a child a
+    # worker held may start within that look, and is then cancelled while it runs)
+    assert all(lag < POLL_INTERVAL + 1.0 for lag in late), late
+    assert codes == [0, 0]
+
+
+def _done(ledger: Path, job_id: str) -> list[dict[str, Any]]:
+    return [r for r in ledger_events(ledger, "done") if r["job_id"] == job_id]

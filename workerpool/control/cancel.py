@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
+from workerpool.batches import batch_opener
 from workerpool.config import Settings, load_settings
 from workerpool.control.opening import cancel_opener
 from workerpool.control.store import Cancel
@@ -68,6 +69,30 @@ def cancel(
             cancels.close()
     finally:
         claims.close()
+
+
+def cancel_batch(
+    batch_id: str, *, reason: str = "", store: str | Settings | None = None
+) -> list[Answer]:
+    """Cancel the children of a batch that have no final outcome yet (``cancel`` each): the
+    rest never start, a running one is cancelled, and the batch's completion runs once, with
+    them counted as ``cancelled``. Raises ``ConfigError`` for a batch the store does not have."""
+    url = _url(store)
+    try:
+        open_batches = batch_opener(url)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"idempotency_store: {exc}") from None
+    if open_batches is None:
+        raise ConfigError(f"idempotency_store {url}: keeps no batches")
+    batches = open_batches()
+    try:
+        batch = batches.get(batch_id)
+        if batch is None:
+            raise ConfigError(f"no batch {batch_id}")
+        pending = batches.pending(batch_id, batch.total)
+    finally:
+        batches.close()
+    return cancel(pending, reason=reason, store=url) if pending else []
 
 
 def _one(
