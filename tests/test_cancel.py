@@ -4,9 +4,12 @@ on in-process runs (the real worker processes are in test_cancel_emulator.py).""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -15,17 +18,19 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.support import store_handles
 from workerpool.cli import main
 from workerpool.constants import Label
-from workerpool.context import Flag, JobContext
+from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.control import Cancel, CancelStore, MemoryCancels, SqliteCancels
 from workerpool.control.cancel import cancel
-from workerpool.control.middleware import CancelGate, Cancels, CancelWatch
+from workerpool.control.middleware import CANCEL_GRACE, CancelGate, Cancels, CancelWatch
 from workerpool.idempotency import SqliteStore
-from workerpool.registry import JobSpec
-from workerpool.testing.fakes import make_delivery
+from workerpool.registry import JobSpec, Registry
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.envelope import Job
 from workerpool.worker.middleware import Chain, Steps
 from workerpool.worker.outcome import Ack, Cancelled, Facts, Failed, Succeeded, decide
+from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run, Settled
 
 DAY = 86400.0
@@ -178,3 +183,56 @@ def test_once_settled_the_job_id_is_no_longer_looked_up() -> None:
     store.add(Cancel("1", "", time.time()))
     cancels._poll_once()
     assert cancels.known("1") is None
+
+
+@pytest.mark.parametrize("cooperates", [True, False])
+def test_an_async_run_cancelled_has_a_grace_to_end_on_its_own_then_its_task_is_cancelled(
+    cooperates: bool,
+) -> None:
+    # Given an async job that awaits ctx.cancelled (or ignores it), run by a processor with
+    # the cancel gate and watch
+    jobs, seen = Registry(), []
+    store = MemoryCancels(retention=DAY)
+    cancels = Cancels(store, interval=3600.0)
+    told = threading.Event()
+
+    @jobs.job("t.long")
+    async def long(ctx: AsyncJobContext, payload: dict[str, Any]) -> None:
+        told.set()
+        try:
+            if cooperates:
+                await ctx.cancelled
+                seen.append("returned")
+                return
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            seen.append(f"task cancelled after {time.monotonic() - cancelled_at[0]:.2f}s")
+            raise
+
+    loop = EventLoop()
+    acks = FakeAcks()
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [CancelGate(cancels), CancelWatch(cancels)],
+        ProcessorSettings(Backoff(1, 10)), loop=loop,
+    )  # fmt: skip
+    delivery = make_delivery(b"{}", {"job": "t.long", "job_id": "1"})
+    cancels.admitted(["1"])
+    cancelled_at: list[float] = []
+    # When it runs, and is cancelled meanwhile
+    worker = threading.Thread(target=processor.process, args=(delivery,))
+    worker.start()
+    assert told.wait(10)
+    store.add(Cancel("1", "stop", time.time()))
+    cancelled_at.append(time.monotonic())
+    cancels._poll_once()
+    worker.join(10)
+    loop.close(2.0)
+    # Then one that awaits ctx.cancelled ends on its own, one that ignores it has its task
+    # cancelled once the grace is over; either way the run ends cancelled, and is acked
+    if cooperates:
+        assert seen == ["returned"]
+    else:
+        [line] = seen
+        waited = float(line.split()[-1].rstrip("s"))
+        assert CANCEL_GRACE <= waited < CANCEL_GRACE + 5, line
+    assert processor.stats == {"cancelled": 1} and acks.acked == ["ack-m-1"]

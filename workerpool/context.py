@@ -57,6 +57,9 @@ class RunContext:
     cancelled: Flag = field(default_factory=Flag)
     # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
     timed_out: Flag = field(default_factory=Flag)
+    # Set (before ``cancelled``) by a cancel that leaves an ``async def`` handler this long to
+    # end on its own (it may await ``cancelled``) before its task is cancelled; 0: at once.
+    cancel_grace: float = 0.0
     # The job's section of the config file (``[jobs."NAME"]``): an instance of the job's
     # ``config`` dataclass if it declares one, else the section as it is (empty if none).
     config: Any = field(default_factory=dict)

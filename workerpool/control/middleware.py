@@ -9,9 +9,10 @@ middleware read what it knows:
 - ``CancelGate``, before the claim: a job cancelled before it starts ends ``Cancelled``
   there, and takes no claim, slot or token (a claim its admission took is let go).
 - ``CancelWatch``, the innermost of the defaults, around the handler: a run whose job id is
-  cancelled while it runs sees ``ctx.cancelled`` (an async job's task is cancelled then, as
-  at the drain deadline) and ends ``Cancelled`` whatever its handler returned or raised; the
-  idempotency middleware outside it then records its job id as done, so no redelivery runs it.
+  cancelled while it runs sees ``ctx.cancelled`` (an async job's task is cancelled after a
+  grace of ``CANCEL_GRACE``, to end on its own meanwhile) and ends ``Cancelled`` whatever
+  its handler returned or raised; the idempotency middleware outside it then records its
+  job id as done, so no redelivery runs it.
 
 A store that cannot be read stops nothing: jobs run as if not cancelled, and the next look
 tries again (a warning when it starts failing, and one when it recovers).
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 # How often the job ids held here are looked up: a running job sees its cancel within this
 # and one read of the store.
 POLL_INTERVAL = 1.0
+# How long an ``async def`` handler told to stop may take to end on its own (it may await
+# ``ctx.cancelled``) before its task is cancelled.
+CANCEL_GRACE = 0.5
 
 
 class Cancels:
@@ -135,6 +139,7 @@ class Cancels:
                 "job %s (%s) cancelled while it runs%s", run.job.name, run.job.job_id,
                 f": {cancel.reason}" if cancel.reason else "",
             )  # fmt: skip
+            run.ctx.cancel_grace = CANCEL_GRACE  # first: read as the flag is set
             run.ctx.cancelled.set()
 
     def close(self, timeout: float) -> None:
