@@ -39,8 +39,9 @@ class RunContext:
     """What every handler's context holds, sync or async.
 
     ``draining`` is set when the worker starts draining: finish soon or give up cleanly.
-    ``cancelled`` is set at the drain deadline or when the job passes its own ``timeout``:
-    stop now; the message will be redelivered (drain) or retried (timeout). Both can be
+    ``cancelled`` is set at the drain deadline, when the job passes its own ``timeout``, or
+    when its job id is cancelled (``workerpool cancel``): stop now; the message will be
+    redelivered (drain) or retried (timeout), or the run ends cancelled. Both can be
     checked (``is_set()``), waited for (``wait``) or, in an ``async def`` handler, awaited.
 
     ``fencing_token`` (the run's claim on its job id) and ``slot_tokens`` (its slots, by key)
