@@ -15,14 +15,16 @@ import pytest
 from click.testing import CliRunner
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.support import store_handles
+from tests.support import store_handles, wait_for
 from workerpool.cli import main
 from workerpool.constants import Label
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.control import Cancel, CancelStore, MemoryCancels, SqliteCancels
 from workerpool.control.cancel import cancel
 from workerpool.control.middleware import CANCEL_GRACE, CancelGate, Cancels, CancelWatch
-from workerpool.idempotency import SqliteStore
+from workerpool.errors import RetryableError
+from workerpool.idempotency import MemoryStore, SqliteStore
+from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import JobSpec, Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
@@ -32,6 +34,7 @@ from workerpool.worker.middleware import Chain, Steps
 from workerpool.worker.outcome import Ack, Cancelled, Facts, Failed, Succeeded, decide
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run, Settled
+from workerpool.worker.timers import Timers
 
 DAY = 86400.0
 StoreFactory = Callable[[], CancelStore]
@@ -236,3 +239,49 @@ def test_an_async_run_cancelled_has_a_grace_to_end_on_its_own_then_its_task_is_c
         waited = float(line.split()[-1].rstrip("s"))
         assert CANCEL_GRACE <= waited < CANCEL_GRACE + 5, line
     assert processor.stats == {"cancelled": 1} and acks.acked == ["ack-m-1"]
+
+
+def test_a_run_cancelled_while_it_runs_is_recorded_done_and_a_redelivery_never_runs(
+    timers: Timers,
+) -> None:
+    # Given a worker with claims and the cancel gate and watch, running a sync job that
+    # stops when told (it raises, as demo.sleep does)
+    jobs, runs = Registry(), []
+    claims, store = MemoryStore(), MemoryCancels(retention=DAY)
+    cancels = Cancels(store, interval=3600.0)
+    idempotency = Idempotency(claims, "w1", timers)
+    told = threading.Event()
+
+    @jobs.job("t.stops")
+    def stops(ctx: JobContext, payload: dict[str, Any]) -> None:
+        runs.append(ctx.message_id)
+        told.set()
+        if ctx.cancelled.wait(30):
+            raise RetryableError("cancelled")
+
+    acks = FakeAcks()
+    middleware = [CancelGate(cancels), idempotency, CancelWatch(cancels)]
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), middleware, ProcessorSettings(Backoff(1, 10))
+    )
+    idempotency.start()
+    first = make_delivery(b"{}", {"job": "t.stops", "job_id": "1"}, message_id="m-1")
+    processor.admitted([first])
+    worker = threading.Thread(target=processor.process, args=(first,))
+    worker.start()
+    assert told.wait(10)
+    # When its job id is cancelled while it runs
+    store.add(Cancel("1", "stop", time.time()))
+    cancels._poll_once()
+    worker.join(10)
+    assert wait_for(lambda: processor.stats == {"cancelled": 1}, timeout=10)
+    # Then its job id is recorded as done (what it raised is no failure), its message acked
+    assert claims.completed_at("1") is not None
+    # And a redelivery of it, once the worker no longer knows of the cancel, is acked unrun
+    cancels._known.clear()
+    second = make_delivery(b"{}", {"job": "t.stops", "job_id": "1"}, message_id="m-2")
+    processor.process(second)
+    idempotency.close(5)
+    assert runs == ["m-1"]
+    assert acks.acked == ["ack-m-1", "ack-m-2"]
+    assert processor.stats == {"cancelled": 1, "duplicate": 1}
