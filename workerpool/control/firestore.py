@@ -1,8 +1,12 @@
-"""Cancels of a fleet on many hosts: one Firestore document per cancelled job id."""
+"""Cancels of a fleet on many hosts: one Firestore document per cancelled job id.
+
+Set a TTL policy on the ``expire_at`` field (as on the claims' collection) to have Firestore
+purge cancels past their retention; until then they are only ignored."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from datetime import UTC, datetime
 from typing import Any
 
 from workerpool.control.store import Cancel, CancelStore
@@ -23,7 +27,8 @@ class FirestoreCancels(CancelStore):
         def deciding(data: dict[str, Any] | None) -> tuple[Cancel, docs.DocChange]:
             if data is not None and self.live(_decoded(cancel.job_id, data), cancel.at):
                 return _decoded(cancel.job_id, data), None
-            return cancel, {"reason": cancel.reason, "at": cancel.at}
+            expire_at = datetime.fromtimestamp(cancel.at + self.retention, tz=UTC)
+            return cancel, {"reason": cancel.reason, "at": cancel.at, "expire_at": expire_at}
 
         return self._docs.mutate(cancel.job_id, deciding)
 
