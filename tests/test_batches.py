@@ -104,8 +104,9 @@ def test_the_last_final_outcome_completes_the_batch_once_whatever_the_deliveries
     payload = completion.payload()
     failed = sorted(j for j in job_ids if j.endswith("7"))
     assert payload == {
-        "batch_id": "b1", "total": 200, "succeeded": 180, "failed": 20,
-        "failed_job_ids": failed, "pending_job_ids": [], "finalized_by": LAST_CHILD,
+        "batch_id": "b1", "total": 200, "succeeded": 180, "failed": 20, "cancelled": 0,
+        "failed_job_ids": failed, "pending_job_ids": [], "cancelled_job_ids": [],
+        "finalized_by": LAST_CHILD,
     }  # fmt: skip
     assert completion.job_id == "batch:b1:complete"
     # ... and nothing reopens it
@@ -126,6 +127,28 @@ def test_a_replayed_child_turns_done_while_its_batch_is_open(make_store: StoreFa
     assert completion is not None and completion.payload()["succeeded"] == 2
 
 
+def test_cancelled_children_finalize_the_batch_and_are_counted_apart(
+    make_store: StoreFactory,
+) -> None:
+    # Given a committed batch of 4: one done, one dead-lettered, two pending
+    store = make_store()
+    _create(store, 4)
+    store.commit("b1")
+    store.record("b1", "child-0", True)
+    store.record("b1", "child-1", False)
+    assert store.pending("b1", 10) == ["child-2", "child-3"]
+    # When the two pending ones are cancelled (one of them twice: a redelivery)
+    assert store.record("b1", "child-2", False, cancelled=True) is None
+    assert store.record("b1", "child-2", False, cancelled=True) is None
+    completion = store.record("b1", "child-3", False, cancelled=True)
+    # Then the last one finalizes it, with the cancelled counted apart from the failed
+    assert completion is not None
+    payload = completion.payload()
+    assert (payload["succeeded"], payload["failed"], payload["cancelled"]) == (1, 1, 2)
+    assert payload["failed_job_ids"] == ["child-1"]
+    assert sorted(payload["cancelled_job_ids"]) == ["child-2", "child-3"]
+
+
 def test_the_deadline_finalizes_what_is_still_open_and_names_the_pending(
     make_store: StoreFactory,
 ) -> None:
@@ -136,9 +159,9 @@ def test_the_deadline_finalizes_what_is_still_open_and_names_the_pending(
     completion = store.expire("b1")
     assert completion is not None
     assert completion.payload() == {
-        "batch_id": "b1", "total": 3, "succeeded": 1, "failed": 2,
+        "batch_id": "b1", "total": 3, "succeeded": 1, "failed": 2, "cancelled": 0,
         "failed_job_ids": ["child-1", "child-2"], "pending_job_ids": ["child-2"],
-        "finalized_by": DEADLINE,
+        "cancelled_job_ids": [], "finalized_by": DEADLINE,
     }  # fmt: skip
     store.sent("b1")  # handed over
     # A child finishing afterwards fires no second completion

@@ -27,6 +27,7 @@ from workerpool.worker.run import Run, Settled
 if TYPE_CHECKING:
     from workerpool.assembly.fleet import Fleet
     from workerpool.assembly.launcher import Launcher
+    from workerpool.control.cancel import cancel
 
 __all__ = [
     "AsyncJobContext",
@@ -45,6 +46,7 @@ __all__ = [
     "RunContext",
     "Settings",
     "Settled",
+    "cancel",
     "job",
     "load_settings",
     "publish",
@@ -55,7 +57,11 @@ __all__ = [
 # Imported on first use: the launcher brings the whole worker (clients, stores, exporters),
 # which made ``import workerpool`` take 1.1-1.3 s instead of 0.15-0.4 s (measured), a cost a
 # process that only publishes jobs need not pay.
-_LAZY = {"Fleet": "workerpool.assembly.fleet", "Launcher": "workerpool.assembly.launcher"}
+_LAZY = {
+    "Fleet": "workerpool.assembly.fleet",
+    "Launcher": "workerpool.assembly.launcher",
+    "cancel": "workerpool.control.cancel",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -121,6 +121,8 @@ class Label(StrEnum):
     RELEASED = "released"
     # Not due yet (not_before): kept in the schedule, to be published again when due.
     SCHEDULED = "scheduled"
+    # Cancelled by job id (``workerpool cancel``): never started, or stopped while it ran.
+    CANCELLED = "cancelled"
 
 
 # Labels that mean this run failed (its span's status is ERROR, its end log line a warning).

@@ -55,8 +55,9 @@ class RunContext:
     """What every handler's context holds, sync or async.
 
     ``draining`` is set when the worker starts draining: finish soon or give up cleanly.
-    ``cancelled`` is set at the drain deadline or when the job passes its own ``timeout``:
-    stop now; the message will be redelivered (drain) or retried (timeout). Both can be
+    ``cancelled`` is set at the drain deadline, when the job passes its own ``timeout``, or
+    when its job id is cancelled (``workerpool cancel``): stop now; the message will be
+    redelivered (drain) or retried (timeout), or the run ends cancelled. Both can be
     checked (``is_set()``), waited for (``wait``) or, in an ``async def`` handler, awaited.
 
     ``fencing_token`` (the run's claim on its job id) and ``slot_tokens`` (its slots, by key)
@@ -73,6 +74,9 @@ class RunContext:
     cancelled: Flag = field(default_factory=Flag)
     # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
     timed_out: Flag = field(default_factory=Flag)
+    # Set (before ``cancelled``) by a cancel that leaves an ``async def`` handler this long to
+    # end on its own (it may await ``cancelled``) before its task is cancelled; 0: at once.
+    cancel_grace: float = 0.0
     # The job's section of the config file (``[jobs."NAME"]``): an instance of the job's
     # ``config`` dataclass if it declares one, else the section as it is (empty if none).
     config: Any = field(default_factory=dict)

@@ -93,8 +93,10 @@ def _install(spec: dict[str, Any]) -> None:
 def _kill_before_handover(marker: Path) -> None:
     record = BatchStore.record
 
-    def killed(self: BatchStore, batch_id: str, job_id: str, succeeded: bool) -> Completion | None:
-        completion = record(self, batch_id, job_id, succeeded)
+    def killed(
+        self: BatchStore, batch_id: str, job_id: str, succeeded: bool, *, cancelled: bool = False
+    ) -> Completion | None:
+        completion = record(self, batch_id, job_id, succeeded, cancelled=cancelled)
         if completion is not None:  # finalized in the store, not yet in the schedule
             marker.write_text(json.dumps({"at": time.time(), "job_id": job_id}))
             os.kill(os.getpid(), signal.SIGKILL)

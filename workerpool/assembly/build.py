@@ -16,6 +16,8 @@ from workerpool.assembly.chain import chain
 from workerpool.batches import batch_opener
 from workerpool.batches.middleware import Batches
 from workerpool.config import Settings
+from workerpool.control.middleware import CancelGate, Cancels, CancelWatch
+from workerpool.control.opening import cancel_opener
 from workerpool.errors import ConfigError
 from workerpool.heartbeats import heartbeat_opener
 from workerpool.heartbeats.replica import Heartbeat
@@ -202,6 +204,7 @@ class PoolBuilder:
             rate_limit=RateLimit(self._limiters),
             checkpoints=self._checkpoints(),
             time_limit=TimeLimit(timers),
+            cancels=self._cancels(),
             user=self._user_middleware,
         )
 
@@ -213,6 +216,18 @@ class PoolBuilder:
         except (ValueError, ImportError, StoreError) as exc:
             raise ConfigError(f"idempotency_store (for checkpoints): {exc}") from None
         return None if store is None else Checkpoints(store, self.worker_id)
+
+    def _cancels(self) -> tuple[Middleware, Middleware] | None:
+        """The cancel gate and watch, where the store keeps cancels (beside the claims)."""
+        try:
+            opener = cancel_opener(self.settings.idempotency_store)
+            store = None if opener is None else opener()
+        except (ValueError, ImportError, StoreError) as exc:
+            raise ConfigError(f"idempotency_store (for cancels): {exc}") from None
+        if store is None:
+            return None
+        cancels = Cancels(store)
+        return CancelGate(cancels), CancelWatch(cancels)
 
     def _coordination(self, topic: str, publisher: Any) -> list[Middleware]:
         """Delayed jobs, periodic ones, and batches, where the store keeps them (beside the

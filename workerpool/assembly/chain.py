@@ -8,15 +8,21 @@ after it do. The defaults, and why each sits where it does:
    timed, whatever ends it, a duplicate or a run given back included.
 2. Delays, then batches: before the claim, so a job that is not due yet is held back without
    taking a claim; batches record a child's outcome around everything inside.
-3. Idempotency: claims the job id; a duplicate, or a job another worker runs, ends here, so it
+3. The cancel gate: after batches (a child cancelled counts as cancelled in its batch), and
+   before the claim, so a job cancelled before it starts takes no claim, slot or token (a
+   claim its admission took for it is let go as its message leaves).
+4. Idempotency: claims the job id; a duplicate, or a job another worker runs, ends here, so it
    never takes a slot or a token, nor reaches the handler.
-4. Concurrency slots: after the claim (a duplicate never takes a slot), before the rate limit
+5. Concurrency slots: after the claim (a duplicate never takes a slot), before the rate limit
    (a run waits for its token only once it may run).
-5. Rate limit: one token per run, taken after every default that may turn a run away (a
+6. Rate limit: one token per run, taken after every default that may turn a run away (a
    duplicate, a run without a slot), so none is spent on one.
-6. Checkpoints and progress: inside every default that may turn a run away, so only a run
+7. Checkpoints and progress: inside every default that may turn a run away, so only a run
    that starts its handler reads its job's checkpoint or shows as running.
-7. Time limit: counts the job's ``timeout`` from its handler's start.
+8. Time limit: counts the job's ``timeout`` from its handler's start.
+9. The cancel watch: the innermost default, around the handler alone, so a run cancelled
+   while it runs ends ``cancelled`` before any default sees its outcome (the idempotency
+   middleware records its job id as done; its slot and claim are let go as any run's).
 
 The user's middleware (the config's ``middleware``, then those given to ``Launcher``) come
 after them, innermost, in the order named: they wrap the handler alone, so they see only runs
@@ -42,16 +48,21 @@ def chain(
     rate_limit: Middleware,
     checkpoints: Middleware | None,
     time_limit: Middleware,
+    cancels: tuple[Middleware, Middleware] | None = None,
     user: Sequence[Middleware] = (),
 ) -> list[Middleware]:
-    """The chain in the order above; a part this worker does not have is None."""
+    """The chain in the order above; a part this worker does not have is None. ``cancels``
+    is the cancel gate and the cancel watch."""
+    gate, watch = ([], []) if cancels is None else ([cancels[0]], [cancels[1]])
     return [
         *telemetry,
         *coordination,
+        *gate,
         *([idempotency] if idempotency is not None else []),
         *([concurrency] if concurrency is not None else []),
         rate_limit,
         *([checkpoints] if checkpoints is not None else []),
         time_limit,
+        *watch,
         *user,
     ]

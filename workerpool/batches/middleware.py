@@ -24,7 +24,14 @@ from workerpool.schedule.delays import Firer
 from workerpool.schedule.store import ScheduleStore
 from workerpool.stores import StoreError
 from workerpool.worker.middleware import Around, Middleware
-from workerpool.worker.outcome import AlreadyDone, Outcome, Rejected, Succeeded, Unavailable
+from workerpool.worker.outcome import (
+    AlreadyDone,
+    Cancelled,
+    Outcome,
+    Rejected,
+    Succeeded,
+    Unavailable,
+)
 from workerpool.worker.run import Run, Settled
 
 log = logging.getLogger(__name__)
@@ -70,10 +77,14 @@ class Batches(Middleware):
 
     def _record_child(self, run: Run, batch_id: str) -> Around:
         outcome = yield
-        if isinstance(outcome, Succeeded | AlreadyDone):
+        if isinstance(outcome, Succeeded | AlreadyDone | Cancelled):
+            cancelled = isinstance(outcome, Cancelled)
             try:
-                self._deliver(self._batches.record(batch_id, run.job.job_id, True))
-            except StoreError as exc:  # the retry finds the job done, and records it then
+                self._deliver(
+                    self._batches.record(batch_id, run.job.job_id, not cancelled,
+                                         cancelled=cancelled)
+                )  # fmt: skip
+            except StoreError as exc:  # the retry finds the job done (or cancelled) then
                 return Unavailable(f"batch store: {exc}")
         return outcome
 

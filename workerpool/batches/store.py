@@ -19,7 +19,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from workerpool import constants as c
@@ -64,6 +64,8 @@ class Completion:
     batch: Batch
     failed_job_ids: list[str]
     pending_job_ids: list[str]
+    # Children cancelled by job id (``workerpool cancel``): counted apart from the failed.
+    cancelled_job_ids: list[str] = field(default_factory=list)
 
     @property
     def job_id(self) -> str:
@@ -75,9 +77,11 @@ class Completion:
             "batch_id": batch.batch_id,
             "total": batch.total,
             "succeeded": batch.done,
-            "failed": batch.total - batch.done,
+            "failed": batch.total - batch.done - len(self.cancelled_job_ids),
+            "cancelled": len(self.cancelled_job_ids),
             "failed_job_ids": self.failed_job_ids[:MAX_FAILED_IDS],
             "pending_job_ids": self.pending_job_ids[:MAX_FAILED_IDS],
+            "cancelled_job_ids": self.cancelled_job_ids[:MAX_FAILED_IDS],
             "finalized_by": batch.finalized_by,
         }
 
@@ -89,6 +93,10 @@ class Completion:
 
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
+# A child cancelled by job id: its tally counts it with the failed (it never succeeds, and
+# the batch's pending count needs nothing else), its completion apart from them.
+CANCELLED = "cancelled"
+_NOT_DONE = (FAILED, CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,7 @@ class Tally:
         return replace(
             self,
             done=self.done + (after == DONE) - (before == DONE),
-            failed=self.failed + (after == FAILED) - (before == FAILED),
+            failed=self.failed + (after in _NOT_DONE) - (before in _NOT_DONE),
         )
 
     def __add__(self, other: Tally) -> Tally:
@@ -237,12 +245,15 @@ class BatchStore(ABC):
 
         return self._complete_if_done(batch_id) if self._atomic(commit) else None
 
-    def record(self, batch_id: str, job_id: str, succeeded: bool) -> Completion | None:
-        """A child's final outcome; the completion if this finalized the batch, or if the
-        batch is final but its completion was never handed over. A job id the batch does not
-        have, a child already final (a dead-lettered one may turn done: a replay), or a batch
-        finalized already, change no counts."""
-        outcome = DONE if succeeded else FAILED
+    def record(
+        self, batch_id: str, job_id: str, succeeded: bool, *, cancelled: bool = False
+    ) -> Completion | None:
+        """A child's final outcome (``cancelled``: not succeeded, and cancelled by job id); the
+        completion if this finalized the batch, or if the batch is final but its completion
+        was never handed over. A job id the batch does not have, a child already final (a
+        dead-lettered one may turn done: a replay), or a batch finalized already, change no
+        counts."""
+        outcome = DONE if succeeded else CANCELLED if cancelled else FAILED
 
         def write(tx: Transaction) -> Completion | bool:
             found = tx.child(batch_id, job_id)
@@ -292,6 +303,10 @@ class BatchStore(ABC):
         first), for a worker to hand over as it starts."""
         return self._atomic(lambda tx: [self._built(tx, b) for b in tx.unsent(limit)])
 
+    def pending(self, batch_id: str, limit: int) -> list[str]:
+        """Up to ``limit`` job ids of the batch's children without a final outcome yet."""
+        return self._atomic(lambda tx: tx.children(batch_id, PENDING, limit))
+
     def get(self, batch_id: str) -> Batch | None:
         def get(tx: Transaction) -> Batch | None:
             batch = tx.batch(batch_id)
@@ -334,7 +349,9 @@ class BatchStore(ABC):
         # a query there reads every child).
         failed = tx.children(batch.batch_id, FAILED, MAX_FAILED_IDS) if batch.failed else []
         pending = tx.children(batch.batch_id, PENDING, MAX_FAILED_IDS) if batch.pending else []
-        return Completion(batch, failed + pending, pending)
+        # All of them (at most the failed count): the completion counts them.
+        cancelled = tx.children(batch.batch_id, CANCELLED, batch.failed) if batch.failed else []
+        return Completion(batch, failed + pending, pending, cancelled)
 
 
 def _counted(tx: Transaction, batch: Batch) -> Batch:

@@ -3,6 +3,7 @@
 from workerpool.cli.admin import provision, status
 from workerpool.cli.autoscale import autoscale
 from workerpool.cli.batch import batch
+from workerpool.cli.control import cancel
 from workerpool.cli.dlq import dlq
 from workerpool.cli.publish import publish
 from workerpool.cli.root import main
@@ -22,6 +23,7 @@ for command in (
     schedule,
     autoscale,
     dashboard,
+    cancel,
 ):
     main.add_command(command)
 

@@ -67,3 +67,19 @@ def batch_list(config_file: str | None, idempotency_store: str | None, limit: in
     for each in found:
         click.echo(_batch_line(each))
     click.echo(f"{len(found)} batch(es)")
+
+
+@batch.command("cancel")
+@click.argument("batch_id")
+@click.option("--reason", default="", help="Why, kept with each child's cancel.")
+@store_options
+def batch_cancel(
+    batch_id: str, reason: str, config_file: str | None, idempotency_store: str | None
+) -> None:
+    """Cancel the children of a batch not finished yet; its completion counts them."""
+    from workerpool.control.cancel import cancel_batch
+
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    answers = cancel_batch(batch_id, reason=reason, store=settings)
+    cancelled = sum(answer.state != "finished" for answer in answers)
+    click.echo(f"batch {batch_id}: {cancelled} children cancelled")

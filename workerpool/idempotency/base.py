@@ -144,6 +144,16 @@ class IdempotencyStore(ABC):
 
         return self._guarded(lambda: self._mutate(job_id, looking))
 
+    def completed_at(self, job_id: str) -> float | None:
+        """When ``job_id`` completed, while its completion is kept; else None."""
+
+        def looking(record: Record | None, now: float) -> tuple[float | None, Change]:
+            if record is None or record.completed_at is None or not self._is_live(record, now):
+                return None, None
+            return record.completed_at, None
+
+        return self._guarded(lambda: self._mutate(job_id, looking))
+
     def renew(self, job_id: str, owner: str, message_id: str, ttl: float) -> bool:
         return self.renew_many([(job_id, message_id)], owner, ttl)[0]
 

@@ -41,6 +41,7 @@ from workerpool.worker.keeper import Held, LeaseKeeper
 from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import (
     AlreadyDone,
+    Cancelled,
     DuplicateOfRunning,
     Failed,
     Interrupted,
@@ -173,9 +174,10 @@ class Idempotency(Middleware):
             except BaseException:
                 self.keeper.let_go(held)
                 raise
-            if isinstance(outcome, Succeeded):
-                # The side effect happened: record it, off this thread, before the ack. The
-                # claim stays held until then.
+            if isinstance(outcome, Succeeded | Cancelled):
+                # The side effect happened, or the job was cancelled (it must not run again
+                # either): record it, off this thread, before the ack. The claim stays held
+                # until then.
                 run.completion = self._completion(run, key, held)
                 recording = True
                 return outcome

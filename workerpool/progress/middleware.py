@@ -21,7 +21,8 @@ from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import Unavailable
 from workerpool.worker.run import Run, Settled
 
-_FINISHED = frozenset({Label.DONE, Label.DEAD_LETTERED})
+# A cancelled run is finished too: no later run of its job id resumes.
+_FINISHED = frozenset({Label.DONE, Label.DEAD_LETTERED, Label.CANCELLED})
 
 
 class Checkpoints(Middleware):

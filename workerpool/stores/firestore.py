@@ -335,6 +335,15 @@ class Documents:
                 for doc in query.stream(**self._call_options(deadline))
             ]
 
+    def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The data of the documents of these keys that exist, by key: one round trip."""
+        deadline = time.monotonic() + self._timeout
+        by_id = {self._ref(key).id: key for key in keys}
+        refs = [self._collection.document(doc_id) for doc_id in by_id]
+        with self._translated():
+            found = self._client.get_all(refs, **self._call_options(deadline))
+            return {by_id[doc.id]: doc.to_dict() or {} for doc in found if doc.exists}
+
     def remove_ids(self, doc_ids: Sequence[str]) -> None:
         """Delete documents by id (as ``matching`` returned them), in one batch."""
         deadline = time.monotonic() + self._timeout

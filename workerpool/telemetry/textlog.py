@@ -39,6 +39,7 @@ _OUTCOME_STYLES: dict[str, str] = {
     Label.DUPLICATE: "cyan",
     Label.DRAINED: "magenta",
     Label.RELEASED: "magenta",
+    Label.CANCELLED: "magenta",
 }
 _LEVEL_STYLES = {
     "DEBUG": "bright_black",

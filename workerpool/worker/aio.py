@@ -8,8 +8,9 @@ the slot thread goes back to the pool: no thread waits while the task runs. ``fi
 hears the task's end on the loop's thread; the pool then has a slot thread carry the rest of
 the run (the middleware after the handler, the settlement), since that may block, and
 blocking store and gRPC calls never run on the loop. Setting ``ctx.cancelled`` cancels the
-task. A watchdog names the job whose handler holds the loop (``time.sleep`` in an
-``async def``), since that stalls every other async run. The loop's thread starts with the
+task (after ``ctx.cancel_grace``, where a cancel set one). A watchdog names the job whose
+handler holds the loop (``time.sleep`` in an ``async def``), since that stalls every other
+async run. The loop's thread starts with the
 first async run, so a worker without async jobs has none. The pools of one process share one
 loop (``EventLoop.shared``), so an async client a job module keeps for the process (an
 ``httpx.AsyncClient``) is bound to the loop every async job runs on.
@@ -130,7 +131,14 @@ class EventLoop:
         except BaseException as exc:  # the call itself raised, or returned no coroutine
             submitted.finished(exc)
             return
-        forget = ctx.cancelled.when_set(lambda: call_soon(loop, task.cancel))
+        forget = ctx.cancelled.when_set(lambda: call_soon(loop, cancel))
+
+        def cancel() -> None:
+            # Read when the flag is set: a cancel by job id gives the handler a grace first.
+            if ctx.cancel_grace > 0:
+                loop.call_later(ctx.cancel_grace, task.cancel)
+            else:
+                task.cancel()
 
         def done(task: asyncio.Task[Any]) -> None:
             # In the loop's context, not the task's: ``finished`` may hand the task's context

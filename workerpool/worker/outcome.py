@@ -78,6 +78,13 @@ class Scheduled:
 
 
 @dataclass(frozen=True)
+class Cancelled:
+    """The job id was cancelled (``workerpool cancel``): not started, or stopped while it ran."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Interrupted:
     """Draining caught the job: its deadline passed while the handler ran, or the pool
     drained while the job still waited for a rate-limit token."""
@@ -125,6 +132,7 @@ Outcome = (
     | RedeliveredWhileRunning
     | Deferred
     | Scheduled
+    | Cancelled
     | Interrupted
     | LostLease
     | NotStarted
@@ -229,6 +237,10 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
         case Scheduled():
             # The schedule holds it now and publishes it again when due, job id and all.
             return Ack(Label.SCHEDULED)
+        case Cancelled():
+            # Cancelled from outside: its job id is done with (a run's is recorded as done,
+            # a cancel is kept as long as completions are), so the message goes, no record.
+            return Ack(Label.CANCELLED)
         case Interrupted():
             # Give it to another worker now; the handler has seen ctx.cancelled.
             return _later(0.0, Label.DRAINED, facts)

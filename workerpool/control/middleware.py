@@ -1,0 +1,189 @@
+"""The worker's side of cancels: a job id cancelled never starts, and a run of one stops.
+
+``Cancels`` knows which of the job ids this worker holds (admitted and not settled yet, run
+or not) are cancelled: it reads the store for each pull's job ids as the pool admits them,
+then for all it holds about once a second, on a thread of its own; one read of the job ids'
+index each time, so a job costs the store a share of a read, not a read of its own. Two
+middleware read what it knows:
+
+- ``CancelGate``, before the claim: a job cancelled before it starts ends ``Cancelled``
+  there, and takes no claim, slot or token (a claim its admission took is let go).
+- ``CancelWatch``, the innermost of the defaults, around the handler: a run whose job id is
+  cancelled while it runs sees ``ctx.cancelled`` (an async job's task is cancelled after a
+  grace of ``CANCEL_GRACE``, to end on its own meanwhile) and ends ``Cancelled`` whatever
+  its handler returned or raised; the idempotency middleware outside it then records its
+  job id as done, so no redelivery runs it.
+
+A store that cannot be read stops nothing: jobs run as if not cancelled, and the next look
+tries again (a warning when it starts failing, and one when it recovers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Generator, Sequence
+
+from workerpool.control.store import Cancel, CancelStore
+from workerpool.stores import StoreError
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import job_id_of
+from workerpool.worker.middleware import Middleware
+from workerpool.worker.outcome import Cancelled, Outcome
+from workerpool.worker.run import Run, Settled
+
+log = logging.getLogger(__name__)
+
+# How often the job ids held here are looked up: a running job sees its cancel within this
+# and one read of the store.
+POLL_INTERVAL = 1.0
+# How long an ``async def`` handler told to stop may take to end on its own (it may await
+# ``ctx.cancelled``) before its task is cancelled.
+CANCEL_GRACE = 0.5
+
+
+class Cancels:
+    def __init__(
+        self,
+        store: CancelStore,
+        *,
+        interval: float = POLL_INTERVAL,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()  # admitted, not settled: deliveries by job id
+        self._running: dict[str, set[Run]] = {}
+        self._known: dict[str, Cancel] = {}  # the cancelled among those two
+        self._stopped: dict[Run, Cancel] = {}  # runs told to stop, until they end
+        self._failing = False
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._poll, name="workerpool-cancels", daemon=True)
+        self._thread.start()
+
+    def admitted(self, job_ids: Sequence[str]) -> None:
+        with self._lock:
+            self._held.update(job_ids)
+        self._look(job_ids)
+
+    def settled(self, job_id: str) -> None:
+        with self._lock:
+            self._held[job_id] -= 1
+            if self._held[job_id] <= 0:
+                del self._held[job_id]
+                if job_id not in self._running:
+                    self._known.pop(job_id, None)
+
+    def known(self, job_id: str) -> Cancel | None:
+        return self._known.get(job_id)
+
+    def begin(self, run: Run) -> Cancel | None:
+        """The run's job id's cancel, if known; else the run is watched until ``end``."""
+        job_id = run.job.job_id
+        with self._lock:
+            cancel = self._known.get(job_id)
+            if cancel is None:
+                self._running.setdefault(job_id, set()).add(run)
+            return cancel
+
+    def end(self, run: Run) -> Cancel | None:
+        """The run's end: the cancel it was stopped for, if it was."""
+        job_id = run.job.job_id
+        with self._lock:
+            runs = self._running.get(job_id, set())
+            runs.discard(run)
+            if not runs:
+                self._running.pop(job_id, None)
+            return self._stopped.pop(run, None)
+
+    def _poll(self) -> None:
+        while not self._closing.wait(self._interval):
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        with self._lock:
+            job_ids = set(self._held) | set(self._running)
+        if job_ids:
+            self._look(job_ids)
+
+    def _look(self, job_ids: Collection[str]) -> None:
+        try:
+            found = self._store.find(job_ids, self._clock())
+        except StoreError as exc:
+            if not self._failing:
+                log.warning("cancels not read (%s); jobs run as if not cancelled", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.warning("cancels read again")
+            self._failing = False
+        stopping: list[tuple[Run, Cancel]] = []
+        with self._lock:
+            for job_id, cancel in found.items():
+                if job_id not in self._held and job_id not in self._running:
+                    continue  # settled meanwhile
+                self._known[job_id] = cancel
+                for run in self._running.get(job_id, ()):
+                    if run not in self._stopped:
+                        self._stopped[run] = cancel
+                        stopping.append((run, cancel))
+        for run, cancel in stopping:
+            log.info(
+                "job %s (%s) cancelled while it runs%s", run.job.name, run.job.job_id,
+                f": {cancel.reason}" if cancel.reason else "",
+            )  # fmt: skip
+            run.ctx.cancel_grace = CANCEL_GRACE  # first: read as the flag is set
+            run.ctx.cancelled.set()
+
+    def close(self, timeout: float) -> None:
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._store.close()
+
+
+class CancelGate(Middleware):
+    """Ends a run whose job id is cancelled before it takes anything (see the module)."""
+
+    def __init__(self, cancels: Cancels) -> None:
+        self.cancels = cancels
+
+    def start(self) -> None:
+        self.cancels.start()
+
+    def admitted(self, deliveries: Sequence[Delivery]) -> None:
+        self.cancels.admitted([job_id_of(delivery) for delivery in deliveries])
+
+    def before(self, run: Run) -> Outcome | None:
+        cancel = self.cancels.known(run.job.job_id)
+        return None if cancel is None else Cancelled(cancel.reason)
+
+    def settled(self, event: Settled) -> None:
+        self.cancels.settled(event.job_id)
+
+    def close(self, timeout: float) -> None:
+        self.cancels.close(timeout)
+
+
+class CancelWatch(Middleware):
+    """Stops a run whose job id is cancelled while it runs (see the module)."""
+
+    def __init__(self, cancels: Cancels) -> None:
+        self._cancels = cancels
+
+    def around(self, run: Run) -> Generator[None, Outcome, Outcome]:
+        cancel = self._cancels.begin(run)
+        if cancel is not None:  # cancelled while it waited for a slot or a token
+            return Cancelled(cancel.reason)
+        try:
+            outcome = yield
+        finally:
+            stopped = self._cancels.end(run)
+        return outcome if stopped is None else Cancelled(stopped.reason)
