@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # How often a waiting run looks at its run (draining? handed back?) while it waits.
 _CHECK_EVERY = 0.25
+# A key's first round waits this long (seconds) for the runs of the pull that brought it.
+_GATHER = 0.05
 # How much one run's hold time moves a share's mean hold time (for deferrals' delays).
 _HOLD_WEIGHT = 0.2
 
@@ -172,12 +174,13 @@ class ShareManager:
         return use
 
     def _share(self, key: str) -> Share:
-        """(Under the lock.) The key's share, a new one asked for at once (no run waits a
-        whole period for a key's first slots)."""
+        """(Under the lock.) The key's share, a new one asked for soon (no run waits a
+        whole period for a key's first slots), once the pull that brought the first run has
+        brought its others: a first ask for one slot was a first second spent with one."""
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = Share(key, self._limits.of(key) or 0)
-            self._wake.set()
+            self._timers.call_after(_GATHER, self._wake.set)
         return share
 
     def give(self, use: ShareUse, *, held: bool = True) -> None:
@@ -194,7 +197,10 @@ class ShareManager:
                 share.hold = (
                     sample if not share.hold else share.hold + _HOLD_WEIGHT * (sample - share.hold)
                 )
+            shrinking = share.cap > share.target
             share.cap = min(share.cap, max(share.target, len(share.uses)))
+            if shrinking and share.cap == share.target:
+                self._wake.set()  # back to its target: the slots it gave up go out now
             self._cond.notify_all()
         _unlist(use, now)
 
@@ -217,7 +223,7 @@ class ShareManager:
 
     def _keep(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._period)
+            self._wake.wait(self._period / 2 if self._owed() else self._period)
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -226,6 +232,15 @@ class ShareManager:
             except Exception:  # not a StoreError (handled): a bug; keep going
                 log.exception("renewing the slot shares failed; trying again")
                 self.healthy = False
+            # Rounds asked for early (a new key, slots given back) come no closer than this.
+            self._stop.wait(self._period / 4)
+
+    def _owed(self) -> bool:
+        """Whether a share is below its fair target while its runs wait: slots given back
+        elsewhere reach it at its next round, so it comes sooner (twice a period, only
+        while a rebalance is under way)."""
+        with self._cond:
+            return any(s.granted < min(s.target, s.want) for s in self._shares.values())
 
     def renew(self, *, closing: bool = False) -> None:
         """One store call for every share: renew it, grow it toward its target, give back
