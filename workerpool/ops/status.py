@@ -25,7 +25,7 @@ from workerpool.ops.monitoring import (
     monitoring_session,
 )
 from workerpool.pubsub import SubscriptionInfo, describe_subscription
-from workerpool.slots.store import SlotStore
+from workerpool.slots.store import SlotStore, Table
 
 
 def _seconds(value: float) -> str:
@@ -105,9 +105,21 @@ def slot_lines(store: SlotStore, limits: Mapping[str, int]) -> list[tuple[str, s
             lines.append((
                 f"concurrency {key}",
                 f"limit {limit}, {len(table.holders)} held{': ' + holders if holders else ''}; "
-                f"{len(table.waiters)} replicas waiting, {len(table.booked)} jobs deferred{hold}",
+                f"{len(table.waiters)} replicas waiting, {len(table.booked)} jobs deferred{hold}"
+                f"{_shares(table)}",
             ))  # fmt: skip
     return lines
+
+
+def _shares(table: Table) -> str:
+    """A key leased in bulk: each replica's share (slots held, slots its runs want)."""
+    if not table.shares:
+        return ""
+    shares = ", ".join(
+        f"{replica} {share.granted} (wants {share.want}, token {share.token})"
+        for replica, share in sorted(table.shares.items())
+    )
+    return f"; {sum(s.granted for s in table.shares.values())} in shares: {shares}"
 
 
 def status_lines(

@@ -466,14 +466,18 @@ class SlotStore(ABC):
         return self._guarded(lambda: self._mutate_many(items))
 
     def table(self, key: str) -> Table:
-        """The key's record as it is now, lapsed holders and waiters left out, with its
-        bookings (for ``workerpool status``)."""
+        """The key's record as it is now, lapsed holders, waiters and shares left out, with
+        its bookings (for ``workerpool status``)."""
         now = self._clock()
         table, record = self._guarded(
             lambda: self._mutate_many([(key, _reading), (bookings_of(key), _reading)])
         )
         return replace(
-            table, holders=table.live(now), waiters=table.line(now), booked=record.booked
+            table,
+            holders=table.live(now),
+            waiters=table.line(now),
+            booked=record.booked,
+            shares=table.live_shares(now),
         )
 
     def _booked(self, key: str, now: float) -> dict[str, Booking]:
