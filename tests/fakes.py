@@ -8,13 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from workerpool.autoscale.actuator import Beat
-from workerpool.context import Flag, JobContext
-from workerpool.registry import JobSpec
-from workerpool.testing.fakes import make_delivery
-from workerpool.worker.envelope import Job
 from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import Outcome
-from workerpool.worker.run import Permit, Run
+from workerpool.worker.run import Run
 
 
 class FakeClock:
@@ -60,34 +56,3 @@ def through(middleware: Middleware, run: Run, handler: Callable[[Run], Outcome])
     steps = Steps(Chain([middleware]), run)
     ended = steps.enter()
     return steps.leave(handler(run) if ended is None else ended)
-
-
-class RoomyPermit:
-    """A run's permit in a pool with room for every waiter."""
-
-    def __init__(self) -> None:
-        self.held = True
-
-    def put_down(self) -> bool:
-        self.held = False
-        return True
-
-    def pick_up(self) -> bool:
-        self.held = True
-        return True
-
-
-def slot_run(
-    job_id: str,
-    permit: Permit | None = None,
-    *,
-    key: str = "bigquery-exports",
-    hand_back: Callable[[Run, Outcome], bool] = lambda run, outcome: True,
-) -> Run:
-    """A run as the middleware sees it, of a job that takes a slot of ``key``."""
-    spec = JobSpec("demo.slot", lambda ctx, payload: None, options={"concurrency": key})
-    message_id = f"m-{job_id}"
-    job = Job(spec, job_id, {}, message_id, 1, None, {})
-    ctx = JobContext(spec.name, job_id, message_id, 1, None, Flag())
-    delivery = make_delivery(b"{}", {}, message_id=message_id)
-    return Run(job, ctx, delivery, hand_back, permit=permit or RoomyPermit())

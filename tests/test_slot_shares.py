@@ -12,12 +12,12 @@ from typing import TypeVar
 
 import pytest
 
-from tests.fakes import slot_run
 from tests.support import wait_for
 from workerpool.slots import Full, Granted, Limits, MemorySlots
 from workerpool.slots.allocation import ShareAsk, fair, grow_to, lease_shares
 from workerpool.slots.leases import SlotLeases, Taken
 from workerpool.slots.shares import ShareManager, ShareUse
+from workerpool.testing.fakes import slot_run
 from workerpool.worker.outcome import LostLease, Outcome
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers

@@ -16,8 +16,6 @@ import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock, through
-from tests.fakes import RoomyPermit as _Permit
-from tests.fakes import slot_run as _run
 from tests.support import book, store_handles, wait_for
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
@@ -36,6 +34,8 @@ from workerpool.slots.keys import MissingField
 from workerpool.slots.leases import GaveUp, SlotLeases, Taken
 from workerpool.slots.middleware import Concurrency
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Booking, Table
+from workerpool.testing.fakes import RoomyPermit as _Permit
+from workerpool.testing.fakes import slot_run as _run
 from workerpool.worker.outcome import Outcome, Succeeded
 from workerpool.worker.run import UNPARKABLE, Run
 from workerpool.worker.timers import Timers
