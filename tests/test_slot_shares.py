@@ -242,3 +242,37 @@ def _after_a_round(manager: ShareManager, take: Callable[[], T]) -> T:
     manager.renew()
     thread.join(5)
     return result[0]
+
+
+def test_a_job_that_came_back_goes_ahead_of_new_ones_in_the_share(
+    store: MemorySlots, timers: Timers
+) -> None:
+    # Given a replica whose share of 1 slot is held by a run
+    manager = _manager(store, timers, "a")
+    first = _after_a_round(
+        manager, lambda: manager.take(KEY, slot_run("j0", key=KEY), 5, park=True)
+    )
+    assert isinstance(first, ShareUse)
+    order: list[str] = []
+
+    def wait(run: Run) -> None:
+        use = manager.take(KEY, run, 30, park=True)
+        assert isinstance(use, ShareUse)
+        order.append(run.job.job_id)
+        manager.give(use)
+
+    # ... a new job waiting for it, then a job delivered for the second time (deferred before)
+    new = slot_run("new", key=KEY)
+    back = slot_run("back", key=KEY)
+    back.delivery.delivery_attempt = 2
+    threads = [threading.Thread(target=wait, args=(run,)) for run in (new, back)]
+    threads[0].start()
+    assert wait_for(lambda: manager.shares()[KEY].want == 2, timeout=5)
+    threads[1].start()
+    assert wait_for(lambda: manager.shares()[KEY].want == 3, timeout=5)
+    # When the slot comes free
+    manager.give(first)
+    for thread in threads:
+        thread.join(10)
+    # Then the job that came back ran first
+    assert order == ["back", "new"]

@@ -155,9 +155,12 @@ class ShareManager:
                     if should_stop(run):
                         return "stopped"
                     if park and not parked:
-                        parked = run.permit.put_down()
+                        # Asked again at each wake: the pool may have room by then.
+                        parked = self._put_down(run)
                         if not parked and share.answered and share.target == 0:
                             return "no_room"
+                        if share.free_for(ticket):
+                            break  # freed while the lock was let go: no wake will come
                     left = deadline - self._clock()
                     if left <= 0:
                         return "patience"
@@ -172,6 +175,15 @@ class ShareManager:
             self.give(use, held=False)
             return "stopped"
         return use
+
+    def _put_down(self, run: Run) -> bool:
+        """(Under the lock.) ``run.permit.put_down()``, the lock let go meanwhile: the pool
+        takes its own lock for it, and may call into a middleware that takes this one."""
+        self._cond.release()
+        try:
+            return run.permit.put_down()
+        finally:
+            self._cond.acquire()
 
     def _share(self, key: str) -> Share:
         """(Under the lock.) The key's share, a new one asked for soon (no run waits a
