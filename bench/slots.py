@@ -47,6 +47,26 @@ KEY = "bench-key"
 TTL = 60.0
 
 
+class Holding:
+    """How many callers hold a slot now, the most at once, and how many held one in all."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = self.peak = self.count = 0
+
+    @contextmanager
+    def one(self) -> Iterator[None]:
+        with self._lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
 def pair(store: SlotStore, count: int) -> tuple[float, float]:
     """Median seconds and CPU seconds per acquire + release on a free key."""
     latencies = []
@@ -64,12 +84,10 @@ def one_key(
 ) -> tuple[float, int]:
     """Grants per second and the most slots held at once, ``holders`` callers on one key."""
     stores = [open_store() for _ in range(holders)]
-    lock = threading.Lock()
-    held = peak = grants = 0
+    held = Holding()
     stop = time.monotonic() + seconds
 
     def caller(index: int) -> None:
-        nonlocal held, peak, grants
         store = stores[index]
         n = 0
         while time.monotonic() < stop:
@@ -82,13 +100,8 @@ def one_key(
                 time.sleep(store.poll_every / 2)
                 continue
             n += 1
-            with lock:
-                held += 1
-                peak = max(peak, held)
-                grants += 1
-            time.sleep(0.001)  # held: other callers' grants overlap it, if the store allows
-            with lock:
-                held -= 1
+            with held.one():
+                time.sleep(0.001)  # held: other callers' grants overlap it, if the store allows
             with contextlib.suppress(StoreError):  # (the slot lapses after the TTL)
                 store.release_many([(KEY, holder)], held_for=0.0)
 
@@ -99,7 +112,7 @@ def one_key(
         thread.join()
     for store in stores:
         store.close()
-    return grants / seconds, peak
+    return held.count / seconds, held.peak
 
 
 class Writes:
@@ -163,25 +176,18 @@ def bulk_key(
     limits = Limits({KEY: limit}, [KEY])
     managers = [ShareManager(store, f"r{i}", limits, timers, ttl=TTL)
                 for i, store in enumerate(stores)]  # fmt: skip
-    lock = threading.Lock()
-    held = peak = runs = 0
+    held = Holding()
     stop = time.monotonic() + seconds
 
     def caller(manager: ShareManager, index: int) -> None:
-        nonlocal held, peak, runs
         n = 0
         while time.monotonic() < stop:
             use = manager.take(KEY, slot_run(f"c{index}-{n}", key=KEY), 5.0, park=False)
             n += 1
             if not isinstance(use, ShareUse):
                 continue
-            with lock:
-                held += 1
-                peak = max(peak, held)
-                runs += 1
-            time.sleep(0.001)
-            with lock:
-                held -= 1
+            with held.one():
+                time.sleep(0.001)
             manager.give(use)
 
     for manager in managers:
@@ -196,7 +202,7 @@ def bulk_key(
         manager.close(5.0)
         store.close()
     timers.close(1.0)
-    return runs / seconds, peak
+    return held.count / seconds, held.peak
 
 
 def bulk_against_per_run(
