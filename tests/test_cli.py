@@ -437,6 +437,18 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
         ]
 
 
+def test_a_pool_key_leased_in_bulk_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = _cli(
+        "run", "--project", "p", "--subscription", "s", "--pool-concurrency", "exports",
+        "--concurrency", "exports=2/bulk", env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: pool_concurrency 'exports': a pool's key is leased per run (its "
+        "slots are taken before each pull); declare it without /bulk"
+    ]
+
+
 def test_a_limit_a_job_config_declares_must_agree_with_the_concurrency_table(
     tmp_path: Path,
 ) -> None:
