@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import pytest
 
+from bench.slot_shards import simulate
 from tests.support import wait_for
 from workerpool.slots import Full, Granted, Limits, MemorySlots
 from workerpool.slots.allocation import ShareAsk, fair, grow_to, lease_shares
@@ -276,3 +277,16 @@ def test_a_job_that_came_back_goes_ahead_of_new_ones_in_the_share(
         thread.join(10)
     # Then the job that came back ran first
     assert order == ["back", "new"]
+
+
+def test_a_key_sharded_for_100_replicas_stays_within_its_limit_at_4_writes_a_record() -> None:
+    # Given a model of 100 replicas on one key of 200, its record split into 25 shards whose
+    # limits are rebalanced every 10 periods, the replicas' wants shifting every 30
+    result = simulate(
+        replicas=100, shards=25, limit=200, periods=120, rebalance=10, shift=30, seed=2
+    )
+    # Then no record is written more than 4 times a period, never more than 200 slots are
+    # granted, and the replicas hold most of what they could use
+    assert result.writes_per_record == 4
+    assert result.peak <= 200
+    assert result.busy >= 0.9
