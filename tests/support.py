@@ -280,3 +280,19 @@ def child_pids(pid: int) -> set[int]:
         if int(parent) == pid and state != "Z":
             found.add(int(entry))
     return found
+
+
+def overlap(intervals: list[tuple[float, float]], until: float | None = None) -> tuple[int, float]:
+    """The most intervals open at once, and the time-weighted mean of how many were open
+    between the first start and ``until`` (default: the last end)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    until = events[-1][0] if until is None else until
+    open_now = peak = 0
+    area = 0.0
+    last = events[0][0]
+    for when, change in events:
+        area += open_now * (max(last, min(when, until)) - last)
+        open_now += change
+        peak = max(peak, open_now)
+        last = max(last, min(when, until))
+    return peak, area / (until - events[0][0])

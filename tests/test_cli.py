@@ -19,6 +19,7 @@ from tests.support import catches_signal, runs_workerpool, wait_for
 from workerpool.cli import main
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
+from workerpool.slots import Limits
 from workerpool.testing.pubsub import PubSubResources
 
 
@@ -381,6 +382,20 @@ def test_concurrency_limits_from_file_env_and_flags(tmp_path: Path) -> None:
         load_settings(None, {"concurrency": ("exports",)}, {})
 
 
+def test_a_keys_entry_says_its_slots_are_leased_in_bulk(tmp_path: Path) -> None:
+    config = tmp_path / "w.toml"
+    config.write_text('[concurrency]\napi = "20/bulk"\n"tenant:*" = "5/bulk"\nexports = 2\n')
+    env = {"WORKERPOOL_CONCURRENCY": "tenant:*=5/per_run"}
+    settings = load_settings(str(config), {"concurrency": ("imports=4/bulk",)}, env)
+    assert settings.concurrency == {"api": 20, "tenant:*": 5, "exports": 2, "imports": 4}
+    assert settings.concurrency_leases == {"api": "bulk", "imports": "bulk"}
+    limits = Limits(settings.concurrency, settings.concurrency_leases)
+    assert limits.bulk("api") and limits.bulk("imports")
+    assert not limits.bulk("tenant:acme") and not limits.bulk("exports")
+    with pytest.raises(ConfigError, match="/bulk or /per_run"):
+        load_settings(None, {"concurrency": ("api=20/fast",)}, {})
+
+
 def test_a_job_whose_concurrency_key_has_no_limit_exits_2_with_one_line(tmp_path: Path) -> None:
     result = _cli(
         "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
@@ -420,6 +435,18 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
             f"workerpool: error: pool_concurrency {key!r}: a pool's key must be a plain key "
             "with a declared limit (the pool takes its slots before it sees any payload)"
         ]
+
+
+def test_a_pool_key_leased_in_bulk_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = _cli(
+        "run", "--project", "p", "--subscription", "s", "--pool-concurrency", "exports",
+        "--concurrency", "exports=2/bulk", env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: pool_concurrency 'exports': a pool's key is leased per run (its "
+        "slots are taken before each pull); declare it without /bulk"
+    ]
 
 
 def test_a_limit_a_job_config_declares_must_agree_with_the_concurrency_table(

@@ -9,6 +9,8 @@ import signal
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from tests.fenced_resource import KEY, RESOURCE_ENV, FencedResource, Write
 from tests.support import WorkerProcess, spawn_worker, wait_for, worker_processes
 from workerpool.testing.pubsub import PubSubResources
@@ -18,23 +20,24 @@ JOB_ID = "fenced-1"
 WORK = 3.0  # seconds each run of the job works between its two writes
 
 
+@pytest.mark.parametrize("mode", ["per_run", "bulk"])
 def test_a_worker_paused_past_its_leases_neither_acks_nor_records_and_its_stale_writes_are_refused(
-    pubsub_resources: PubSubResources, tmp_path: Path
+    mode: str, pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
-    # Given a key of one slot, leases of 6 s, and worker A running the job between its two
-    # fenced writes
+    # Given a key of one slot (leased per run, or in bulk: then A's share holds it), leases
+    # of 6 s, and worker A running the job between its two fenced writes
     pubsub_resources.provision(ack_deadline=10)
     resource = FencedResource(tmp_path / "resource.db")
     store = tmp_path / "fleet.db"
     with worker_processes() as workers:
-        a = _worker(workers, pubsub_resources, tmp_path)
+        a = _worker(workers, pubsub_resources, tmp_path, mode)
         assert wait_for(a.ready, timeout=60)
         pubsub_resources.publish("fencing.write", {"seconds": WORK}, job_id=JOB_ID)
         assert wait_for(lambda: _writes(resource, a.pid), timeout=60), a.output()
         # When A is stopped (its leases lapse: its renewals stop with it) until worker B has
         # started the job, then continued
         stopped = a.signal(signal.SIGSTOP)
-        b = _worker(workers, pubsub_resources, tmp_path)
+        b = _worker(workers, pubsub_resources, tmp_path, mode)
         began = wait_for(lambda: _writes(resource, b.pid), timeout=90)
         resumed = a.signal(signal.SIGCONT)
         assert began, b.output()
@@ -55,10 +58,13 @@ def test_a_worker_paused_past_its_leases_neither_acks_nor_records_and_its_stale_
     assert "lapsed while it ran" in a_log
 
 
-def _worker(workers: list[WorkerProcess], env: PubSubResources, tmp_path: Path) -> WorkerProcess:
+def _worker(
+    workers: list[WorkerProcess], env: PubSubResources, tmp_path: Path, mode: str
+) -> WorkerProcess:
     worker = spawn_worker(
         env, tmp_path / "ledger.jsonl",
-        "--jobs", "tests.fencing_jobs", "--max-outstanding", "1", "--concurrency", f"{KEY}=1",
+        "--jobs", "tests.fencing_jobs", "--max-outstanding", "1",
+        "--concurrency", f"{KEY}=1/{mode}",
         "--claim-ttl", str(TTL), "--slot-ttl", str(TTL), "--lease-extension", "10",
         store=f"sqlite:///{tmp_path / 'fleet.db'}",
         extra_env={RESOURCE_ENV: str(tmp_path / "resource.db")},

@@ -19,7 +19,6 @@ from tests.fakes import FakeClock, through
 from tests.support import book, store_handles, wait_for
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
-from workerpool.registry import JobSpec
 from workerpool.slots import (
     Full,
     Granted,
@@ -35,10 +34,10 @@ from workerpool.slots.keys import MissingField
 from workerpool.slots.leases import GaveUp, SlotLeases, Taken
 from workerpool.slots.middleware import Concurrency
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Booking, Table
-from workerpool.testing.fakes import make_delivery
-from workerpool.worker.envelope import Job
+from workerpool.testing.fakes import RoomyPermit as _Permit
+from workerpool.testing.fakes import slot_run as _run
 from workerpool.worker.outcome import Outcome, Succeeded
-from workerpool.worker.run import UNPARKABLE, Permit, Run
+from workerpool.worker.run import UNPARKABLE, Run
 from workerpool.worker.timers import Timers
 
 TTL = 60.0
@@ -379,31 +378,6 @@ def test_a_template_must_be_covered_by_a_declared_limit() -> None:
 
 
 # --- waiting for a slot ----------------------------------------------------------------------
-
-
-class _Permit:
-    """A run's permit in a pool with room for every waiter."""
-
-    def __init__(self) -> None:
-        self.held = True
-
-    def put_down(self) -> bool:
-        self.held = False
-        return True
-
-    def pick_up(self) -> bool:
-        self.held = True
-        return True
-
-
-def _run(job_id: str, permit: Permit | None = None) -> Run:
-    """A run as the middleware sees it, of a job that takes a slot."""
-    spec = JobSpec("demo.slot", lambda ctx, payload: None, options={"concurrency": KEY})
-    message_id = f"m-{job_id}"
-    job = Job(spec, job_id, {}, message_id, 1, None, {})
-    ctx = JobContext(spec.name, job_id, message_id, 1, None, Flag())
-    delivery = make_delivery(b"{}", {}, message_id=message_id)
-    return Run(job, ctx, delivery, lambda run, outcome: True, permit=permit or _Permit())
 
 
 def test_runs_of_one_process_get_a_key_first_come_first_served(timers: Timers) -> None:

@@ -19,6 +19,7 @@ from tests.support import (
     WorkerProcess,
     held_messages,
     ledger_events,
+    overlap,
     read_ledger,
     shared_store,
     spawn_worker,
@@ -40,22 +41,6 @@ SLOT_JOBS = (
     "--jobs", "workerpool_jobs.demo_slots", "--concurrency", "tenant:*=1",
     "--concurrency", "demo-slots=1",
 )  # fmt: skip
-
-
-def _overlap(intervals: list[tuple[float, float]], until: float | None = None) -> tuple[int, float]:
-    """The most intervals open at once, and the time-weighted mean of how many were open
-    between the first start and ``until`` (default: the last end)."""
-    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
-    until = events[-1][0] if until is None else until
-    open_now = peak = 0
-    area = 0.0
-    last = events[0][0]
-    for when, change in events:
-        area += open_now * (max(last, min(when, until)) - last)
-        open_now += change
-        peak = max(peak, open_now)
-        last = max(last, min(when, until))
-    return peak, area / (until - events[0][0])
 
 
 def _short_stretches(
@@ -136,13 +121,13 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
     runs = [(r["start"], r["end"]) for r in done]
     # The backlog lasts until the last job starts: from then on nothing waits for a slot
     backlog_until = max(start for start, _ in runs)
-    peak, busy = _overlap(runs, until=backlog_until)
+    peak, busy = overlap(runs, until=backlog_until)
     per_worker = Counter(r["pid"] for r in done)
     attempts = sorted(r["attempt"] for r in done)
     waits = sorted(_deferrals(workers).get(job_id, 0) for job_id, _ in jobs)
     print(
         f"{kind}: peak {peak} running, {busy / 3:.3f} of 3 slots busy while the backlog "
-        f"lasted ({_overlap(runs)[1] / 3:.3f} to the last end), per worker "
+        f"lasted ({overlap(runs)[1] / 3:.3f} to the last end), per worker "
         f"{sorted(per_worker.values())}, delivery attempts median {attempts[100]} max "
         f"{attempts[-1]}, deferrals a job median {waits[100]} 90th {waits[180]} max "
         f"{waits[-1]}; longest stretches below 3 (from the first start, length): "
@@ -158,15 +143,17 @@ def test_a_key_limit_is_exact_across_four_worker_processes(
     assert codes == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("mode", ["per_run", "bulk"])
 def test_slots_of_a_killed_worker_free_within_their_ttl(
-    pubsub_resources: PubSubResources, tmp_path: Path
+    mode: str, pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
-    # Given a key of limit 2 with a 6 s slot TTL, and worker A running 2 jobs of 15 s of it
+    # Given a key of limit 2 with a 6 s slot TTL (leased per run, or in bulk: then A holds a
+    # share of 2), and worker A running 2 jobs of 15 s of it
     pubsub_resources.provision(retry_policy=False)  # deferrals keep their own delays
     ledger = tmp_path / "ledger.jsonl"
     flags: list[Any] = [
-        *SLOT_JOBS, "--concurrency", "demo-slots=2", "--slot-ttl", "6", "--claim-ttl", "6",
-        "--lease-extension", "10",
+        *SLOT_JOBS, "--concurrency", f"demo-slots=2/{mode}", "--slot-ttl", "6",
+        "--claim-ttl", "6", "--lease-extension", "10",
     ]  # fmt: skip
     jobs = {f"long-{i}" for i in range(2)} | {f"short-{i}" for i in range(4)}
     with worker_processes() as workers:
@@ -195,10 +182,12 @@ def test_slots_of_a_killed_worker_free_within_their_ttl(
         assert b.wait(30) == 0
     starts = ledger_events(ledger, "start")
     runs = [(r["start"], killed if r["pid"] == a.pid else _end(ledger, r)) for r in starts]
-    peak, _ = _overlap(runs)
-    print(f"slots free {freed_after:.2f}s after the kill; peak {peak} running")
+    peak, _ = overlap(runs)
+    done = Counter(r["job_id"] for r in ledger_events(ledger, "done"))
+    print(f"{mode}: slots free {freed_after:.2f}s after the kill; peak {peak} running")
     assert 0 < freed_after <= 6 + 1.5
     assert peak <= 2
+    assert set(done.values()) == {1}  # nothing ran to its end twice
 
 
 def test_one_tenants_flood_does_not_delay_the_others(
@@ -235,7 +224,7 @@ def test_one_tenants_flood_does_not_delay_the_others(
         for r in ledger_events(ledger, "done")
         if r["job_id"].startswith("a-")
     ]
-    assert _overlap(a_intervals)[0] == 1
+    assert overlap(a_intervals)[0] == 1
 
 
 def test_deferrals_do_not_use_up_a_jobs_attempts(
@@ -298,7 +287,7 @@ def test_a_pool_with_a_key_pulls_only_for_slots_it_holds(
             worker.signal(signal.SIGTERM)
         codes = [worker.wait(30) for worker in workers]
     done = ledger_events(ledger, "done")
-    peak, busy = _overlap([(r["start"], r["end"]) for r in done])
+    peak, busy = overlap([(r["start"], r["end"]) for r in done])
     attempts = sorted(r["attempt"] for r in done)
     print(
         f"peak {peak} running, {busy / 2:.3f} of 2 slots busy, most held by one process "

@@ -12,7 +12,8 @@ from tests.fakes import FakeClock
 from tests.support import book
 from workerpool.ops.monitoring import MONITORING_URL, Backlog, BacklogReader
 from workerpool.ops.status import backlog_lines, slot_lines
-from workerpool.slots import SqliteSlots
+from workerpool.slots import MemorySlots, SqliteSlots
+from workerpool.slots.allocation import ShareAsk, lease_shares
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
 
@@ -112,3 +113,14 @@ def test_status_shows_each_keys_limit_holders_waiters_and_deferred_jobs(tmp_path
         "limit 1, 0 held; 0 replicas waiting, 0 jobs deferred, mean hold 3.0s"
     )
     assert lines["concurrency imports"] == "limit 4, 0 held; 0 replicas waiting, 0 jobs deferred"
+
+
+def test_status_shows_each_replicas_share_of_a_bulk_key() -> None:
+    # Given a key of 20 leased in bulk, shared by two replicas
+    store = MemorySlots()
+    lease_shares(store, [ShareAsk("api", "w1", 20, 0, 16)], 60)
+    lease_shares(store, [ShareAsk("api", "w2", 20, 0, 3)], 60)
+    # When status reads it
+    line = dict(slot_lines(store, {"api": 20}))["concurrency api"]
+    # Then it shows the slots in shares and each replica's
+    assert line.endswith("; 19 in shares: w1 16 (wants 16, token 1), w2 3 (wants 3, token 2)")

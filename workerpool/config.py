@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from workerpool import constants as c
+from workerpool.constants import LEASES_BULK, LEASES_PER_RUN
 from workerpool.errors import ConfigError
 from workerpool.periodic.spec import Periodic, parse_schedules
 from workerpool.ratelimit import RateSpec, parse_rate
@@ -59,6 +60,9 @@ class Settings:
     rate_limits: Mapping[str, RateSpec] = field(default_factory=dict)
     # ``[concurrency]`` KEY = LIMIT (or "PREFIX*" = LIMIT, per key): slots shared by the fleet.
     concurrency: Mapping[str, int] = field(default_factory=dict)
+    # How each key's slots are leased, where its entry says (``KEY = "20/bulk"``): "bulk"
+    # (shares leased to replicas, for fast jobs) or "per_run" (the default).
+    concurrency_leases: Mapping[str, str] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
     # ``[[schedules]]``: periodic jobs, each fired by the pool its ``pool`` names (default the
@@ -145,7 +149,9 @@ def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _coerce(k, v, f"pools[{index}]") for k, v in pool.items()}
 
 
-_STRUCTURED = ("job_config", "rate_limits", "concurrency", "pools", "schedules")
+_STRUCTURED = (
+    "job_config", "rate_limits", "concurrency", "concurrency_leases", "pools", "schedules"
+)  # fmt: skip
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _STRUCTURED}
 
 
@@ -181,22 +187,42 @@ def _rate_limit_flags(entries: str | tuple[str, ...], source: str) -> dict[str, 
     return _rate_limits(_pairs(entries, source, "rate limit", "NAME=RATE/s[:BURST]"), source)
 
 
-def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, int]:
+def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, tuple[int, str]]:
+    """``KEY = LIMIT`` or ``KEY = "LIMIT/MODE"`` (MODE ``bulk`` or ``per_run``): the limit
+    and how its slots are leased."""
     limits = {}
     for key, raw in entries.items():
-        text = str(raw).strip()
-        if isinstance(raw, bool) or not text.isdigit() or int(text) < 1 or "*" in key[:-1]:
+        text, _, mode = str(raw).strip().partition("/")
+        mode = mode.strip() or LEASES_PER_RUN
+        if (
+            isinstance(raw, bool)
+            or not text.strip().isdigit()
+            or int(text) < 1
+            or "*" in key[:-1]
+            or mode not in (LEASES_PER_RUN, LEASES_BULK)
+        ):
             raise ConfigError(
-                f"concurrency {key!r} (from {source}): the limit must be a positive integer "
-                f"and a key may only end in *, got {raw!r}"
+                f"concurrency {key!r} (from {source}): the limit must be a positive integer, "
+                f"optionally /bulk or /per_run, and a key may only end in *, got {raw!r}"
             )
-        limits[key] = int(text)
+        limits[key] = (int(text), mode)
     return limits
 
 
-def _concurrency_flags(entries: str | tuple[str, ...], source: str) -> dict[str, int]:
-    """``KEY=LIMIT`` items, comma-separated in the environment."""
-    return _concurrency(_pairs(entries, source, "concurrency", "KEY=LIMIT"), source)
+def _concurrency_flags(entries: str | tuple[str, ...], source: str) -> dict[str, tuple[int, str]]:
+    """``KEY=LIMIT[/MODE]`` items, comma-separated in the environment."""
+    return _concurrency(_pairs(entries, source, "concurrency", "KEY=LIMIT[/MODE]"), source)
+
+
+def _split_concurrency(
+    values: dict[str, Any], declared: Mapping[str, tuple[int, str]]
+) -> dict[str, Any]:
+    """Settings' ``concurrency`` (limits) and ``concurrency_leases`` (the bulk keys)."""
+    values["concurrency"] = {key: limit for key, (limit, _) in declared.items()}
+    values["concurrency_leases"] = {
+        key: mode for key, (_, mode) in declared.items() if mode == LEASES_BULK
+    }
+    return values
 
 
 def _pairs(entries: str | tuple[str, ...], source: str, what: str, form: str) -> dict[str, str]:
@@ -265,7 +291,7 @@ def load_settings(
     if env.get(ENV_PREFIX + "CONCURRENCY"):
         slots.update(_concurrency_flags(env[ENV_PREFIX + "CONCURRENCY"], "WORKERPOOL_CONCURRENCY"))
     slots.update(_concurrency_flags(flags.pop("concurrency", None) or (), "--concurrency"))
-    values["concurrency"] = slots
+    _split_concurrency(values, slots)
     for name, value in flags.items():
         if value is not None and value != ():
             values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")

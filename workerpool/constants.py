@@ -99,6 +99,11 @@ DEFAULT_CLAIM_TTL: Final = 60.0
 # long for a free slot, then defers its message.
 DEFAULT_SLOT_TTL: Final = 60.0
 DEFAULT_SLOT_WAIT: Final = 30.0
+# How a key's slots are leased (its ``[concurrency]`` entry, ``"20/bulk"``): one lease per run,
+# or shares leased to replicas and renewed once a SLOT_SHARE_PERIOD (seconds) by each.
+LEASES_PER_RUN: Final = "per_run"
+LEASES_BULK: Final = "bulk"
+SLOT_SHARE_PERIOD: Final = 1.0
 # Each replica writes its heartbeat (what it runs and holds, for the autoscaler) this often.
 DEFAULT_HEARTBEAT_INTERVAL: Final = 2.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"

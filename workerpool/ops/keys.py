@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workerpool.slots.store import SlotStore
+from workerpool.slots.store import Share, SlotStore
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class KeyState:
     deferred: int = 0  # jobs deferred because the key was full
     hold: float = 0.0  # mean seconds a slot is held (0 until known)
     in_use: bool = True  # False: a pattern none of whose keys has a record
+    shares: tuple[tuple[str, Share], ...] = ()  # a key leased in bulk: each replica's share
 
 
 def key_states(store: SlotStore, limits: Mapping[str, int], now: float) -> list[KeyState]:
@@ -43,6 +44,7 @@ def key_states(store: SlotStore, limits: Mapping[str, int], now: float) -> list[
                 for holder, lease in sorted(table.holders.items(), key=lambda h: h[1].since)
             )
             states.append(
-                KeyState(key, limit, holders, len(table.waiters), len(table.booked), table.hold)
-            )
+                KeyState(key, limit, holders, len(table.waiters), len(table.booked), table.hold,
+                         shares=tuple(sorted(table.shares.items())))
+            )  # fmt: skip
     return states

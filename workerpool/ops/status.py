@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workerpool.ops.keys import key_states
+from workerpool.ops.keys import KeyState, key_states
 from workerpool.ops.monitoring import (
     EMULATOR_VARIABLE,
     OLDEST_UNACKED_AGE,
@@ -100,9 +100,21 @@ def slot_lines(store: SlotStore, limits: Mapping[str, int]) -> list[tuple[str, s
         lines.append((
             f"concurrency {state.key}",
             f"limit {state.limit}, {len(state.holders)} held{': ' + holders if holders else ''}; "
-            f"{state.waiters} replicas waiting, {state.deferred} jobs deferred{hold}",
+            f"{state.waiters} replicas waiting, {state.deferred} jobs deferred{hold}"
+            f"{_shares(state)}",
         ))  # fmt: skip
     return lines
+
+
+def _shares(state: KeyState) -> str:
+    """A key leased in bulk: each replica's share (slots held, slots its runs want)."""
+    if not state.shares:
+        return ""
+    shares = ", ".join(
+        f"{replica} {share.granted} (wants {share.want}, token {share.token})"
+        for replica, share in state.shares
+    )
+    return f"; {sum(share.granted for _, share in state.shares)} in shares: {shares}"
 
 
 def status_lines(

@@ -20,11 +20,13 @@ def declared_limits(
     job_config: Mapping[str, Any],
     *,
     concurrency: Mapping[str, int],
+    bulk: Iterable[str] = (),
     pool_key: str,
     store_url: str,
 ) -> Limits | None:
     """The declared limits (``concurrency``, the ``[concurrency]`` table, and the
-    ``concurrency_limits`` of job configs: the BigQuery plugin's ``max_concurrent_exports``),
+    ``concurrency_limits`` of job configs: the BigQuery plugin's ``max_concurrent_exports``;
+    ``bulk``, the entries leased in shares),
     checked to cover every job's key and the pool's key (``ConfigError`` if not); None when no
     job takes slots and none are declared. With limits declared, any run may take a slot for
     part of its run (ctx.slot). A job config's limits hold only where the store
@@ -45,13 +47,18 @@ def declared_limits(
                 f"concurrency {key!r}: [concurrency] says {limit}, a job's config "
                 f"{declared[key]}; declare it once"
             )
-    limits = Limits(declared)
+    limits = Limits(declared, frozenset(bulk))
     keys = {spec.name: spec.options["concurrency"] for spec in specs
             if spec.options.get("concurrency")}  # fmt: skip
     for job_name, key in keys.items():
         problem = KeyTemplate(key).check(limits)
         if problem:
             raise ConfigError(f"job {job_name}: concurrency key {key!r} {problem}")
+    if pool_key and limits.bulk(pool_key):
+        raise ConfigError(
+            f"pool_concurrency {pool_key!r}: a pool's key is leased per run (its slots are "
+            "taken before each pull); declare it without /bulk"
+        )
     if pool_key and (KeyTemplate(pool_key).fields or limits.of(pool_key) is None):
         raise ConfigError(
             f"pool_concurrency {pool_key!r}: a pool's key must be a plain key with a "

@@ -9,7 +9,7 @@ A limit is declared for a key (``bigquery-exports = 2``) or for every key with a
 from __future__ import annotations
 
 import string
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,15 +18,17 @@ from workerpool.errors import ConfigError
 
 class Limits:
     """The declared limits; ``of(key)`` is the exact key's, else the longest matching
-    prefix pattern's, else None."""
+    prefix pattern's, else None. ``bulk`` names the entries whose slots are leased to
+    replicas in shares (``"20/bulk"``); a key's mode is that of the entry giving its limit."""
 
-    def __init__(self, declared: Mapping[str, int]) -> None:
+    def __init__(self, declared: Mapping[str, int], bulk: Collection[str] = ()) -> None:
         for key, limit in declared.items():
             if not key or "*" in key[:-1]:
                 raise ConfigError(f"concurrency key {key!r}: a pattern may only end in *")
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise ConfigError(f"concurrency {key}: the limit must be a positive integer")
         self.declared = dict(declared)
+        self.bulk_entries = frozenset(bulk) & set(declared)
         self._exact = {k: v for k, v in declared.items() if not k.endswith("*")}
         # Longest first: "partner:eu:*" wins over "partner:*".
         self._prefixes = sorted(
@@ -34,13 +36,22 @@ class Limits:
             key=lambda item: -len(item[0]),
         )
 
-    def of(self, key: str) -> int | None:
+    def entry(self, key: str) -> str | None:
+        """The declared entry that gives ``key`` its limit (the key, or a pattern)."""
         if key in self._exact:
-            return self._exact[key]
-        for prefix, limit in self._prefixes:
+            return key
+        for prefix, _ in self._prefixes:
             if key.startswith(prefix):
-                return limit
+                return prefix + "*"
         return None
+
+    def of(self, key: str) -> int | None:
+        entry = self.entry(key)
+        return None if entry is None else self.declared[entry]
+
+    def bulk(self, key: str) -> bool:
+        """Whether ``key``'s slots are leased in shares (``slots.shares``)."""
+        return self.entry(key) in self.bulk_entries
 
     def cover(self, head: str) -> bool:
         """A prefix pattern gives a limit to every key that starts with ``head``."""

@@ -26,6 +26,7 @@ from enum import Enum
 from workerpool import constants as c
 from workerpool.slots.bookings import BookingWriter
 from workerpool.slots.keys import Limits
+from workerpool.slots.shares import ShareManager, ShareUse, should_stop
 from workerpool.slots.store import Granted, SlotStore
 from workerpool.stores import StoreError
 from workerpool.worker.keeper import Held, LeaseKeeper
@@ -64,12 +65,13 @@ class Lease:
 @dataclass(eq=False)
 class Taken:
     lease: Lease
-    held: Held[_Key]
+    held: Held[_Key] | None  # None: a slot of this replica's share of a bulk key
     since: float
     run: Run  # (the lease names its run only while it is kept alive)
     # Named after the work it guards (``ctx.slot(key, holder=...)``): a run handed back
     # leaves it held for the next run of that work.
     named: bool = False
+    share: ShareUse | None = None
 
 
 @dataclass(eq=False)
@@ -164,6 +166,8 @@ class SlotLeases:
             close_store=store.close,
         )
         self._bookings = BookingWriter(store)
+        # Keys leased in bulk: their runs take slots of this replica's shares.
+        self.shares = ShareManager(store, owner, limits, timers, ttl=ttl, clock=clock)
         self._lines: dict[str, _Line] = {}
         self._taken: dict[Run, list[Taken]] = {}
         # The one run that may wait holding its permit, and its line (``_wait_in_front``).
@@ -182,6 +186,13 @@ class SlotLeases:
         limit = self.limits.of(key)
         if limit is None:
             raise KeyError(key)
+        if self.limits.bulk(key):
+            return self._take_share(key, run, patience, park)
+        return self._take_per_run(key, limit, run, patience, park, holder)
+
+    def _take_per_run(
+        self, key: str, limit: int, run: Run, patience: float, park: bool, holder: str
+    ) -> Taken | GaveUp:
         named = bool(holder)
         holder = holder or self.new_holder()
         line = self._line(key)
@@ -195,7 +206,7 @@ class SlotLeases:
         parked = park and run.permit.put_down()
         with line.joined() as ticket:
             try:
-                while not _should_stop(run):
+                while not should_stop(run):
                     first, version = line.first(ticket)
                     if queued and not first:
                         # A job deferred before went ahead of it here: its place in the
@@ -249,6 +260,22 @@ class SlotLeases:
                 if queued:
                     self._leave(key, holder)
 
+    def _take_share(self, key: str, run: Run, patience: float, park: bool) -> Taken | GaveUp:
+        use = self.shares.take(key, run, patience, park=park)
+        if isinstance(use, str):
+            return GaveUp(use)
+        lease = Lease(key, self._owner, use.share.token)
+        return Taken(lease, None, use.since, run, share=use)
+
+    def start(self) -> None:
+        self.keeper.start()
+        if self.limits.bulk_entries:
+            self.shares.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.keeper.healthy and self.shares.healthy
+
     def _wait_where(self, run: Run, line: _Line, may_lead: bool) -> bool | None:
         """Where a run not started waits: without its permit (True), holding it at the
         front of the line (False, if it ``may_lead``), or nowhere (None: no room)."""
@@ -300,6 +327,8 @@ class SlotLeases:
     def come_back_in(self, key: str, job_id: str) -> float:
         """Seconds until job ``job_id``, which found ``key`` full, should come back (its
         booking in the key's line); raises ``StoreError``."""
+        if self.limits.bulk(key):
+            return self.shares.come_back_in(key)
         booking = self._store.come_back(key, job_id, self.limits.of(key) or 1)
         self._bookings.put(key, job_id, booking)
         return max(0.0, booking.at - time.time())
@@ -309,10 +338,15 @@ class SlotLeases:
         close the store, all within ``timeout``."""
         deadline = time.monotonic() + timeout
         self._bookings.close(timeout / 2)
+        self.shares.close(max(0.0, deadline - time.monotonic()) / 2)
         self.keeper.close(max(0.0, deadline - time.monotonic()))
 
     def give(self, taken: Taken) -> None:
         """Release the slot (the run ended); a release that fails is left to expire."""
+        if taken.share is not None:
+            self.shares.give(taken.share)
+            return
+        assert taken.held is not None
         self.keeper.let_go(taken.held)
         self._forget(taken)
         lease = taken.lease
@@ -332,12 +366,18 @@ class SlotLeases:
 
     def leave(self, taken: Taken) -> None:
         """Stop keeping the slot alive without releasing it: it lapses after its TTL unless
-        a run asks for it again by its holder's name."""
+        a run asks for it again by its holder's name (a share's slot is given back: shares
+        have no names)."""
+        if taken.share is not None:
+            self.shares.give(taken.share)
+            return
+        assert taken.held is not None
         self.keeper.let_go(taken.held)
         self._forget(taken)
 
     def _drop(self, taken: Taken) -> None:
         """Release a slot its run never used (no hold time measured)."""
+        assert taken.held is not None  # (a share's slot is given back by the share)
         self.keeper.let_go(taken.held)
         self._forget(taken)
         self._leave(taken.lease.key, taken.lease.holder)
@@ -348,7 +388,9 @@ class SlotLeases:
         are left to the next run of their work)."""
         with self._lock:
             taken = self._taken.pop(run, [])
+        self.shares.interrupted(run)
         for each in taken:
+            assert each.held is not None  # (only per-run slots are listed here)
             if each.named:
                 self.keeper.let_go(each.held)
             else:
@@ -388,7 +430,3 @@ class SlotLeases:
                 # at once where the store says so, instead of at its next ask.
                 self._store.on_change(key, line.moved)
             return line
-
-
-def _should_stop(run: Run) -> bool:
-    return run.delivery.settled or run.ctx.draining.is_set() or run.ctx.cancelled.is_set()

@@ -50,11 +50,11 @@ class Concurrency(Middleware):
         return self.gate is None and not spec.options.get(CONCURRENCY)
 
     def start(self) -> None:
-        self._leases.keeper.start()
+        self._leases.start()
 
     @property
     def healthy(self) -> bool:
-        return self._leases.keeper.healthy
+        return self._leases.healthy
 
     def around(self, run: Run) -> Around:
         slots = run.ctx.slots = _RunSlots(self, run)

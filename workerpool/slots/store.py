@@ -50,6 +50,18 @@ class Booking:
 
 
 @dataclass(frozen=True)
+class Share:
+    """A replica's share of a key leased in bulk: ``granted`` slots until ``until`` (wall
+    time), fenced by ``token``; ``want``: how many its runs used and waited for, when it last
+    wrote (for the others' fair targets)."""
+
+    granted: int
+    want: int
+    until: float
+    token: int
+
+
+@dataclass(frozen=True)
 class Table:
     """A key's record: its holders; the replicas waiting for it now (one waiter per replica:
     each replica's own line waits behind it); the jobs deferred because it was full, by job
@@ -63,9 +75,19 @@ class Table:
     waiters: dict[str, Waiter] = field(default_factory=dict)
     booked: dict[str, Booking] = field(default_factory=dict)
     hold: float = 0.0
+    # Replicas' shares of the key, by replica, where it is leased in bulk (``allocation``);
+    # per-run holders and shares count against one limit.
+    shares: dict[str, Share] = field(default_factory=dict)
 
     def live(self, now: float) -> dict[str, Holding]:
         return {h: holding for h, holding in self.holders.items() if holding.until > now}
+
+    def live_shares(self, now: float) -> dict[str, Share]:
+        return {r: share for r, share in self.shares.items() if share.until > now}
+
+    def shared(self, now: float) -> int:
+        """Slots held now by replicas' shares (they count against the limit with holders)."""
+        return sum(share.granted for share in self.live_shares(now).values())
 
     def line(self, now: float) -> dict[str, Waiter]:
         return {h: waiter for h, waiter in self.waiters.items() if waiter.until > now}
@@ -124,6 +146,16 @@ def encode(table: Table) -> dict[str, Any]:
         ],
         "next_token": table.next_token,
         "hold": float(table.hold),
+        "shares": [
+            {
+                "replica": r,
+                "granted": share.granted,
+                "want": share.want,
+                "until": share.until,
+                "token": share.token,
+            }
+            for r, share in table.shares.items()
+        ],
     }
 
 
@@ -144,6 +176,12 @@ def decode(data: dict[str, Any]) -> Table:
             e["job_id"]: Booking(float(e["since"]), float(e["at"])) for e in data.get("booked", [])
         },
         hold=float(data.get("hold", 0.0)),
+        shares={
+            e["replica"]: Share(
+                int(e["granted"]), int(e["want"]), float(e["until"]), int(e["token"])
+            )
+            for e in data.get("shares", [])
+        },
     )
 
 
@@ -257,7 +295,7 @@ class SlotStore(ABC):
                 now if place is None else place.since, now if booking is None else booking.since
             )
             ahead = sum(1 for h, w in line.items() if (w.since, h) < (since, holder))
-            if len(live) + ahead < limit:
+            if len(live) + table.shared(now) + ahead < limit:
                 token = table.next_token
                 live[holder] = Holding(now + ttl, token, now, job_id if booking else "")
                 granted = replace(table, holders=live, waiters=line, next_token=token + 1)
@@ -383,7 +421,7 @@ class SlotStore(ABC):
                 token = table.next_token
                 if held is not None and hand_over is not None and line:
                     limit, ttl = hand_over
-                    if len(live) < limit:
+                    if len(live) + table.shared(now) < limit:
                         first = min(line, key=lambda h: (line[h].since, h))
                         waiter = line.pop(first)
                         live[first] = Holding(now + ttl, token, now, waiter.job_id)
@@ -421,15 +459,25 @@ class SlotStore(ABC):
 
         self._guarded(release)
 
+    def mutate_records(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
+        """``_mutate_many``, for the rules of records kept in modules of their own (the
+        shares of keys leased in bulk, ``allocation``): one transaction, or round trip,
+        where the backend allows."""
+        return self._guarded(lambda: self._mutate_many(items))
+
     def table(self, key: str) -> Table:
-        """The key's record as it is now, lapsed holders and waiters left out, with its
-        bookings (for ``workerpool status``)."""
+        """The key's record as it is now, lapsed holders, waiters and shares left out, with
+        its bookings (for ``workerpool status``)."""
         now = self._clock()
         table, record = self._guarded(
             lambda: self._mutate_many([(key, _reading), (bookings_of(key), _reading)])
         )
         return replace(
-            table, holders=table.live(now), waiters=table.line(now), booked=record.booked
+            table,
+            holders=table.live(now),
+            waiters=table.line(now),
+            booked=record.booked,
+            shares=table.live_shares(now),
         )
 
     def _booked(self, key: str, now: float) -> dict[str, Booking]:

@@ -8,12 +8,18 @@ take them without a ``type: ignore``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from workerpool.context import Flag, JobContext
+from workerpool.registry import JobSpec
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.envelope import Job
 from workerpool.worker.failures import Failure
+from workerpool.worker.outcome import Outcome
+from workerpool.worker.run import Permit, Run
 
 
 @dataclass
@@ -68,3 +74,38 @@ def make_delivery(
         publish_time=datetime.now(UTC),
         delivery_attempt=attempt,
     )
+
+
+class RoomyPermit:
+    """A run's permit in a pool with room for every waiter."""
+
+    def __init__(self) -> None:
+        self.held = True
+
+    def put_down(self) -> bool:
+        self.held = False
+        return True
+
+    def pick_up(self) -> bool:
+        self.held = True
+        return True
+
+    def start_when_held(self, start: Callable[[bool], None]) -> None:
+        start(True)
+
+
+def slot_run(
+    job_id: str,
+    permit: Permit | None = None,
+    *,
+    key: str = "bigquery-exports",
+    hand_back: Callable[[Run, Outcome], bool] = lambda run, outcome: True,
+) -> Run:
+    """A run as the middleware sees it, of a job that takes a slot of ``key`` (for tests
+    and benchmarks of the slots, outside a pool)."""
+    spec = JobSpec("demo.slot", lambda ctx, payload: None, options={"concurrency": key})
+    message_id = f"m-{job_id}"
+    job = Job(spec, job_id, {}, message_id, 1, None, {})
+    ctx = JobContext(spec.name, job_id, message_id, 1, None, Flag())
+    delivery = make_delivery(b"{}", {}, message_id=message_id)
+    return Run(job, ctx, delivery, hand_back, permit=permit or RoomyPermit())

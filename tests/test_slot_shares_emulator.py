@@ -1,0 +1,113 @@
+"""Keys leased in bulk, shown with real worker processes on the Pub/Sub emulator sharing an
+SQLite store or the Firestore emulator's: a fleet runs fast jobs at the key's limit with a few
+store writes a second (counted by SQLite itself; on Firestore, ``python -m bench.slots``
+counts them in one process). A share holder killed outright: test_slots_emulator.py's
+killed-worker test, in both modes."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.support import (
+    ledger_events,
+    overlap,
+    shared_store,
+    spawn_worker,
+    wait_for,
+    worker_processes,
+)
+from workerpool.testing.pubsub import PubSubResources
+
+LIMIT = 20
+# (jobs, seconds each) by store: at the limit, a backlog of 20 s, the first one or two of them
+# spent rebalancing the key's shares from what each replica asked for first. On Firestore,
+# jobs of 0.5 s: every job's claim and completion are writes too, and the emulator serves
+# about 200 a second in all (with jobs of 0.1 s, 85 jobs ran a second: 0.47 of the slots).
+WORK = {"sqlite": (4000, 0.1), "firestore": (800, 0.5)}
+_COUNTED = """
+CREATE TABLE IF NOT EXISTS slots (key TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE slot_writes (key TEXT NOT NULL, at REAL NOT NULL);
+CREATE TRIGGER slot_written AFTER INSERT ON slots BEGIN
+    INSERT INTO slot_writes VALUES (NEW.key, (julianday('now') - 2440587.5) * 86400.0);
+END;
+"""
+
+
+def _count_slot_writes(path: Path) -> None:
+    """Every write of a key's record (an insert, or the insert of an INSERT OR REPLACE)
+    leaves a row in ``slot_writes``, by the store itself, whatever process wrote it."""
+    with sqlite3.connect(path) as conn:
+        conn.executescript(_COUNTED)
+
+
+def _slot_writes(path: Path, start: float, end: float) -> int:
+    with sqlite3.connect(path) as conn:
+        (count,) = conn.execute(
+            "SELECT count(*) FROM slot_writes WHERE at BETWEEN ? AND ?", (start, end)
+        ).fetchone()
+    return int(count)
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("kind", ["sqlite", "firestore"])
+def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
+    kind: str, pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 4 worker processes with N = 16 each sharing a store, a key of 20 slots leased in
+    # bulk, and (SQLite) the store counting the writes of the key's records
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store(kind, request, tmp_path, warm=True)
+    db = tmp_path / "fleet.db"  # (shared_store's SQLite file)
+    if kind == "sqlite":
+        _count_slot_writes(db)
+    count, seconds = WORK[kind]
+    jobs = [(f"fast-{i}", {"seconds": seconds}) for i in range(count)]
+    with worker_processes() as workers:
+        for _ in range(4):
+            workers.append(
+                spawn_worker(
+                    pubsub_resources, ledger, "--jobs", "workerpool_jobs.demo_slots",
+                    "--concurrency", f"demo-slots={LIMIT}/bulk", "--concurrency", "tenant:*=1",
+                    "--max-outstanding", "16", store=store, extra_env=extra_env,
+                )
+            )  # fmt: skip
+        ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+        assert ready, workers[0].output()[-2000:]
+        # When 4,000 jobs of 100 ms (800 of 0.5 s) that take a slot of the key are published
+        pubsub_resources.publish_many("demo.slot_sleep", jobs)
+        finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=120)
+        assert finished, f"{len(ledger_events(ledger, 'done'))} of {count} done"
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        codes = [worker.wait(30) for worker in workers]
+    done = ledger_events(ledger, "done")
+    runs = [(r["start"], r["end"]) for r in done]
+    first_start = min(start for start, _ in runs)
+    backlog_until = max(start for start, _ in runs)  # from then on nothing waits for a slot
+    peak, busy = overlap(runs, until=backlog_until)
+    writes = _slot_writes(db, first_start, backlog_until) if kind == "sqlite" else 0
+    backlog = backlog_until - first_start
+    per_second = writes / backlog
+    per_worker = Counter(r["pid"] for r in done)
+    print(
+        f"{kind}: peak {peak} running, {busy / LIMIT:.3f} of {LIMIT} slots busy over "
+        f"{backlog:.1f}s of backlog ({count / backlog:.0f}"
+        f" runs/s), {writes} writes of the key's records ({per_second:.2f}/s, "
+        f"{writes / count:.4f} a run), per worker {sorted(per_worker.values())}"
+    )
+    # Then never more than 20 ran at once across the fleet (the jobs' own ledger), and the 20
+    # were reached; the slots were kept busy while the backlog lasted; the key's records
+    # were written at most 5 times a second (SQLite; 0 counted on Firestore); every job ran
+    # once
+    assert peak == LIMIT
+    assert busy / LIMIT >= 0.9
+    assert per_second <= 5
+    assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
+    assert len(per_worker) == 4
+    assert codes == [0, 0, 0, 0]

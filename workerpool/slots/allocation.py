@@ -1,0 +1,101 @@
+"""The record's side of keys leased in bulk: how many slots each replica's share holds.
+
+``fair`` is max-min fair: replicas that want little get all they want, the others split what
+is left equally (within one slot). ``grow_to`` decides one replica's share from its target:
+a share grows only into slots nobody else holds, and shrinks only to what its replica keeps
+(the replica gives slots back as its runs end), so the sum of the shares and the per-run
+holders never exceeds the limit, even while a rebalance is under way. ``lease_shares`` writes
+every key of one replica's round in one store call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from workerpool.slots.store import Share, SlotStore, Table, TableMutation
+
+
+def fair(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
+    """Max-min fair targets for ``wants`` (by replica) out of ``limit`` slots: the smallest
+    wants are met in full while an equal split allows; the rest split what is left, the
+    remainder a slot each to the first by (want, name). They never sum above ``limit``."""
+    targets: dict[str, int] = {}
+    left = max(0, limit)
+    order = sorted(wants, key=lambda r: (wants[r], r))
+    for i, replica in enumerate(order):
+        share, extra = divmod(left, len(order) - i)
+        if wants[replica] <= share:
+            targets[replica] = max(0, wants[replica])
+            left -= targets[replica]
+            continue
+        # Every replica from here wants more than an equal split: they all get it.
+        for j, rest in enumerate(order[i:]):
+            targets[rest] = share + (1 if j < extra else 0)
+        break
+    return targets
+
+
+def grow_to(limit: int, others: int, keep: int, target: int) -> int:
+    """A share's new size: toward ``target`` but only into slots free of ``others`` (other
+    shares and per-run holders), and never below ``keep`` (slots its runs may be using)."""
+    return max(keep, min(target, limit - others))
+
+
+@dataclass(frozen=True)
+class ShareAsk:
+    """One key of a replica's round: it keeps ``keep`` slots (at most what the record granted
+    it) and its runs want ``want`` (running and waiting)."""
+
+    key: str
+    replica: str
+    limit: int
+    keep: int
+    want: int
+
+
+@dataclass(frozen=True)
+class ShareGrant:
+    """The share the record now holds for the replica: ``granted`` slots, fenced by
+    ``token``; ``target``, its fair part, which it shrinks to as its runs end; ``lapsed``: the
+    record had no live share of the replica though it kept slots (it was paused or cut off
+    past the TTL; what its runs held may be held by others now)."""
+
+    granted: int
+    target: int
+    token: int
+    lapsed: bool = False
+
+
+def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
+    def mutation(table: Table | None, now: float) -> tuple[ShareGrant, Table | None]:
+        table = table or Table()
+        shares = table.live_shares(now)
+        mine = shares.pop(ask.replica, None)
+        keep = 0 if mine is None else min(ask.keep, mine.granted)
+        holders = len(table.live(now))
+        wants = {r: s.want for r, s in shares.items()}
+        wants[ask.replica] = max(ask.want, keep)
+        target = fair(ask.limit - holders, wants)[ask.replica]
+        others = holders + sum(s.granted for s in shares.values())
+        granted = grow_to(ask.limit, others, keep, target)
+        token = table.next_token
+        if mine is not None and granted <= mine.granted:
+            token = mine.token  # no slot came from elsewhere: the same grant, renewed
+        lapsed = mine is None and ask.keep > 0
+        if granted == 0 and ask.want == 0:
+            grant = ShareGrant(0, target, token, lapsed)
+            return grant, (replace(table, shares=shares) if mine is not None else None)
+        shares[ask.replica] = Share(granted, ask.want, now + ttl, token)
+        next_token = max(table.next_token, token + 1)
+        return ShareGrant(granted, target, token, lapsed), replace(
+            table, shares=shares, next_token=next_token
+        )
+
+    return mutation
+
+
+def lease_shares(store: SlotStore, asks: Sequence[ShareAsk], ttl: float) -> list[ShareGrant]:
+    """Renew, grow or give back one replica's shares of its keys, all in one store call.
+    Raises ``StoreError``."""
+    return store.mutate_records([(ask.key, share_mutation(ask, ttl)) for ask in asks])
