@@ -38,6 +38,7 @@ PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
     "keys": ("Keys", lambda f: {"keys": f.keys()}),
     "batches": ("Batches", lambda f: {"batches": f.batches()}),
     "schedules": ("Schedules", lambda f: {"delayed": f.delayed(), "periodic": f.periodic()}),
+    "autoscaler": ("Autoscaler", lambda f: {"decisions": f.decisions()}),
 }
 # What a page shows instead when a store or Pub/Sub cannot be read: why, in one line.
 _UNREADABLE = (StoreError, gexc.GoogleAPICallError)
