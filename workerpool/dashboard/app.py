@@ -101,17 +101,17 @@ class Dashboard:
 
     async def letters(self, request: Request) -> Response:
         selection = Selection.of(request.query_params, [])
-        context: dict[str, Any] = {"letters": []}
+        after = request.query_params.get("after", "")
+        context: dict[str, Any] = {"page_of": None}
         if self.dead_letters:  # else the page says where they would be read from
+            sub = self.dead_letters
             context = await _read(
-                lambda: {
-                    "letters": letters(self.clients.subscriber, self.dead_letters, selection, LIMIT)
-                }
+                lambda: {"page_of": letters(self.clients.subscriber, sub, selection, LIMIT, after)}
             )
         return self.render(
             request,
             "letters.html",
-            {**context, "selection": selection, "limit": LIMIT, "title": "Dead letters"},
+            {**context, "selection": selection, "title": "Dead letters"},
         )
 
     async def confirm(self, request: Request) -> Response:
