@@ -188,15 +188,68 @@ def test_the_dashboard_shows_the_fleet_and_replays_a_selection(
         assert len([e for e in ledger_events(ledger, "done") if e["job_id"] in UNKNOWN]) == 3
 
 
-def _screenshots(page: Any, url: str) -> None:
+def test_the_autoscaler_page_shows_the_decisions_of_a_real_autoscaler_live(
+    pubsub_resources: PubSubResources, tmp_path: Path, browser: Any
+) -> None:
+    env = pubsub_resources
+    env.provision()
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    config = tmp_path / "workerpool.toml"
+    config.write_text(
+        f'[worker]\nproject = "{env.project}"\nsubscription = "{env.subscription}"\n'
+        f'idempotency_store = "{store}"\n'
+    )
+    # Given a real autoscaler (process actuator, at most one replica) on an idle subscription
+    log = tmp_path / "autoscale.log"
+    environment = {**os.environ, "PUBSUB_EMULATOR_HOST": env.host,
+                   "WORKERPOOL_DEMO_LEDGER": str(tmp_path / "ledger.jsonl")}  # fmt: skip
+    with open(log, "wb") as out:
+        scaler = subprocess.Popen(
+            [sys.executable, "-m", "workerpool", "autoscale", "--config", str(config),
+             "--max", "1", "--interval", "0.5", "--", "--jobs", "workerpool_jobs.demo",
+             "--heartbeat-interval", "0.5"],
+            env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        with _dashboard(config, env, tmp_path / "dashboard.log") as url:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            # When the Autoscaler page is open and a job is published
+            page.goto(url + "/autoscaler")
+            rows = page.locator("table.decisions tr")
+            expect(rows.nth(1)).to_contain_text("no change", timeout=30000)
+            page.evaluate("window.loadedOnce = true")
+            env.publish("demo.sleep", {"seconds": 30}, job_id="wakes-it")
+            # Then the decision to start a replica shows, with no reload: from 0 replicas to
+            # 1, the job seen waiting, and what the actuator did; the newest decision on top
+            started = page.locator("table.decisions tr", has_text="started 1")
+            expect(started).to_have_count(1, timeout=30000)
+            cells = started.locator("td").all_inner_texts()
+            assert cells[1:3] == ["0", "1"], cells
+            assert "waiting 1" in cells[3] or "probe saw 1" in cells[3], cells
+            assert page.evaluate("window.loadedOnce") is True
+            times = page.locator("table.decisions td:first-child").all_inner_texts()
+            assert times == sorted(times, reverse=True)
+            assert errors == []
+            _screenshots(page, url, only=("autoscaler",))
+    finally:
+        os.killpg(scaler.pid, signal.SIGTERM)
+        assert scaler.wait(60) == 0, log.read_text()[-3000:]
+
+
+PAGES = {"overview": "/", "keys": "/keys", "batches": "/batches", "schedules": "/schedules",
+         "dead-letters": "/dead-letters", "autoscaler": "/autoscaler"}  # fmt: skip
+
+
+def _screenshots(page: Any, url: str, only: tuple[str, ...] = tuple(PAGES)[:5]) -> None:
     """Each page as a picture, where WORKERPOOL_DASHBOARD_SCREENSHOTS names a folder (the
     docs' pictures are made so)."""
     folder = os.environ.get("WORKERPOOL_DASHBOARD_SCREENSHOTS")
     if not folder:
         return
-    for name, path in (("overview", "/"), ("keys", "/keys"), ("batches", "/batches"),
-                       ("schedules", "/schedules"), ("dead-letters", "/dead-letters")):  # fmt: skip
-        page.goto(url + path)
+    for name in only:
+        page.goto(url + PAGES[name])
         page.wait_for_load_state("networkidle")
         page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
 

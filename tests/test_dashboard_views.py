@@ -25,6 +25,7 @@ from workerpool.dashboard.stores import Openers
 from workerpool.errors import ConfigError
 from workerpool.heartbeats import Beat, MemoryHeartbeats
 from workerpool.idempotency import MemoryStore, SqliteStore
+from workerpool.leadership import MemoryLeadership, Noted
 from workerpool.ops.dlq import FailureRecord
 from workerpool.schedule import Entry, MemorySchedule
 from workerpool.slots import MemorySlots
@@ -51,9 +52,12 @@ def client() -> TestClient:
     schedule.add(Entry("projects/p/topics/jobs", "later-1", now + 3600, b"{}", {"job": "j.x"}))
     done.claim("j-1", "w", "m-1", 30.0)
     done.complete("j-1", "w", "m-1")
+    lead = MemoryLeadership()
+    lead.note(SUBSCRIPTION, Noted(now - 60, 0, 2, "waiting 12", "<b>12 waiting</b>", "started 2"))
+    lead.note(SUBSCRIPTION, Noted(now, 2, 1, "waiting 0", "idle", "stopped 1"))
     openers = Openers(
         heartbeats=lambda: beats, slots=lambda: slots, batches=lambda: batches,
-        schedule=lambda: schedule, completions=lambda: done,
+        schedule=lambda: schedule, completions=lambda: done, leadership=lambda: lead,
     )  # fmt: skip
     settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2})
     app = create_app(settings, openers=openers, dead_letter_subscription="dlq-sub", token=TOKEN)
@@ -92,6 +96,16 @@ def test_keys_batches_and_schedules_pages(client: TestClient) -> None:
     schedules = client.get("/schedules").text
     assert "later-1" in schedules and "j.x" in schedules
     assert client.get("/nowhere").status_code == 404
+
+
+def test_the_autoscaler_page_shows_its_decisions_newest_first_as_text(
+    client: TestClient,
+) -> None:
+    page = client.get("/autoscaler").text
+    assert f"<h2>{SUBSCRIPTION}</h2>" in page
+    rows = re.findall(r"<tr><td>[^<]*</td><td>(\d+)</td><td>(\d+)</td>", page)
+    assert rows == [("2", "1"), ("0", "2")]
+    assert "&lt;b&gt;12 waiting&lt;/b&gt;" in page and "<b>" not in page
 
 
 def test_actions_need_the_csrf_token_a_confirmation_and_a_post(client: TestClient) -> None:

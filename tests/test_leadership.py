@@ -12,7 +12,14 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
 from tests.support import store_handles
 from workerpool.autoscale.leader import Leader
-from workerpool.leadership import LeadershipStore, Lease, MemoryLeadership, SqliteLeadership
+from workerpool.leadership import (
+    LeadershipStore,
+    Lease,
+    MemoryLeadership,
+    Noted,
+    SqliteLeadership,
+)
+from workerpool.leadership.decisions import appended, read
 from workerpool.stores import StoreUnavailable
 
 SUB = "projects/p/subscriptions/jobs"
@@ -28,7 +35,9 @@ def make_store(
 
         # The session's emulator may be a cold JVM on a loaded machine: its first writes took
         # over the default 5 s here, which says nothing about leases.
-        return FirestoreLeadership(FIRESTORE_PROJECT, collection, timeout=30.0)
+        return FirestoreLeadership(
+            FIRESTORE_PROJECT, collection, f"{collection}-decisions", timeout=30.0
+        )
 
     with store_handles(
         request.param, request, monkeypatch,
@@ -90,3 +99,27 @@ def test_a_standby_says_once_who_leads_takes_over_within_the_ttl_and_an_outage_a
     # ... a clean stop releases the lease: the other leads at its next round
     second.close()
     assert first.active()
+
+
+def test_the_last_decisions_are_kept_per_subscription_newest_first(
+    make_store: StoreFactory,
+) -> None:
+    # Given the leader's handle and the dashboard's on one store
+    leader, dashboard = make_store(), make_store()
+    first = Noted(100.0, 0, 1, "replicas 0, running 0, waiting 3", "3 waiting", "started 1")
+    second = Noted(160.0, 1, 0, "replicas 1, running 0, waiting 0", "idle", "stopped 1")
+    # When the leader notes two decisions on its subscription and one on another
+    leader.note(SUB, first)
+    leader.note(SUB, second)
+    leader.note("other", first)
+    # Then the other handle reads them back, newest first, each subscription its own
+    assert dashboard.decisions(SUB) == [second, first]
+    assert dashboard.decisions("other") == [first]
+    assert dashboard.decisions("none yet") == []
+
+
+def test_the_decisions_kept_are_bounded_to_the_last_ones() -> None:
+    text = None
+    for at in range(5):
+        text = appended(text, Noted(float(at), 0, 1, "", "", ""), keep=3)
+    assert [n.at for n in read(text)] == [4.0, 3.0, 2.0]

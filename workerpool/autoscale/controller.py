@@ -3,10 +3,11 @@
 Each round reads the fleet (``SignalReader``), lets the actuator tend its replicas (restart
 those due), asks the policy for a count, and tells the actuator when the count differs from
 what there is. A decision is logged in one line (the signals, the count wanted, the count there
-is, why, and what the actuator did) whenever it differs from the last one logged, and exported
-as gauges; replicas exiting before their first beat (a crash loop) are a counter. A store that
-cannot be read leaves the count as it is: signals missing is never a reason to scale in. With
-a ``Leader``, a round acts only while this autoscaler holds the subscription's lease.
+is, why, and what the actuator did) whenever it differs from the last one logged (with a
+``Leader``, it is also kept beside its lease, for the dashboard), and exported as gauges;
+replicas exiting before their first beat (a crash loop) are a counter. A store that cannot be
+read leaves the count as it is: signals missing is never a reason to scale in. With a
+``Leader``, a round acts only while this autoscaler holds the subscription's lease.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from workerpool.autoscale.policy import Decision, Policy, Signals, decide
 from workerpool.autoscale.signals import Observation as Seen
 from workerpool.autoscale.signals import SignalReader
 from workerpool.errors import ActuatorError
+from workerpool.leadership import Noted
 from workerpool.stores import StoreError
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,10 @@ class Autoscaler:
             decision.reason,
             action,
         )
+        if self._leader is not None:
+            self._leader.note(
+                Noted(self._clock(), current, decision.desired, signals, decision.reason, action)
+            )
 
     def _observer(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from workerpool.leadership import LeadershipStore, Lease
+from workerpool.leadership import LeadershipStore, Lease, Noted
 from workerpool.stores import StoreError
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,14 @@ class Leader:
                 lease.holder, self._name, lease.token, until,
             )  # fmt: skip
         return False
+
+    def note(self, noted: Noted) -> None:
+        """Keep a decision beside the lease, for the dashboard; one that cannot be written is
+        a warning (the decision stands, only its record is lost)."""
+        try:
+            self._store.note(self._name, noted)
+        except StoreError as exc:
+            log.warning("could not keep the decision on %s: %s", self._name, exc)
 
     def close(self) -> None:
         """Give the lease up (a standby takes over at its next round), then close the store."""

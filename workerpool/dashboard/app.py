@@ -38,6 +38,7 @@ PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
     "keys": ("Keys", lambda f: {"keys": f.keys()}),
     "batches": ("Batches", lambda f: {"batches": f.batches()}),
     "schedules": ("Schedules", lambda f: {"delayed": f.delayed(), "periodic": f.periodic()}),
+    "autoscaler": ("Autoscaler", lambda f: {"decisions": f.decisions()}),
 }
 # What a page shows instead when a store or Pub/Sub cannot be read: why, in one line.
 _UNREADABLE = (StoreError, gexc.GoogleAPICallError)
@@ -100,17 +101,17 @@ class Dashboard:
 
     async def letters(self, request: Request) -> Response:
         selection = Selection.of(request.query_params, [])
-        context: dict[str, Any] = {"letters": []}
+        after = request.query_params.get("after", "")
+        context: dict[str, Any] = {"page_of": None}
         if self.dead_letters:  # else the page says where they would be read from
+            sub = self.dead_letters
             context = await _read(
-                lambda: {
-                    "letters": letters(self.clients.subscriber, self.dead_letters, selection, LIMIT)
-                }
+                lambda: {"page_of": letters(self.clients.subscriber, sub, selection, LIMIT, after)}
             )
         return self.render(
             request,
             "letters.html",
-            {**context, "selection": selection, "limit": LIMIT, "title": "Dead letters"},
+            {**context, "selection": selection, "title": "Dead letters"},
         )
 
     async def confirm(self, request: Request) -> Response:

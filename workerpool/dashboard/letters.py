@@ -13,6 +13,11 @@ from typing import Any
 from workerpool.ops.dlq import FailureRecord, Replayer, peek
 
 ACTIONS = ("replay", "delete")
+# Records one page view reads at most. Pub/Sub pull cannot seek or sort, so each view pulls the
+# subscription through (holding what it pulled, so nothing comes twice, then giving it all
+# back), sorts what matches and shows the page after the cursor: with more records than this,
+# the rest are not seen (the page says so).
+SCAN = 10_000
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,43 @@ class Letter:
     payload: str
 
 
-def letters(subscriber: Any, subscription: str, selection: Selection, limit: int) -> list[Letter]:
-    return [
-        Letter(record, _text(record.data))
-        for record in peek(subscriber, subscription, limit=limit, match=selection)
-    ]
+@dataclass(frozen=True)
+class Page:
+    """Records ``first`` to ``first + len(letters) - 1`` (from 1) of the ``matching`` ones, in
+    the order they failed; ``after``: the cursor of the next page ("" on the last)."""
+
+    letters: list[Letter]
+    first: int
+    matching: int
+    after: str
+    scanned_all: bool  # False: the subscription holds more than SCAN records matching
+
+
+def letters(
+    subscriber: Any, subscription: str, selection: Selection, limit: int, after: str = ""
+) -> Page:
+    """The ``limit`` records matching ``selection`` that failed after the cursor ``after``
+    (the last one a page showed: its failure time and message id), oldest first: the order
+    is the records' own, so paging shows each record once while new ones fail."""
+    records = sorted(peek(subscriber, subscription, limit=SCAN, match=selection), key=_key)
+    rest = [record for record in records if _key(record) > _cursor(after)] if after else records
+    shown = rest[:limit]
+    return Page(
+        [Letter(record, _text(record.data)) for record in shown],
+        len(records) - len(rest) + 1,
+        len(records),
+        "|".join(_key(shown[-1])) if len(rest) > limit else "",
+        len(records) < SCAN,
+    )
+
+
+def _key(record: FailureRecord) -> tuple[str, str]:
+    return record.failed_at, record.message_id
+
+
+def _cursor(after: str) -> tuple[str, str]:
+    failed_at, _, message_id = after.rpartition("|")
+    return failed_at, message_id
 
 
 def apply(

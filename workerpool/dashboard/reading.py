@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from workerpool.batches.store import Batch
 from workerpool.config import Settings
 from workerpool.dashboard.stores import Openers, opened
+from workerpool.leadership import Noted
 from workerpool.ops.keys import KeyState, key_states
 from workerpool.ops.status import backlog_lines
 from workerpool.periodic import Marks, Periodic
@@ -105,6 +106,14 @@ class Fleet:
         if counts is None:
             return None
         return [counts.get(minute, 0) for minute in range(last - CHART_MINUTES + 1, last + 1)]
+
+    def decisions(self) -> dict[str, list[Noted]]:
+        """Each subscription's last autoscaling decisions, newest first (empty where no
+        autoscaler ran on this store)."""
+        with opened(self._openers.leadership) as store:
+            if store is None:
+                return {}
+            return {sub: store.decisions(sub)[:LIMIT] for sub in self.subscriptions()}
 
     def keys(self) -> list[KeyState]:
         if not self.settings.concurrency:

@@ -13,6 +13,7 @@ from workerpool.batches import batch_opener
 from workerpool.batches.store import BatchStore
 from workerpool.heartbeats import HeartbeatStore, heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, store_opener
+from workerpool.leadership import LeadershipStore, leadership_opener
 from workerpool.periodic import Marks, marks_opener
 from workerpool.schedule import ScheduleStore, schedule_opener
 from workerpool.slots import SlotStore, slot_store_opener
@@ -35,6 +36,7 @@ class Openers:
     schedule: Callable[[], ScheduleStore] | None = None
     marks: Callable[[], Marks] | None = None
     completions: Callable[[], IdempotencyStore] | None = None
+    leadership: Callable[[], LeadershipStore] | None = None  # the autoscaler's decisions
 
     @classmethod
     def of(cls, url: str) -> Openers:
@@ -50,6 +52,7 @@ class Openers:
             schedule=schedule_opener(url),
             marks=marks_opener(url),
             completions=completions,
+            leadership=leadership_opener(url),
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from workerpool.leadership.decisions import Noted, appended, read
 from workerpool.leadership.store import LeadershipStore, Lease, claimed, decode, encode, released
 from workerpool.stores import firestore as docs
 
@@ -12,8 +13,12 @@ class FirestoreLeadership(LeadershipStore):
     """A claim is one preconditioned read-decide-write of the name's document: two claimers
     racing, one write fails its precondition and decides again on what the other wrote."""
 
-    def __init__(self, project: str, collection: str, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self, project: str, collection: str, decisions: str, *, timeout: float = 5.0
+    ) -> None:
+        """Leases in ``collection``, the last decisions in ``decisions``."""
         self._docs = docs.Documents(project, collection, timeout=timeout, label="leadership")
+        self._decisions = docs.Documents(project, decisions, timeout=timeout, label="leadership")
 
     def claim(self, name: str, holder: str, now: float, ttl: float) -> Lease:
         def decide(data: dict[str, Any] | None) -> tuple[Lease, docs.DocChange]:
@@ -29,8 +34,21 @@ class FirestoreLeadership(LeadershipStore):
 
         self._docs.mutate(name, decide)
 
+    def note(self, name: str, noted: Noted) -> None:
+        def decide(data: dict[str, Any] | None) -> tuple[None, docs.DocChange]:
+            entries = appended(None if data is None else data["entries"], noted)
+            return None, {"name": name, "entries": entries}
+
+        self._decisions.mutate(name, decide)
+
+    def decisions(self, name: str) -> list[Noted]:
+        return self._decisions.mutate(
+            name, lambda data: (read(None if data is None else data["entries"]), None)
+        )
+
     def close(self) -> None:
         self._docs.close()
+        self._decisions.close()
 
 
 def _lease(data: dict[str, Any] | None) -> Lease | None:

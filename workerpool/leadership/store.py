@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from workerpool.leadership.decisions import Noted
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -62,6 +64,14 @@ class LeadershipStore(ABC):
     @abstractmethod
     def release(self, name: str, holder: str) -> None:
         """``holder`` stops: its lease lapses at once, so a standby need not wait its TTL."""
+
+    @abstractmethod
+    def note(self, name: str, noted: Noted) -> None:
+        """Add a decision to ``name``'s last ones (its holder's, written while it leads)."""
+
+    @abstractmethod
+    def decisions(self, name: str) -> list[Noted]:
+        """``name``'s last decisions, newest first."""
 
     @abstractmethod
     def close(self) -> None:
