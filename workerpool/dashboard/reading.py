@@ -13,6 +13,7 @@ from workerpool.dashboard.stores import Openers, opened
 from workerpool.ops.keys import KeyState, key_states
 from workerpool.ops.status import backlog_lines
 from workerpool.periodic import Marks, Periodic
+from workerpool.progress import Report
 from workerpool.pubsub import subscription_path
 from workerpool.schedule.store import Entry
 
@@ -55,6 +56,7 @@ class PeriodicRow:
     job: str
     next_tick: float
     last_tick: float | None  # None: never fired (or the store keeps no marks)
+    paused: bool
 
 
 class Fleet:
@@ -106,6 +108,12 @@ class Fleet:
             return None
         return [counts.get(minute, 0) for minute in range(last - CHART_MINUTES + 1, last + 1)]
 
+    def running(self) -> list[Report]:
+        """The jobs running in the fleet, from the progress their runs write (a run shows
+        once it has run about a second), oldest first."""
+        with opened(self._openers.progress) as store:
+            return [] if store is None else store.running(self._clock())[:LIMIT]
+
     def keys(self) -> list[KeyState]:
         if not self.settings.concurrency:
             return []
@@ -132,9 +140,13 @@ class Fleet:
         here), each with its next tick and the last one the fleet fired."""
         now = self._clock()
         with opened(self._openers.marks if self.settings.schedules else None) as marks:
-            return [_periodic(s, now, marks) for s in self.settings.schedules]
+            pauses = {} if marks is None else marks.pauses()
+            return [
+                _periodic(s, now, marks, s.name in pauses and pauses[s.name].paused)
+                for s in self.settings.schedules
+            ]
 
 
-def _periodic(schedule: Periodic, now: float, marks: Marks | None) -> PeriodicRow:
+def _periodic(schedule: Periodic, now: float, marks: Marks | None, paused: bool) -> PeriodicRow:
     last = None if marks is None else marks.last(schedule.name)
-    return PeriodicRow(schedule.name, schedule.job, schedule.ticks.after(now), last)
+    return PeriodicRow(schedule.name, schedule.job, schedule.ticks.after(now), last, paused)

@@ -14,6 +14,7 @@ from workerpool.batches.store import BatchStore
 from workerpool.heartbeats import HeartbeatStore, heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, store_opener
 from workerpool.periodic import Marks, marks_opener
+from workerpool.progress import JobStateStore, job_state_opener
 from workerpool.schedule import ScheduleStore, schedule_opener
 from workerpool.slots import SlotStore, slot_store_opener
 
@@ -35,6 +36,7 @@ class Openers:
     schedule: Callable[[], ScheduleStore] | None = None
     marks: Callable[[], Marks] | None = None
     completions: Callable[[], IdempotencyStore] | None = None
+    progress: Callable[[], JobStateStore] | None = None
 
     @classmethod
     def of(cls, url: str) -> Openers:
@@ -50,6 +52,7 @@ class Openers:
             schedule=schedule_opener(url),
             marks=marks_opener(url),
             completions=completions,
+            progress=job_state_opener(url),
         )
 
 
