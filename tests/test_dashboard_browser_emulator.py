@@ -2,7 +2,10 @@
 worker processes on the Pub/Sub emulator sharing an SQLite store: the live replica and what it
 runs, a key's holder, a batch and a delayed job, dead letters whose payload and error carry a
 script shown as text, and a selection of them replayed from the page, run again, and only
-those; then a job's records replayed through the filter, and one deleted."""
+those; then a job's records replayed through the filter, and one deleted. The Running page: a
+job's progress advancing live, the job cancelled from the page; a periodic schedule paused,
+resumed and triggered from the Schedules page. And the Autoscaler page: a real autoscaler's
+decisions, live."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +26,7 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.support import http_get, ledger_events, spawn_worker, wait_for, worker_processes
 from workerpool import JobMessage, publish, publish_batch
+from workerpool.schedule import parse_not_before
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
@@ -238,11 +243,120 @@ def test_the_autoscaler_page_shows_the_decisions_of_a_real_autoscaler_live(
         assert scaler.wait(60) == 0, log.read_text()[-3000:]
 
 
-PAGES = {"overview": "/", "keys": "/keys", "batches": "/batches", "schedules": "/schedules",
+LONG = '#running tr[data-job-id="long"]'  # the long job's row on the Running page
+SCHEDULED = """
+[[schedules]]
+name = "tick"
+job = "demo.sleep"
+every = "1s"
+payload = { seconds = 0.05 }
+catch_up = "none"
+"""
+
+
+def test_the_running_page_shows_progress_and_cancels_and_schedules_pause_resume_trigger(
+    pubsub_resources: PubSubResources, tmp_path: Path, browser: Any
+) -> None:
+    env = pubsub_resources
+    env.provision(retry_policy=False)
+    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
+    config = tmp_path / "workerpool.toml"
+    config.write_text(
+        f'[worker]\nproject = "{env.project}"\nsubscription = "{env.subscription}"\n'
+        f'jobs = ["workerpool_jobs.demo"]\nidempotency_store = "{store}"\n{SCHEDULED}'
+    )
+    with worker_processes() as workers:
+        # Given a worker firing a 1-second schedule and running a job of 600 steps of 0.1 s,
+        # reporting its progress after each
+        worker = spawn_worker(env, ledger, "--config", str(config), store=store)
+        workers.append(worker)
+        env.publish("demo.steps", {"steps": 600, "step_seconds": 0.1}, job_id="long")
+        with _dashboard(config, env, tmp_path / "dashboard.log") as url:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+
+            # Then the Running page shows it, its progress advancing with no reload
+            page.goto(url + "/running")
+            page.evaluate("window.loadedOnce = true")
+            done = page.locator(f"{LONG} span.done")
+            done.wait_for(timeout=20000)
+            first = _steps(done.inner_text())
+            page.wait_for_function(
+                f"parseFloat(document.querySelector('{LONG} span.done')?.textContent) > {first}",
+                timeout=15000,
+            )
+            later = _steps(done.inner_text())
+            assert page.evaluate("window.loadedOnce") is True
+            assert page.locator(f"{LONG} progress").count() == 1
+
+            # When it is cancelled from the page, through the confirmation page
+            page.locator(f"{LONG} button").click()
+            assert "Cancel 1 job(s): long" in page.locator("#question").inner_text()
+            _confirm(page)
+            asked = time.monotonic()
+            assert "long: cancelled" in page.locator("#result").inner_text()
+            # Then its run ends cancelled within a few seconds
+            assert wait_for(lambda: _runs(ledger, "cancelled", "long"), 10), worker.output()
+            took = time.monotonic() - asked
+            print(f"progress {first:g} -> {later:g} live; cancelled run ended {took:.1f} s after")
+
+            # When the schedule is paused from the Schedules page
+            assert wait_for(lambda: _ticks(ledger), 30), worker.output()
+            _, paused_at = _schedule_action(page, url, "Pause")
+            assert "tick: paused" in page.locator("#result").inner_text()
+            time.sleep(5)
+            # Then no tick after the pause runs
+            resumed_at, _ = _schedule_action(page, url, "Resume")
+            assert [t for t in _ticks(ledger) if paused_at < t < resumed_at] == []
+            # and once resumed, its ticks run again
+            assert wait_for(lambda: any(t > resumed_at for t in _ticks(ledger)), 20)
+            # and a trigger runs it once, under a job id of its own
+            _schedule_action(page, url, "Trigger")
+            job_id = page.locator("#result").inner_text().rsplit("job id ", 1)[1].strip()
+            assert wait_for(lambda: _runs(ledger, "done", job_id), 20), worker.output()
+            page.goto(url + "/schedules")
+            expect(page.locator('tr[data-schedule="tick"] td.state')).to_have_text("active")
+            assert errors == []
+        time.sleep(2)
+    # And the cancelled job never ran again, the triggered one once
+    assert len(_runs(ledger, "resume", "long")) == 1
+    assert len(_runs(ledger, "done", job_id)) == 1
+    print(f"paused {resumed_at - paused_at:.1f} s with no tick; trigger ran {job_id} once")
+
+
+def _steps(text: str) -> float:
+    return float(text.split("/", 1)[0])
+
+
+def _runs(ledger: Path, outcome: str, job_id: str) -> list[dict[str, Any]]:
+    return [e for e in ledger_events(ledger, outcome) if e["job_id"] == job_id]
+
+
+def _schedule_action(page: Any, url: str, button: str) -> tuple[float, float]:
+    """Click ``button`` on the schedule's row and confirm it: the times just before it was
+    confirmed and once it was carried out."""
+    page.goto(url + "/schedules")
+    page.locator('tr[data-schedule="tick"]').get_by_role("button", name=button).click()
+    assert "schedule tick" in page.locator("#question").inner_text()
+    before = time.time()
+    _confirm(page)
+    page.locator("#result").wait_for()
+    return before, time.time()
+
+
+def _ticks(ledger: Path) -> list[float]:
+    """The ticks of the schedule that ran to the end, by the jobs' own ledger."""
+    prefix = "periodic:tick:"
+    return [parse_not_before(e["job_id"][len(prefix) :])
+            for e in ledger_events(ledger, "done") if e["job_id"].startswith(prefix)]  # fmt: skip
+
+
+PAGES = {"overview": "/", "running": "/running", "keys": "/keys", "batches": "/batches", "schedules": "/schedules",
          "dead-letters": "/dead-letters", "autoscaler": "/autoscaler"}  # fmt: skip
 
 
-def _screenshots(page: Any, url: str, only: tuple[str, ...] = tuple(PAGES)[:5]) -> None:
+def _screenshots(page: Any, url: str, only: tuple[str, ...] = tuple(PAGES)[:6]) -> None:
     """Each page as a picture, where WORKERPOOL_DASHBOARD_SCREENSHOTS names a folder (the
     docs' pictures are made so)."""
     folder = os.environ.get("WORKERPOOL_DASHBOARD_SCREENSHOTS")

@@ -27,6 +27,7 @@ from workerpool.heartbeats import Beat, MemoryHeartbeats
 from workerpool.idempotency import MemoryStore, SqliteStore
 from workerpool.leadership import MemoryLeadership, Noted
 from workerpool.ops.dlq import FailureRecord
+from workerpool.progress import MemoryJobState, Report
 from workerpool.schedule import Entry, MemorySchedule
 from workerpool.slots import MemorySlots
 
@@ -55,9 +56,13 @@ def client() -> TestClient:
     lead = MemoryLeadership()
     lead.note(SUBSCRIPTION, Noted(now - 60, 0, 2, "waiting 12", "<b>12 waiting</b>", "started 2"))
     lead.note(SUBSCRIPTION, Noted(now, 2, 1, "waiting 0", "idle", "stopped 1"))
+    progress = MemoryJobState()
+    progress.report([Report("host-1-abc/run-1", "j.export", "run-1", "host-1-abc", now - 5, 57,
+                            100, "<b>row</b> 57", now, now + 30)])  # fmt: skip
     openers = Openers(
         heartbeats=lambda: beats, slots=lambda: slots, batches=lambda: batches,
         schedule=lambda: schedule, completions=lambda: done, leadership=lambda: lead,
+        progress=lambda: progress,
     )  # fmt: skip
     settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2})
     app = create_app(settings, openers=openers, dead_letter_subscription="dlq-sub", token=TOKEN)
@@ -132,6 +137,25 @@ def test_actions_need_the_csrf_token_a_confirmation_and_a_post(client: TestClien
     assert client.get("/dead-letters/apply").status_code == 405
 
 
+def test_the_running_page_shows_each_run_and_its_cancel_asks_for_a_confirmation(
+    client: TestClient,
+) -> None:
+    running = client.get("/running?fragment=1").text
+    assert '<tr data-job-id="run-1">' in running and "57/100 (57%)" in running
+    assert '<progress value="57" max="100">' in running and "&lt;b&gt;row&lt;/b&gt; 57" in running
+    form = {"page": "running", "action": "cancel", "id": ["run-1", "run-2"]}
+    assert client.post("/control/confirm", data=form).status_code == 403  # no CSRF token
+    token = client.get("/running").cookies["workerpool_csrf"]
+    asked = client.post("/control/confirm", data={**form, "csrf_token": token})
+    assert asked.status_code == 200 and "Cancel 2 job(s): run-1, run-2?" in asked.text
+    wrong_token = {**form, "csrf_token": token, "confirmed": "yes", "token": "guess"}
+    assert client.post("/control/apply", data=wrong_token).status_code == 403
+    unknown = {"page": "running", "action": "delete", "one": "run-1", "csrf_token": token}
+    assert client.post("/control/confirm", data=unknown).status_code == 400
+    two = {"page": "schedules", "action": "pause", "id": ["a", "b"], "csrf_token": token}
+    assert client.post("/control/confirm", data=two).status_code == 400
+
+
 def _record(job: str, error_type: str, message_id: str) -> FailureRecord:
     return FailureRecord("ack", message_id, b"{}", {"job": job, "error_type": error_type})
 
@@ -202,6 +226,8 @@ def test_without_a_token_it_is_read_only() -> None:
             "token": ""}  # fmt: skip
     assert client.post("/dead-letters/confirm", data=form).status_code == 403
     assert client.post("/dead-letters/apply", data=form).status_code == 403
+    assert client.post("/control/apply", data={**form, "page": "running"}).status_code == 403
+    assert "Read-only" in client.get("/running").text
 
 
 def test_the_chart_package_leaves_the_process_imports_as_they_were() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
@@ -23,10 +24,12 @@ from starlette.templating import Jinja2Templates
 from workerpool.config import Settings
 from workerpool.dashboard import csrf
 from workerpool.dashboard.chart import done_chart
+from workerpool.dashboard.control import Order, carry_out, order
 from workerpool.dashboard.letters import ACTIONS, Selection, apply, letters
 from workerpool.dashboard.reading import LIMIT, Fleet
 from workerpool.dashboard.stores import Openers
 from workerpool.dashboard.templating import environment
+from workerpool.periodic import Marks
 from workerpool.pubsub import Clients, connect, subscription_path
 from workerpool.stores import StoreError
 
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 # Each read page: its title and what its template gets (read in a worker thread).
 PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
     "overview": ("Overview", lambda f: {"replicas": f.replicas(), "backlog": f.backlog()}),
+    "running": ("Running", lambda f: {"running": f.running()}),
     "keys": ("Keys", lambda f: {"keys": f.keys()}),
     "batches": ("Batches", lambda f: {"batches": f.batches()}),
     "schedules": ("Schedules", lambda f: {"delayed": f.delayed(), "periodic": f.periodic()}),
@@ -48,13 +52,19 @@ class Dashboard:
     """The app's endpoints over one fleet, its dead-letter subscription and its token."""
 
     def __init__(
-        self, fleet: Fleet, clients: Clients | None, dead_letters: str, token: str
+        self,
+        fleet: Fleet,
+        clients: Clients | None,
+        dead_letters: str,
+        token: str,
+        marks: Callable[[], Marks] | None = None,
     ) -> None:
         self.fleet = fleet
         self._token = token  # "": read-only, every action refused
         self._clients = clients
         self._connecting = threading.Lock()  # endpoints run on several threads
         self.dead_letters = dead_letters  # the dead-letter subscription's path, or ""
+        self._marks = marks  # opens the periodic schedules' marks (None: none kept)
         self.templates = Jinja2Templates(env=environment(), context_processors=[self._context])
 
     @property
@@ -132,9 +142,7 @@ class Dashboard:
         if isinstance(found, Response):
             return found
         action, selection = found
-        who = request.headers.get("x-goog-authenticated-user-email") or (
-            request.client.host if request.client else "unknown"
-        )
+        who = _who(request)
         clients = self.clients
         counts = await run_in_threadpool(
             apply, clients.subscriber, clients.publisher, self.dead_letters, action, selection
@@ -155,6 +163,23 @@ class Dashboard:
         """The action and selection a POST asks for, or the response refusing it: without a
         token configured, with a wrong CSRF token, and (``confirmed``: the action itself)
         without the confirmation and the dashboard's token."""
+        form = await self._form(request, confirmed=confirmed)
+        if isinstance(form, Response):
+            return form
+        one = str(form.get("one", ""))
+        action = "replay" if one else str(form.get("action", ""))
+        if action not in ACTIONS:
+            return HTMLResponse(f"unknown action {action!r}", status_code=400)
+        selected = one or form.get("scope") == "selected"
+        ids = [one] if one else [str(i) for i in form.getlist("id")] if selected else []
+        if selected and not ids:
+            return HTMLResponse("nothing selected", status_code=400)
+        return action, Selection.of(form, ids)
+
+    async def _form(self, request: Request, *, confirmed: bool) -> FormData | Response:
+        """The form of an action's POST, or the response refusing it: without a token
+        configured, with a wrong CSRF token, and (``confirmed``: the action itself) without
+        the confirmation and the dashboard's token."""
         if not self._token:
             return HTMLResponse("refused: read-only (no --token configured)", status_code=403)
         form = await request.form()
@@ -165,15 +190,46 @@ class Dashboard:
         sent = str(form.get("token", "")).encode()
         if confirmed and not hmac.compare_digest(sent, self._token.encode()):
             return HTMLResponse("refused: wrong token", status_code=403)
+        return form
+
+    async def control_confirm(self, request: Request) -> Response:
+        """The confirmation page of an action asked for on the Running or Schedules page."""
+        found = await self._order(request, confirmed=False)
+        if isinstance(found, Response):
+            return found
+        return self.render(
+            request, "control_confirm.html", {"order": found, "title": f"Confirm: {found.action}"}
+        )
+
+    async def control_apply(self, request: Request) -> Response:
+        """A Running or Schedules action confirmed: carried out, with an audit line."""
+        found = await self._order(request, confirmed=True)
+        if isinstance(found, Response):
+            return found
+        who = _who(request)
+        lines = await run_in_threadpool(carry_out, self.fleet.settings, self._marks, found, who)
+        log.warning("dashboard: %s of %s by %s: %s", found.action, found.describe(), who,
+                    "; ".join(lines))  # fmt: skip
+        return self.render(
+            request, "control_applied.html", {"order": found, "lines": lines, "title": "Done"}
+        )
+
+    async def _order(self, request: Request, *, confirmed: bool) -> Order | Response:
+        form = await self._form(request, confirmed=confirmed)
+        if isinstance(form, Response):
+            return form
         one = str(form.get("one", ""))
-        action = "replay" if one else str(form.get("action", ""))
-        if action not in ACTIONS:
-            return HTMLResponse(f"unknown action {action!r}", status_code=400)
-        selected = one or form.get("scope") == "selected"
-        ids = [one] if one else [str(i) for i in form.getlist("id")] if selected else []
-        if selected and not ids:
-            return HTMLResponse("nothing selected", status_code=400)
-        return action, Selection.of(form, ids)
+        targets = [one] if one else [str(i) for i in form.getlist("id")]
+        found = order(str(form.get("page", "")), str(form.get("action", "")), targets)
+        return HTMLResponse(found, status_code=400) if isinstance(found, str) else found
+
+
+def _who(request: Request) -> str:
+    """Who asked for an action, for its audit line: the user IAP vouches for, else the
+    client's address."""
+    return request.headers.get("x-goog-authenticated-user-email") or (
+        request.client.host if request.client else "unknown"
+    )
 
 
 async def _read(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -198,7 +254,8 @@ def create_app(
     as ``workerpool provision`` names it); Pub/Sub ``clients`` are made on first use. Without
     a ``token`` the dashboard is read-only; with one, an action is carried out only once
     confirmed with it."""
-    fleet = Fleet(settings, openers or Openers.of(settings.idempotency_store))
+    openers = openers or Openers.of(settings.idempotency_store)
+    fleet = Fleet(settings, openers)
     letters_sub = dead_letter_subscription or (
         f"{settings.dead_letter_topic}-sub" if settings.dead_letter_topic else ""
     )
@@ -207,6 +264,7 @@ def create_app(
         clients,
         subscription_path(settings.project, letters_sub) if letters_sub else "",
         token,
+        openers.marks,
     )
 
     @contextlib.asynccontextmanager
@@ -220,6 +278,10 @@ def create_app(
         Route("/dead-letters", dashboard.letters, name="letters"),
         Route("/dead-letters/confirm", dashboard.confirm, methods=["POST"], name="confirm"),
         Route("/dead-letters/apply", dashboard.apply, methods=["POST"], name="apply"),
+        Route(
+            "/control/confirm", dashboard.control_confirm, methods=["POST"], name="control_confirm"
+        ),
+        Route("/control/apply", dashboard.control_apply, methods=["POST"], name="control_apply"),
         Route("/{page}", dashboard.page, name="page"),
         Mount("/static", StaticFiles(packages=[("workerpool.dashboard", "static")]), name="static"),
     ]

@@ -14,6 +14,7 @@ from workerpool.leadership import Noted
 from workerpool.ops.keys import KeyState, key_states
 from workerpool.ops.status import backlog_lines
 from workerpool.periodic import Marks, Periodic
+from workerpool.progress import Report
 from workerpool.pubsub import subscription_path
 from workerpool.schedule.store import Entry
 
@@ -56,6 +57,7 @@ class PeriodicRow:
     job: str
     next_tick: float
     last_tick: float | None  # None: never fired (or the store keeps no marks)
+    paused: bool
 
 
 class Fleet:
@@ -114,6 +116,11 @@ class Fleet:
             if store is None:
                 return {}
             return {sub: store.decisions(sub)[:LIMIT] for sub in self.subscriptions()}
+    def running(self) -> list[Report]:
+        """The jobs running in the fleet, from the progress their runs write (a run shows
+        once it has run about a second), oldest first."""
+        with opened(self._openers.progress) as store:
+            return [] if store is None else store.running(self._clock())[:LIMIT]
 
     def keys(self) -> list[KeyState]:
         if not self.settings.concurrency:
@@ -141,9 +148,13 @@ class Fleet:
         here), each with its next tick and the last one the fleet fired."""
         now = self._clock()
         with opened(self._openers.marks if self.settings.schedules else None) as marks:
-            return [_periodic(s, now, marks) for s in self.settings.schedules]
+            pauses = {} if marks is None else marks.pauses()
+            return [
+                _periodic(s, now, marks, s.name in pauses and pauses[s.name].paused)
+                for s in self.settings.schedules
+            ]
 
 
-def _periodic(schedule: Periodic, now: float, marks: Marks | None) -> PeriodicRow:
+def _periodic(schedule: Periodic, now: float, marks: Marks | None, paused: bool) -> PeriodicRow:
     last = None if marks is None else marks.last(schedule.name)
-    return PeriodicRow(schedule.name, schedule.job, schedule.ticks.after(now), last)
+    return PeriodicRow(schedule.name, schedule.job, schedule.ticks.after(now), last, paused)

@@ -15,6 +15,7 @@ from workerpool.heartbeats import HeartbeatStore, heartbeat_opener
 from workerpool.idempotency import IdempotencyStore, store_opener
 from workerpool.leadership import LeadershipStore, leadership_opener
 from workerpool.periodic import Marks, marks_opener
+from workerpool.progress import JobStateStore, job_state_opener
 from workerpool.schedule import ScheduleStore, schedule_opener
 from workerpool.slots import SlotStore, slot_store_opener
 
@@ -37,6 +38,7 @@ class Openers:
     marks: Callable[[], Marks] | None = None
     completions: Callable[[], IdempotencyStore] | None = None
     leadership: Callable[[], LeadershipStore] | None = None  # the autoscaler's decisions
+    progress: Callable[[], JobStateStore] | None = None
 
     @classmethod
     def of(cls, url: str) -> Openers:
@@ -53,6 +55,7 @@ class Openers:
             marks=marks_opener(url),
             completions=completions,
             leadership=leadership_opener(url),
+            progress=job_state_opener(url),
         )
 
 

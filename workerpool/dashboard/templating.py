@@ -1,5 +1,6 @@
 """The pages' Jinja2 environment: the package's templates, every value escaped, and the
-filters they format times with (``span``: a length of time, ``utc``: a moment)."""
+filters they format with (``span``: a length of time, ``utc``: a moment, ``progress``: a
+running job's, as ``workerpool status --running`` shows it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from datetime import UTC, datetime
 
 import jinja2
 
+from workerpool.progress.running import progress_text
 from workerpool.schedule.when import span
 
 
@@ -16,6 +18,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["span"] = span
     env.filters["utc"] = utc
+    env.filters["progress"] = progress_text
     return env
 
 

@@ -1,5 +1,6 @@
 // The live parts of a page: every element with data-live is replaced every 2 s by the page's
-// fragment (the same page with ?fragment=1), so what changed shows without a reload.
+// fragment (the same page with ?fragment=1), so what changed shows without a reload. Boxes
+// ticked in it stay ticked (an operator choosing jobs to cancel while the list refreshes).
 (function () {
   const PERIOD_MS = 2000;
   for (const element of document.querySelectorAll("[data-live]")) {
@@ -8,7 +9,12 @@
       try {
         const response = await fetch(url, { headers: { "Accept": "text/html" } });
         if (response.ok) {
+          const ticked = new Set(
+            Array.from(element.querySelectorAll("input[type=checkbox]:checked"), (box) => box.value));
           element.innerHTML = await response.text();
+          for (const box of element.querySelectorAll("input[type=checkbox]")) {
+            box.checked = ticked.has(box.value);
+          }
           element.dataset.refreshed = String(Date.now());
         }
       } catch (error) {
