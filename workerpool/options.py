@@ -20,6 +20,7 @@ from workerpool.slots.keys import KeyTemplate
 CONCURRENCY = "concurrency"
 RATE_LIMIT = "rate_limit"
 SCHEDULE = "schedule"
+ORDERED_EXHAUSTED = "ordered_exhausted"
 # What every job takes, read by the worker itself.
 CORE = frozenset({"timeout", "max_attempts", "payload", "config"})
 
@@ -28,6 +29,13 @@ def _concurrency_key(job: str, key: Any) -> None:
     if not isinstance(key, str) or not key:
         raise TypeError(f"job {job!r}: concurrency must name a key, got {key!r}")
     KeyTemplate(key)  # a malformed template fails here, where it is written
+
+
+def _ordered_exhausted(job: str, choice: Any) -> None:
+    if choice not in ("record", "block"):
+        raise ValueError(
+            f"job {job!r}: ordered_exhausted must be 'record' or 'block', got {choice!r}"
+        )
 
 
 def _cron(job: str, text: Any) -> None:
@@ -44,10 +52,12 @@ _READERS: dict[str, str] = {
     CONCURRENCY: "workerpool.slots.middleware.Concurrency",
     RATE_LIMIT: "workerpool.worker.middleware.RateLimit",
     SCHEDULE: "workerpool.periodic.firing.Periodics",
+    ORDERED_EXHAUSTED: "workerpool.ordering.middleware.KeyBlocks",
 }
 _CHECKS: dict[str, Callable[[str, Any], None]] = {
     CONCURRENCY: _concurrency_key,
     SCHEDULE: _cron,
+    ORDERED_EXHAUSTED: _ordered_exhausted,
 }
 _LOCK = threading.Lock()
 

@@ -23,6 +23,7 @@ from workerpool.heartbeats import heartbeat_opener
 from workerpool.heartbeats.replica import Heartbeat
 from workerpool.idempotency import IdempotencyStore, StoreError, StoreOpener, store_opener
 from workerpool.idempotency.middleware import Idempotency
+from workerpool.ordering.middleware import key_blocks
 from workerpool.periodic import MemoryMarks, Periodic, marks_opener
 from workerpool.periodic.control import declared
 from workerpool.periodic.firing import Periodics
@@ -116,6 +117,9 @@ class PoolBuilder:
         timers = Timers()
         concurrency = self._concurrency(timers, slot_limits)
         coordination = self._coordination(info.topic, clients.publisher)
+        coordination += key_blocks(
+            self._jobs.specs(), s.idempotency_store, self.telemetry.metrics.key_blocked
+        )
         middleware = self._middleware(timers, concurrency, coordination)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)

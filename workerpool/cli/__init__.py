@@ -5,6 +5,7 @@ from workerpool.cli.autoscale import autoscale
 from workerpool.cli.batch import batch
 from workerpool.cli.control import cancel
 from workerpool.cli.dlq import dlq
+from workerpool.cli.ordering import ordering
 from workerpool.cli.publish import publish
 from workerpool.cli.root import main
 from workerpool.cli.run import demo, list_jobs, run
@@ -24,6 +25,7 @@ for command in (
     autoscale,
     dashboard,
     cancel,
+    ordering,
 ):
     main.add_command(command)
 

@@ -81,5 +81,7 @@ def status(
         lines = status_lines(clients.subscriber, subscription_path(project, subscription), slots)
     finally:
         clients.close()
-    for line in lines:
+    from workerpool.ordering import blocked_lines
+
+    for line in lines + blocked_lines(settings.idempotency_store):
         click.echo(line)

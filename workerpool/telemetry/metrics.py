@@ -146,6 +146,12 @@ class Metrics(Middleware):
             description="Ticks of periodic schedules by outcome: fired (published), skipped "
             "(by the overlap policy) or missed (left out by catch_up after a downtime).",
         )
+        self._keys_blocked = meter.create_counter(
+            c.METRIC_KEYS_BLOCKED,
+            unit="{key}",
+            description="Ordering keys blocked when a job of ordered_exhausted='block' "
+            "exhausted its attempts, by job.",
+        )
         self._drain = meter.create_histogram(
             c.METRIC_DRAIN_DURATION,
             unit="s",
@@ -231,6 +237,10 @@ class Metrics(Middleware):
     def periodic_ticks(self, schedule: str, outcome: str, count: int) -> None:
         """``count`` ticks of ``schedule`` were fired, skipped or missed (``outcome``)."""
         self._periodic_ticks.add(count, {c.LABEL_SCHEDULE: schedule, c.LABEL_OUTCOME: outcome})
+
+    def key_blocked(self, job: str) -> None:
+        """A job of ``job`` blocked its ordering key (``workerpool.ordering``)."""
+        self._keys_blocked.add(1, _attributes(job))
 
     def watch_pool(self, name: str, pool: WatchedPool) -> None:
         """Report ``pool``'s running jobs, held messages and limit as gauges labelled

@@ -1,0 +1,42 @@
+"""``workerpool ordering``: ordering keys blocked after a job exhausted its attempts (listed,
+let go on)."""
+
+from __future__ import annotations
+
+import click
+
+from workerpool.cli.options import store_options
+from workerpool.config import load_settings
+from workerpool.errors import ConfigError
+
+
+@click.group()
+def ordering() -> None:
+    """Ordering keys blocked until an operator lets them go on."""
+
+
+@ordering.command("blocked")
+@store_options
+def ordering_blocked(config_file: str | None, idempotency_store: str | None) -> None:
+    """List the blocked keys, with the job that exhausted its attempts."""
+    from workerpool.ordering import blocked_lines
+
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    lines = blocked_lines(settings.idempotency_store)
+    for line in lines:
+        click.echo(line)
+    click.echo(f"{len(lines)} blocked key(s)")
+
+
+@ordering.command("unblock")
+@click.argument("key")
+@store_options
+def ordering_unblock(key: str, config_file: str | None, idempotency_store: str | None) -> None:
+    """Let KEY go on: its later messages run, in order (the exhausted one is not run again;
+    its failure record is on the dead-letter topic, for `workerpool dlq replay`)."""
+    from workerpool.ordering import open_blocked_keys
+
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    if not open_blocked_keys(settings.idempotency_store).unblock(key):
+        raise ConfigError(f"ordering key {key!r} is not blocked")
+    click.echo(f"ordering key {key} unblocked")
