@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,60 @@ def test_a_job_cancelled_before_it_starts_never_reaches_its_handler() -> None:
     # Then job 1 ends cancelled without starting, job 2 runs
     assert started == ["2"]
     assert outcomes == [Cancelled("obsolete"), Succeeded()]
+
+
+def test_a_held_job_cancelled_while_it_waits_for_a_slot_never_starts() -> None:
+    # Given jobs 1 and 2 admitted (their pull's read found no cancel) and job 1 running, with
+    # job 2 held for the only slot and the worker's periodic read a long way off
+    store = MemoryCancels(retention=DAY)
+    cancels, chain = _worker(store)
+    cancels.admitted(["1", "2"])
+    first = Steps(chain, _run("1"))
+    assert first.enter() is None
+    # When job 2 is cancelled, then job 1 ends and job 2 takes its slot at once
+    store.add(Cancel("2", "obsolete", time.time()))
+    assert first.leave(Succeeded()) == Succeeded()
+    held = _run("2")
+    ended = Steps(chain, held).enter()
+    # Then job 2 never starts: it ends cancelled before its handler
+    assert ended == Cancelled("obsolete")
+    assert not held.ctx.cancelled.is_set()
+
+
+def test_runs_starting_together_share_one_read_of_the_cancels() -> None:
+    # Given a store that counts its reads, and 8 admitted jobs whose starts all ask at once
+    # (the first read is held until all 8 have asked)
+    reads: list[set[str]] = []
+    asked, release = threading.Barrier(8), threading.Event()
+
+    class Counting(MemoryCancels):
+        def find(self, job_ids: Collection[str], now: float) -> dict[str, Cancel]:
+            reads.append(set(job_ids))
+            if len(reads) == 2:  # the first read at a start: let the others ask meanwhile
+                release.wait(10)
+            return super().find(job_ids, now)
+
+    store = Counting(retention=DAY)
+    cancels, chain = _worker(store)
+    ids = [str(i) for i in range(8)]
+    cancels.admitted(ids)
+
+    def start(job_id: str) -> None:
+        asked.wait(10)
+        Steps(chain, _run(job_id)).enter()
+
+    threads = [threading.Thread(target=start, args=(job_id,)) for job_id in ids]
+    for thread in threads:
+        thread.start()
+    assert wait_for(lambda: len(reads) == 2, timeout=10)
+    # the other 7 ask while the first start's read is under way
+    assert wait_for(lambda: len(cancels._starting) == 7, timeout=10)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    # Then the admission's read, the first start's, and one more for all the rest
+    assert len(reads) == 3, reads
+    assert set().union(*reads[1:]) == set(ids)
 
 
 @pytest.mark.parametrize("handler_outcome", [Succeeded(), Failed("CancelledError", "cancelled")])

@@ -38,10 +38,17 @@ from workerpool.testing.pubsub import PubSubResources
 RUN_SECONDS = 20.0
 
 
-def _fleet(env: PubSubResources, tmp_path: Path) -> tuple[Path, str]:
-    """The topic and subscription provisioned; the ledger and the SQLite store of a test."""
+def _fleet(
+    env: PubSubResources, kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[Path, str, dict[str, str]]:
+    """The topic and subscription provisioned; the ledger, the store of ``kind`` and the
+    environment that reaches it (set in this process too, which cancels and publishes)."""
     env.provision()
-    return tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'claims.db'}"
+    store, store_env = shared_store(kind, request, tmp_path, warm=True)
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for name, value in store_env.items():
+        monkeypatch.setenv(name, value)
+    return tmp_path / "ledger.jsonl", store, store_env
 
 
 def _start(
@@ -195,22 +202,23 @@ def test_cancels_stop_waiting_and_running_jobs_on_both_replicas(
     assert codes == [0, 0]
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "firestore"])
 def test_a_cancel_given_while_no_worker_runs_and_one_of_a_delayed_job_are_honoured(
-    pubsub_resources: PubSubResources, tmp_path: Path
+    kind: str, pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     # Given a job published and cancelled while no worker is up, a job delayed by 15 s
     # (the issue's 30 s only makes the test longer: the delay ends in the schedule either
     # way), and a plain job
-    ledger, store = _fleet(pubsub_resources, tmp_path)
+    ledger, store, env = _fleet(pubsub_resources, kind, request, tmp_path)
     pubsub_resources.publish("demo.sleep", {"seconds": 0.1}, job_id="while-stopped")
-    _cancel(store, "while-stopped")
+    _cancel(store, "while-stopped", env=env)
     due = time.time() + 15
     when = not_before_text(timedelta(seconds=15))
     pubsub_resources.publish("demo.sleep", {"seconds": 0.1}, job_id="delayed", not_before=when)
     pubsub_resources.publish("demo.sleep", {"seconds": 0.1}, job_id="plain")
     with worker_processes() as workers:
         # When a worker starts, files the delayed job in its schedule, runs the plain one
-        _start(workers, 1, pubsub_resources, ledger, store)
+        _start(workers, 1, pubsub_resources, ledger, store, env)
         assert wait_for(lambda: _outcomes(workers).get("delayed") == ["scheduled"]
                         and _outcomes(workers).get("plain") == ["done"], timeout=30)  # fmt: skip
         # and the delayed job is cancelled (in process: a command takes seconds to start)
@@ -232,14 +240,15 @@ def test_a_cancel_given_while_no_worker_runs_and_one_of_a_delayed_job_are_honour
     assert outcomes["delayed"] == ["scheduled", "cancelled"]
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "firestore"])
 def test_a_batch_cancelled_halfway_completes_once_with_its_cancelled_count(
-    pubsub_resources: PubSubResources, tmp_path: Path
+    kind: str, pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     # Given two workers of N = 4 and a batch of 100 one-second children
-    ledger, store = _fleet(pubsub_resources, tmp_path)
+    ledger, store, env = _fleet(pubsub_resources, kind, request, tmp_path)
     children = [JobMessage("demo.sleep", {"seconds": 1.0}, f"child-{i}") for i in range(100)]
     with worker_processes() as workers:
-        _start(workers, 2, pubsub_resources, ledger, store)
+        _start(workers, 2, pubsub_resources, ledger, store, env)
         batch_id = publish_batch(
             pubsub_resources.topic_path, children, on_complete="demo.batch_done",
             store=store, publisher=pubsub_resources.publisher,
@@ -263,12 +272,14 @@ def test_a_batch_cancelled_halfway_completes_once_with_its_cancelled_count(
     print(f"\n{said.output.strip()}; completion {payload}; started after the cancel: {late}")
     # with every child either succeeded or cancelled, the cancelled counted apart
     assert payload["succeeded"] + payload["cancelled"] == 100 and payload["failed"] == 0
-    assert payload["cancelled"] >= 30
+    # (about half: the command writes one cancel per child in turn, a transaction each on
+    # Firestore, and a child that starts meanwhile runs to its end; measured 24-44 of 100)
+    assert payload["cancelled"] >= 20
     done = {r["job_id"] for r in runs if r["outcome"] == "done"}
     assert len(done) == payload["succeeded"]
     assert not done & set(payload["cancelled_job_ids"])
-    # and no child started once the workers' next look at the cancels was past (a child a
-    # worker held may start within that look, and is then cancelled while it runs)
+    # and no child started once the command had returned (a start reads the cancels; the
+    # bound leaves a loaded machine a margin, none was needed: measured 0 late starts)
     assert all(lag < POLL_INTERVAL + 1.0 for lag in late), late
     assert codes == [0, 0]
 

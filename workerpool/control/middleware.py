@@ -2,9 +2,11 @@
 
 ``Cancels`` knows which of the job ids this worker holds (admitted and not settled yet, run
 or not) are cancelled: it reads the store for each pull's job ids as the pool admits them,
-then for all it holds about once a second, on a thread of its own; one read of the job ids'
-index each time, so a job costs the store a share of a read, not a read of its own. Two
-middleware read what it knows:
+then for all it holds about once a second, on a thread of its own, and once more as runs
+start: a run about to start its handler waits for a read that began after it asked, and one
+read serves every run waiting then (so a job held for a slot, cancelled while it waited,
+never starts). One read of the job ids' index each time, so a job costs the store a share of
+a read, not a read of its own. Two middleware read what it knows:
 
 - ``CancelGate``, before the claim: a job cancelled before it starts ends ``Cancelled``
   there, and takes no claim, slot or token (a claim its admission took is let go).
@@ -61,6 +63,11 @@ class Cancels:
         self._known: dict[str, Cancel] = {}  # the cancelled among those two
         self._stopped: dict[Run, Cancel] = {}  # runs told to stop, until they end
         self._failing = False
+        # Reads for runs about to start: those asking since the last began, and how many
+        # began and ended (a run waits for the first that began after it asked).
+        self._starting: set[str] = set()
+        self._begun = self._ended = 0
+        self._fresh = threading.Condition(threading.Lock())
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,8 +92,10 @@ class Cancels:
         return self._known.get(job_id)
 
     def begin(self, run: Run) -> Cancel | None:
-        """The run's job id's cancel, if known; else the run is watched until ``end``."""
+        """The run's job id's cancel, read after this call began; else the run is watched
+        until ``end``."""
         job_id = run.job.job_id
+        self._read_fresh(job_id)
         with self._lock:
             cancel = self._known.get(job_id)
             if cancel is None:
@@ -102,6 +111,26 @@ class Cancels:
             if not runs:
                 self._running.pop(job_id, None)
             return self._stopped.pop(run, None)
+
+    def _read_fresh(self, job_id: str) -> None:
+        """Return once a read of the store that began after this call, and looked ``job_id``
+        up, has ended: the caller reading it is a leader for all those asking meanwhile."""
+        with self._fresh:
+            self._starting.add(job_id)
+            mine = self._begun + 1  # the next read to begin covers this job id
+            while self._ended < mine:
+                if self._begun == self._ended:  # none under way: lead the next
+                    job_ids, self._starting = self._starting, set()
+                    self._begun += 1
+                    self._fresh.release()
+                    try:
+                        self._look(job_ids)
+                    finally:
+                        self._fresh.acquire()
+                        self._ended += 1
+                        self._fresh.notify_all()
+                else:
+                    self._fresh.wait()
 
     def _poll(self) -> None:
         while not self._closing.wait(self._interval):
