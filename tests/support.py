@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -296,3 +297,27 @@ def overlap(intervals: list[tuple[float, float]], until: float | None = None) ->
         peak = max(peak, open_now)
         last = max(last, min(when, until))
     return peak, area / (until - events[0][0])
+
+
+_COUNTED = """
+CREATE TABLE IF NOT EXISTS slots (key TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE slot_writes (key TEXT NOT NULL, at REAL NOT NULL);
+CREATE TRIGGER slot_written AFTER INSERT ON slots BEGIN
+    INSERT INTO slot_writes VALUES (NEW.key, (julianday('now') - 2440587.5) * 86400.0);
+END;
+"""
+
+
+def count_slot_writes(path: Path) -> None:
+    """Every write of a key's record in the SQLite store at ``path`` (an insert, or the insert
+    of an INSERT OR REPLACE) leaves a row in ``slot_writes``, by the store itself, whatever
+    process wrote it."""
+    with sqlite3.connect(path) as conn:
+        conn.executescript(_COUNTED)
+
+
+def slot_writes(path: Path) -> list[tuple[str, float]]:
+    """The writes ``count_slot_writes`` counted: (key, epoch seconds) each."""
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute("SELECT key, at FROM slot_writes ORDER BY at").fetchall()
+    return [(str(key), float(at)) for key, at in rows]

@@ -7,16 +7,17 @@ killed-worker test, in both modes."""
 from __future__ import annotations
 
 import signal
-import sqlite3
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.support import (
+    count_slot_writes,
     ledger_events,
     overlap,
     shared_store,
+    slot_writes,
     spawn_worker,
     wait_for,
     worker_processes,
@@ -29,28 +30,6 @@ LIMIT = 20
 # jobs of 0.5 s: every job's claim and completion are writes too, and the emulator serves
 # about 200 a second in all (with jobs of 0.1 s, 85 jobs ran a second: 0.47 of the slots).
 WORK = {"sqlite": (4000, 0.1), "firestore": (800, 0.5)}
-_COUNTED = """
-CREATE TABLE IF NOT EXISTS slots (key TEXT PRIMARY KEY, record TEXT NOT NULL);
-CREATE TABLE slot_writes (key TEXT NOT NULL, at REAL NOT NULL);
-CREATE TRIGGER slot_written AFTER INSERT ON slots BEGIN
-    INSERT INTO slot_writes VALUES (NEW.key, (julianday('now') - 2440587.5) * 86400.0);
-END;
-"""
-
-
-def _count_slot_writes(path: Path) -> None:
-    """Every write of a key's record (an insert, or the insert of an INSERT OR REPLACE)
-    leaves a row in ``slot_writes``, by the store itself, whatever process wrote it."""
-    with sqlite3.connect(path) as conn:
-        conn.executescript(_COUNTED)
-
-
-def _slot_writes(path: Path, start: float, end: float) -> int:
-    with sqlite3.connect(path) as conn:
-        (count,) = conn.execute(
-            "SELECT count(*) FROM slot_writes WHERE at BETWEEN ? AND ?", (start, end)
-        ).fetchone()
-    return int(count)
 
 
 @pytest.mark.alone
@@ -65,7 +44,7 @@ def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
     store, extra_env = shared_store(kind, request, tmp_path, warm=True)
     db = tmp_path / "fleet.db"  # (shared_store's SQLite file)
     if kind == "sqlite":
-        _count_slot_writes(db)
+        count_slot_writes(db)
     count, seconds = WORK[kind]
     jobs = [(f"fast-{i}", {"seconds": seconds}) for i in range(count)]
     with worker_processes() as workers:
@@ -91,7 +70,8 @@ def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
     first_start = min(start for start, _ in runs)
     backlog_until = max(start for start, _ in runs)  # from then on nothing waits for a slot
     peak, busy = overlap(runs, until=backlog_until)
-    writes = _slot_writes(db, first_start, backlog_until) if kind == "sqlite" else 0
+    written = slot_writes(db) if kind == "sqlite" else []
+    writes = sum(1 for _, at in written if first_start <= at <= backlog_until)
     backlog = backlog_until - first_start
     per_second = writes / backlog
     per_worker = Counter(r["pid"] for r in done)
