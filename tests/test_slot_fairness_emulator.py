@@ -131,12 +131,12 @@ def test_a_replica_with_a_small_backlog_gets_its_share_at_once_and_the_rest_spli
         f"peak {peak}"
     )
     # Then the small one's jobs all started within 2 s of being published; the big ones'
-    # shares differed by at most 1 slot, on average and in (nearly) every sample; never more
+    # shares differed by at most 1 slot on average, by 2 at most while one shrank to let
+    # another grow (slots move only as a share gives them back); never more
     # than 20 ran at once; every job ran once
     assert max(small_starts) - published <= 2
     assert max(means) - min(means) <= 1
-    assert within_one >= 0.9
+    assert max(spreads) <= 2
     assert peak == LIMIT
     assert len(done) == total
     assert codes == [0] * (BIG + 1)
-
