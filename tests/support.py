@@ -321,3 +321,26 @@ def slot_writes(path: Path) -> list[tuple[str, float]]:
     with sqlite3.connect(path) as conn:
         rows = conn.execute("SELECT key, at FROM slot_writes ORDER BY at").fetchall()
     return [(str(key), float(at)) for key, at in rows]
+
+
+def start_bulk_workers(
+    workers: list[WorkerProcess],
+    envs: list[PubSubResources],
+    ledger: Path,
+    limit: int,
+    store: str,
+    extra_env: dict[str, str],
+) -> None:
+    """A worker process (N = 16) on each of ``envs`` running workerpool_jobs.demo_slots with
+    its key "demo-slots" of ``limit`` slots leased in bulk, added to ``workers``; returns when
+    all are ready."""
+    for env in envs:
+        workers.append(
+            spawn_worker(
+                env, ledger, "--jobs", "workerpool_jobs.demo_slots",
+                "--concurrency", f"demo-slots={limit}/bulk", "--concurrency", "tenant:*=1",
+                "--max-outstanding", "16", store=store, extra_env=extra_env,
+            )
+        )  # fmt: skip
+    ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+    assert ready, workers[0].output()[-2000:]

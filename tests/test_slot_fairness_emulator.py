@@ -19,7 +19,7 @@ from tests.support import (
     ledger_events,
     overlap,
     shared_store,
-    spawn_worker,
+    start_bulk_workers,
     wait_for,
     worker_processes,
 )
@@ -75,16 +75,7 @@ def test_a_replica_with_a_small_backlog_gets_its_share_at_once_and_the_rest_spli
         store, extra_env = shared_store("sqlite", request, tmp_path)
         db = tmp_path / "fleet.db"
         workers = stack.enter_context(worker_processes())
-        for sub in subs:
-            workers.append(
-                spawn_worker(
-                    sub, ledger, "--jobs", "workerpool_jobs.demo_slots",
-                    "--concurrency", f"demo-slots={LIMIT}/bulk", "--concurrency", "tenant:*=1",
-                    "--max-outstanding", "16", store=store, extra_env=extra_env,
-                )
-            )  # fmt: skip
-        ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
-        assert ready, workers[0].output()[-2000:]
+        start_bulk_workers(workers, subs, ledger, LIMIT, store, extra_env)
         bigs = workers[1:]
         samples = stack.enter_context(_sampled_shares(db, "demo-slots"))
         for n, sub in enumerate(subs[1:]):

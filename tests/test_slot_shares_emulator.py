@@ -18,7 +18,7 @@ from tests.support import (
     overlap,
     shared_store,
     slot_writes,
-    spawn_worker,
+    start_bulk_workers,
     wait_for,
     worker_processes,
 )
@@ -48,16 +48,7 @@ def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
     count, seconds = WORK[kind]
     jobs = [(f"fast-{i}", {"seconds": seconds}) for i in range(count)]
     with worker_processes() as workers:
-        for _ in range(4):
-            workers.append(
-                spawn_worker(
-                    pubsub_resources, ledger, "--jobs", "workerpool_jobs.demo_slots",
-                    "--concurrency", f"demo-slots={LIMIT}/bulk", "--concurrency", "tenant:*=1",
-                    "--max-outstanding", "16", store=store, extra_env=extra_env,
-                )
-            )  # fmt: skip
-        ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
-        assert ready, workers[0].output()[-2000:]
+        start_bulk_workers(workers, [pubsub_resources] * 4, ledger, LIMIT, store, extra_env)
         # When 4,000 jobs of 100 ms (800 of 0.5 s) that take a slot of the key are published
         pubsub_resources.publish_many("demo.slot_sleep", jobs)
         finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=120)
