@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -296,3 +297,50 @@ def overlap(intervals: list[tuple[float, float]], until: float | None = None) ->
         peak = max(peak, open_now)
         last = max(last, min(when, until))
     return peak, area / (until - events[0][0])
+
+
+_COUNTED = """
+CREATE TABLE IF NOT EXISTS slots (key TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE slot_writes (key TEXT NOT NULL, at REAL NOT NULL);
+CREATE TRIGGER slot_written AFTER INSERT ON slots BEGIN
+    INSERT INTO slot_writes VALUES (NEW.key, (julianday('now') - 2440587.5) * 86400.0);
+END;
+"""
+
+
+def count_slot_writes(path: Path) -> None:
+    """Every write of a key's record in the SQLite store at ``path`` (an insert, or the insert
+    of an INSERT OR REPLACE) leaves a row in ``slot_writes``, by the store itself, whatever
+    process wrote it."""
+    with sqlite3.connect(path) as conn:
+        conn.executescript(_COUNTED)
+
+
+def slot_writes(path: Path) -> list[tuple[str, float]]:
+    """The writes ``count_slot_writes`` counted: (key, epoch seconds) each."""
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute("SELECT key, at FROM slot_writes ORDER BY at").fetchall()
+    return [(str(key), float(at)) for key, at in rows]
+
+
+def start_bulk_workers(
+    workers: list[WorkerProcess],
+    envs: list[PubSubResources],
+    ledger: Path,
+    limit: int,
+    store: str,
+    extra_env: dict[str, str],
+) -> None:
+    """A worker process (N = 16) on each of ``envs`` running workerpool_jobs.demo_slots with
+    its key "demo-slots" of ``limit`` slots leased in bulk, added to ``workers``; returns when
+    all are ready."""
+    for env in envs:
+        workers.append(
+            spawn_worker(
+                env, ledger, "--jobs", "workerpool_jobs.demo_slots",
+                "--concurrency", f"demo-slots={limit}/bulk", "--concurrency", "tenant:*=1",
+                "--max-outstanding", "16", store=store, extra_env=extra_env,
+            )
+        )  # fmt: skip
+    ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+    assert ready, workers[0].output()[-2000:]

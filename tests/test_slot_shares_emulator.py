@@ -7,17 +7,18 @@ killed-worker test, in both modes."""
 from __future__ import annotations
 
 import signal
-import sqlite3
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.support import (
+    count_slot_writes,
     ledger_events,
     overlap,
     shared_store,
-    spawn_worker,
+    slot_writes,
+    start_bulk_workers,
     wait_for,
     worker_processes,
 )
@@ -29,28 +30,6 @@ LIMIT = 20
 # jobs of 0.5 s: every job's claim and completion are writes too, and the emulator serves
 # about 200 a second in all (with jobs of 0.1 s, 85 jobs ran a second: 0.47 of the slots).
 WORK = {"sqlite": (4000, 0.1), "firestore": (800, 0.5)}
-_COUNTED = """
-CREATE TABLE IF NOT EXISTS slots (key TEXT PRIMARY KEY, record TEXT NOT NULL);
-CREATE TABLE slot_writes (key TEXT NOT NULL, at REAL NOT NULL);
-CREATE TRIGGER slot_written AFTER INSERT ON slots BEGIN
-    INSERT INTO slot_writes VALUES (NEW.key, (julianday('now') - 2440587.5) * 86400.0);
-END;
-"""
-
-
-def _count_slot_writes(path: Path) -> None:
-    """Every write of a key's record (an insert, or the insert of an INSERT OR REPLACE)
-    leaves a row in ``slot_writes``, by the store itself, whatever process wrote it."""
-    with sqlite3.connect(path) as conn:
-        conn.executescript(_COUNTED)
-
-
-def _slot_writes(path: Path, start: float, end: float) -> int:
-    with sqlite3.connect(path) as conn:
-        (count,) = conn.execute(
-            "SELECT count(*) FROM slot_writes WHERE at BETWEEN ? AND ?", (start, end)
-        ).fetchone()
-    return int(count)
 
 
 @pytest.mark.alone
@@ -65,20 +44,11 @@ def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
     store, extra_env = shared_store(kind, request, tmp_path, warm=True)
     db = tmp_path / "fleet.db"  # (shared_store's SQLite file)
     if kind == "sqlite":
-        _count_slot_writes(db)
+        count_slot_writes(db)
     count, seconds = WORK[kind]
     jobs = [(f"fast-{i}", {"seconds": seconds}) for i in range(count)]
     with worker_processes() as workers:
-        for _ in range(4):
-            workers.append(
-                spawn_worker(
-                    pubsub_resources, ledger, "--jobs", "workerpool_jobs.demo_slots",
-                    "--concurrency", f"demo-slots={LIMIT}/bulk", "--concurrency", "tenant:*=1",
-                    "--max-outstanding", "16", store=store, extra_env=extra_env,
-                )
-            )  # fmt: skip
-        ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
-        assert ready, workers[0].output()[-2000:]
+        start_bulk_workers(workers, [pubsub_resources] * 4, ledger, LIMIT, store, extra_env)
         # When 4,000 jobs of 100 ms (800 of 0.5 s) that take a slot of the key are published
         pubsub_resources.publish_many("demo.slot_sleep", jobs)
         finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=120)
@@ -91,7 +61,8 @@ def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
     first_start = min(start for start, _ in runs)
     backlog_until = max(start for start, _ in runs)  # from then on nothing waits for a slot
     peak, busy = overlap(runs, until=backlog_until)
-    writes = _slot_writes(db, first_start, backlog_until) if kind == "sqlite" else 0
+    written = slot_writes(db) if kind == "sqlite" else []
+    writes = sum(1 for _, at in written if first_start <= at <= backlog_until)
     backlog = backlog_until - first_start
     per_second = writes / backlog
     per_worker = Counter(r["pid"] for r in done)
