@@ -27,6 +27,8 @@ RUNS: dict[str, list[str]] = {
     "pubsub": ["bench", "--short", "--plots", "bench/plots"],
     "autoscale": ["bench.autoscale"],
     "slots": ["bench.slots", "--seconds", "3", "--pairs", "200"],
+    "slot_shards": ["bench.slot_shards"],
+    "ordering": ["bench.ordering", "--jobs", "1000"],
     "batches": ["bench.batches", "--children", "2000", "--seconds", "2"],
     "http_delivery": ["bench.http_delivery", "--count", "2000"],
 }
