@@ -5,8 +5,8 @@ run`` process running ``demo.sleep`` jobs: unordered, ordered with 1,000 keys, o
 keys (the same jobs, published with keys). For each: jobs per second from the first start to
 the last end, and the slots' utilisation over that span (mean running / N), from the jobs' own
 ledger; then each ordered case as a ratio of the unordered one. The machine may be shared, so
-compare the ratios, not the rates. With 10 keys at most 10 jobs can run at once: its ratio is
-bounded by 10 / N.
+compare the ratios, not the rates. With 10 keys at most 10 jobs can run at once: its
+utilisation is bounded by 10 / N.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ ABOUT = [
     "keys, then ordered with 10 keys. Jobs per second from the first start to the last end, "
     "and the slots' utilisation over that span (mean running / N), from the jobs' own ledger; "
     "the ratios are to the unordered case of the same run. With 10 keys at most 10 jobs run "
-    "at once, so its ratio is bounded by 10 / N.",
+    "at once, so its utilisation is bounded by 10 / N (its ratio is not, where the unordered "
+    "case keeps fewer than N busy).",
 ]
 
 
