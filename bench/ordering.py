@@ -5,8 +5,8 @@ run`` process running ``demo.sleep`` jobs: unordered, ordered with 1,000 keys, o
 keys (the same jobs, published with keys). For each: jobs per second from the first start to
 the last end, and the slots' utilisation over that span (mean running / N), from the jobs' own
 ledger; then each ordered case as a ratio of the unordered one. The machine may be shared, so
-compare the ratios, not the rates. With 10 keys at most 10 jobs can run at once: its ratio is
-bounded by 10 / N.
+compare the ratios, not the rates. With 10 keys at most 10 jobs can run at once: its
+utilisation is bounded by 10 / N.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool.publishing import JobMessage, publish_many
 from workerpool.testing.emulator import LocalEmulator
 from workerpool.testing.pubsub import PubSubResources
@@ -93,36 +94,53 @@ def _wait_for_done(ledger: Path, jobs: int, timeout: float) -> list[dict[str, fl
     raise TimeoutError(f"{ledger}: not every job done in {timeout:.0f}s")
 
 
-def table(results: list[Result]) -> str:
+ABOUT = [
+    "One `workerpool run` process at N slots runs the same `demo.sleep` jobs three times, each "
+    "on a fresh topic and subscription of one emulator: unordered, then ordered with 1,000 "
+    "keys, then ordered with 10 keys. Jobs per second from the first start to the last end, "
+    "and the slots' utilisation over that span (mean running / N), from the jobs' own ledger; "
+    "the ratios are to the unordered case of the same run. With 10 keys at most 10 jobs run "
+    "at once, so its utilisation is bounded by 10 / N (its ratio is not, where the unordered "
+    "case keeps fewer than N busy).",
+]
+
+
+def grid(results: list[Result], n: int, jobs: int, seconds: float) -> Grid:
     base = results[0]
-    rows = [
-        "| case | jobs/s | utilisation | jobs/s ratio | utilisation ratio |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    table = Grid(
+        "",
+        "",
+        [f"N = {n}, {jobs:,} jobs of {seconds * 1000:.0f} ms", "jobs/s", "utilisation",
+         "jobs/s ratio", "utilisation ratio"],
+    )  # fmt: skip
     for r in results:
-        rows.append(
-            f"| {r.case.name} | {r.jobs_per_second:.0f} | {r.utilisation:.2f} | "
-            f"{r.jobs_per_second / base.jobs_per_second:.2f} | "
-            f"{r.utilisation / base.utilisation:.2f} |"
-        )
-    return "\n".join(rows)
+        table.rows.append([
+            r.case.name, f"{r.jobs_per_second:,.0f}", f"{r.utilisation:.2f}",
+            f"{r.jobs_per_second / base.jobs_per_second:.2f}",
+            f"{r.utilisation / base.utilisation:.2f}",
+        ])  # fmt: skip
+    return table
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=4000)
     parser.add_argument("--n", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=0.05, help="each job's sleep")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    stamp = Stamp()
     with LocalEmulator("pubsub", project=PROJECT) as emulator, tempfile.TemporaryDirectory() as d:
         os.environ["PUBSUB_EMULATOR_HOST"] = emulator.host  # for this process's clients too
         results = [
             run_case(emulator.host, case, args.jobs, args.n, args.seconds, Path(d))
             for case in CASES
         ]
-    print(f"N = {args.n}, {args.jobs} jobs of {args.seconds * 1000:.0f} ms each")
-    print(table(results))
+    title = "Ordered subscriptions against unordered"
+    command = command_line("python -m bench.ordering", argv)
+    table = grid(results, args.n, args.jobs, args.seconds)
+    emit(Section("ordering", title, command, ABOUT, [table]), stamp, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -44,7 +44,8 @@ class Section:
 
 
 def grid_markdown(grid: Grid, level: int = 3) -> list[str]:
-    lines = [f"{'#' * level} {grid.heading}", ""] if grid.heading else []
+    # A heading needs no blank line after it: the report is kept short (under 300 lines).
+    lines = [f"{'#' * level} {grid.heading}"] if grid.heading else []
     lines += [grid.about, ""] if grid.about else []
     return [
         *lines,

@@ -14,9 +14,22 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool.slots.allocation import fair, grow_to
+
+ABOUT = [
+    "A model, no store: one bulk key shared by 100 replicas, its record whole or split into "
+    'shards (designed, not built: the fleet-wide limits guide, "Many replicas"). Each replica '
+    "writes its shard's record once a period by the allocator's own rules; every 10 periods "
+    "the shards' limits are rebalanced by the same rules over their wants; every 60 the "
+    "replicas' wants change at random (a tenth hot, the rest light). Writes per record a "
+    "period (the busiest record), the most slots granted at once over all shards (never above "
+    "the limit), and the share of the slots the replicas could use that they held (busy).",
+]
 
 
 @dataclass
@@ -92,24 +105,33 @@ def _rebalance(model: list[Shard], limit: int) -> None:
         shard.limit = grow_to(limit, others, shard.limit, targets[str(i)])
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=100)
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--periods", type=int, default=600)
     parser.add_argument("--rebalance", type=int, default=10)
     parser.add_argument("--shift", type=int, default=60)
-    args = parser.parse_args()
-    print(f"| {args.replicas} replicas, limit {args.limit} | writes per record a period "
-          "| most granted | busy |")  # fmt: skip
-    print("| --- | --- | --- | --- |")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    stamp = Stamp()
+    grid = Grid(
+        "",
+        "",
+        [f"{args.replicas} replicas, limit {args.limit}", "writes per record a period",
+         "most granted", "busy"],
+    )  # fmt: skip
     for shards in (1, 25):
         result = simulate(replicas=args.replicas, shards=shards, limit=args.limit,
                           periods=args.periods, rebalance=args.rebalance, shift=args.shift,
                           seed=1)  # fmt: skip
-        print(f"| {shards} shard{'s' if shards > 1 else ''} | {result.writes_per_record:.1f} "
-              f"| {result.peak} | {result.busy:.3f} |")  # fmt: skip
+        grid.rows.append([f"{shards} shard{'s' if shards > 1 else ''}",
+                          f"{result.writes_per_record:.1f}", str(result.peak),
+                          f"{result.busy:.3f}"])  # fmt: skip
+    title = "Sharded slot records, in a model"
+    command = command_line("python -m bench.slot_shards", argv)
+    emit(Section("slot_shards", title, command, ABOUT, [grid]), stamp, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
