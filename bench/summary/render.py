@@ -57,17 +57,20 @@ def overview(sections: list[Section]) -> Grid:
 
 
 def body(section: Section, carried: bool) -> list[str]:
-    lines = [f'<a id="{section.name}"></a>', "", f"## {section.title}", ""]
+    # The anchor shares the heading's line, and the carried-over mark the command's: the
+    # report stays short enough to read whole.
+    reproduce = f"How to reproduce: `{section.command}` ({section.machine})."
     if carried:
-        lines += [
-            f"**Carried over** from commit {section.commit} ({section.measured}): not re-run "
-            "for this report.",
-            "",
-        ]
-    lines += [
+        reproduce += (
+            f" **Carried over** from commit {section.commit} ({section.measured}): not re-run "
+            "for this report."
+        )
+    lines = [
+        f'## {section.title} <a id="{section.name}"></a>',
+        "",
         *section.about,
         "",
-        f"How to reproduce: `{section.command}` ({section.machine}).",
+        reproduce,
         "",
     ]
     for grid in section.grids:
