@@ -44,9 +44,13 @@ class Section:
 
 
 def grid_markdown(grid: Grid, level: int = 3) -> list[str]:
-    # A heading needs no blank line after it: the report is kept short (under 300 lines).
-    lines = [f"{'#' * level} {grid.heading}"] if grid.heading else []
-    lines += [grid.about, ""] if grid.about else []
+    # A table with both a heading and a text opens with them on one line, in bold: the report
+    # is kept short enough to read whole (under 300 lines).
+    if grid.heading and grid.about:
+        lines = [f"**{grid.heading}.** {grid.about}", ""]
+    else:
+        lines = [f"{'#' * level} {grid.heading}"] if grid.heading else []
+        lines += [grid.about, ""] if grid.about else []
     return [
         *lines,
         "| " + " | ".join(grid.header) + " |",

@@ -37,7 +37,7 @@ def test_a_section_measured_at_another_commit_is_marked_carried_over() -> None:
     text = render(sections, "today", "2 CPUs")
     carried = text.split("## Concurrency slots", 1)[1]
     assert "**Carried over** from commit 0ld0000 (2026-11-30 10:20 UTC)" in carried
-    assert "(measured at an earlier commit, not re-run for this report): Concurrency " in text
+    assert "(#slots) | 0ld0000 | 2026-11-30 10:20 UTC |" in text  # and the sections table says
     assert "Carried over** from commit abc1234" not in text
 
 

@@ -352,8 +352,9 @@ def _ticks(ledger: Path) -> list[float]:
             for e in ledger_events(ledger, "done") if e["job_id"].startswith(prefix)]  # fmt: skip
 
 
-PAGES = {"overview": "/", "running": "/running", "keys": "/keys", "batches": "/batches", "schedules": "/schedules",
-         "dead-letters": "/dead-letters", "autoscaler": "/autoscaler"}  # fmt: skip
+PAGES = {"overview": "/", "running": "/running", "keys": "/keys", "batches": "/batches",
+         "schedules": "/schedules", "dead-letters": "/dead-letters",
+         "autoscaler": "/autoscaler"}  # fmt: skip
 
 
 def _screenshots(page: Any, url: str, only: tuple[str, ...] = tuple(PAGES)[:6]) -> None:

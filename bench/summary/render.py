@@ -29,12 +29,9 @@ def render(sections: list[Section], generated: str, machine: str) -> str:
         "",
         "<!-- written by `python -m bench.summary` (`make bench-report`) from bench/results/; "
         "edits here are lost on the next run -->",
-        "",
-        f"- generated: {generated}; measured at commit {commit}",
-        f"- machine: {machine}",
+        f"- generated: {generated}; measured at commit {commit} on {machine}; a section measured "
+        "at an earlier commit says so (carried over: not re-run for this report)",
         f"- settings: {SETTINGS}",
-        "- carried over (measured at an earlier commit, not re-run for this report): "
-        + (", ".join(f"{s.title} ({s.commit})" for s in carried) or "none"),
         "",
         *grid_markdown(overview(sections), level=2),
     ]

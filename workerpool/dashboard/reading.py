@@ -116,6 +116,7 @@ class Fleet:
             if store is None:
                 return {}
             return {sub: store.decisions(sub)[:LIMIT] for sub in self.subscriptions()}
+
     def running(self) -> list[Report]:
         """The jobs running in the fleet, from the progress their runs write (a run shows
         once it has run about a second), oldest first."""
