@@ -380,14 +380,17 @@ def test_each_tick_runs_once_across_three_workers_on_firestore(
         end = time.time()
         expected = {float(t) for t in range(int(begin) + 1, int(end) + 1)}
         assert wait_for(lambda: expected <= set(_ran(tmp_path, "on-firestore")), 30)
+        # Read together, while the fleet still fires: a tick published just before the count
+        # may not have run yet
+        ran_then = _ran(tmp_path, "on-firestore")
         published = _published(ports, "on-firestore")
     # Then every tick in the window ran, once, and started within a second of its tick
     ran = _ran(tmp_path, "on-firestore")
     assert {t: ran[t] for t in expected} == {t: 1 for t in expected}
     late = _lateness(tmp_path, "on-firestore", begin + 1, end)
     assert min(late) >= 0 and _p99(late) <= 1.0, late
-    # And each tick was published by one worker (up to the last, maybe still on its way)
-    assert published - len(ran) in (0, 1), (published, len(ran))
+    # And each tick was published by one worker (up to the last two, maybe still on their way)
+    assert 0 <= published - len(ran_then) <= 2, (published, len(ran_then))
     p50, p99 = statistics.median(late), _p99(late)
     print(f"on Firestore: {len(expected)} ticks, each ran once; start lateness p50 {p50:.3f} s, "
           f"p99 {p99:.3f} s; {published} published")  # fmt: skip
