@@ -339,3 +339,31 @@ def test_a_run_cancelled_while_it_runs_is_recorded_done_and_a_redelivery_never_r
     assert runs == ["m-1"]
     assert acks.acked == ["ack-m-1", "ack-m-2"]
     assert processor.stats == {"cancelled": 1, "duplicate": 1}
+
+
+def test_the_cancel_poller_survives_a_bug_and_reads_on() -> None:
+    # Given a held job and a store whose reads fail with a bug (not a store outage) for a while
+    class Buggy(MemoryCancels):
+        bug = False
+        calls = 0
+
+        def find(self, job_ids: Collection[str], now: float) -> dict[str, Cancel]:
+            self.calls += 1
+            if self.bug:
+                raise RuntimeError("a bug")
+            return super().find(job_ids, now)
+
+    store = Buggy(retention=DAY)
+    cancels = Cancels(store, interval=0.01)
+    cancels.admitted(["1"])
+    store.bug = True
+    cancels.start()
+    try:
+        assert wait_for(lambda: store.calls >= 3, timeout=10)
+        # When the bug is gone and the job is cancelled
+        store.bug = False
+        store.add(Cancel("1", "obsolete", time.time()))
+        # Then the same thread reads on and finds it
+        assert wait_for(lambda: cancels.known("1") is not None, timeout=10)
+    finally:
+        cancels.close(1.0)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.support import store_handles
+from tests.support import store_handles, wait_for
 from workerpool import AsyncJobContext, JobContext
 from workerpool.constants import Label
 from workerpool.progress import (
@@ -275,3 +275,32 @@ def test_status_running_shows_each_run_as_a_row() -> None:
         "sync  j3      host-2-cd  1970-01-01 00:01:30  -",
         "3 job(s) running",
     ]
+
+
+def test_the_writer_thread_survives_a_bug_and_writes_on() -> None:
+    # Given a store whose removals fail with a bug (not a store outage) for a while
+    class Buggy(MemoryJobState):
+        bug = True
+        calls = 0
+
+        def forget(self, job_ids: Any) -> None:
+            self.calls += 1
+            if self.bug:
+                raise RuntimeError("a bug")
+            super().forget(job_ids)
+
+    store = Buggy()
+    store.save("j1", "{}", 1.0)
+    store.save("j2", "{}", 1.0)
+    writer = ProgressWriter(store, interval=0.01)
+    writer.forget("j1")
+    writer.start()
+    try:
+        assert wait_for(lambda: store.calls >= 1, timeout=10)  # hit on the writer's thread
+        # When the bug is gone
+        store.bug = False
+        writer.forget("j2")
+        # Then the same thread writes on
+        assert wait_for(lambda: store.load("j2") is None, timeout=10)
+    finally:
+        writer.close(1.0)

@@ -134,7 +134,10 @@ class Cancels:
 
     def _poll(self) -> None:
         while not self._closing.wait(self._interval):
-            self._poll_once()
+            try:
+                self._poll_once()
+            except Exception:  # a bug, not an outage (``_look`` keeps those): read on
+                log.exception("cancels not read")
 
     def _poll_once(self) -> None:
         with self._lock:

@@ -79,7 +79,10 @@ class ProgressWriter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a bug, not an outage (flush keeps those): write on
+                log.exception("progress not written")
 
     def flush(self) -> None:
         """Write what changed since the last flush, in one call of each kind."""
