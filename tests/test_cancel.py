@@ -22,6 +22,7 @@ from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.control import Cancel, CancelStore, MemoryCancels, SqliteCancels
 from workerpool.control.cancel import cancel
 from workerpool.control.middleware import CANCEL_GRACE, CancelGate, Cancels, CancelWatch
+from workerpool.control.store import SEEN_WITHIN
 from workerpool.errors import RetryableError
 from workerpool.idempotency import MemoryStore, SqliteStore
 from workerpool.idempotency.middleware import Idempotency
@@ -89,9 +90,12 @@ def test_a_cancel_of_a_finished_job_says_so_and_changes_nothing(tmp_path: Path) 
         claims.claim("done-1", "w", "m-1", 60.0)
         claims.complete("done-1", "w", "m-1")
     # When both are cancelled
-    answers = cancel(["done-1", "todo-1"], reason="not needed", store=url)
-    # Then the finished one is said so, and only the other is recorded
+    waits: list[float] = []
+    answers = cancel(["done-1", "todo-1"], reason="not needed", store=url, sleep=waits.append)
+    # Then the finished one is said so, and only the other is recorded, and the call returned
+    # once every worker has read it before starting a job
     assert [a.state for a in answers] == ["finished", "cancelled"]
+    assert waits == [SEEN_WITHIN]
     assert "already finished" in answers[0].line()
     found = SqliteCancels(tmp_path / "fleet.db", retention=DAY).find(["done-1", "todo-1"], 0)
     assert list(found) == ["todo-1"]
@@ -130,8 +134,20 @@ def _run(job_id: str) -> Run:
     return Run(job, ctx, delivery, lambda run, outcome: True)
 
 
-def _worker(store: CancelStore) -> tuple[Cancels, Chain]:
-    cancels = Cancels(store, interval=3600.0)  # looked up by hand below (``_poll`` is a loop)
+class _Clock:
+    """A monotonic clock moved by hand: when the worker's last read of a job id began."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _worker(store: CancelStore, clock: _Clock | None = None) -> tuple[Cancels, Chain]:
+    cancels = Cancels(  # looked up by hand below (``_poll`` is a loop)
+        store, interval=3600.0, monotonic=clock or _Clock()
+    )
     return cancels, Chain([CancelGate(cancels), CancelWatch(cancels)])
 
 
@@ -159,13 +175,15 @@ def test_a_job_cancelled_before_it_starts_never_reaches_its_handler() -> None:
 def test_a_held_job_cancelled_while_it_waits_for_a_slot_never_starts() -> None:
     # Given jobs 1 and 2 admitted (their pull's read found no cancel) and job 1 running, with
     # job 2 held for the only slot and the worker's periodic read a long way off
-    store = MemoryCancels(retention=DAY)
-    cancels, chain = _worker(store)
+    store, clock = MemoryCancels(retention=DAY), _Clock()
+    cancels, chain = _worker(store, clock)
     cancels.admitted(["1", "2"])
     first = Steps(chain, _run("1"))
     assert first.enter() is None
-    # When job 2 is cancelled, then job 1 ends and job 2 takes its slot at once
+    # When job 2 is cancelled, and the cancel returns (SEEN_WITHIN after it wrote), then job 1
+    # ends and job 2 takes its slot at once
     store.add(Cancel("2", "obsolete", time.time()))
+    clock.now += SEEN_WITHIN + 0.001
     assert first.leave(Succeeded()) == Succeeded()
     held = _run("2")
     ended = Steps(chain, held).enter()
@@ -174,9 +192,30 @@ def test_a_held_job_cancelled_while_it_waits_for_a_slot_never_starts() -> None:
     assert not held.ctx.cancelled.is_set()
 
 
+def test_a_start_within_the_window_of_its_last_read_reads_nothing_more() -> None:
+    # Given a store that counts its reads, and jobs 1 and 2 admitted by one read
+    reads: list[set[str]] = []
+
+    class Counting(MemoryCancels):
+        def find(self, job_ids: Collection[str], now: float) -> dict[str, Cancel]:
+            reads.append(set(job_ids))
+            return super().find(job_ids, now)
+
+    clock = _Clock()
+    cancels, chain = _worker(Counting(retention=DAY), clock)
+    cancels.admitted(["1", "2"])
+    # When job 1 starts within SEEN_WITHIN of that read, and job 2 just after it
+    clock.now += SEEN_WITHIN
+    assert Steps(chain, _run("1")).enter() is None
+    clock.now += 0.001
+    assert Steps(chain, _run("2")).enter() is None
+    # Then job 1 started on the admission's read, and job 2 waited for a read of its own
+    assert reads == [{"1", "2"}, {"2"}]
+
+
 def test_runs_starting_together_share_one_read_of_the_cancels() -> None:
     # Given a store that counts its reads, and 8 admitted jobs whose starts all ask at once
-    # (the first read is held until all 8 have asked)
+    # (the first read is held until all 8 have asked), their admission's read past the window
     reads: list[set[str]] = []
     asked, release = threading.Barrier(8), threading.Event()
 
@@ -187,10 +226,11 @@ def test_runs_starting_together_share_one_read_of_the_cancels() -> None:
                 release.wait(10)
             return super().find(job_ids, now)
 
-    store = Counting(retention=DAY)
-    cancels, chain = _worker(store)
+    store, clock = Counting(retention=DAY), _Clock()
+    cancels, chain = _worker(store, clock)
     ids = [str(i) for i in range(8)]
     cancels.admitted(ids)
+    clock.now += SEEN_WITHIN + 0.001
 
     def start(job_id: str) -> None:
         asked.wait(10)

@@ -12,7 +12,7 @@ from typing import Literal
 from workerpool.batches import batch_opener
 from workerpool.config import Settings, load_settings
 from workerpool.control.opening import cancel_opener
-from workerpool.control.store import Cancel
+from workerpool.control.store import SEEN_WITHIN, Cancel
 from workerpool.errors import ConfigError
 from workerpool.idempotency import store_opener
 
@@ -46,12 +46,15 @@ def cancel(
     reason: str = "",
     store: str | Settings | None = None,
     clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> list[Answer]:
-    """Cancel jobs by id: one not started yet never starts, a running one sees
+    """Cancel jobs by id: one not started when this returns never starts, a running one sees
     ``ctx.cancelled`` and ends ``cancelled``, on whatever replica holds it. ``store`` is the
     idempotency store's URL, or the settings that name it (default: the settings of the
-    config file and the environment). Raises ``ConfigError`` for a store that keeps no
-    cancels, ``StoreError`` if it cannot be reached."""
+    config file and the environment). A new cancel makes this wait ``SEEN_WITHIN`` after
+    writing it, the time within which every worker has read it before starting its job.
+    Raises ``ConfigError`` for a store that keeps no cancels, ``StoreError`` if it cannot
+    be reached."""
     ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
     url = _url(store)
     try:
@@ -64,11 +67,16 @@ def cancel(
     try:
         cancels = open_cancels()
         try:
-            return [_one(job_id, reason, claims.completed_at, cancels.add, clock) for job_id in ids]
+            answers = [
+                _one(job_id, reason, claims.completed_at, cancels.add, clock) for job_id in ids
+            ]
         finally:
             cancels.close()
     finally:
         claims.close()
+    if any(answer.state == "cancelled" for answer in answers):
+        sleep(SEEN_WITHIN)
+    return answers
 
 
 def cancel_batch(

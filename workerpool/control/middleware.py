@@ -2,11 +2,13 @@
 
 ``Cancels`` knows which of the job ids this worker holds (admitted and not settled yet, run
 or not) are cancelled: it reads the store for each pull's job ids as the pool admits them,
-then for all it holds about once a second, on a thread of its own, and once more as runs
-start: a run about to start its handler waits for a read that began after it asked, and one
-read serves every run waiting then (so a job held for a slot, cancelled while it waited,
-never starts). One read of the job ids' index each time, so a job costs the store a share of
-a read, not a read of its own. Two middleware read what it knows:
+then for all it holds about once a second, on a thread of its own. A run about to start its
+handler needs a read of its job id that began at most ``SEEN_WITHIN`` ago; ``cancel`` returns
+only once that long has passed since it wrote, so a job cancelled before it starts (held for
+a slot, say) never starts. The periodic read is almost always recent enough; when it is not
+(a store slow to answer), the run waits for a read that begins after it asked, and one such
+read serves every run waiting then. One read of the job ids' index each time, so a job costs
+the store a share of a read, not a read of its own. Two middleware read what it knows:
 
 - ``CancelGate``, before the claim: a job cancelled before it starts ends ``Cancelled``
   there, and takes no claim, slot or token (a claim its admission took is let go).
@@ -28,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Generator, Sequence
 
-from workerpool.control.store import Cancel, CancelStore
+from workerpool.control.store import SEEN_WITHIN, Cancel, CancelStore
 from workerpool.stores import StoreError
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import job_id_of
@@ -53,14 +55,18 @@ class Cancels:
         *,
         interval: float = POLL_INTERVAL,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._interval = interval
         self._clock = clock
+        self._monotonic = monotonic
         self._lock = threading.Lock()
         self._held: Counter[str] = Counter()  # admitted, not settled: deliveries by job id
         self._running: dict[str, set[Run]] = {}
         self._known: dict[str, Cancel] = {}  # the cancelled among those two
+        # When the last read that looked each of those two up began (``monotonic``).
+        self._read_at: dict[str, float] = {}
         self._stopped: dict[Run, Cancel] = {}  # runs told to stop, until they end
         self._failing = False
         # Reads for runs about to start: those asking since the last began, and how many
@@ -87,15 +93,19 @@ class Cancels:
                 del self._held[job_id]
                 if job_id not in self._running:
                     self._known.pop(job_id, None)
+                    self._read_at.pop(job_id, None)
 
     def known(self, job_id: str) -> Cancel | None:
         return self._known.get(job_id)
 
     def begin(self, run: Run) -> Cancel | None:
-        """The run's job id's cancel, read after this call began; else the run is watched
-        until ``end``."""
+        """The run's job id's cancel, read at most ``SEEN_WITHIN`` before this call; else
+        the run is watched until ``end``."""
         job_id = run.job.job_id
-        self._read_fresh(job_id)
+        with self._lock:
+            read_at = self._read_at.get(job_id)
+        if read_at is None or self._monotonic() - read_at > SEEN_WITHIN:
+            self._read_fresh(job_id)
         with self._lock:
             cancel = self._known.get(job_id)
             if cancel is None:
@@ -110,6 +120,9 @@ class Cancels:
             runs.discard(run)
             if not runs:
                 self._running.pop(job_id, None)
+                if job_id not in self._held:  # settled while it ran (handed back, say)
+                    self._known.pop(job_id, None)
+                    self._read_at.pop(job_id, None)
             return self._stopped.pop(run, None)
 
     def _read_fresh(self, job_id: str) -> None:
@@ -146,6 +159,7 @@ class Cancels:
             self._look(job_ids)
 
     def _look(self, job_ids: Collection[str]) -> None:
+        began = self._monotonic()
         try:
             found = self._store.find(job_ids, self._clock())
         except StoreError as exc:
@@ -158,6 +172,9 @@ class Cancels:
             self._failing = False
         stopping: list[tuple[Run, Cancel]] = []
         with self._lock:
+            for job_id in job_ids:
+                if job_id in self._held or job_id in self._running:
+                    self._read_at[job_id] = max(began, self._read_at.get(job_id, began))
             for job_id, cancel in found.items():
                 if job_id not in self._held and job_id not in self._running:
                     continue  # settled meanwhile

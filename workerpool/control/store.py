@@ -8,6 +8,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 
+# How long after it is written a cancel is sure to be seen by any run about to start: a worker
+# starts a job only after a read of its cancel that began at most this long before, and
+# ``workerpool.cancel`` returns only once this long has passed since it wrote. The periodic
+# read of every job a worker holds (once a second) serves most starts, so a start reads the
+# store itself only when that read is late.
+SEEN_WITHIN = 1.5
+
 
 @dataclass(frozen=True)
 class Cancel:
