@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
         log(f"written {args.out}")
     if args.json is not None:
         plots = draw(ctx, args.plots) if args.plots else []
-        save(stamp.apply(section(ctx, command, plots, ROOT)), args.json)
+        save(stamp.apply(section(ctx, command, plots, ROOT, args.json.stem)), args.json)
         log(f"written {args.json}")
     log(f"done in {took:.0f} s; consumer logs and reports in {bench.workdir}")
     return 0

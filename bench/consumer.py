@@ -97,11 +97,32 @@ class Report:
     samples: list[tuple[float, int]] = field(default_factory=list)
 
 
-class Recorder:
-    """What the jobs did: counted under one lock, so ``running`` is exact at every instant."""
+def ledger_lines(path: Path) -> Callable[[str, str], None]:
+    """The GIL-holding job's own work: a JSON line appended through ``open()`` at each of its
+    events, as a job that keeps its own record does (most real jobs do some Python work of
+    their own, and every microsecond a framework spends per job then comes out of theirs)."""
 
-    def __init__(self, report: Report, keep_intervals: bool, on_done: Callable[[], None]):
+    def write(job_id: str, event: str) -> None:
+        line = json.dumps({"job_id": job_id, "event": event, "at": time.time()})
+        with open(path, "a") as ledger:
+            ledger.write(line + "\n")
+
+    return write
+
+
+class Recorder:
+    """What the jobs did: counted under one lock, so ``running`` is exact at every instant.
+    ``work``, if any, is the job's own work at its start and end (outside the lock)."""
+
+    def __init__(
+        self,
+        report: Report,
+        keep_intervals: bool,
+        on_done: Callable[[], None],
+        work: Callable[[str, str], None] | None = None,
+    ):
         self.report = report
+        self._work = work
         self._keep = keep_intervals
         self._on_done = on_done
         self._lock = threading.Lock()
@@ -154,15 +175,23 @@ class Recorder:
 
     def run(self, job_id: str, seconds: float) -> None:
         started = self.begin(job_id)
+        self._event(job_id, "start")
         if seconds > 0:
             time.sleep(seconds)
+        self._event(job_id, "end")
         self.end(job_id, started)
 
     async def run_async(self, job_id: str, seconds: float) -> None:
         started = self.begin(job_id)
+        self._event(job_id, "start")
         if seconds > 0:
             await asyncio.sleep(seconds)
+        self._event(job_id, "end")
         self.end(job_id, started)
+
+    def _event(self, job_id: str, event: str) -> None:
+        if self._work is not None:
+            self._work(job_id, event)
 
     def sample_every(self, interval: float, stop: threading.Event) -> None:
         samples = self.report.samples
@@ -370,6 +399,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefetch", type=int, required=True, help="workerpool's")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--rate-limit", default="", help="RATE/s[:BURST] on the job")
+    parser.add_argument("--ledger", type=Path, help="the job appends a JSON line here per event")
     return parser.parse_args(argv)
 
 
@@ -377,7 +407,8 @@ def main(argv: list[str]) -> None:
     args = parse(argv)
     report = Report(args.impl, args.n, args.expect)
     stop = Stop()
-    recorder = Recorder(report, args.intervals, stop.request)
+    work = ledger_lines(args.ledger) if args.ledger else None
+    recorder = Recorder(report, args.intervals, stop.request, work)
     sampling = threading.Event()
     if args.sample_ms > 0:
         sampler = threading.Thread(

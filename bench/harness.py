@@ -234,6 +234,7 @@ class Consumer:
         sample_ms: float = 0.0,
         intervals: bool = False,
         rate_limit: str = "",
+        ledger: bool = False,
     ) -> None:
         name = f"{impl}-{res.subscription}"
         self.report_path = bench.workdir / f"{name}.json"
@@ -259,6 +260,8 @@ class Consumer:
             command.append("--intervals")
         if rate_limit:
             command.append(f"--rate-limit={rate_limit}")
+        if ledger:
+            command.append(f"--ledger={bench.workdir / f'{name}.ledger.jsonl'}")
         self.first_start = threading.Event()
         self.first_start_at = 0.0  # the consumer's own clock reading; monotonic is system-wide
         self.exited = threading.Event()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import Grid, Section, commit, grid_markdown, machine
-from bench.scenarios import Context, Row, Table
+from bench.scenarios import ASYNC_N, COST_N, Context, Row, Table
 from workerpool.config import Settings
 
 NOTES_MARKER = "<!-- notes: written by hand below this line; `python -m bench` keeps them -->"
@@ -32,6 +32,8 @@ IMPL_TEXT = {
     "workerpool-store": "bare, with only the SQLite idempotency store on",
     "workerpool-telemetry": "bare, with only tracing (sampled off) and metrics on",
     "workerpool-logs": "bare, with only the job log lines on (`--log-level info`)",
+    "workerpool-async": "workerpool, the job an `async def` on the pool's event loop",
+    "workerpool-async-bare": "workerpool-bare, the job an `async def` on the pool's event loop",
     "plain": "google-cloud-pubsub `subscribe()`, `FlowControl(max_messages=N)`, a "
     "`ThreadScheduler` of N threads; the callback runs the job, then `ack()`",
     "aio": "gcloud-aio-pubsub `subscribe()`: one producer, `max_messages_per_producer=N`, "
@@ -152,6 +154,7 @@ def targets_grid(ctx: Context) -> Grid:
             add(f"mean utilisation >= 0.97, N = {n}", f"lowest run {fmt(low)}", low >= 0.97)
     _defaults_targets(ctx, add)
     _async_targets(ctx, add)
+    _cost_targets(ctx, add)
     over = find(ctx, drain, "exit after the signal minus")
     if over and over.values.get("workerpool"):
         most = max(over.values["workerpool"])
@@ -205,6 +208,22 @@ def _async_targets(ctx: Context, add: Any) -> None:
             add(f"{impl} mean utilisation >= 0.97, N = 64", f"lowest run {fmt(low)}", low >= 0.97)
 
 
+def _cost_targets(ctx: Context, add: Any) -> None:
+    """What a job costs with the defaults, beside the plain client (the cost scenario)."""
+    cost = f"7. Cost per job, N = {COST_N}"
+    cpu = find(ctx, cost, "no-op jobs: CPU")
+    if cpu and cpu.median("workerpool") and cpu.median("plain"):
+        r = ratio(cpu, "workerpool", "plain")
+        add(f"CPU per no-op job, defaults / plain <= 1.3, N = {COST_N}", r, float(r) <= 1.3)
+    held = find(ctx, cost, "GIL-holding jobs: throughput")
+    if held and held.median("workerpool") and held.median("plain"):
+        r = ratio(held, "workerpool", "plain")
+        add(f"GIL-holding jobs/s, defaults / plain >= 1.0, N = {COST_N}", r, float(r) >= 1)
+    mean = find(ctx, f"7. Async slots, N = {ASYNC_N}", "mean running")
+    if mean and (busy := mean.median("workerpool-async")) is not None:
+        add(f"async slots busy with the defaults >= 0.97, N = {ASYNC_N}", fmt(busy), busy >= 0.97)
+
+
 def versions() -> Iterable[str]:
     for name in LIBRARIES:
         try:
@@ -215,6 +234,7 @@ def versions() -> Iterable[str]:
 
 def method(ctx: Context) -> list[str]:
     """How the figures were measured: the libraries, what a cell is, the implementations."""
+    run = {impl.partition("@")[0] for t in ctx.tables for row in t.rows for impl in row.values}
     return [
         f"- libraries: {', '.join(versions())}",
         f"- each cell: the median of {ctx.plan.runs} runs (min-max) unless the scenario says "
@@ -225,7 +245,7 @@ def method(ctx: Context) -> list[str]:
         "Implementations (each a process of its own, on one local Pub/Sub emulator; every job "
         "records its own start and end):",
         "",
-        *(f"- **{impl}**: {text}" for impl, text in IMPL_TEXT.items()),
+        *(f"- **{impl}**: {text}" for impl, text in IMPL_TEXT.items() if impl in run),
         *(
             [f"- **IMPL@{ctx.baseline}**: IMPL run by the workerpool of revision {ctx.baseline}"]
             if ctx.baseline
@@ -235,11 +255,19 @@ def method(ctx: Context) -> list[str]:
     ]
 
 
-def section(ctx: Context, command: str, plots: list[Path], root: Path) -> Section:
+# A section's title by its name (its results file's stem): the cost scenarios are a runner of
+# their own in the report, for their before and after.
+TITLES = {
+    "pubsub": "workerpool against the plain client and gcloud-aio-pubsub, on the emulator",
+    "cost": "What a job costs: the defaults against the plain client, before and after",
+}
+
+
+def section(ctx: Context, command: str, plots: list[Path], root: Path, name: str) -> Section:
     """The run as a section of BENCHMARKS.md (``python -m bench --json``)."""
     return Section(
-        name="pubsub",
-        title="workerpool against the plain client and gcloud-aio-pubsub, on the emulator",
+        name=name,
+        title=TITLES.get(name, TITLES["pubsub"]),
         command=command,
         about=method(ctx),
         grids=[targets_grid(ctx), *map(table_grid, ctx.tables)],

@@ -36,6 +36,7 @@ class Plan:
     # The default middleware part by part: (N, backlog, job seconds) runs.
     parts_runs: tuple[tuple[int, int, float], ...] = ((64, 2_000, 0.05), (100, 10_000, 0.0))
     impls: tuple[str, ...] = ("workerpool", "plain", "aio")
+    cost_count: int = 20_000  # the backlog of each kind of job in the cost scenario, N = 100
     deviations: tuple[str, ...] = ()  # sizes that differ from the scenario's own, and why
 
 
@@ -73,6 +74,7 @@ SHORT = replace(
     soak_count=20_000,
     rate_seconds=2.0,
     parts_runs=((64, 1_280, 0.05), (100, 5_000, 0.0)),
+    cost_count=5_000,
     deviations=(
         "--short: backlogs a quarter of the full run's or less (throughput 500 jobs at N = 1, "
         "5,000 at N = 10 and 100; utilisation 400 jobs at N = 8, 1,280 at N = 64), a soak of "
@@ -97,6 +99,7 @@ QUICK = Plan(
     rates=(10.0, 100.0),
     rate_seconds=1.5,
     parts_runs=((64, 320, 0.05), (100, 2_000, 0.0)),
+    cost_count=2_000,
     deviations=("--quick: fewer sizes, every size small, each figure one run",),
 )
 
@@ -259,14 +262,9 @@ def utilisation(ctx: Context) -> None:
             what = f"utilisation N={n} {impl} run {run + 1}"
             if not ctx.complete(report, what, (peak, mean, ideal)):
                 continue
-            first, last_start, last_end = (
-                report["first_start"],
-                report["last_start"],
-                report["last_end"],
-            )
-            window = [running for at, running in report["samples"] if first <= at <= last_start]
+            first, last_end = report["first_start"], report["last_end"]
             peak.add(impl, report["peak"])
-            mean.add(impl, statistics.fmean(window) / n if window else math.nan)
+            mean.add(impl, busy(report, n))
             ideal.add(impl, waves * plan.util_seconds / (last_end - first))
             if n == 8:
                 ctx.running_n8[impl] = [
@@ -478,10 +476,86 @@ def parts(ctx: Context) -> None:
             cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / backlog * 1000)
             rate_row.add(impl, rate(report))
             if mean is not None:
-                first, last = report["first_start"], report["last_start"]
-                window = [r for at, r in report["samples"] if first <= at <= last]
-                mean.add(impl, statistics.fmean(window) / n if window else math.nan)
+                mean.add(impl, busy(report, n))
             ctx.log(f"parts N={n} {impl}: {cpu.values[impl][-1]:.3f} ms CPU per job")
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. What a job costs, the defaults as a user runs them
+# ---------------------------------------------------------------------------------------------
+
+COST_N = 100
+ASYNC_N = 64
+# The jobs of the cost scenario: no-op, and one that does Python work of its own (holds the GIL).
+COST_KINDS = {"no-op jobs": False, "GIL-holding jobs": True}
+
+
+def cost(ctx: Context) -> None:
+    plan = ctx.plan
+    table = ctx.table(
+        f"7. Cost per job, N = {COST_N}",
+        f"A backlog of {plan.cost_count:,} jobs of each kind: no-op jobs, and GIL-holding jobs "
+        "that append a JSON line to a file of their own through `open()` as they start and as "
+        "they end (Python work of their own, as a real job does). workerpool as a user runs "
+        "it: its SQLite store on disk, metrics on, a JSON log line per job written to a file. "
+        "CPU: the consumer process's user + system seconds from its first job to its last, "
+        "per 1,000 jobs. RSS: the process's peak (VmHWM), no-op jobs.",
+    )
+    rows = {
+        kind: (
+            table.row(f"{kind}: CPU per 1,000 jobs", "s", "lower"),
+            table.row(f"{kind}: throughput", "msg/s", "higher"),
+        )
+        for kind in COST_KINDS
+    }
+    rss = table.row("peak RSS, no-op jobs", "MiB", "lower")
+    impls = ctx.with_baseline(("workerpool", "plain", "aio"))
+    for kind, ledger in COST_KINDS.items():
+        cpu, rate_row = rows[kind]
+        for run, impl in rotations(impls, plan.runs):
+            with ctx.bench.resources("cost") as res:
+                ctx.bench.publish(res, plan.cost_count)
+                report = Consumer(
+                    ctx.bench, impl, res, n=COST_N, expect=plan.cost_count, ledger=ledger
+                ).wait(_timeout(plan.cost_count, 0.0, COST_N))
+            if not ctx.complete(report, f"cost {kind} {impl} run {run + 1}", (rate_row, cpu)):
+                continue
+            rate_row.add(impl, rate(report))
+            cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / plan.cost_count * 1000)
+            if not ledger:
+                rss.add(impl, report["max_rss_kib"] / 1024)
+            ctx.log(f"cost {kind} {impl}: {cpu.values[impl][-1]:.3f} s CPU per 1,000")
+    busy_async(ctx)
+
+
+def busy_async(ctx: Context) -> None:
+    """The slots of ``async def`` jobs, the defaults beside everything off."""
+    backlog, seconds = ctx.plan.util_backlogs[ASYNC_N], ctx.plan.util_seconds
+    table = ctx.table(
+        f"7. Async slots, N = {ASYNC_N}",
+        f"A backlog of {backlog:,} `async def` jobs of {seconds * 1000:g} ms (`asyncio.sleep`), "
+        "with the defaults (workerpool-async) and with everything off (workerpool-async-bare). "
+        "Running jobs sampled every 10 ms, from the first start to the last start.",
+    )
+    mean = table.row("mean running / N while the backlog lasts", "", "higher")
+    # The defaults' run by the baseline revision too: the before of the async slots' figure.
+    before = (f"workerpool-async@{ctx.baseline}",) if ctx.baseline else ()
+    impls = ("workerpool-async", "workerpool-async-bare", "aio", *before)
+    for run, impl in rotations(impls, ctx.plan.runs):
+        with ctx.bench.resources("busy") as res:
+            ctx.bench.publish(res, backlog)
+            report = Consumer(
+                ctx.bench, impl, res, n=ASYNC_N, expect=backlog, seconds=seconds, sample_ms=10
+            ).wait(_timeout(backlog, seconds, ASYNC_N))
+        if ctx.complete(report, f"async slots {impl} run {run + 1}", (mean,)):
+            mean.add(impl, busy(report, ASYNC_N))
+
+
+def busy(report: dict[str, Any], n: int) -> float:
+    """Mean running / N from the first start to the last (while the backlog lasts)."""
+    first, last = report["first_start"], report["last_start"]
+    window = [running for at, running in report["samples"] if first <= at <= last]
+    return statistics.fmean(window) / n if window else math.nan
 
 
 SCENARIOS: dict[str, Callable[[Context], None]] = {
@@ -491,4 +565,5 @@ SCENARIOS: dict[str, Callable[[Context], None]] = {
     "soak": soak,
     "rate": rate_limits,
     "parts": parts,
+    "cost": cost,
 }

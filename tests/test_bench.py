@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.consumer import IMPLS
+from bench.consumer import IMPLS, ledger_lines
 from bench.harness import Bench, Consumer
 from bench.ratelimit_accuracy import busiest
 from bench.report import draw, markdown, targets
-from bench.scenarios import FULL, Context, held, rotations
+from bench.scenarios import ASYNC_N, COST_N, FULL, Context, held, rotations
 from workerpool.pytest_plugin import PROJECT
 
 
@@ -91,3 +92,30 @@ def test_report_says_which_targets_were_missed(tmp_path: Path, bench: Bench) -> 
     text = markdown(ctx, {"date": "today"}, plots, tmp_path / "BENCHMARKS.md")
     assert "| throughput, msg/s (higher is better) | 900 | 1,000 | 450 | 0.90 | 2.00 |" in text
     assert "![running-n8](plots/running-n8.png)" in text
+
+
+def test_cost_targets_hold_the_defaults_to_the_plain_client(bench: Bench) -> None:
+    ctx = Context(bench, FULL, print)
+    cost = ctx.table(f"7. Cost per job, N = {COST_N}", "d")
+    cpu = cost.row("no-op jobs: CPU per 1,000 jobs", "s", "lower")
+    held = cost.row("GIL-holding jobs: throughput", "msg/s", "higher")
+    for impl, seconds, rate in (("workerpool", 0.091, 1900.0), ("plain", 0.07, 2000.0)):
+        cpu.add(impl, seconds)
+        held.add(impl, rate)
+    busy = ctx.table(f"7. Async slots, N = {ASYNC_N}", "d").row("mean running", "", "higher")
+    busy.add("workerpool-async", 0.975)
+    lines = "\n".join(targets(ctx))
+    assert "| CPU per no-op job, defaults / plain <= 1.3, N = 100 | 1.30 | yes |" in lines
+    assert "| GIL-holding jobs/s, defaults / plain >= 1.0, N = 100 | 0.95 | **no** |" in lines
+    assert "| async slots busy with the defaults >= 0.97, N = 64 | 0.97 | yes |" in lines
+
+
+def test_the_gil_holding_job_appends_a_json_line_per_event(tmp_path: Path) -> None:
+    write = ledger_lines(tmp_path / "ledger.jsonl")
+    write("run-1", "start")
+    write("run-1", "end")
+    lines = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [(line["job_id"], line["event"]) for line in lines] == [
+        ("run-1", "start"),
+        ("run-1", "end"),
+    ]

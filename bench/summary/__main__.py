@@ -25,8 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # runner's defaults or less, so the whole fits in about 20 minutes of a shared 2-core machine.
 # Ordering keeps its defaults (about a minute): with fewer jobs the unordered case is still
 # ramping up when it ends, and its ratios say more about the start than about ordering.
+PUBSUB_SCENARIOS = ["throughput", "utilisation", "drain", "soak", "rate"]
 RUNS: dict[str, list[str]] = {
-    "pubsub": ["bench", "--short", "--plots", "bench/plots"],
+    "pubsub": ["bench", "--short", "--plots", "bench/plots", "--scenarios", *PUBSUB_SCENARIOS],
+    # What a job costs, against the commit before the work on it (its figures are "before").
+    "cost": ["bench", "--short", "--scenarios", "cost", "parts", "--baseline", "debc876"],
     "autoscale": ["bench.autoscale"],
     "slots": ["bench.slots", "--seconds", "3", "--pairs", "200"],
     "slot_shards": ["bench.slot_shards"],
