@@ -39,9 +39,11 @@ class Delivery:
     _state: _State = _State.HELD
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    @property
-    def size(self) -> int:
-        return len(self.data) + sum(len(k) + len(v) for k, v in self.attributes.items())
+    def __post_init__(self) -> None:
+        self.size = len(self.data) + sum(len(k) + len(v) for k, v in self.attributes.items())
+
+    # What it counts against max_bytes, read twice a message (admitted, settled): made once.
+    size: int = field(init=False)
 
     @property
     def settled(self) -> bool:
