@@ -263,13 +263,21 @@ TITLES = {
 }
 
 
+# What a section beside the first one says of its implementations: the same, run the same way.
+BESIDE_PUBSUB = [
+    "- implementations: as in [the first section](#pubsub); IMPL@REF is IMPL run by the "
+    "workerpool of revision REF, in the same run (the before of the figures)",
+    "",
+]
+
+
 def section(ctx: Context, command: str, plots: list[Path], root: Path, name: str) -> Section:
     """The run as a section of BENCHMARKS.md (``python -m bench --json``)."""
     return Section(
         name=name,
         title=TITLES.get(name, TITLES["pubsub"]),
         command=command,
-        about=method(ctx),
+        about=method(ctx) if name == "pubsub" else method(ctx)[:2] + BESIDE_PUBSUB,
         grids=[targets_grid(ctx), *map(table_grid, ctx.tables)],
         notes=["Runs that lost or repeated jobs: " + ("; ".join(ctx.anomalies) or "none.")],
         plots=[str(p.resolve().relative_to(root)) for p in plots],
