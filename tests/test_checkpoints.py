@@ -4,7 +4,7 @@ runs resuming from ``ctx.last_checkpoint`` through a real processor, and the pro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from workerpool.progress.writer import LAPSE, REFRESH, ProgressWriter
 from workerpool.registry import Registry
 from workerpool.stores import StoreError
 from workerpool.testing import run_job
+from workerpool.testing.fakes import make_delivery
 
 StoreFactory = Callable[[], JobStateStore]
 
@@ -65,6 +66,7 @@ def test_a_checkpoint_is_seen_by_another_handle_until_forgotten(make_store: Stor
     writer.save("j1", '{"row": 2}', 2.0)
     writer.save("j2", "[]", 2.0)
     assert reader.load("j1") == '{"row": 2}'
+    assert reader.load_many(["j1", "j2", "never-saved"]) == {"j1": '{"row": 2}', "j2": "[]"}
     writer.forget(["j1", "never-saved"])
     assert reader.load("j1") is None
     assert reader.load("j2") == "[]"
@@ -144,6 +146,35 @@ def test_a_retry_resumes_from_the_last_checkpoint_and_the_finished_job_forgets_i
     assert steps_done == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # no step done twice
     mw.writer.flush()
     assert store.load("j1") is None
+
+
+def test_an_async_job_starts_on_the_checkpoint_read_with_its_pull() -> None:
+    # Given a checkpoint of job j6, and a store that counts its reads
+    reads: list[str] = []
+
+    class Counting(MemoryJobState):
+        def load(self, job_id: str) -> str | None:
+            reads.append("load")
+            return super().load(job_id)
+
+        def load_many(self, job_ids: Sequence[str]) -> dict[str, str]:
+            reads.append("load_many")
+            return super().load_many(job_ids)
+
+    store = Counting()
+    store.save("j6", '{"next":7}', 1.0)
+    mw = Checkpoints(store, "replica-1", is_async=lambda d: d.attributes["job"].startswith("a"))
+    # When a pull of it and of a sync job is admitted, then the async job runs
+    pulled = [
+        make_delivery(b"{}", {"job": "async_resumable", "job_id": "j6"}, message_id="m-6"),
+        make_delivery(b"{}", {"job": "resumable", "job_id": "j7"}, message_id="m-7"),
+    ]
+    mw.admitted(pulled)
+    result = run_job("async_resumable", {}, job_id="j6", attempt=2, jobs=jobs, middleware=[mw])
+    # Then one read served it (the sync job's is left to its run), and it resumed from step 7
+    assert result.label is Label.DONE
+    assert reads == ["load_many"]
+    assert steps_done == [7, 8, 9]
 
 
 def test_a_final_failure_forgets_the_checkpoint() -> None:

@@ -16,6 +16,7 @@ from workerpool.assembly.chain import chain
 from workerpool.batches import batch_opener
 from workerpool.batches.middleware import Batches
 from workerpool.config import Settings
+from workerpool.constants import ATTR_JOB
 from workerpool.control.middleware import CancelGate, Cancels, CancelWatch
 from workerpool.control.opening import cancel_opener
 from workerpool.errors import ConfigError
@@ -42,6 +43,7 @@ from workerpool.telemetry import Telemetry
 from workerpool.worker.acks import Acknowledger
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
+from workerpool.worker.delivery import Delivery
 from workerpool.worker.failures import DeadLetterPublisher
 from workerpool.worker.lease import Leaser
 from workerpool.worker.limits import PoolLimits
@@ -219,7 +221,14 @@ class PoolBuilder:
             store = None if opener is None else opener()
         except (ValueError, ImportError, StoreError) as exc:
             raise ConfigError(f"idempotency_store (for checkpoints): {exc}") from None
-        return None if store is None else Checkpoints(store, self.worker_id)
+        if store is None:
+            return None
+
+        def is_async(delivery: Delivery) -> bool:
+            spec = self._jobs.get(delivery.attributes.get(ATTR_JOB, ""))
+            return spec is not None and spec.is_async
+
+        return Checkpoints(store, self.worker_id, is_async=is_async)
 
     def _cancels(self) -> tuple[Middleware, Middleware] | None:
         """The cancel gate and watch, where the store keeps cancels (beside the claims)."""

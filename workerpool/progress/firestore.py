@@ -31,6 +31,10 @@ class FirestoreJobState(JobStateStore):
         data = self._checkpoints.get(job_id)
         return None if data is None else str(data["state"])
 
+    def load_many(self, job_ids: Sequence[str]) -> dict[str, str]:
+        found = self._checkpoints.get_many(job_ids)
+        return {job_id: str(data["state"]) for job_id, data in found.items()}
+
     def forget(self, job_ids: Sequence[str]) -> None:
         for job_id in job_ids:
             self._checkpoints.remove(job_id)

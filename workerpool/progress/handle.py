@@ -47,11 +47,14 @@ class RunHandle:
 
     def last(self) -> Any:
         if not self._loaded:
-            text = self._store.load(self.job_id)
-            self._last = None if text is None else json.loads(text)
-            self._loaded = True
-            self.touched = self.touched or text is not None
+            self.read(self._store.load(self.job_id))
         return self._last
+
+    def read(self, text: str | None) -> None:
+        """The job id's checkpoint as read from the store (None: it has none)."""
+        self._last = None if text is None else json.loads(text)
+        self._loaded = True
+        self.touched = self.touched or text is not None
 
     def save(self, state: Any) -> None:
         text = json.dumps(state, separators=(",", ":"), allow_nan=False)

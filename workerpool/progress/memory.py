@@ -22,6 +22,10 @@ class MemoryJobState(JobStateStore):
         with self._lock:
             return self._checkpoints.get(job_id)
 
+    def load_many(self, job_ids: Sequence[str]) -> dict[str, str]:
+        with self._lock:
+            return {j: self._checkpoints[j] for j in job_ids if j in self._checkpoints}
+
     def forget(self, job_ids: Sequence[str]) -> None:
         with self._lock:
             for job_id in job_ids:

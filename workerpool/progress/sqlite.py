@@ -11,6 +11,7 @@ from workerpool.progress.store import FORGET_AFTER, JobStateStore, Report, decod
 from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "checkpoints"
+_MAX_IN = 500  # job ids a statement binds: under SQLite's historical limit of 999
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT PRIMARY KEY,
@@ -45,6 +46,19 @@ class SqliteJobState(JobStateStore):
                 "SELECT state FROM checkpoints WHERE job_id = ?", (job_id,)
             ).fetchone()
         return None if row is None else str(row[0])
+
+    def load_many(self, job_ids: Sequence[str]) -> dict[str, str]:
+        found: dict[str, str] = {}
+        with self._lock, translated(_LABEL):
+            for at in range(0, len(job_ids), _MAX_IN):
+                chunk = job_ids[at : at + _MAX_IN]
+                marks = ", ".join("?" * len(chunk))
+                found.update(
+                    self._conn.execute(
+                        f"SELECT job_id, state FROM checkpoints WHERE job_id IN ({marks})", chunk
+                    ).fetchall()
+                )
+        return found
 
     def forget(self, job_ids: Sequence[str]) -> None:
         with self._lock, translated(_LABEL), immediate(self._conn):

@@ -58,6 +58,10 @@ class JobStateStore(ABC):
         """``job_id``'s checkpoint (JSON text), None if it has none."""
 
     @abstractmethod
+    def load_many(self, job_ids: Sequence[str]) -> dict[str, str]:
+        """The checkpoints of those of these job ids that have one, by job id: one read."""
+
+    @abstractmethod
     def forget(self, job_ids: Sequence[str]) -> None:
         """Delete the checkpoints of these job ids (their jobs finished)."""
 
