@@ -151,6 +151,19 @@ def _runs(tmp_path: Path, name: str) -> list[tuple[float, float, float]]:
     )
 
 
+def _fired_and_skipped(
+    env: PubSubResources, tmp_path: Path, config: Path, name: str, count: int, seconds: float,
+    *args: str,
+) -> tuple[int, int]:  # fmt: skip
+    """Run ``count`` workers (each with ``args``) for ``seconds``: the ticks of ``name`` they
+    counted fired and skipped."""
+    with processes() as workers:
+        ports = [free_port() for _ in range(count)]
+        workers.extend(_spawn(env, tmp_path, config, ports, None, *args))
+        time.sleep(seconds)
+        return _counted(ports, name, "fired"), _counted(ports, name, "skipped")
+
+
 def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
@@ -276,13 +289,8 @@ def test_overlap_runs_no_tick_while_the_previous_one_runs(
 ) -> None:
     pubsub_resources.provision(retry_policy=False)
     config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap=overlap)
-    with processes() as workers:
-        # Given three workers and a 1-second schedule whose job takes 2.5 s
-        ports = [free_port() for _ in "abc"]
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
-        # When it runs for 15 s
-        time.sleep(15)
-        fired, skipped = (_counted(ports, "slow", outcome) for outcome in ("fired", "skipped"))
+    # Given three workers and a 1-second schedule whose job takes 2.5 s, when it runs 15 s
+    fired, skipped = _fired_and_skipped(pubsub_resources, tmp_path, config, "slow", 3, 15)
     # Then no run started before the one before it ended
     runs = _runs(tmp_path, "slow")
     assert len(runs) >= 3, runs
@@ -310,19 +318,15 @@ def test_overlap_runs_no_tick_while_the_previous_one_runs(
 def test_overlap_counts_a_tick_published_and_not_claimed_yet_as_running(
     pubsub_resources: PubSubResources, tmp_path: Path, overlap: str
 ) -> None:
-    pubsub_resources.provision(retry_policy=False)
-    config = _config(tmp_path, [("queued", 'every = "1s"', "none")], seconds=1.5, overlap=overlap)
     # Given two workers of one slot each (nothing held beyond it), both busy with a 6 s job
+    pubsub_resources.provision(retry_policy=False)
     for n in range(2):
         pubsub_resources.publish("demo.sleep", {"seconds": 6}, job_id=f"busy-{n}")
-    with processes() as workers:
-        ports = [free_port() for _ in "ab"]
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports, None,
-                              "--max-outstanding", "1", "--prefetch", "0"))  # fmt: skip
-        # When a 1-second schedule of 1.5 s jobs fires for 16 s: its first tick's job waits
-        # in the queue, claimed by no worker, until one is free
-        time.sleep(16)
-        fired, skipped = (_counted(ports, "queued", outcome) for outcome in ("fired", "skipped"))
+    config = _config(tmp_path, [("queued", 'every = "1s"', "none")], seconds=1.5, overlap=overlap)
+    # When a 1-second schedule of 1.5 s jobs fires for 16 s: its first tick's job waits in the
+    # queue, claimed by no worker, until one is free
+    fired, skipped = _fired_and_skipped(pubsub_resources, tmp_path, config, "queued", 2, 16,
+                                        "--max-outstanding", "1", "--prefetch", "0")  # fmt: skip
     runs = _runs(tmp_path, "queued")
     busy = [
         e for e in ledger_events(tmp_path / "ledger.jsonl", "done") if e["job_id"][:5] == "busy-"

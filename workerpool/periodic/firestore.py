@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
@@ -99,7 +99,7 @@ class FirestoreMarks(Marks):
                 for start in range(0, len(old), _BATCH):
                     self._write(old[start : start + _BATCH], lambda batch, ref: batch.delete(ref))
 
-    def _write(self, refs: list[Any], write: Any) -> None:
+    def _write(self, refs: list[Any], write: Callable[[Any, Any], object]) -> None:
         """One batch of ``write(batch, ref)`` for each of ``refs``."""
         batch = self._client.batch()
         for ref in refs:
