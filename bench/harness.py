@@ -49,6 +49,26 @@ class Resources:
         return subscription_path(self.project, self.subscription)
 
 
+def revision_tree(workdir: Path, ref: str) -> Path:
+    """A directory under ``workdir`` for ``PYTHONPATH`` where ``workerpool`` (and the job
+    plugins) are git revision ``ref``'s and ``bench`` is this one: the same consumer, the old
+    worker."""
+    tree = workdir / f"ref-{ref}"
+    if not tree.exists():
+        source = tree / "source"
+        source.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", ref, "workerpool", "jobs"],
+            capture_output=True,
+            check=True,
+        )
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+        for name in ("workerpool", "jobs"):
+            (tree / name).symlink_to(source / name)
+        (tree / "bench").symlink_to(ROOT / "bench")
+    return tree
+
+
 class Bench:
     def __init__(self, project: str, workdir: Path) -> None:
         self.project = project
@@ -59,22 +79,7 @@ class Bench:
         self.observer = pubsub_v1.SubscriberClient()
 
     def tree(self, ref: str) -> Path:
-        """A directory for ``PYTHONPATH`` where ``workerpool`` (and the job plugins) are git
-        revision ``ref``'s and ``bench`` is this one: the same consumer, the old worker."""
-        tree = self.workdir / f"ref-{ref}"
-        if not tree.exists():
-            source = tree / "source"
-            source.mkdir(parents=True)
-            archive = subprocess.run(
-                ["git", "-C", str(ROOT), "archive", ref, "workerpool", "jobs"],
-                capture_output=True,
-                check=True,
-            )
-            subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
-            for name in ("workerpool", "jobs"):
-                (tree / name).symlink_to(source / name)
-            (tree / "bench").symlink_to(ROOT / "bench")
-        return tree
+        return revision_tree(self.workdir, ref)
 
     def close(self) -> None:
         self.observer.close()

@@ -7,6 +7,8 @@ tick in the window ran exactly once, and how late each started after its tick (p
 From the store: the round trips to it per tick, where a round trip is one SQL statement the
 workers' periodic marks ran on the shared file (counted by SQLite's trace callback on their
 connections, in the worker processes; the idempotency claims of the jobs are not counted).
+``--baseline REF`` runs each size again with the workers of git revision REF (this bench,
+its workerpool), after this revision's, in the same run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.harness import ROOT, revision_tree
 from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool.schedule import parse_not_before
 from workerpool.testing.emulator import LocalEmulator
@@ -36,7 +39,9 @@ ABOUT = [
     "SQL statement the workers' periodic marks ran on the shared file (SQLite's trace callback "
     "on their connections); the jobs' idempotency claims are not counted. All the schedules "
     "tick at the same instant, so a tick is a burst of as many jobs as there are schedules. "
-    "The last row divides the largest size's figures by the smallest's, in this run.",
+    "Columns marked @REF: the workers of revision REF, run right after this revision's at each "
+    "size; ran once, twice and missed give this revision's / REF's. The last row divides the "
+    "largest size's figures by the smallest's, in this run.",
 ]
 SCHEDULE = """
 [[schedules]]
@@ -91,15 +96,17 @@ def ledger(path: Path) -> list[dict[str, object]]:
 
 
 class Fleet:
-    """``workers`` counted worker processes on one subscription and one SQLite store."""
+    """``workers`` counted worker processes on one subscription and one SQLite store, running
+    the workerpool of ``tree`` (a directory that holds it and ``bench``)."""
 
-    def __init__(self, env: PubSubResources, directory: Path, count: int) -> None:
+    def __init__(self, env: PubSubResources, directory: Path, count: int, tree: Path) -> None:
         config = directory / "workerpool.toml"
         self.directory = directory
         self.ledger = directory / "ledger.jsonl"
         environment = {**os.environ, "PUBSUB_EMULATOR_HOST": env.host,
                        "WORKERPOOL_DEMO_LEDGER": str(self.ledger),
-                       "WORKERPOOL_DEMO_LEDGER_STARTS": "1"}  # fmt: skip
+                       "WORKERPOOL_DEMO_LEDGER_STARTS": "1",
+                       "PYTHONPATH": str(tree)}  # fmt: skip
         self.processes = []
         for i in range(count):
             args = [
@@ -110,9 +117,9 @@ class Fleet:
             command = [sys.executable, "-m", "bench.periodic", "--counted-worker",
                        str(directory / f"counts-{i}.json"), *args]  # fmt: skip
             with open(directory / f"worker-{i}.log", "wb") as out:
+                # (run from the tree: ``-m`` puts the working directory first on the path)
                 self.processes.append(subprocess.Popen(
-                    command, env=environment, stdout=out, stderr=subprocess.STDOUT,
-                    cwd=Path(__file__).resolve().parent.parent,
+                    command, env=environment, stdout=out, stderr=subprocess.STDOUT, cwd=tree,
                 ))  # fmt: skip
 
     def stop(self) -> None:
@@ -136,14 +143,14 @@ def started(path: Path) -> dict[str, list[float]]:
     return runs
 
 
-def measure(env: PubSubResources, schedules: int, seconds: float) -> dict[str, float]:
+def measure(env: PubSubResources, schedules: int, seconds: float, tree: Path) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-periodic-") as name:
         directory = Path(name)
         (directory / "workerpool.toml").write_text(
             '[worker]\njobs = ["workerpool_jobs.demo"]\n'
             + "".join(SCHEDULE.format(index=i) for i in range(schedules))
         )
-        fleet = Fleet(env, directory, 3)
+        fleet = Fleet(env, directory, 3, tree)
         try:
             # The window: whole ticks after every worker counted its start-up.
             time.sleep(15)
@@ -199,40 +206,57 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--schedules", default="100,1000")
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--baseline", help="also run each size with this git revision's workers")
     args = parser.parse_args(argv)
     stamp = Stamp()
-    grid = Grid(
-        "", "",
-        ["schedules x ticks (SQLite, 3 workers)", "ran once", "twice", "missed",
-         "start lateness p50, s", "p99, s", "store round trips per tick"],
-    )  # fmt: skip
-    figures = []
-    with LocalEmulator(kind="pubsub", project="workerpool-bench") as emulator:
+    refs = ["", args.baseline] if args.baseline else [""]
+    figures: dict[str, list[dict[str, float]]] = {ref: [] for ref in refs}
+    with LocalEmulator(kind="pubsub", project="workerpool-bench") as emulator, \
+            tempfile.TemporaryDirectory(prefix="bench-periodic-trees-") as trees:  # fmt: skip
         os.environ[emulator.env_var] = emulator.host
+        revisions = {ref: revision_tree(Path(trees), ref) if ref else ROOT for ref in refs}
         for size in (int(n) for n in args.schedules.split(",")):
-            env = PubSubResources(emulator.project, emulator.host)
-            env.provision(retry_policy=False)
-            f = measure(env, size, args.seconds)
-            figures.append(f)
-            grid.rows.append([
-                f"{size:,} x {int(f['ticks']) // size}", f"{int(f['once']):,}",
-                str(int(f["twice"])), str(int(f["missed"])), f"{f['p50']:.2f}",
-                f"{f['p99']:.2f}", f"{f['round_trips']:.2f}",
-            ])  # fmt: skip
-            print(grid.rows[-1], flush=True)
-    if len(figures) > 1:
-        small, large = figures[0], figures[-1]
-        grid.rows.append([
-            f"{int(large['schedules']):,} / {int(small['schedules']):,}", "", "", "",
-            f"{large['p50'] / small['p50']:.2f}", f"{large['p99'] / small['p99']:.2f}",
-            f"{large['round_trips'] / small['round_trips']:.2f}",
-        ])  # fmt: skip
+            for ref, tree in revisions.items():
+                env = PubSubResources(emulator.project, emulator.host)
+                env.provision(retry_policy=False)
+                figures[ref].append(measure(env, size, args.seconds, tree))
+                print(ref or "this revision", figures[ref][-1], flush=True)
     load = os.getloadavg()
     notes = [f"Load average (1, 5, 15 min) at the end: {load[0]:.1f}, {load[1]:.1f}, "
              f"{load[2]:.1f} on {len(os.sched_getaffinity(0))} CPUs."]  # fmt: skip
     command = command_line("python -m bench.periodic", argv)
     emit(Section("periodic", "Periodic jobs: many schedules on three workers", command, ABOUT,
-                 [grid], notes), stamp, args.json)  # fmt: skip
+                 [table(figures, refs)], notes), stamp, args.json)  # fmt: skip
+
+
+# The figures of a run shown for each revision, and the counts.
+FIGURES = ("p50", "p99", "round_trips")
+COUNTS = ("once", "twice", "missed")
+
+
+def table(figures: dict[str, list[dict[str, float]]], refs: list[str]) -> Grid:
+    """A row for each size: the counts of each revision in ``refs`` ("" this one) side by
+    side, then this revision's figures, then each baseline's; then the ratios of the largest
+    size's figures to the smallest's."""
+    header = ["schedules x ticks (SQLite, 3 workers)", "ran once", "twice", "missed",
+              "start lateness p50, s", "p99, s", "store round trips per tick"]  # fmt: skip
+    for ref in refs[1:]:
+        header += [f"p50 @{ref}", f"p99 @{ref}", f"round trips @{ref}"]
+    grid = Grid("", "", header)
+    for runs in zip(*(figures[ref] for ref in refs), strict=True):
+        size = int(runs[0]["schedules"])
+        grid.rows.append([
+            f"{size:,} x {int(runs[0]['ticks']) // size}",
+            *(" / ".join(f"{int(run[k]):,}" for run in runs) for k in COUNTS),
+            *(f"{run[k]:.2f}" for run in runs for k in FIGURES),
+        ])  # fmt: skip
+    ours = figures[""]
+    if len(ours) > 1:
+        grid.rows.append([
+            f"{int(ours[-1]['schedules']):,} / {int(ours[0]['schedules']):,}", "", "", "",
+            *(f"{figures[ref][-1][k] / figures[ref][0][k]:.2f}" for ref in refs for k in FIGURES),
+        ])  # fmt: skip
+    return grid
 
 
 if __name__ == "__main__":

@@ -117,16 +117,25 @@ def test_completed_job_is_done_and_no_longer_claimed(
     assert store.claim(JOB, "w1", "m1", TTL) == Done(completed_at)
 
 
-def test_running_is_a_live_claim_not_completed(store: IdempotencyStore, clock: FakeClock) -> None:
-    # (what a periodic schedule's overlap "skip" asks of its previous tick's job id)
-    assert not store.running(JOB)
+def test_run_state_running_while_claimed_ended_once_done_or_failed(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    # (what a periodic schedule's overlap policy asks of its previous tick's job id)
+    assert store.run_state(JOB) == "unclaimed"  # published, not claimed yet
     store.claim(JOB, "w1", "m1", TTL)
-    assert store.running(JOB)
+    assert store.run_state(JOB) == "running"
     clock.advance(TTL + 1)
-    assert not store.running(JOB)  # its holder died: nothing runs
+    assert store.run_state(JOB) == "unclaimed"  # its holder died: delivered again
     store.claim(JOB, "w2", "m2", TTL)
-    store.complete(JOB, "w2", "m2")
-    assert not store.running(JOB)
+    store.release(JOB, "w2", "m2")  # handed back (a drain): delivered again
+    assert store.run_state(JOB) == "unclaimed"
+    store.claim(JOB, "w2", "m3", TTL)
+    store.release(JOB, "w2", "m3", failed=True)
+    assert store.run_state(JOB) == "ended"  # its failure is recorded
+    store.claim(JOB, "w3", "m4", TTL)
+    assert store.run_state(JOB) == "running"  # a retry of it
+    store.complete(JOB, "w3", "m4")
+    assert store.run_state(JOB) == "ended"
 
 
 def test_claims_and_completions_in_one_call_decide_as_one_at_a_time(

@@ -62,15 +62,16 @@ def _spawn(
     config: Path,
     ports: list[int],
     store: tuple[str, dict[str, str]] | None = None,
+    *args: str,
 ) -> list[WorkerProcess]:
     """Workers sharing ``store`` (its URL and the environment that reaches it; default an
-    SQLite file of the test's)."""
+    SQLite file of the test's), each with ``args`` too."""
     ledger = tmp_path / "ledger.jsonl"
     url, extra_env = store or (f"sqlite:///{tmp_path / 'fleet.db'}", {})
     started = [
         spawn_worker(
             env, ledger, "--config", str(config), "--claim-ttl", "10",
-            "--metrics-port", str(port), store=url, extra_env=extra_env,
+            "--metrics-port", str(port), *args, store=url, extra_env=extra_env,
         )
         for port in ports
     ]  # fmt: skip
@@ -138,6 +139,29 @@ def _marked(tmp_path: Path, name: str) -> int:
     with sqlite3.connect(tmp_path / "fleet.db") as db:
         query = "SELECT COUNT(*) FROM periodic_ticks WHERE schedule = ?"
         return int(db.execute(query, (name,)).fetchone()[0])
+
+
+def _runs(tmp_path: Path, name: str) -> list[tuple[float, float, float]]:
+    """(start, end, tick) of each run of ``name`` that ended, by start."""
+    prefix = f"periodic:{name}:"
+    return sorted(
+        (e["start"], e["end"], parse_not_before(e["job_id"][len(prefix) :]))
+        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
+        if e["job_id"].startswith(prefix)
+    )
+
+
+def _fired_and_skipped(
+    env: PubSubResources, tmp_path: Path, config: Path, name: str, count: int, seconds: float,
+    *args: str,
+) -> tuple[int, int]:  # fmt: skip
+    """Run ``count`` workers (each with ``args``) for ``seconds``: the ticks of ``name`` they
+    counted fired and skipped."""
+    with processes() as workers:
+        ports = [free_port() for _ in range(count)]
+        workers.extend(_spawn(env, tmp_path, config, ports, None, *args))
+        time.sleep(seconds)
+        return _counted(ports, name, "fired"), _counted(ports, name, "skipped")
 
 
 def _p99(values: list[float]) -> float:
@@ -265,20 +289,10 @@ def test_overlap_runs_no_tick_while_the_previous_one_runs(
 ) -> None:
     pubsub_resources.provision(retry_policy=False)
     config = _config(tmp_path, [("slow", 'every = "1s"', "none")], seconds=2.5, overlap=overlap)
-    with processes() as workers:
-        # Given three workers and a 1-second schedule whose job takes 2.5 s
-        ports = [free_port() for _ in "abc"]
-        workers.extend(_spawn(pubsub_resources, tmp_path, config, ports))
-        # When it runs for 15 s
-        time.sleep(15)
-        fired, skipped = (_counted(ports, "slow", outcome) for outcome in ("fired", "skipped"))
+    # Given three workers and a 1-second schedule whose job takes 2.5 s, when it runs 15 s
+    fired, skipped = _fired_and_skipped(pubsub_resources, tmp_path, config, "slow", 3, 15)
     # Then no run started before the one before it ended
-    prefix = "periodic:slow:"
-    runs = sorted(
-        (e["start"], e["end"], parse_not_before(e["job_id"][len(prefix) :]))
-        for e in ledger_events(tmp_path / "ledger.jsonl", "done")
-        if e["job_id"].startswith(prefix)
-    )
+    runs = _runs(tmp_path, "slow")
     assert len(runs) >= 3, runs
     pairs = list(itertools.pairwise(runs))
     assert all(later[0] >= earlier[1] for earlier, later in pairs), runs
@@ -298,6 +312,35 @@ def test_overlap_runs_no_tick_while_the_previous_one_runs(
     print(f"overlap {overlap}: {len(runs)} runs of 2.5 s in 15 s of 1-second ticks; counted "
           f"{fired} fired, {skipped} skipped; from one run's end to the next's start "
           f"{min(gaps):.2f}-{max(gaps):.2f} s; {len(waited)} of a tick that waited")  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", ["skip", "buffer_one"])
+def test_overlap_counts_a_tick_published_and_not_claimed_yet_as_running(
+    pubsub_resources: PubSubResources, tmp_path: Path, overlap: str
+) -> None:
+    # Given two workers of one slot each (nothing held beyond it), both busy with a 6 s job
+    pubsub_resources.provision(retry_policy=False)
+    for n in range(2):
+        pubsub_resources.publish("demo.sleep", {"seconds": 6}, job_id=f"busy-{n}")
+    config = _config(tmp_path, [("queued", 'every = "1s"', "none")], seconds=1.5, overlap=overlap)
+    # When a 1-second schedule of 1.5 s jobs fires for 16 s: its first tick's job waits in the
+    # queue, claimed by no worker, until one is free
+    fired, skipped = _fired_and_skipped(pubsub_resources, tmp_path, config, "queued", 2, 16,
+                                        "--max-outstanding", "1", "--prefetch", "0")  # fmt: skip
+    runs = _runs(tmp_path, "queued")
+    busy = [
+        e for e in ledger_events(tmp_path / "ledger.jsonl", "done") if e["job_id"][:5] == "busy-"
+    ]
+    print(f"overlap {overlap}: {len(runs)} runs; {fired} fired, {skipped} skipped; the first "
+          f"run of a tick {runs[0][0] - runs[0][2]:.1f} s after it; busy until "
+          f"{max(e['end'] for e in busy) - runs[0][2]:.1f} s after it")  # fmt: skip
+    # Then no two runs of the schedule overlap (before, the ticks published while the first
+    # waited ran side by side once the workers were free)
+    assert len(runs) >= 3, runs
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs
+    # And the ticks that fell while the first waited unclaimed were skipped, and counted
+    assert runs[0][0] - runs[0][2] >= 3, runs  # it did wait
+    assert skipped >= 3 and fired <= len(runs) + 2, (fired, skipped)
 
 
 def test_pause_stops_a_running_fleet_firing_and_resume_restarts_it(

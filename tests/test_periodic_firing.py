@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -241,7 +241,7 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60,
                       on_ticks=counts)  # fmt: skip
     asked: list[str] = []
-    firer.running = lambda job_id: asked.append(job_id) is None and previous_runs
+    firer.run_state = lambda job_id: "running" if asked.append(job_id) or previous_runs else "ended"
     # When the tick on the hour comes due (caught up at start)
     firer.start()
     assert wait_for(lambda: marks.last("h") == NOW and not marks.unpublished(NOW + 100), 10)
@@ -249,8 +249,32 @@ def test_overlap_skip_leaves_out_a_tick_while_the_previous_one_runs(
     # Then it is published, or, with "skip" while the previous one runs, marked skipped
     assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
     assert asked == ([job_id(NOW - HOUR)] if overlap == "skip" else [])
-    assert marks.last_run("h", NOW + 1) == (NOW if expected else NOW - HOUR)
+    last = marks.last_run("h", NOW + 1)
+    assert last is not None and last.tick == (NOW if expected else NOW - HOUR)
     assert counts.totals() == ({"fired": 1} if expected else {"skipped": 1})
+
+
+@pytest.mark.parametrize(("published_ago", "state", "expected"), [
+    (60, "unclaimed", []), (700, "unclaimed", [0]), (60, "ended", [0]), (700, "running", []),
+])  # fmt: skip
+def test_overlap_skip_counts_a_tick_not_claimed_yet_as_running_for_overlap_unclaimed(
+    marks: Marks, published_ago: float, state: str, expected: list[int]
+) -> None:
+    # Given the tick an hour ago published a while ago (marked then), its job claimed by no
+    # worker yet (or ended, or running), and overlap_unclaimed 10 minutes
+    marks.mark("h", NOW - HOUR, NOW - published_ago)
+    marks.published("h", NOW - HOUR, 0)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
+                        10 * HOUR, "skip", overlap_unclaimed=600)  # fmt: skip
+    publisher = Publisher()
+    firer = Periodics([schedule], marks, "t", publisher, clock=lambda: NOW + 1)
+    firer.run_state = lambda job_id: state
+    # When the tick on the hour comes due (caught up at start)
+    firer.start()
+    assert wait_for(lambda: marks.last("h") == NOW and not marks.unpublished(NOW + 100), 10)
+    firer.close(5)
+    # Then it is skipped while the one before is queued within the bound or runs, else fired
+    assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in expected]
 
 
 def test_overlap_buffer_one_keeps_one_tick_waiting_and_fires_it_when_the_run_ends(
@@ -267,7 +291,9 @@ def test_overlap_buffer_one_keeps_one_tick_waiting_and_fires_it_when_the_run_end
     runs = threading.Event()
     runs.set()
     for firer in firers:
-        firer.running = lambda job_id: runs.is_set() and job_id == hourly().job_id(NOW - HOUR)
+        firer.run_state = lambda job_id: (
+            "running" if runs.is_set() and job_id == hourly().job_id(NOW - HOUR) else "ended"
+        )
         firer.start()
     try:
         # When the tick on the hour comes due, then the next one, while it still runs
@@ -295,10 +321,10 @@ class _Failing(MemoryMarks):
         super().__init__()
         self.failures: list[Exception] = [StoreError("store down"), RuntimeError("a bug")]
 
-    def mark(self, schedule: str, tick: float, now: float) -> bool:
+    def mark_many(self, ticks: Sequence[tuple[str, float]], now: float) -> list[bool]:
         if self.failures:
             raise self.failures.pop(0)
-        return super().mark(schedule, tick, now)
+        return super().mark_many(ticks, now)
 
 
 def test_the_firing_thread_survives_a_store_that_fails_and_a_bug() -> None:

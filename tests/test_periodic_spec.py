@@ -23,6 +23,7 @@ payload = { region = "jp" }
 catch_up = "all"
 catch_up_window = "2h"
 overlap = "skip"
+overlap_unclaimed = "2m"
 
 [[schedules]]
 name = "segments"
@@ -43,6 +44,7 @@ def test_schedules_are_read_with_their_defaults(tmp_path: Path) -> None:
         "billing-export", "billing.export", {"region": "jp"}
     )  # fmt: skip
     assert (billing.catch_up, billing.catch_up_window, billing.overlap) == ("all", 7200.0, "skip")
+    assert (billing.overlap_unclaimed, segments.overlap_unclaimed) == (120.0, 600.0)
     # 02:00 in Tokyo is 17:00 UTC the day before.
     assert billing.ticks.after(0) == 17 * 3600
     assert billing.job_id(17 * 3600) == "periodic:billing-export:1970-01-01T17:00:00.000Z"

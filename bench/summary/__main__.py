@@ -36,7 +36,16 @@ RUNS: dict[str, list[str]] = {
     "ordering": ["bench.ordering"],
     "batches": ["bench.batches", "--children", "2000", "--seconds", "2"],
     "http_delivery": ["bench.http_delivery", "--count", "2000"],
-    "periodic": ["bench.periodic", "--schedules", "100,1000", "--seconds", "30"],
+    # Periodic: beside the last revision that published a burst of ticks one by one.
+    "periodic": [
+        "bench.periodic",
+        "--schedules",
+        "100,1000",
+        "--seconds",
+        "30",
+        "--baseline",
+        "debc876",
+    ],
 }
 
 

@@ -201,7 +201,7 @@ class PoolBuilder:
         if store is not None:
             idempotency = Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
             for periodics in (mw for mw in coordination if isinstance(mw, Periodics)):
-                periodics.running = store.running
+                periodics.run_state = store.run_state
         return chain(
             telemetry=self.telemetry.middleware(self.subscription),
             coordination=coordination,

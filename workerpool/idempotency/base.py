@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Final, TypeGuard, TypeVar
+from typing import Final, Literal, TypeGuard, TypeVar
 
 from workerpool.stores import StoreError, StoreUnavailable, guarded
 
@@ -23,6 +23,7 @@ DEFAULT_RETENTION: Final = 7 * 24 * 3600.0  # Pub/Sub's longest message retentio
 __all__ = ["StoreError", "StoreUnavailable"]  # re-exported: where callers found them first
 
 T = TypeVar("T")
+RunState = Literal["unclaimed", "running", "ended"]
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,18 @@ class IdempotencyStore(ABC):
 
         return mutation
 
-    def running(self, job_id: str) -> bool:
-        """Whether a live claim holds ``job_id``, not completed (periodic overlap "skip")."""
+    def run_state(self, job_id: str) -> RunState:
+        """Where the run of ``job_id`` is, for the overlap policies of periodic jobs:
+        "running" while a live claim holds it; "ended" once it completed, or a run of it
+        failed and gave its claim up; "unclaimed" if no worker holds it (none claimed it yet,
+        or it was handed back, or its holder died: Pub/Sub delivers it again)."""
 
-        def looking(record: Record | None, now: float) -> tuple[bool, Change]:
-            return record is not None and record.completed_at is None and record.until > now, None
+        def looking(record: Record | None, now: float) -> tuple[RunState, Change]:
+            if record is None:
+                return "unclaimed", None
+            if record.completed_at is not None or (not record.owner and record.failures):
+                return "ended", None
+            return ("running" if record.until > now else "unclaimed"), None
 
         return self._guarded(lambda: self._mutate(job_id, looking))
 

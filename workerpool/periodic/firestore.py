@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
@@ -22,10 +22,11 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
 
-from workerpool.periodic.marks import NOT_RUN, PUBLISHED, UNPUBLISHED, Mark, Marks, Pause
+from workerpool.periodic.marks import NOT_RUN, PUBLISHED, UNPUBLISHED, Mark, Marks, Pause, Tick
 from workerpool.stores.firestore import call_options, close_client, new_client, translated
 
 _LABEL = "periodic ticks"
+_BATCH = 500  # the most writes a batch holds
 
 
 def _key(schedule: str, tick: float) -> str:
@@ -51,7 +52,12 @@ class FirestoreMarks(Marks):
     def _ref(self, schedule: str, tick: float) -> Any:
         return self._marks.document(hashlib.sha256(_key(schedule, tick).encode()).hexdigest())
 
-    def mark(self, schedule: str, tick: float, now: float) -> bool:
+    def mark_many(self, ticks: Sequence[Tick], now: float) -> list[bool]:
+        # One create() each: a batch is all or nothing, and a tick marked by another worker
+        # must not undo this worker's other marks.
+        return [self._mark(schedule, tick, now) for schedule, tick in ticks]
+
+    def _mark(self, schedule: str, tick: float, now: float) -> bool:
         data = {"key": _key(schedule, tick), "schedule": schedule, "tick": tick,
                 "marked_at": now, "state": UNPUBLISHED}  # fmt: skip
         with self._translated():
@@ -75,25 +81,36 @@ class FirestoreMarks(Marks):
                 return False  # another worker took it over first
         return True
 
-    def published(
-        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
+    def published_many(
+        self, ticks: Sequence[Tick], forget_before: Mapping[str, float], state: int = PUBLISHED
     ) -> None:
         with self._translated():
-            with suppress(api_exceptions.NotFound):  # forgotten meanwhile: nothing to keep
-                self._ref(schedule, tick).update({"state": state}, **self._options())
-            old = [doc.reference for doc in self._range(schedule, _key(schedule, forget_before))
-                   if doc.get("state") != UNPUBLISHED]  # fmt: skip
-            for start in range(0, len(old), 500):  # a batch writes 500 documents at most
-                batch = self._client.batch()
-                for ref in old[start : start + 500]:
-                    batch.delete(ref)
-                batch.commit(**self._options())
+            for start in range(0, len(ticks), _BATCH):
+                refs = [self._ref(*tick) for tick in ticks[start : start + _BATCH]]
+                try:
+                    self._write(refs, lambda batch, ref: batch.update(ref, {"state": state}))
+                except api_exceptions.NotFound:  # one forgotten meanwhile: the others alone
+                    for ref in refs:
+                        with suppress(api_exceptions.NotFound):
+                            ref.update({"state": state}, **self._options())
+            for schedule, before in forget_before.items():
+                old = [doc.reference for doc in self._range(schedule, _key(schedule, before))
+                       if doc.get("state") != UNPUBLISHED]  # fmt: skip
+                for start in range(0, len(old), _BATCH):
+                    self._write(old[start : start + _BATCH], lambda batch, ref: batch.delete(ref))
 
-    def last_run(self, schedule: str, before: float) -> float | None:
+    def _write(self, refs: list[Any], write: Callable[[Any, Any], object]) -> None:
+        """One batch of ``write(batch, ref)`` for each of ``refs``."""
+        batch = self._client.batch()
+        for ref in refs:
+            write(batch, ref)
+        batch.commit(**self._options())
+
+    def last_run(self, schedule: str, before: float) -> Mark | None:
         with self._translated():
             for doc in self._range(schedule, _key(schedule, before), newest_first=True):
                 if doc.get("state") not in NOT_RUN:
-                    return float(doc.get("tick"))
+                    return Mark(schedule, float(doc.get("tick")), float(doc.get("marked_at")))
         return None
 
     def unpublished(self, marked_before: float) -> list[Mark]:

@@ -1,13 +1,21 @@
 """The worker's side of periodic jobs: every worker runs a ``Periodics`` thread, and no
 leader is elected.
 
-When a tick is due, each worker tries to mark it (one compare-and-set in the store the fleet
-shares: insert if absent); the one that marked it publishes the job, under the job id derived
-from the schedule and the tick and with ``not_before`` = the tick, so it never starts early,
-then marks it published. A worker that dies between the mark and the publish leaves the mark
-unpublished: after ``take_over_after`` seconds another takes it over (a second compare-and-set,
-on the time it was marked) and publishes it; published twice, it still runs once, since the
-idempotency store knows its job id. Nothing expires while its holder may still be working.
+When ticks are due, each worker tries to mark them (a compare-and-set each in the store the
+fleet shares: insert if absent; the ticks due at one instant, a burst, in one round trip);
+the worker publishes the jobs of the ticks it marked, under the job id derived from the
+schedule and the tick and with ``not_before`` = the tick, so none starts early: all of the
+burst at once, then it waits for their message ids and marks those published in one
+transaction. A worker that dies between the mark and that transaction leaves the marks
+unpublished: after ``take_over_after`` seconds another takes each over (a second
+compare-and-set, on the time it was marked) and publishes it; published twice, it still runs
+once, since the idempotency store knows its job id. Nothing expires while its holder may
+still be working.
+
+With overlap "skip" or "buffer_one", a tick's run is running from the mark of its tick until
+the idempotency store records its job completed or failed; a tick whose job no worker has
+claimed counts for ``overlap_unclaimed`` seconds from its publish (then its message is taken
+as lost).
 
 On start a worker looks back for ticks missed while the whole fleet was down, from the last
 tick marked (none marked yet: nothing is missed) but no further than ``catch_up_window``:
@@ -43,7 +51,7 @@ from workerpool.periodic.marks import (
     Pause,
 )  # fmt: skip
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic
-from workerpool.publishing import JobMessage, publish
+from workerpool.publishing import JobMessage, confirmed, send
 from workerpool.schedule.when import not_before_text
 from workerpool.stores import StoreError
 from workerpool.worker.middleware import Middleware
@@ -56,6 +64,11 @@ _PUBLISH_TIMEOUT = 30.0
 _KEEP = 86400.0
 # Why a mark is taken over, by the time it was marked at.
 _LEFT = {REQUESTED: "an operator asked for", BUFFERED: "that waited for the previous run"}
+# Ticks marked and published together at most: a burst of more goes out in parts, so that
+# each part is recorded published well within ``take_over_after`` of its mark.
+_BURST = 500
+# (a schedule, one of its ticks; for a publish, whether its lateness is measured)
+Due = tuple[Periodic, float]
 
 
 class Periodics(Middleware):
@@ -88,9 +101,10 @@ class Periodics(Middleware):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pauses: dict[str, Pause] = {}  # as last read (kept while the store fails)
-        # Whether a job id holds a live claim, for overlap "skip" (the launcher sets it from
-        # the idempotency store; without one, "skip" fires like "allow").
-        self.running: Callable[[str], bool] | None = None
+        # Where a job id's run is ("unclaimed", "running", "ended"), for overlap "skip" and
+        # "buffer_one" (the launcher sets it from the idempotency store; without one, they
+        # fire like "allow").
+        self.run_state: Callable[[str], str] | None = None
 
     def start(self) -> None:
         if not self._schedules:
@@ -112,12 +126,14 @@ class Periodics(Middleware):
             now = self._clock()
             if min(due.values()) <= now:
                 self._guarded(self._read_pauses)
+            burst: list[Due] = []
             for name, schedule in self._schedules.items():
                 while due[name] <= now:  # (a worker that was held up fires each tick it missed)
-                    tick = due[name]
                     if not self._paused(name):
-                        self._guarded(partial(self._fire, schedule, tick))
-                    due[name] = schedule.ticks.after(tick)
+                        burst.append((schedule, due[name]))
+                    due[name] = schedule.ticks.after(due[name])
+            for start in range(0, len(burst), _BURST):
+                self._guarded(partial(self._fire, burst[start : start + _BURST]))
             self._guarded(partial(self._take_over, now))
             # Awake at the next tick, and at least every second to take over lost publishes.
             self._stop.wait(max(0.0, min(min(due.values()) - self._clock(), 1.0)))
@@ -155,62 +171,88 @@ class Periodics(Middleware):
             return
         kept = {"all": missed, "latest": missed[-1:], "none": []}[schedule.catch_up]
         if kept:
-            won = [self._fire(schedule, tick) for tick in kept][-1]
+            won = self._fire([(schedule, tick) for tick in kept])[-1]
         else:
             won = self._marks.mark(schedule.name, missed[-1], self._clock())
             if won:
-                self._settle(schedule, missed[-1], MISSED)
+                self._settle([(schedule, missed[-1])], MISSED)
         if won and len(missed) > len(kept):
             log.info("periodic %s: %d ticks missed while the fleet was down",
                      schedule.name, len(missed) - len(kept))  # fmt: skip
             self._on_ticks(schedule.name, "missed", len(missed) - len(kept))
 
-    def _fire(self, schedule: Periodic, tick: float) -> bool:
-        """Mark the tick and publish its job (or skip it, or leave it waiting); whether this
-        worker marked it. The overlap policy is applied once, by the worker that marked it."""
+    def _fire(self, burst: Sequence[Due]) -> list[bool]:
+        """Mark the ticks and publish their jobs (or skip some, or leave them waiting); for
+        each, whether this worker marked it. The overlap policy is applied once a tick, by
+        the worker that marked it."""
         marked_at = self._clock()
-        if not self._marks.mark(schedule.name, tick, marked_at):
-            return False
-        blocked = self._blocked(schedule, tick)
-        if blocked is None:
-            self._publish(schedule, tick)
-        elif blocked == "runs" and schedule.overlap == "buffer_one":
-            log.info("periodic %s: tick %s waits for the previous one to end", schedule.name, tick)
-            self._marks.take_over(Mark(schedule.name, tick, marked_at), BUFFERED)
-        else:
-            log.info("periodic %s: tick %s skipped: the previous one %s", schedule.name, tick,
-                     "still runs" if blocked == "runs" else "waits already")  # fmt: skip
-            self._settle(schedule, tick, SKIPPED)
-            self._on_ticks(schedule.name, "skipped", 1)
-        return True
+        won = self._marks.mark_many([(s.name, tick) for s, tick in burst], marked_at)
+        publish: list[Due] = []
+        for (schedule, tick), marked in zip(burst, won, strict=True):
+            if not marked:
+                continue
+            blocked = self._blocked(schedule, tick)
+            if blocked is None:
+                publish.append((schedule, tick))
+            elif blocked == "runs" and schedule.overlap == "buffer_one":
+                log.info("periodic %s: tick %s waits for the previous one to end",
+                         schedule.name, tick)  # fmt: skip
+                self._marks.take_over(Mark(schedule.name, tick, marked_at), BUFFERED)
+            else:
+                log.info("periodic %s: tick %s skipped: the previous one %s", schedule.name,
+                         tick, "still runs" if blocked == "runs" else "waits already")  # fmt: skip
+                self._settle([(schedule, tick)], SKIPPED)
+                self._on_ticks(schedule.name, "skipped", 1)
+        self._publish(publish, late=True)
+        return won
 
-    def _settle(self, schedule: Periodic, tick: float, state: int) -> None:
-        self._marks.published(schedule.name, tick, self._forget(schedule, tick), state)
+    def _settle(self, ticks: Sequence[Due], state: int) -> None:
+        forget: dict[str, float] = {}
+        for schedule, tick in ticks:
+            forget[schedule.name] = max(
+                forget.get(schedule.name, 0.0), self._forget(schedule, tick)
+            )
+        self._marks.published_many([(s.name, tick) for s, tick in ticks], forget, state)
 
     def _blocked(self, schedule: Periodic, tick: float) -> str | None:
-        """Unless overlap is "allow": "runs" if the job of the last tick run before ``tick``
-        still holds its claim, "waits" if that tick waits for the one before it to end
-        (overlap "buffer_one"); None if the tick may fire."""
-        if schedule.overlap == "allow" or self.running is None:
+        """Unless overlap is "allow": "runs" if the run of the last tick before ``tick`` has
+        not ended, "waits" if that tick waits for the one before it to end (overlap
+        "buffer_one"); None if the tick may fire."""
+        if schedule.overlap == "allow" or self.run_state is None:
             return None
         previous = self._marks.last_run(schedule.name, tick)
         if previous is None:
             return None
-        if self.running(schedule.job_id(previous)):
+        if self._runs(schedule, previous):
             return "runs"
-        waiting = Mark(schedule.name, previous, BUFFERED)
+        waiting = Mark(schedule.name, previous.tick, BUFFERED)
         if schedule.overlap == "buffer_one" and waiting in self._marks.unpublished(REQUESTED):
             return "waits"
         return None
 
+    def _runs(self, schedule: Periodic, previous: Mark) -> bool:
+        """Whether the run of the tick ``previous`` has not ended: claimed and not completed
+        or failed, or published (or about to be: its worker marked it) and not claimed yet,
+        for ``overlap_unclaimed`` seconds from its mark (then its message is taken as lost).
+        A tick still waiting (marked at BUFFERED) or an operator's run not taken over yet
+        (REQUESTED) was not published: it does not run."""
+        if self.run_state is None:  # no idempotency store: nothing known runs
+            return False
+        state = self.run_state(schedule.job_id(previous.tick))
+        if state != "unclaimed":
+            return state == "running"
+        queued = previous.marked_at > REQUESTED
+        return queued and self._clock() - previous.marked_at < schedule.overlap_unclaimed
+
     def _still_blocked(self, schedule: Periodic, mark: Mark) -> bool:
         """Whether a tick waiting for the previous run (overlap "buffer_one") still waits."""
-        if mark.marked_at != BUFFERED or self.running is None:
+        if mark.marked_at != BUFFERED or self.run_state is None:
             return False
         previous = self._marks.last_run(schedule.name, mark.tick)
-        return previous is not None and self.running(schedule.job_id(previous))
+        return previous is not None and self._runs(schedule, previous)
 
     def _take_over(self, now: float) -> None:
+        taken: list[tuple[Due, bool]] = []
         for mark in self._marks.unpublished(now - self._take_over_after):
             schedule = self._schedules.get(mark.schedule)
             if schedule is None or self._still_blocked(schedule, mark):
@@ -218,25 +260,47 @@ class Periodics(Middleware):
             if self._marks.take_over(mark, now):
                 left = _LEFT.get(mark.marked_at, "another worker left")
                 log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
-                self._publish(schedule, mark.tick, late=mark.marked_at != REQUESTED)
+                taken.append(((schedule, mark.tick), mark.marked_at != REQUESTED))
+        self._publish([due for due, late in taken if late], late=True)
+        self._publish([due for due, late in taken if not late], late=False)
 
-    def _publish(self, schedule: Periodic, tick: float, *, late: bool = True) -> None:
-        """Publish the tick's job; ``late``: its lateness is measured (not for an operator's
-        run, which is as late as it was asked)."""
+    def _publish(self, ticks: Sequence[Due], *, late: bool) -> None:
+        """Publish the ticks' jobs all at once, wait for their message ids, and mark those
+        published in one transaction; ``late``: their lateness is measured (not for an
+        operator's run, which is as late as it was asked). A tick whose publish failed stays
+        unpublished, and is taken over after a while."""
+        sent = [(schedule, tick, self._send(schedule, tick)) for schedule, tick in ticks]
+        out = [(s, tick) for s, tick, future in sent if self._confirmed(s, tick, future)]
+        for schedule, tick in out:
+            if late:
+                self._on_late(schedule.name, self._clock() - tick)
+            self._on_ticks(schedule.name, "fired", 1)
+        if out:
+            self._settle(out, PUBLISHED)
+
+    def _send(self, schedule: Periodic, tick: float) -> Any:
+        """Start publishing the tick's job: its future, or the error the client raised."""
         when = datetime.fromtimestamp(tick, UTC)
         message = JobMessage(
             schedule.job, dict(schedule.payload), schedule.job_id(tick), {},
             not_before_text(when, when),
         )  # fmt: skip
+        data, attributes = message.encode()
         try:
-            publish(self._publisher, self._topic, message, timeout=_PUBLISH_TIMEOUT)
+            return send(self._publisher, self._topic, data, attributes, message.ordering_key)
+        except Exception as exc:  # (e.g. a client closed): handled as a failed future is
+            return exc
+
+    def _confirmed(self, schedule: Periodic, tick: float, future: Any) -> bool:
+        """Whether the publish ``future`` was confirmed (no ordering key: none to resume)."""
+        try:
+            if isinstance(future, Exception):
+                raise future
+            confirmed(self._publisher, self._topic, "", future, _PUBLISH_TIMEOUT)
         except Exception as exc:  # left unpublished: taken over after a while
             log.warning("periodic %s: tick %s not published yet: %s", schedule.name, tick, exc)
-            return
-        if late:
-            self._on_late(schedule.name, self._clock() - tick)
-        self._on_ticks(schedule.name, "fired", 1)
-        self._settle(schedule, tick, PUBLISHED)
+            return False
+        return True
 
     @staticmethod
     def _forget(schedule: Periodic, tick: float) -> float:

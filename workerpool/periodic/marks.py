@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # A mark's state.
@@ -41,29 +42,45 @@ class Pause:
     since: float
 
 
+# (schedule, tick): a tick of a schedule.
+Tick = tuple[str, float]
+
+
 class Marks(ABC):
     """Every method may raise ``StoreError``, and nothing else."""
 
-    @abstractmethod
     def mark(self, schedule: str, tick: float, now: float) -> bool:
         """Mark the tick unless it is marked already: True for the one caller that marked it."""
+        return self.mark_many([(schedule, tick)], now)[0]
+
+    @abstractmethod
+    def mark_many(self, ticks: Sequence[Tick], now: float) -> list[bool]:
+        """``mark`` each of ``ticks`` (a compare-and-set each, in as few round trips as the
+        backend can): for each, in order, whether this caller marked it."""
 
     @abstractmethod
     def take_over(self, mark: Mark, now: float) -> bool:
         """Mark again, at ``now``, a tick still unpublished and marked at ``mark.marked_at``:
         True for the one caller that did."""
 
-    @abstractmethod
     def published(
         self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
     ) -> None:
         """The tick's message is out (or, SKIPPED or MISSED, will never be); marks of the
         schedule before ``forget_before`` go."""
+        self.published_many([(schedule, tick)], {schedule: forget_before}, state)
 
     @abstractmethod
-    def last_run(self, schedule: str, before: float) -> float | None:
+    def published_many(
+        self, ticks: Sequence[Tick], forget_before: Mapping[str, float], state: int = PUBLISHED
+    ) -> None:
+        """``published`` for each of ``ticks``, in one transaction where the backend can; the
+        marks of each schedule in ``forget_before`` before its time go."""
+
+    @abstractmethod
+    def last_run(self, schedule: str, before: float) -> Mark | None:
         """The latest tick of the schedule before ``before`` marked and not skipped or
-        missed."""
+        missed, with the time it was marked (or taken over) at."""
 
     @abstractmethod
     def unpublished(self, marked_before: float) -> list[Mark]:
@@ -100,12 +117,13 @@ class MemoryMarks(Marks):
         self._pauses: dict[str, Pause] = {}
         self._lock = threading.Lock()
 
-    def mark(self, schedule: str, tick: float, now: float) -> bool:
+    def mark_many(self, ticks: Sequence[Tick], now: float) -> list[bool]:
         with self._lock:
-            if (schedule, tick) in self._marks:
-                return False
-            self._marks[schedule, tick] = (now, UNPUBLISHED)
-            return True
+            won = []
+            for tick in ticks:
+                won.append(tick not in self._marks)
+                self._marks.setdefault(tick, (now, UNPUBLISHED))
+            return won
 
     def take_over(self, mark: Mark, now: float) -> bool:
         with self._lock:
@@ -114,13 +132,15 @@ class MemoryMarks(Marks):
             self._marks[mark.schedule, mark.tick] = (now, UNPUBLISHED)
             return True
 
-    def published(
-        self, schedule: str, tick: float, forget_before: float, state: int = PUBLISHED
+    def published_many(
+        self, ticks: Sequence[Tick], forget_before: Mapping[str, float], state: int = PUBLISHED
     ) -> None:
         with self._lock:
-            self._marks[schedule, tick] = (self._marks[schedule, tick][0], state)
-            for key in [k for k in self._marks if k[0] == schedule and k[1] < forget_before]:
-                del self._marks[key]
+            for tick in ticks:
+                self._marks[tick] = (self._marks[tick][0], state)
+            for key in [k for k in self._marks if k[1] < forget_before.get(k[0], k[1])]:
+                if self._marks[key][1] != UNPUBLISHED:
+                    del self._marks[key]
 
     def unpublished(self, marked_before: float) -> list[Mark]:
         with self._lock:
@@ -143,13 +163,14 @@ class MemoryMarks(Marks):
         with self._lock:
             return dict(self._pauses)
 
-    def last_run(self, schedule: str, before: float) -> float | None:
+    def last_run(self, schedule: str, before: float) -> Mark | None:
         with self._lock:
-            return max(
+            tick = max(
                 (t for (s, t), (_, state) in self._marks.items()
                  if s == schedule and t < before and state not in NOT_RUN),
                 default=None,
             )  # fmt: skip
+            return None if tick is None else Mark(schedule, tick, self._marks[schedule, tick][0])
 
     def close(self) -> None:
         pass

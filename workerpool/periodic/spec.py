@@ -17,9 +17,10 @@ from workerpool.schedule.when import parse_delay
 CATCH_UP = ("none", "latest", "all")
 OVERLAP = ("skip", "allow", "buffer_one")
 _KEYS = {"name", "job", "cron", "every", "timezone", "payload", "catch_up", "catch_up_window",
-         "overlap", "pool"}  # fmt: skip
+         "overlap", "overlap_unclaimed", "pool"}  # fmt: skip
 _DEFAULTS: dict[str, Any] = {"timezone": "UTC", "payload": {}, "catch_up": "latest",
-                             "catch_up_window": "1h", "overlap": "allow", "pool": ""}  # fmt: skip
+                             "catch_up_window": "1h", "overlap": "allow",
+                             "overlap_unclaimed": "10m", "pool": ""}  # fmt: skip
 # Ticks fired at once after a downtime with catch_up "all", at most: the latest ones.
 MAX_CATCH_UP = 1000
 
@@ -35,6 +36,9 @@ class Periodic:
     overlap: str = "allow"
     # The subscription of the ``[[pools]]`` entry that fires it, to its topic ("": the first).
     pool: str = ""
+    # How long a tick published and not claimed yet counts as running (overlap "skip" and
+    # "buffer_one"): past it, its message is taken as lost.
+    overlap_unclaimed: float = 600.0  # seconds
 
     def job_id(self, tick: float) -> str:
         """The tick's job id: the same on every worker, so its job runs once."""
@@ -86,6 +90,7 @@ def parse_schedule(entry: Mapping[str, Any], position: str, source: str) -> Peri
             _choice(values, "catch_up", CATCH_UP),
             parse_delay(str(values["catch_up_window"])).total_seconds(),
             _choice(values, "overlap", OVERLAP), _pool(values["pool"]),
+            parse_delay(str(values["overlap_unclaimed"])).total_seconds(),
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
