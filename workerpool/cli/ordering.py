@@ -34,9 +34,9 @@ def ordering_blocked(config_file: str | None, idempotency_store: str | None) -> 
 def ordering_unblock(key: str, config_file: str | None, idempotency_store: str | None) -> None:
     """Let KEY go on: its later messages run, in order (the exhausted one is not run again;
     its failure record is on the dead-letter topic, for `workerpool dlq replay`)."""
-    from workerpool.ordering import open_blocked_keys
+    from workerpool.ordering import unblock
 
     settings = load_settings(config_file, {"idempotency_store": idempotency_store})
-    if not open_blocked_keys(settings.idempotency_store).unblock(key):
+    if not unblock(settings.idempotency_store, key):
         raise ConfigError(f"ordering key {key!r} is not blocked")
     click.echo(f"ordering key {key} unblocked")
