@@ -64,13 +64,20 @@ def _status(env: PubSubResources, store: str, store_env: dict[str, str]) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "firestore"])
+@pytest.fixture(params=["sqlite", "firestore"])
+def fleet_store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, dict[str, str]]:
+    """The store the worker and the operator's commands share (``shared_store``); the
+    commands run in this process, which reaches it too."""
+    url, store_env = shared_store(request.param, request, tmp_path)
+    for name, value in store_env.items():
+        monkeypatch.setenv(name, value)
+    return url, store_env
+
+
 def test_a_blocked_key_stops_is_named_and_goes_on_in_order_once_unblocked(
-    kind: str,
-    pubsub_resources: PubSubResources,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
+    pubsub_resources: PubSubResources, tmp_path: Path, fleet_store: tuple[str, dict[str, str]]
 ) -> None:
     # Given keys a and b of 6 jobs each, where a's third job always fails, on a job that
     # blocks its key when its 2 attempts are spent, and a worker on the shared store
@@ -78,9 +85,7 @@ def test_a_blocked_key_stops_is_named_and_goes_on_in_order_once_unblocked(
     env.provision(ordered=True, retry_policy=False)
     _publish(env, {"fail": "retryable"})
     ledger = tmp_path / "ledger.jsonl"
-    url, store_env = shared_store(kind, request, tmp_path)
-    for name, value in store_env.items():
-        monkeypatch.setenv(name, value)  # the operator's commands below run in this process
+    url, store_env = fleet_store
     store = ["--idempotency-store", url]
     runner = CliRunner()
     port = free_port()
@@ -139,7 +144,10 @@ def _a_runs(ledger: Path) -> list[tuple[str, str, float, float]]:
 
 
 def test_replay_runs_the_job_that_blocked_a_key_first_then_lets_the_key_go_on(
-    pubsub_resources: PubSubResources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pubsub_resources: PubSubResources,
+    tmp_path: Path,
+    fleet_store: tuple[str, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given key a blocked by its third job, which fails while a flag file exists
     env = pubsub_resources
@@ -149,13 +157,15 @@ def test_replay_runs_the_job_that_blocked_a_key_first_then_lets_the_key_go_on(
     flag.touch()
     _publish(env, {"fail": "retryable", "fail_while": str(flag)})
     ledger = tmp_path / "ledger.jsonl"
-    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    url, store_env = fleet_store
     replay = ["ordering", "replay", "key-a", "--project", env.project,
               "--dead-letter-subscription", f"{env.dead_letter_topic}-sub",
               "--idempotency-store", url]  # fmt: skip
     runner = CliRunner()
     with worker_processes() as workers:
-        worker = spawn_worker(env, ledger, "--jobs", "workerpool_jobs.demo_ordering", store=url)
+        worker = spawn_worker(
+            env, ledger, "--jobs", "workerpool_jobs.demo_ordering", store=url, extra_env=store_env
+        )
         workers.append(worker)
         assert wait_for(lambda: "key-a" in blocked_now(url), timeout=60), worker.output()[-3000:]
         assert wait_for(lambda: len(_done(ledger)) >= 8, timeout=60), _done(ledger)
