@@ -4,6 +4,7 @@ and the middleware's answers when the store cannot be read."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.support import store_handles
 from workerpool import options
 from workerpool.errors import ConfigError
+from workerpool.idempotency import SqliteStore
+from workerpool.ops.dlq import FailureRecord, Match, Replayed, Replayer
 from workerpool.ordering import (
     Block,
     BlockedKeys,
@@ -22,6 +25,7 @@ from workerpool.ordering import (
     open_blocked_keys,
 )
 from workerpool.ordering.middleware import KeyBlocks
+from workerpool.ordering.replay import replay_then_unblock
 from workerpool.stores import StoreUnavailable
 from workerpool.testing.fakes import slot_run
 from workerpool.worker.outcome import Deferred, Unavailable
@@ -122,3 +126,48 @@ def test_status_says_in_one_line_when_the_blocked_keys_cannot_be_read() -> None:
     assert blocked_status("none") == []
     [line] = blocked_status("firestore://p")  # not a store URL at all
     assert line.startswith("blocked ordering keys not read: ")
+
+
+class _Replayer(Replayer):
+    """Replays what it is given, as the dead-letter subscription would hold it."""
+
+    def __init__(self, records: list[FailureRecord]) -> None:
+        self.records = records
+        self.replayed: list[str] = []
+
+    def replay(
+        self,
+        *,
+        job: str | None = None,
+        match: Match | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> Iterator[Replayed]:
+        for record in [r for r in self.records if match is None or match(r)][:limit]:
+            self.replayed.append(record.job_id)
+            yield Replayed(record, "replayed", "projects/p/topics/t")
+
+
+def _record(job_id: str) -> FailureRecord:
+    return FailureRecord("ack-1", "m-1", b"{}", {"job": "demo.sleep", "job_id": job_id}, None)
+
+
+def test_replay_unblocks_at_once_a_key_whose_job_completed_meanwhile(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    open_blocked_keys(url).block("key-a", "demo.sleep", "job-1")
+    store = SqliteStore(tmp_path / "claims.db")
+    store.claim("job-1", "w", "m-1", 30)
+    store.complete("job-1", "w", "m-1")
+    replayer, said = _Replayer([_record("job-1")]), list[str]()
+    replay_then_unblock(url, "key-a", replayer, 5, said.append)
+    assert replayer.replayed == [] and blocked_lines(url) == []
+    assert said[-1] == "job demo.sleep (job-1) completed; ordering key key-a unblocked"
+
+
+def test_replay_without_the_jobs_failure_record_leaves_the_key_blocked(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    open_blocked_keys(url).block("key-a", "demo.sleep", "job-1")
+    replayer = _Replayer([_record("job-2")])
+    with pytest.raises(ConfigError, match=r"no failure record of job demo.sleep \(job-1\)"):
+        replay_then_unblock(url, "key-a", replayer, 5, lambda line: None)
+    assert replayer.replayed == [] and len(blocked_lines(url)) == 1
