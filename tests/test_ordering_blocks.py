@@ -4,7 +4,6 @@ and the middleware's answers when the store cannot be read."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from tests.support import store_handles
 from workerpool import options
 from workerpool.errors import ConfigError
 from workerpool.idempotency import SqliteStore
-from workerpool.ops.dlq import FailureRecord, Match, Replayed, Replayer
+from workerpool.ops.dlq import FailureRecord, Replayed
 from workerpool.ordering import (
     Block,
     BlockedKeys,
@@ -128,24 +127,17 @@ def test_status_says_in_one_line_when_the_blocked_keys_cannot_be_read() -> None:
     assert line.startswith("blocked ordering keys not read: ")
 
 
-class _Replayer(Replayer):
-    """Replays what it is given, as the dead-letter subscription would hold it."""
+class _Replayer:
+    """Replays the records it is given, as the dead-letter subscription would hold them."""
 
     def __init__(self, records: list[FailureRecord]) -> None:
         self.records = records
         self.replayed: list[str] = []
 
-    def replay(
-        self,
-        *,
-        job: str | None = None,
-        match: Match | None = None,
-        limit: int | None = None,
-        dry_run: bool = False,
-    ) -> Iterator[Replayed]:
-        for record in [r for r in self.records if match is None or match(r)][:limit]:
-            self.replayed.append(record.job_id)
-            yield Replayed(record, "replayed", "projects/p/topics/t")
+    def __call__(self, job_id: str) -> list[Replayed]:
+        found = [r for r in self.records if r.job_id == job_id][:1]
+        self.replayed += [r.job_id for r in found]
+        return [Replayed(r, "replayed", "projects/p/topics/t") for r in found]
 
 
 def _record(job_id: str) -> FailureRecord:

@@ -64,7 +64,7 @@ def ordering_replay(
     """Run the job that blocked KEY again, first, then let KEY go on once it has completed
     (exit 1, KEY still blocked, if it has not within --wait)."""
     from workerpool.ops.dlq import Replayer
-    from workerpool.ordering.replay import NotCompleted, replay_then_unblock
+    from workerpool.ordering.replay import NotCompleted, replay_then_unblock, replaying
     from workerpool.pubsub import connect, describe_subscription, subscription_path
 
     settings = load_settings(config_file, {"idempotency_store": idempotency_store})
@@ -72,8 +72,8 @@ def ordering_replay(
     try:
         path = subscription_path(project, dead_letter_subscription)
         describe_subscription(clients.subscriber, path)  # a missing one: exit 2, one line
-        replayer = Replayer(clients.subscriber, clients.publisher, path)
-        replay_then_unblock(settings.idempotency_store, key, replayer, wait, click.echo)
+        replay = replaying(Replayer(clients.subscriber, clients.publisher, path))
+        replay_then_unblock(settings.idempotency_store, key, replay, wait, click.echo)
     except NotCompleted as exc:
         raise click.ClickException(str(exc)) from None
     finally:

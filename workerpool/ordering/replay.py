@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from workerpool.errors import ConfigError
 from workerpool.idempotency import IdempotencyStore, store_opener
-from workerpool.ops.dlq import Replayer
+from workerpool.ops.dlq import Replayed, Replayer
 from workerpool.ordering import Block, blocked_now, unblock
 from workerpool.stores import StoreError
 
@@ -23,12 +23,21 @@ from workerpool.stores import StoreError
 POLL_SECONDS = 0.5
 
 
+# Republishes the failure record of a job id (one at most): what was done with it.
+ReplayJob = Callable[[str], list[Replayed]]
+
+
+def replaying(replayer: Replayer) -> ReplayJob:
+    """``replayer``'s records of the job id, one at most."""
+    return lambda job_id: list(replayer.replay(match=lambda r: r.job_id == job_id, limit=1))
+
+
 class NotCompleted(Exception):
     """The replayed job did not complete within the wait: the key stays blocked."""
 
 
 def replay_then_unblock(
-    url: str, key: str, replayer: Replayer, wait: float, say: Callable[[str], None]
+    url: str, key: str, replay: ReplayJob, wait: float, say: Callable[[str], None]
 ) -> None:
     """Replay the failure record of the job that blocked ``key`` (the idempotency store
     ``url`` names keeps both), wait up to ``wait`` seconds for the job to complete, then
@@ -40,7 +49,7 @@ def replay_then_unblock(
         if _completed(store, block.job_id):
             say(f"job {block.job} ({block.job_id}) has completed already")
         else:
-            topic = _replay(replayer, block)
+            topic = _replay(replay, block)
             say(f"job {block.job} ({block.job_id}) replayed to {topic}; waiting for it")
             if not _completes_within(store, block.job_id, wait):
                 raise NotCompleted(
@@ -71,8 +80,8 @@ def _completions(url: str) -> IdempotencyStore:
         raise ConfigError(f"idempotency_store (for completions): {exc}") from None
 
 
-def _replay(replayer: Replayer, block: Block) -> str:
-    results = list(replayer.replay(match=lambda r: r.job_id == block.job_id, limit=1))
+def _replay(replay: ReplayJob, block: Block) -> str:
+    results = replay(block.job_id)
     if not results:
         raise ConfigError(
             f"no failure record of job {block.job} ({block.job_id}) on the dead-letter "
