@@ -40,6 +40,9 @@ class SleepRequest:
     # "retryable" or "permanent": raise that error (retryable: while attempt < fail_until).
     fail: Literal["retryable", "permanent"] | None = None
     fail_until: int = 0
+    # Fail (as ``fail`` says) only while a file of this path exists: a test removes it, as an
+    # operator fixes a cause, to let a replay succeed.
+    fail_while: str = ""
     # Sleep on regardless of ctx.cancelled, like a handler stuck in a call that cannot be
     # interrupted (the tests use it to show a drain does not wait for it). demo.sleep only.
     ignore_cancel: bool = False
@@ -105,8 +108,11 @@ def _end(ctx: RunContext, request: SleepRequest, started: float, finished: bool)
     if request.fail == "permanent":
         _record(ctx, started, "permanent")
         raise PermanentError("asked to fail permanently")
-    if request.fail == "retryable" and (
-        request.fail_until == 0 or ctx.delivery_attempt < request.fail_until
+    fixed = bool(request.fail_while) and not os.path.exists(request.fail_while)
+    if (
+        request.fail == "retryable"
+        and not fixed
+        and (request.fail_until == 0 or ctx.delivery_attempt < request.fail_until)
     ):
         _record(ctx, started, "retryable")
         raise RetryableError(f"asked to fail on attempt {ctx.delivery_attempt}")

@@ -37,13 +37,20 @@ def http_get(url: str) -> tuple[int, str]:
         return 0, ""  # not listening (yet, or any more)
 
 
+def metric(port: int, series: str) -> float | None:
+    """The value of ``series`` (a name and its labels as Prometheus writes them, e.g.
+    ``workerpool_pool_held{pool="default"}``) on the worker serving /metrics on ``port``;
+    None if it does not answer or has no such series."""
+    _, text = http_get(f"http://127.0.0.1:{port}/metrics")
+    prefix = f"{series} "
+    values = [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+    return float(values[0]) if values else None
+
+
 def held_messages(port: int, pool: str) -> int:
     """The messages the worker serving /metrics on ``port`` holds now for ``pool`` (its
     ``workerpool.pool.held`` gauge; 0 if it does not answer)."""
-    _, text = http_get(f"http://127.0.0.1:{port}/metrics")
-    prefix = f'workerpool_pool_held{{pool="{pool}"}} '
-    values = [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
-    return int(float(values[0])) if values else 0
+    return int(metric(port, f'workerpool_pool_held{{pool="{pool}"}}') or 0)
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:

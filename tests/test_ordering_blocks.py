@@ -1,24 +1,66 @@
-"""The blocked-keys store (memory and SQLite) and the ``ordered_exhausted`` option."""
+"""The blocked-keys store (memory, SQLite and Firestore), the ``ordered_exhausted`` option,
+and the middleware's answers when the store cannot be read."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import FIRESTORE_PROJECT
+from tests.support import store_handles
 from workerpool import options
 from workerpool.errors import ConfigError
-from workerpool.ordering import MemoryBlocks, SqliteBlocks, blocked_lines, open_blocked_keys
+from workerpool.idempotency import SqliteStore
+from workerpool.ops.dlq import FailureRecord, Replayed
+from workerpool.ordering import (
+    Block,
+    BlockedKeys,
+    MemoryBlocks,
+    SqliteBlocks,
+    blocked_lines,
+    blocked_status,
+    open_blocked_keys,
+)
+from workerpool.ordering.middleware import KeyBlocks
+from workerpool.ordering.replay import replay_then_unblock
+from workerpool.stores import StoreUnavailable
+from workerpool.testing.fakes import slot_run
+from workerpool.worker.outcome import Deferred, Unavailable
+from workerpool.worker.run import Run
 
 
-@pytest.mark.parametrize("kind", ["memory", "sqlite"])
-def test_a_key_is_blocked_until_unblocked(kind: str, tmp_path: Path) -> None:
-    blocks = MemoryBlocks() if kind == "memory" else SqliteBlocks(tmp_path / "claims.db")
-    blocks.block("key-a", "demo.sleep", "job-1")
-    assert blocks.blocked("key-a") and not blocks.blocked("key-b")
-    assert [(b.key, b.job, b.job_id) for b in blocks.all()] == [("key-a", "demo.sleep", "job-1")]
-    assert blocks.unblock("key-a") and not blocks.unblock("key-a")
-    assert not blocks.blocked("key-a") and blocks.all() == []
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "firestore"])
+def test_a_key_is_blocked_until_unblocked_whoever_opens_the_store(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two handles on one store, as a worker and an operator's command have
+    def firestore(collection: str) -> BlockedKeys:
+        from workerpool.ordering.firestore import FirestoreBlocks
+
+        return FirestoreBlocks(FIRESTORE_PROJECT, collection)
+
+    def memory() -> BlockedKeys:
+        return MemoryBlocks()
+
+    def sqlite() -> BlockedKeys:
+        return SqliteBlocks(tmp_path / "claims.db")
+
+    with store_handles(
+        kind, request, monkeypatch, memory=memory, sqlite=sqlite, firestore=firestore
+    ) as handle:
+        worker, operator = handle(), handle()
+        # When the worker blocks a key
+        worker.block("key-a", "demo.sleep", "job-1")
+        # Then the operator sees it, and only it
+        assert operator.blocked("key-a") and not operator.blocked("key-b")
+        listed = [(b.key, b.job, b.job_id) for b in operator.all()]
+        assert listed == [("key-a", "demo.sleep", "job-1")]
+        # And once the operator unblocks it, the worker sees it go on; unblocking it again
+        # says it was not blocked
+        assert operator.unblock("key-a") and not operator.unblock("key-a")
+        assert not worker.blocked("key-a") and worker.all() == []
 
 
 def test_the_sqlite_store_is_shared_by_whoever_opens_the_file(tmp_path: Path) -> None:
@@ -39,3 +81,85 @@ def test_the_option_takes_record_or_block_only() -> None:
     options.check("j", {"ordered_exhausted": "record"})
     with pytest.raises(ValueError, match="'record' or 'block'"):
         options.check("j", {"ordered_exhausted": "stop"})
+
+
+class _Unreachable(MemoryBlocks):
+    def blocked(self, key: str) -> bool:
+        raise StoreUnavailable("blocked keys: no answer in 5s")
+
+    def all(self) -> list[Block]:
+        raise StoreUnavailable("blocked keys: no answer in 5s")
+
+
+def _keyed_run(key: str) -> Run:
+    run = slot_run("job-1")
+    run.delivery = dataclasses.replace(run.delivery, ordering_key=key)
+    return run
+
+
+def test_a_keyed_run_waits_while_its_key_is_blocked_and_when_that_cannot_be_read() -> None:
+    blocks = MemoryBlocks()
+    blocks.block("key-a", "demo.sleep", "job-0")
+    assert isinstance(KeyBlocks(blocks).before(_keyed_run("key-a")), Deferred)
+    assert KeyBlocks(blocks).before(_keyed_run("key-b")) is None
+    # An outage is neither a run out of turn nor a failure of the job: it comes back later
+    down = KeyBlocks(_Unreachable()).before(_keyed_run("key-a"))
+    assert isinstance(down, Unavailable) and "no answer" in down.reason
+
+
+def test_the_gauge_counts_the_keys_blocked_now_by_job_and_nothing_when_unread() -> None:
+    blocks = MemoryBlocks()
+    middleware = KeyBlocks(blocks, ["demo.blocking_sleep"])
+    assert middleware.blocked_now() == {"demo.blocking_sleep": 0}
+    blocks.block("key-a", "demo.blocking_sleep", "job-1")
+    blocks.block("key-b", "demo.blocking_sleep", "job-2")
+    blocks.block("key-c", "other.job", "job-3")
+    assert middleware.blocked_now() == {"demo.blocking_sleep": 2, "other.job": 1}
+    blocks.unblock("key-a")
+    blocks.unblock("key-b")
+    assert middleware.blocked_now() == {"demo.blocking_sleep": 0, "other.job": 1}
+    assert KeyBlocks(_Unreachable(), ["demo.blocking_sleep"]).blocked_now() is None
+
+
+def test_status_says_in_one_line_when_the_blocked_keys_cannot_be_read() -> None:
+    assert blocked_status("none") == []
+    [line] = blocked_status("firestore://p")  # not a store URL at all
+    assert line.startswith("blocked ordering keys not read: ")
+
+
+class _Replayer:
+    """Replays the records it is given, as the dead-letter subscription would hold them."""
+
+    def __init__(self, records: list[FailureRecord]) -> None:
+        self.records = records
+        self.replayed: list[str] = []
+
+    def __call__(self, job_id: str) -> list[Replayed]:
+        found = [r for r in self.records if r.job_id == job_id][:1]
+        self.replayed += [r.job_id for r in found]
+        return [Replayed(r, "replayed", "projects/p/topics/t") for r in found]
+
+
+def _record(job_id: str) -> FailureRecord:
+    return FailureRecord("ack-1", "m-1", b"{}", {"job": "demo.sleep", "job_id": job_id}, None)
+
+
+def test_replay_unblocks_at_once_a_key_whose_job_completed_meanwhile(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    open_blocked_keys(url).block("key-a", "demo.sleep", "job-1")
+    store = SqliteStore(tmp_path / "claims.db")
+    store.claim("job-1", "w", "m-1", 30)
+    store.complete("job-1", "w", "m-1")
+    replayer, said = _Replayer([_record("job-1")]), list[str]()
+    replay_then_unblock(url, "key-a", replayer, 5, said.append)
+    assert replayer.replayed == [] and blocked_lines(url) == []
+    assert said[-1] == "job demo.sleep (job-1) completed; ordering key key-a unblocked"
+
+
+def test_replay_without_the_jobs_failure_record_leaves_the_key_blocked(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    open_blocked_keys(url).block("key-a", "demo.sleep", "job-1")
+    replayer = _Replayer([_record("job-2")])
+    with pytest.raises(ConfigError, match=r"no failure record of job demo.sleep \(job-1\)"):
+        replay_then_unblock(url, "key-a", replayer, 5, lambda line: None)
+    assert replayer.replayed == [] and len(blocked_lines(url)) == 1

@@ -120,7 +120,7 @@ class PoolBuilder:
         concurrency = self._concurrency(timers, slot_limits)
         coordination = self._coordination(info.topic, clients.publisher)
         coordination += key_blocks(
-            self._jobs.specs(), s.idempotency_store, self.telemetry.metrics.key_blocked
+            self._jobs.specs(), s.idempotency_store, self.telemetry.metrics.watch_blocked
         )
         middleware = self._middleware(timers, concurrency, coordination)
         _check_options(self._jobs, middleware, self._limiters)

@@ -81,7 +81,7 @@ def status(
         lines = status_lines(clients.subscriber, subscription_path(project, subscription), slots)
     finally:
         clients.close()
-    from workerpool.ordering import blocked_lines
+    from workerpool.ordering import blocked_status
 
-    for line in lines + blocked_lines(settings.idempotency_store):
+    for line in lines + blocked_status(settings.idempotency_store):
         click.echo(line)

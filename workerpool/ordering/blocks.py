@@ -48,6 +48,8 @@ class BlockedKeys(Protocol):
 
     def all(self) -> list[Block]: ...
 
+    def close(self) -> None: ...
+
 
 class MemoryBlocks:
     """One process's blocked keys (the memory idempotency store's worker, and tests)."""
@@ -70,6 +72,9 @@ class MemoryBlocks:
     def all(self) -> list[Block]:
         with self._lock:
             return sorted(self._blocks.values(), key=lambda b: b.key)
+
+    def close(self) -> None:
+        pass  # nothing held beyond this process's memory
 
 
 class SqliteBlocks:
@@ -94,6 +99,10 @@ class SqliteBlocks:
     def all(self) -> list[Block]:
         rows = self._read("SELECT key, job, job_id, blocked_at FROM ordering_blocks ORDER BY key")
         return [Block(*row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
 
     def _read(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock, translated(_LABEL):

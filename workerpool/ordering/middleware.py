@@ -4,12 +4,15 @@
 ``attempts_exhausted`` (the failure record, as for any job), its ordering key is blocked in
 the shared store, and every later message of the key is given back unrun (deferred) until
 ``workerpool ordering unblock KEY``. The default, ``"record"``, records and goes on.
+
+The gauge ``workerpool.ordering.keys_blocked`` reads the keys blocked now from the shared
+store, by the job that blocked them, each time a reader collects.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
 from workerpool import constants as c
@@ -17,8 +20,9 @@ from workerpool.constants import Label
 from workerpool.ordering import open_blocked_keys
 from workerpool.ordering.blocks import BlockedKeys, MemoryBlocks
 from workerpool.registry import JobSpec
+from workerpool.stores import StoreError
 from workerpool.worker.middleware import Middleware
-from workerpool.worker.outcome import Deferred, Outcome
+from workerpool.worker.outcome import Deferred, Outcome, Unavailable
 from workerpool.worker.run import Run, Settled
 
 log = logging.getLogger(__name__)
@@ -30,20 +34,46 @@ BLOCK, RECORD = "block", "record"
 # give-back counts as a delivery attempt, so not often.
 BLOCKED_RECHECK_SECONDS = 5.0
 
+# The keys blocked now, by the job that blocked them; None when the store cannot be read.
+BlockedNow = Callable[[], Mapping[str, int] | None]
+
 
 class KeyBlocks(Middleware):
     options: ClassVar[frozenset[str]] = frozenset({OPTION})
 
-    def __init__(self, blocks: BlockedKeys, on_block: Callable[[str], None]) -> None:
-        """``on_block(job)``: a key was blocked by a job of that name (the metric)."""
+    def __init__(self, blocks: BlockedKeys, blocking_jobs: Iterable[str] = ()) -> None:
+        """``blocking_jobs``: this worker's jobs that block their key (0 is reported for
+        each of them while none is blocked)."""
         self._blocks = blocks
-        self._on_block = on_block
+        self._blocking_jobs = sorted(blocking_jobs)
 
     def before(self, run: Run) -> Outcome | None:
         key = run.delivery.ordering_key
-        if key and self._blocks.blocked(key):
+        if not key:
+            return None
+        try:
+            blocked = self._blocks.blocked(key)
+        except StoreError as exc:  # not known: neither run it out of turn nor count a failure
+            return Unavailable(f"blocked ordering keys: {exc}")
+        if blocked:
             return Deferred(f"ordering key {key!r} is blocked", BLOCKED_RECHECK_SECONDS)
         return None
+
+    def blocked_now(self) -> dict[str, int] | None:
+        """The keys blocked now in the shared store, by the job that blocked them; None if
+        the store cannot be read (the gauge then reports nothing rather than a wrong 0)."""
+        try:
+            blocks = self._blocks.all()
+        except StoreError as exc:
+            log.warning("blocked ordering keys not read for the gauge: %s", exc)
+            return None
+        counts = dict.fromkeys(self._blocking_jobs, 0)
+        for block in blocks:
+            counts[block.job] = counts.get(block.job, 0) + 1
+        return counts
+
+    def close(self, timeout: float) -> None:
+        self._blocks.close()
 
     def settled(self, event: Settled) -> None:
         run = event.run
@@ -60,7 +90,6 @@ class KeyBlocks(Middleware):
         except Exception:  # must not raise: the failure record is published either way
             log.exception("ordering key %r not blocked", run.delivery.ordering_key)
             return
-        self._on_block(event.job)
         log.warning(
             "ordering key %r blocked: job %s (%s) exhausted its attempts; "
             "`workerpool ordering unblock` lets it go on",
@@ -69,12 +98,17 @@ class KeyBlocks(Middleware):
 
 
 def key_blocks(
-    specs: Iterable[JobSpec], store_url: str, on_block: Callable[[str], None]
+    specs: Iterable[JobSpec], store_url: str, watch: Callable[[BlockedNow], None]
 ) -> list[Middleware]:
     """The middleware, for a worker with a job that sets the option (the store opened only
-    where one blocks: a ``ConfigError`` if it cannot be); else none."""
-    choices = {spec.options[OPTION] for spec in specs if OPTION in spec.options}
+    where one blocks: a ``ConfigError`` if it cannot be; ``watch`` is then given what the
+    gauge reads); else none."""
+    choices = {spec.name: spec.options[OPTION] for spec in specs if OPTION in spec.options}
     if not choices:
         return []
-    blocks = open_blocked_keys(store_url) if BLOCK in choices else MemoryBlocks()
-    return [KeyBlocks(blocks, on_block)]
+    blocking = [name for name, choice in choices.items() if choice == BLOCK]
+    if not blocking:
+        return [KeyBlocks(MemoryBlocks())]
+    middleware = KeyBlocks(open_blocked_keys(store_url), blocking)
+    watch(middleware.blocked_now)
+    return [middleware]

@@ -146,12 +146,14 @@ class Metrics(Middleware):
             description="Ticks of periodic schedules by outcome: fired (published), skipped "
             "(by the overlap policy) or missed (left out by catch_up after a downtime).",
         )
-        self._keys_blocked = meter.create_counter(
+        meter.create_observable_gauge(
             c.METRIC_KEYS_BLOCKED,
+            callbacks=[self._observe_blocked],
             unit="{key}",
-            description="Ordering keys blocked when a job of ordered_exhausted='block' "
-            "exhausted its attempts, by job.",
+            description="Ordering keys blocked now (a job of ordered_exhausted='block' "
+            "exhausted its attempts, no operator has let the key go on), by that job.",
         )
+        self._blocked_now: Callable[[], Mapping[str, int] | None] | None = None
         self._drain = meter.create_histogram(
             c.METRIC_DRAIN_DURATION,
             unit="s",
@@ -238,9 +240,14 @@ class Metrics(Middleware):
         """``count`` ticks of ``schedule`` were fired, skipped or missed (``outcome``)."""
         self._periodic_ticks.add(count, {c.LABEL_SCHEDULE: schedule, c.LABEL_OUTCOME: outcome})
 
-    def key_blocked(self, job: str) -> None:
-        """A job of ``job`` blocked its ordering key (``workerpool.ordering``)."""
-        self._keys_blocked.add(1, _attributes(job))
+    def watch_blocked(self, blocked_now: Callable[[], Mapping[str, int] | None]) -> None:
+        """Report ``blocked_now()`` (keys blocked now by job, from the shared store; None if
+        it cannot be read) as a gauge (``workerpool.ordering``)."""
+        self._blocked_now = blocked_now
+
+    def _observe_blocked(self, options: CallbackOptions) -> Iterable[Observation]:
+        counts = None if self._blocked_now is None else self._blocked_now()
+        return [Observation(n, _attributes(job)) for job, n in (counts or {}).items()]
 
     def watch_pool(self, name: str, pool: WatchedPool) -> None:
         """Report ``pool``'s running jobs, held messages and limit as gauges labelled
