@@ -30,6 +30,7 @@ from workerpool.ops.dlq import FailureRecord
 from workerpool.progress import MemoryJobState, Report
 from workerpool.schedule import Entry, MemorySchedule
 from workerpool.slots import MemorySlots
+from workerpool.slots.allocation import ShareAsk, lease_shares
 
 SUBSCRIPTION = "projects/p/subscriptions/jobs"
 TOKEN = "sesame"
@@ -46,6 +47,9 @@ def client() -> TestClient:
     beats.beat(Beat("host-1-abc", SUBSCRIPTION, "host", 1, 8, 3, 2, 1.0, False, False,
                     now - 1, now + 30))  # fmt: skip
     slots.acquire("exports", "host-1-abc", 2, 30.0)
+    # A key leased in bulk: two replicas' shares of its 10 slots
+    lease_shares(slots, [ShareAsk("reports", "host-1-abc", 10, 0, 6)], 30.0)
+    lease_shares(slots, [ShareAsk("reports", "host-2-def", 10, 0, 2)], 30.0)
     batches, schedule, done = MemoryBatches(), MemorySchedule(), MemoryStore()
     batches.create("b-1", "projects/p/topics/jobs", "done.job", ["c-1", "c-2"], now + 600)
     batches.commit("b-1")
@@ -64,7 +68,8 @@ def client() -> TestClient:
         schedule=lambda: schedule, completions=lambda: done, leadership=lambda: lead,
         progress=lambda: progress,
     )  # fmt: skip
-    settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2})
+    settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2, "reports": 10},
+                        concurrency_leases={"reports": "bulk"})  # fmt: skip
     app = create_app(settings, openers=openers, dead_letter_subscription="dlq-sub", token=TOKEN)
     return TestClient(app)
 
@@ -96,6 +101,10 @@ def test_overview_shows_each_replica_and_the_chart_without_any_script(client: Te
 def test_keys_batches_and_schedules_pages(client: TestClient) -> None:
     keys = client.get("/keys").text
     assert '<td class="holders">1<br>host-1-abc (token 1,' in keys
+    # and each replica's share of the key leased in bulk
+    shares = re.findall(r'<span data-replica="([^"]+)">[^:]+: (\d+) \(wants (\d+),', keys)
+    assert shares == [("host-1-abc", "6", "6"), ("host-2-def", "2", "2")]
+    assert '<td class="shares">8 in shares<br>' in keys
     batches = client.get("/batches").text
     assert "50%" in batches and "<td>c-2</td>" in batches and "open" in batches
     schedules = client.get("/schedules").text

@@ -207,7 +207,10 @@ class Dashboard:
         if isinstance(found, Response):
             return found
         who = _who(request)
-        lines = await run_in_threadpool(carry_out, self.fleet.settings, self._marks, found, who)
+        fleet = self.fleet
+        lines = await run_in_threadpool(
+            carry_out, fleet.settings, fleet.schedules, self._marks, found, who
+        )
         log.warning("dashboard: %s of %s by %s: %s", found.action, found.describe(), who,
                     "; ".join(lines))  # fmt: skip
         return self.render(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from workerpool.batches.store import Batch
 from workerpool.config import Settings
+from workerpool.dashboard.schedules import fleet_schedules
 from workerpool.dashboard.stores import Openers, opened
 from workerpool.leadership import Noted
 from workerpool.ops.keys import KeyState, key_states
@@ -72,6 +73,7 @@ class Fleet:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
+        self.schedules = fleet_schedules(settings)
         self._openers = openers
         self._clock = clock
 
@@ -145,14 +147,14 @@ class Fleet:
             return [] if store is None else store.entries(None, LIMIT)
 
     def periodic(self) -> list[PeriodicRow]:
-        """The config's ``[[schedules]]`` (``@job`` schedules need the job modules: not read
-        here), each with its next tick and the last one the fleet fired."""
+        """The fleet's periodic schedules (``fleet_schedules``), each with its next tick and
+        the last one the fleet fired."""
         now = self._clock()
-        with opened(self._openers.marks if self.settings.schedules else None) as marks:
+        with opened(self._openers.marks if self.schedules else None) as marks:
             pauses = {} if marks is None else marks.pauses()
             return [
                 _periodic(s, now, marks, s.name in pauses and pauses[s.name].paused)
-                for s in self.settings.schedules
+                for s in self.schedules
             ]
 
 
