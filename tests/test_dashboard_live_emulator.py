@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import ledger_events, spawn_worker, wait_for, worker_processes
-from tests.test_dashboard_browser_emulator import _confirm, _dashboard, _letters, browser
+from tests.test_dashboard_browser_emulator import (
+    _confirm,
+    _dashboard,
+    _letters,
+    _screenshots,
+    browser,
+)
 from tests.test_dashboard_views import chart_series
 from workerpool.heartbeats import heartbeat_opener
 from workerpool.idempotency import store_opener
@@ -172,6 +178,7 @@ def test_the_overview_and_keys_figures_equal_the_store_at_that_moment(
             assert keys == stored_keys
             assert keys["demo-slots"]["shares"] == [(replica[0], "2", "2")]
             assert [len(keys[k]["holders"]) for k in ("tenant:a", "tenant:b")] == [1, 1]
+            _screenshots(page, url, only=("overview", "keys"))
 
 
 BULK = '\n[concurrency]\n"demo-slots" = "4/bulk"\n"tenant:*" = 1\n'
