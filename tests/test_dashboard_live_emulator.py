@@ -19,6 +19,7 @@ from tests.support import ledger_events, spawn_worker, wait_for, worker_processe
 from tests.test_dashboard_browser_emulator import (
     _confirm,
     _dashboard,
+    _fleet,
     _letters,
     _screenshots,
     browser,
@@ -37,22 +38,11 @@ SLOTS = ("--jobs", "workerpool_jobs.demo_slots", "--concurrency", "demo-slots=4"
          "--concurrency", "tenant:*=1")  # fmt: skip
 
 
-def _config(tmp_path: Path, env: PubSubResources, store: str, extra: str = "") -> Path:
-    config = tmp_path / "workerpool.toml"
-    config.write_text(
-        f'[worker]\nproject = "{env.project}"\nsubscription = "{env.subscription}"\n'
-        f'dead_letter_topic = "{env.dead_letter_topic}"\nidempotency_store = "{store}"\n{extra}'
-    )
-    return config
-
-
 def test_a_job_that_reports_no_progress_shows_on_running_within_3_s_with_no_reload(
     pubsub_resources: PubSubResources, tmp_path: Path, browser: Any
 ) -> None:
     env = pubsub_resources
-    env.provision()
-    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
-    config = _config(tmp_path, env, store)
+    ledger, store, config = _fleet(env, tmp_path)
     with worker_processes() as workers:
         # Given a worker running a job, and the Running page open on it
         worker = spawn_worker(env, ledger, store=store)
@@ -83,9 +73,7 @@ def test_twenty_filtered_dead_letters_replayed_from_the_page_each_run_once(
     pubsub_resources: PubSubResources, tmp_path: Path, browser: Any
 ) -> None:
     env = pubsub_resources
-    env.provision()
-    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
-    config = _config(tmp_path, env, store)
+    ledger, store, config = _fleet(env, tmp_path)
     replayed = {f"t-{i}" for i in range(20)}
     others = {f"s-{i}" for i in range(5)}
     with worker_processes() as workers:
@@ -130,9 +118,7 @@ def test_the_overview_and_keys_figures_equal_the_store_at_that_moment(
     pubsub_resources: PubSubResources, tmp_path: Path, browser: Any
 ) -> None:
     env = pubsub_resources
-    env.provision()
-    ledger, store = tmp_path / "ledger.jsonl", f"sqlite:///{tmp_path / 'fleet.db'}"
-    config = _config(tmp_path, env, store, BULK)
+    ledger, store, config = _fleet(env, tmp_path, BULK)
     with worker_processes() as workers:
         # Given a worker that has done 4 jobs and failed 3 runs (two jobs dead-lettered, one
         # retried), and runs 4 long jobs: two

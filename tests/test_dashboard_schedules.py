@@ -5,19 +5,13 @@ schedules declared on ``@job`` in the job modules it is given (``--jobs``, or th
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support import http_get, wait_for
+from tests.support import dashboard_process, http_get
 from workerpool.periodic import marks_opener
-from workerpool.testing.emulator import free_port
 
 TOKEN = "sesame"
 CONFIG = """
@@ -33,22 +27,8 @@ every = "1h"
 """
 
 
-@contextlib.contextmanager
-def _dashboard(config: Path, log: Path, *args: str) -> Iterator[str]:
-    port = free_port()
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "workerpool", "dashboard", "--config", str(config),
-             "--bind", f"127.0.0.1:{port}", "--token", TOKEN, *args],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_for(lambda: http_get(url + "/schedules")[0] == 200, 30), log.read_text()
-        yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(10)
+def _dashboard(config: Path, log: Path, *args: str) -> contextlib.AbstractContextManager[str]:
+    return dashboard_process(config, log, "--token", TOKEN, *args)
 
 
 def _shown(url: str) -> dict[str, str]:
