@@ -9,6 +9,7 @@ runs are counted by the minute in ``<collection>-failed``, a document a minute (
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -40,9 +41,21 @@ class FirestoreStore(IdempotencyStore):
     ) -> None:
         super().__init__(retention=retention, clock=clock)
         self._docs = docs.Documents(project, collection, timeout=timeout, label="idempotency store")
-        self._failed = docs.Documents(
-            project, f"{collection}-failed", timeout=timeout, label="idempotency store"
-        )
+        # The failed runs' counts: a client of their own, made when first needed (most
+        # processes never see a run fail).
+        self._failed_where = (project, f"{collection}-failed", timeout)
+        self._failed_docs: docs.Documents | None = None
+        self._opening = threading.Lock()
+
+    @property
+    def _failed(self) -> docs.Documents:
+        with self._opening:
+            if self._failed_docs is None:
+                project, collection, timeout = self._failed_where
+                self._failed_docs = docs.Documents(
+                    project, collection, timeout=timeout, label="idempotency store"
+                )
+            return self._failed_docs
 
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
         return self._docs.mutate(job_id, self._deciding(job_id, mutation))
@@ -84,7 +97,9 @@ class FirestoreStore(IdempotencyStore):
 
     def close(self) -> None:
         self._docs.close()
-        self._failed.close()
+        with self._opening:
+            if self._failed_docs is not None:
+                self._failed_docs.close()
 
 
 def _decode(data: dict[str, Any]) -> Record:
