@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import subprocess
+import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -79,3 +81,15 @@ def test_without_the_job_modules_only_the_config_schedules_show(tmp_path: Path) 
     config.write_text(CONFIG.format(store=store))
     with _dashboard(config, tmp_path / "dashboard.log") as url:
         assert _shown(url) == {"hourly": "demo.echo"}
+
+
+def test_a_job_module_that_cannot_be_imported_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "workerpool.toml"
+    config.write_text(CONFIG.format(store=f"sqlite:///{tmp_path / 'fleet.db'}"))
+    done = subprocess.run(
+        [sys.executable, "-m", "workerpool", "dashboard", "--config", str(config),
+         "--jobs", "no_such_jobs_module"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "no_such_jobs_module" in done.stderr
