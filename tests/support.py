@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from workerpool.slots import SlotStore
+from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
 
@@ -351,3 +353,26 @@ def start_bulk_workers(
         )  # fmt: skip
     ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
     assert ready, workers[0].output()[-2000:]
+
+
+@contextlib.contextmanager
+def dashboard_process(
+    config: Path, log: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A ``workerpool dashboard --config CONFIG ARGS`` process on a free port (``env`` added
+    to the environment), its output in ``log``: its URL, once it answers."""
+    port = free_port()
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "workerpool", "dashboard", "--config", str(config),
+             "--bind", f"127.0.0.1:{port}", *args],
+            env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: http_get(url + "/keys")[0] == 200, 30), log.read_text()
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(10)

@@ -30,6 +30,7 @@ from workerpool.ops.dlq import FailureRecord
 from workerpool.progress import MemoryJobState, Report
 from workerpool.schedule import Entry, MemorySchedule
 from workerpool.slots import MemorySlots
+from workerpool.slots.allocation import ShareAsk, lease_shares
 
 SUBSCRIPTION = "projects/p/subscriptions/jobs"
 TOKEN = "sesame"
@@ -46,6 +47,9 @@ def client() -> TestClient:
     beats.beat(Beat("host-1-abc", SUBSCRIPTION, "host", 1, 8, 3, 2, 1.0, False, False,
                     now - 1, now + 30))  # fmt: skip
     slots.acquire("exports", "host-1-abc", 2, 30.0)
+    # A key leased in bulk: two replicas' shares of its 10 slots
+    lease_shares(slots, [ShareAsk("reports", "host-1-abc", 10, 0, 6)], 30.0)
+    lease_shares(slots, [ShareAsk("reports", "host-2-def", 10, 0, 2)], 30.0)
     batches, schedule, done = MemoryBatches(), MemorySchedule(), MemoryStore()
     batches.create("b-1", "projects/p/topics/jobs", "done.job", ["c-1", "c-2"], now + 600)
     batches.commit("b-1")
@@ -53,6 +57,7 @@ def client() -> TestClient:
     schedule.add(Entry("projects/p/topics/jobs", "later-1", now + 3600, b"{}", {"job": "j.x"}))
     done.claim("j-1", "w", "m-1", 30.0)
     done.complete("j-1", "w", "m-1")
+    done.count_failed(2)  # two runs failed
     lead = MemoryLeadership()
     lead.note(SUBSCRIPTION, Noted(now - 60, 0, 2, "waiting 12", "<b>12 waiting</b>", "started 2"))
     lead.note(SUBSCRIPTION, Noted(now, 2, 1, "waiting 0", "idle", "stopped 1"))
@@ -64,7 +69,8 @@ def client() -> TestClient:
         schedule=lambda: schedule, completions=lambda: done, leadership=lambda: lead,
         progress=lambda: progress,
     )  # fmt: skip
-    settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2})
+    settings = Settings(project="p", subscription="jobs", concurrency={"exports": 2, "reports": 10},
+                        concurrency_leases={"reports": "bulk"})  # fmt: skip
     app = create_app(settings, openers=openers, dead_letter_subscription="dlq-sub", token=TOKEN)
     return TestClient(app)
 
@@ -81,9 +87,12 @@ def test_overview_shows_each_replica_and_the_chart_without_any_script(client: Te
     assert '<td class="held">2</td>' in page
     assert '<td class="free">5</td>' in page
     assert "unavailable on the emulator" in page
-    assert '<img id="done-chart" src="http://testserver/chart/done.svg"' in page
-    chart = client.get("/chart/done.svg")
+    assert '<img id="jobs-chart" src="http://testserver/chart/jobs.svg"' in page
+    chart = client.get("/chart/jobs.svg")
     assert chart.headers["content-type"] == "image/svg+xml" and "<svg" in chart.text
+    # a bar a minute for the last hour: the job done and the two failed runs, this minute
+    done, failed = chart_series(chart.text)
+    assert done == [0] * 59 + [1] and failed == [0] * 59 + [2]
     assert not re.findall(r"(?:src|href)=\"(?:https?:)?//", chart.text)  # loads nothing
     # The page's only script is its own, served by the app: nothing from the internet.
     assert page.count("<script") == 1
@@ -96,6 +105,10 @@ def test_overview_shows_each_replica_and_the_chart_without_any_script(client: Te
 def test_keys_batches_and_schedules_pages(client: TestClient) -> None:
     keys = client.get("/keys").text
     assert '<td class="holders">1<br>host-1-abc (token 1,' in keys
+    # and each replica's share of the key leased in bulk
+    shares = re.findall(r'<span data-replica="([^"]+)">[^:]+: (\d+) \(wants (\d+),', keys)
+    assert shares == [("host-1-abc", "6", "6"), ("host-2-def", "2", "2")]
+    assert '<td class="shares">8 in shares<br>' in keys
     batches = client.get("/batches").text
     assert "50%" in batches and "<td>c-2</td>" in batches and "open" in batches
     schedules = client.get("/schedules").text
@@ -156,6 +169,13 @@ def test_the_running_page_shows_each_run_and_its_cancel_asks_for_a_confirmation(
     assert client.post("/control/confirm", data=two).status_code == 400
 
 
+def chart_series(svg: str) -> list[list[int]]:
+    """The figures of each series of a chart the dashboard drew, in order (pygal writes
+    each bar's value in a <desc class="value">)."""
+    groups = re.split(r'<g class="series serie-\d+ [^"]*">', svg)[1:]
+    return [[int(v) for v in re.findall(r'<desc class="value">(\d+)</desc>', g)] for g in groups]
+
+
 def _record(job: str, error_type: str, message_id: str) -> FailureRecord:
     return FailureRecord("ack", message_id, b"{}", {"job": job, "error_type": error_type})
 
@@ -204,7 +224,7 @@ def test_without_a_dead_letter_topic_the_page_says_where_to_set_one() -> None:
 
 def test_a_store_that_does_not_count_completions_says_so_in_the_chart() -> None:
     settings = Settings(project="p", subscription="jobs", idempotency_store="none")
-    chart = TestClient(create_app(settings)).get("/chart/done.svg")
+    chart = TestClient(create_app(settings)).get("/chart/jobs.svg")
     assert chart.status_code == 200 and NOT_COUNTED in chart.text
 
 

@@ -616,3 +616,24 @@ def test_an_sqlite_too_old_for_the_store_is_named_when_it_opens(
     with pytest.raises(StoreError, match=r"needs SQLite 3\.35\.4 or newer; .* has 3\.31\.1"):
         SqliteStore(tmp_path / "idem.db")
     assert not (tmp_path / "idem.db").exists()
+
+
+def test_failed_runs_are_counted_by_the_minute_and_a_day_of_them_kept(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    # Given two handles on one store (two workers), and a clock on a whole minute
+    first, second = make_store(), make_store()
+    clock.now = 1_700_000_040.0
+    minute = int(clock.now // 60)
+    # When runs fail on both, in two minutes
+    first.count_failed()
+    second.count_failed()
+    clock.advance(60)
+    second.count_failed(2)
+    # Then each minute counts its failed runs, from both
+    assert first.failed_per_minute(minute * 60) == {minute: 2, minute + 1: 2}
+    assert second.failed_per_minute((minute + 1) * 60) == {minute + 1: 2}
+    # and a day on, the old minutes are forgotten as new ones are counted
+    clock.advance(24 * 3600)
+    first.count_failed()
+    assert first.failed_per_minute(0) == {minute + 1 + 24 * 60: 1}

@@ -23,7 +23,7 @@ from starlette.templating import Jinja2Templates
 
 from workerpool.config import Settings
 from workerpool.dashboard import csrf
-from workerpool.dashboard.chart import done_chart
+from workerpool.dashboard.chart import minutes_chart
 from workerpool.dashboard.control import Order, carry_out, order
 from workerpool.dashboard.letters import ACTIONS, Selection, apply, letters
 from workerpool.dashboard.reading import LIMIT, Fleet
@@ -104,10 +104,10 @@ class Dashboard:
         return self.render(request, "page.html", {**context, "page": name, "title": title})
 
     async def chart(self, request: Request) -> Response:
-        """The chart of jobs done per minute, as an SVG image: shown by an <img>, in which a
-        browser runs no script (pygal writes its config as one)."""
-        counts = await run_in_threadpool(self.fleet.done_per_minute)
-        return Response(done_chart(counts), media_type="image/svg+xml")
+        """The chart of jobs done and runs failed per minute, as an SVG image: shown by an
+        <img>, in which a browser runs no script (pygal writes its config as one)."""
+        counts = await run_in_threadpool(self.fleet.per_minute)
+        return Response(minutes_chart(counts), media_type="image/svg+xml")
 
     async def letters(self, request: Request) -> Response:
         selection = Selection.of(request.query_params, [])
@@ -207,7 +207,10 @@ class Dashboard:
         if isinstance(found, Response):
             return found
         who = _who(request)
-        lines = await run_in_threadpool(carry_out, self.fleet.settings, self._marks, found, who)
+        fleet = self.fleet
+        lines = await run_in_threadpool(
+            carry_out, fleet.settings, fleet.schedules, self._marks, found, who
+        )
         log.warning("dashboard: %s of %s by %s: %s", found.action, found.describe(), who,
                     "; ".join(lines))  # fmt: skip
         return self.render(
@@ -274,7 +277,7 @@ def create_app(
 
     routes = [
         Route("/", dashboard.page, name="overview"),
-        Route("/chart/done.svg", dashboard.chart, name="chart"),
+        Route("/chart/jobs.svg", dashboard.chart, name="chart"),
         Route("/dead-letters", dashboard.letters, name="letters"),
         Route("/dead-letters/confirm", dashboard.confirm, methods=["POST"], name="confirm"),
         Route("/dead-letters/apply", dashboard.apply, methods=["POST"], name="apply"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from workerpool.config import load_settings
+from workerpool.dashboard.schedules import load_job_modules
 from workerpool.errors import ConfigError
 
 
@@ -19,6 +20,11 @@ def parse_bind(bind: str) -> tuple[str, int]:
 @click.command()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
 @click.option("--idempotency-store", help="The store the workers share.")
+@click.option(
+    "--jobs",
+    multiple=True,
+    help="Module that registers jobs (repeatable), as for run: their @job schedules show.",
+)
 @click.option(
     "--bind",
     default="127.0.0.1:8080",
@@ -40,13 +46,15 @@ def parse_bind(bind: str) -> tuple[str, int]:
 def dashboard(
     config_file: str | None,
     idempotency_store: str | None,
+    jobs: tuple[str, ...],
     bind: str,
     dead_letter_subscription: str,
     token: str,
 ) -> None:
     """Serve the web dashboard: replicas, keys, batches, schedules and dead letters."""
     host, port = parse_bind(bind)
-    settings = load_settings(config_file, {"idempotency_store": idempotency_store})
+    settings = load_settings(config_file, {"idempotency_store": idempotency_store, "jobs": jobs})
+    load_job_modules(settings)
     try:
         import uvicorn
 

@@ -5,14 +5,14 @@ does). Plain data and calls, no HTML."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from workerpool.config import Settings
 from workerpool.control.cancel import cancel
 from workerpool.dashboard.stores import opened
 from workerpool.errors import ConfigError
-from workerpool.periodic import Marks
+from workerpool.periodic import Marks, Periodic
 from workerpool.periodic.control import Control
 from workerpool.stores import StoreError
 
@@ -49,26 +49,35 @@ def order(page: str, action: str, targets: list[str]) -> Order | str:
 
 
 def carry_out(
-    settings: Settings, marks: Callable[[], Marks] | None, asked: Order, who: str
+    settings: Settings,
+    schedules: Sequence[Periodic],
+    marks: Callable[[], Marks] | None,
+    asked: Order,
+    who: str,
 ) -> list[str]:
-    """Carry out ``asked`` for ``who``: what came of it, a line per target."""
+    """Carry out ``asked`` for ``who`` (on one of ``schedules``, the Schedules page's): what
+    came of it, a line per target."""
     try:
         if asked.page == "running":
             answers = cancel(list(asked.targets), reason=f"from the dashboard by {who}",
                              store=settings)  # fmt: skip
             return [answer.line() for answer in answers]
-        return [_on_schedule(settings, marks, asked.action, asked.targets[0])]
+        return [_on_schedule(settings, schedules, marks, asked.action, asked.targets[0])]
     except (ConfigError, StoreError) as exc:
         return [f"refused: {exc}"]
 
 
 def _on_schedule(
-    settings: Settings, marks: Callable[[], Marks] | None, action: str, name: str
+    settings: Settings,
+    schedules: Sequence[Periodic],
+    marks: Callable[[], Marks] | None,
+    action: str,
+    name: str,
 ) -> str:
     with opened(marks) as store:
         if store is None:
             raise ConfigError(f"idempotency_store {settings.idempotency_store}: keeps no ticks")
-        control = Control(settings.schedules, store)
+        control = Control(schedules, store)
         if action == "trigger":
             return f"{name}: triggered, job id {control.trigger(name)}"
         control.pause(name, action == "pause")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from workerpool.batches.store import Batch
 from workerpool.config import Settings
+from workerpool.dashboard.schedules import fleet_schedules
 from workerpool.dashboard.stores import Openers, opened
 from workerpool.leadership import Noted
 from workerpool.ops.keys import KeyState, key_states
@@ -72,6 +73,7 @@ class Fleet:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
+        self.schedules = fleet_schedules(settings)
         self._openers = openers
         self._clock = clock
 
@@ -98,16 +100,21 @@ class Fleet:
         """Each subscription's backlog and oldest unacked age (Cloud Monitoring), or why not."""
         return {sub: backlog_lines(sub) for sub in self.subscriptions()}
 
-    def done_per_minute(self) -> list[int] | None:
-        """Jobs completed in each of the last CHART_MINUTES minutes, oldest first; None when
-        the store cannot count them."""
-        now = self._clock()
-        last = int(now // 60)
+    def per_minute(self) -> dict[str, list[int] | None]:
+        """Jobs done and runs failed in each of the last CHART_MINUTES minutes, oldest first,
+        as the store counts them (None: it does not)."""
+        last = int(self._clock() // 60)
+        since = (last - CHART_MINUTES + 1) * 60
         with opened(self._openers.completions) as store:
-            counts = None if store is None else store.completed_per_minute((last - 59) * 60)
-        if counts is None:
-            return None
-        return [counts.get(minute, 0) for minute in range(last - CHART_MINUTES + 1, last + 1)]
+            counts = {
+                "done": None if store is None else store.completed_per_minute(since),
+                "failed": None if store is None else store.failed_per_minute(since),
+            }
+        return {
+            name: None if by_minute is None
+            else [by_minute.get(m, 0) for m in range(last - CHART_MINUTES + 1, last + 1)]
+            for name, by_minute in counts.items()
+        }  # fmt: skip
 
     def decisions(self) -> dict[str, list[Noted]]:
         """Each subscription's last autoscaling decisions, newest first (empty where no
@@ -145,14 +152,14 @@ class Fleet:
             return [] if store is None else store.entries(None, LIMIT)
 
     def periodic(self) -> list[PeriodicRow]:
-        """The config's ``[[schedules]]`` (``@job`` schedules need the job modules: not read
-        here), each with its next tick and the last one the fleet fired."""
+        """The fleet's periodic schedules (``fleet_schedules``), each with its next tick and
+        the last one the fleet fired."""
         now = self._clock()
-        with opened(self._openers.marks if self.settings.schedules else None) as marks:
+        with opened(self._openers.marks if self.schedules else None) as marks:
             pauses = {} if marks is None else marks.pauses()
             return [
                 _periodic(s, now, marks, s.name in pauses and pauses[s.name].paused)
-                for s in self.settings.schedules
+                for s in self.schedules
             ]
 
 

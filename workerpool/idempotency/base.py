@@ -19,6 +19,8 @@ from typing import Final, Literal, TypeGuard, TypeVar
 from workerpool.stores import StoreError, StoreUnavailable, guarded
 
 DEFAULT_RETENTION: Final = 7 * 24 * 3600.0  # Pub/Sub's longest message retention
+# Minutes of failed runs counted that are kept (a day; the dashboard charts the last hour).
+FAILED_MINUTES_KEPT: Final = 24 * 60
 
 __all__ = ["StoreError", "StoreUnavailable"]  # re-exported: where callers found them first
 
@@ -220,6 +222,21 @@ class IdempotencyStore(ABC):
 
         items = [(job_id, releasing(message_id)) for job_id, message_id in claims]
         self._guarded(lambda: self._mutate_many(items))
+
+    def count_failed(self, count: int = 1) -> None:
+        """Add ``count`` failed runs to this minute's count, for the dashboard's chart (each
+        run whose handler raised, whether it is retried or dead-lettered)."""
+        self._guarded(lambda: self._add_failed(int(self._clock() // 60), count))
+
+    def _add_failed(self, minute: int, count: int) -> None:  # noqa: B027
+        """Add ``count`` to ``minute``'s failed runs, and forget the minutes older than
+        FAILED_MINUTES_KEPT; a backend that does not count them does nothing."""
+
+    def failed_per_minute(self, since: float) -> dict[int, int] | None:
+        """How many runs failed (``count_failed``) in each minute (seconds since the epoch
+        // 60) from ``since`` on, for the dashboard; None from a backend that does not count
+        them."""
+        return None
 
     def completed_per_minute(self, since: float) -> dict[int, int] | None:
         """How many job ids completed in each minute (seconds since the epoch // 60) from

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
+    FAILED_MINUTES_KEPT,
     IdempotencyStore,
     Mutation,
     Record,
@@ -28,6 +29,7 @@ class MemoryStore(IdempotencyStore):
         self._records: dict[str, Record] = {}
         self._lock = threading.Lock()
         self._mutations = 0
+        self._failed: Counter[int] = Counter()  # failed runs by minute
 
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
         with self._lock:
@@ -53,6 +55,16 @@ class MemoryStore(IdempotencyStore):
                 if r.completed_at is not None and r.completed_at >= since
             )
         return dict(minutes)
+
+    def _add_failed(self, minute: int, count: int) -> None:
+        with self._lock:
+            self._failed[minute] += count
+            for old in [m for m in self._failed if m <= minute - FAILED_MINUTES_KEPT]:
+                del self._failed[old]
+
+    def failed_per_minute(self, since: float) -> dict[int, int] | None:
+        with self._lock:
+            return {m: n for m, n in self._failed.items() if m * 60 >= since}
 
     def close(self) -> None:
         pass

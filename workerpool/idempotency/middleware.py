@@ -47,6 +47,7 @@ from workerpool.worker.outcome import (
     Interrupted,
     Outcome,
     RedeliveredWhileRunning,
+    Rejected,
     Succeeded,
     Unavailable,
 )
@@ -187,6 +188,8 @@ class Idempotency(Middleware):
             # its message was handed back (the drain deadline, a lost claim) did not fail.
             failed = isinstance(outcome, Failed) and not run.delivery.settled
             self._release(key, failed=failed)
+            if isinstance(outcome, Failed | Rejected) and not run.delivery.settled:
+                self._count_failed()  # retried or dead-lettered: a failed run, by the minute
             return outcome
         finally:
             if not recording:
@@ -270,6 +273,12 @@ class Idempotency(Middleware):
             with self._lock:
                 for lease in held:
                     self._active.discard(lease.key)
+
+    def _count_failed(self) -> None:
+        try:
+            self._store.count_failed()
+        except StoreError as exc:
+            log.warning("a failed run not counted by the minute (%s)", exc)
 
     def _release(self, key: _Key, *, failed: bool = False) -> None:
         try:

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from workerpool.idempotency.base import (
     DEFAULT_RETENTION,
+    FAILED_MINUTES_KEPT,
     Claimed,
     ClaimResult,
     Done,
@@ -38,6 +39,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
     token INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS idempotency_expire_at ON idempotency (expire_at);
+CREATE TABLE IF NOT EXISTS failed_per_minute (minute INTEGER PRIMARY KEY, failed INTEGER NOT NULL);
 """
 _LABEL = "idempotency store"
 _PURGE_EVERY = 1000  # mutations between purges; the expire_at index keeps each purge cheap
@@ -416,6 +418,23 @@ class SqliteStore(IdempotencyStore):
         # A scan of the table (no index on completed_at: every completion would pay for one).
         with self._commit_lock, translated(_LABEL):
             return {int(m): int(n) for m, n in self._conn.execute(self._PER_MINUTE, (since,))}
+
+    def _add_failed(self, minute: int, count: int) -> None:
+        with self._commit_lock, translated(_LABEL), immediate(self._conn):
+            self._conn.execute(
+                "INSERT INTO failed_per_minute VALUES (?, ?) ON CONFLICT (minute)"
+                " DO UPDATE SET failed = failed + excluded.failed", (minute, count),
+            )  # fmt: skip
+            self._conn.execute(
+                "DELETE FROM failed_per_minute WHERE minute <= ?", (minute - FAILED_MINUTES_KEPT,)
+            )
+
+    def failed_per_minute(self, since: float) -> dict[int, int] | None:
+        with self._commit_lock, translated(_LABEL):
+            rows = self._conn.execute(
+                "SELECT minute, failed FROM failed_per_minute WHERE minute * 60 >= ?", (since,)
+            )
+            return {int(m): int(n) for m, n in rows}
 
     def _purge(self) -> None:
         _delete_expired(self._conn, self._clock())

@@ -312,6 +312,23 @@ class Documents:
         with self._translated():
             self._ref(key).set(data, **self._call_options(deadline))
 
+    def add(self, key: str, data: dict[str, Any], counter: str, count: int) -> None:
+        """Add ``count`` to the document's ``counter`` field (0 if missing) and set ``data``:
+        one write, no read, however many writers add to it at once."""
+        deadline = time.monotonic() + self._timeout
+        with self._translated():
+            self._ref(key).set(
+                {**data, counter: firestore.Increment(count)}, merge=True,
+                **self._call_options(deadline),
+            )  # fmt: skip
+
+    def at_least(self, field_name: str, value: Any) -> list[dict[str, Any]]:
+        """The data of the documents whose ``field_name`` is ``value`` or more."""
+        deadline = time.monotonic() + self._timeout
+        query = self._collection.where(filter=FieldFilter(field_name, ">=", value))
+        with self._translated():
+            return [doc.to_dict() or {} for doc in query.stream(**self._call_options(deadline))]
+
     def get(self, key: str) -> dict[str, Any] | None:
         """The document's data, None if there is none: one read, for a record only one
         writer changes (a job's checkpoint), so no copy is kept to decide on."""

@@ -1,10 +1,12 @@
-// The live parts of a page: every element with data-live is replaced every 2 s by the page's
-// fragment (the same page with ?fragment=1), so what changed shows without a reload. Boxes
-// ticked in it stay ticked (an operator choosing jobs to cancel while the list refreshes).
+// The live parts of a page: every element with data-live is replaced every 2 s (or every
+// data-every milliseconds) by the page's fragment (the same page with ?fragment=1), so what
+// changed shows without a reload. Boxes ticked in it stay ticked (an operator choosing jobs
+// to cancel while the list refreshes).
 (function () {
   const PERIOD_MS = 2000;
   for (const element of document.querySelectorAll("[data-live]")) {
     const url = element.dataset.live;
+    const period = Number(element.dataset.every) || PERIOD_MS;
     const refresh = async () => {
       try {
         const response = await fetch(url, { headers: { "Accept": "text/html" } });
@@ -20,8 +22,8 @@
       } catch (error) {
         // The dashboard restarting: keep what is shown and try again at the next tick.
       }
-      setTimeout(refresh, PERIOD_MS);
+      setTimeout(refresh, period);
     };
-    setTimeout(refresh, PERIOD_MS);
+    setTimeout(refresh, period);
   }
 })();
