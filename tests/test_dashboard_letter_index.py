@@ -74,3 +74,19 @@ def test_a_failed_read_keeps_the_index_and_an_action_s_records_are_forgotten() -
     assert _ids(index) == ["a", "c"]  # served at once; the read runs behind it
     assert sub.done.wait(30) and sub.count == 2
     assert _ids(index) == ["a", "c"]  # this view (stale still) starts the next read
+
+
+def test_a_warm_start_reads_in_the_background_and_the_first_view_waits_for_that_read() -> None:
+    # Given an index warmed as the dashboard starts, its read not done yet
+    sub = Subscription(["a"], ["a", "b"])
+    sub.go = threading.Event()
+    index = LetterIndex(sub.read, 100)
+    index.warm()
+    # When a first view comes meanwhile, and the read then ends
+    viewed: list[list[str]] = []
+    view = threading.Thread(target=lambda: viewed.append(_ids(index)))
+    view.start()
+    sub.go.set()
+    view.join(30)
+    # Then the view got that read's records, and the subscription was read once
+    assert viewed == [["a"]] and sub.count == 1

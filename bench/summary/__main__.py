@@ -34,6 +34,7 @@ RUNS: dict[str, list[str]] = {
     "batches": ["bench.batches", "--children", "2000", "--seconds", "2"],
     "http_delivery": ["bench.http_delivery", "--count", "2000"],
     "periodic": ["bench.periodic", "--schedules", "100,1000", "--seconds", "30"],
+    "dashboard": ["bench.dashboard"],  # the sizes the dashboard must render under a second at
 }
 
 

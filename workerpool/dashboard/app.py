@@ -75,6 +75,12 @@ class Dashboard:
                 self._clients = connect()
             return self._clients
 
+    def warm(self) -> None:
+        """Start reading the dead letters for their page's index: a first view then waits
+        only for what is left of the read."""
+        if self._letters is not None:
+            self._letters.index.warm()
+
     def close(self) -> None:
         if self._clients is not None:
             self._clients.close()
@@ -264,6 +270,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        dashboard.warm()
         yield
         dashboard.close()
 

@@ -71,16 +71,29 @@ class LetterIndex:
         a read in the background (its errors are logged, the index kept as it was)."""
         with self._state:
             snapshot = self._snapshot
-            stale = snapshot is not None and self._clock() - self._read_when > self._fresh
-            if stale and not self._reading:
-                self._reading = True
-                threading.Thread(
-                    target=self._refresh, name="dashboard-letters", daemon=True
-                ).start()
+            if snapshot is not None and self._stale():
+                self._start()
         if snapshot is not None:
             return snapshot
-        with self._pulling:  # another first view may have read it meanwhile
+        with self._pulling:  # a read (the first view's, or ``warm``'s) may have ended meanwhile
             return self._snapshot or self._read_now()
+
+    def warm(self) -> None:
+        """Start the first read in the background (the dashboard starting): the first view
+        then waits only for what is left of it."""
+        with self._state:
+            if self._snapshot is None:
+                self._start()
+
+    def _stale(self) -> bool:
+        return self._snapshot is None or self._clock() - self._read_when > self._fresh
+
+    def _start(self) -> None:
+        """A read in the background, unless one is under way (the caller holds ``_state``)."""
+        if not self._reading:
+            self._reading = True
+            thread = threading.Thread(target=self._refresh, name="dashboard-letters", daemon=True)
+            thread.start()
 
     @contextlib.contextmanager
     def acting(self) -> Iterator[Callable[[set[str]], None]]:
@@ -108,7 +121,10 @@ class LetterIndex:
     def _refresh(self) -> None:
         try:
             with self._pulling:
-                self._read_now()
+                with self._state:
+                    stale = self._stale()  # else another read ended while this one waited
+                if stale:
+                    self._read_now()
         except Exception:  # the page goes on showing the last read; the next view tries again
             log.exception("dashboard: reading the dead letters again failed")
         finally:
