@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urljoin
 
+from bench.periodic import stop
 from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool import constants as c
 from workerpool.dashboard.letter_index import FRESH
@@ -114,15 +114,7 @@ class Fleet:
             ))  # fmt: skip
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(self.processes, 60)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
