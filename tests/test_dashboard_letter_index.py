@@ -90,3 +90,15 @@ def test_a_warm_start_reads_in_the_background_and_the_first_view_waits_for_that_
     view.join(30)
     # Then the view got that read's records, and the subscription was read once
     assert viewed == [["a"]] and sub.count == 1
+
+
+def test_settling_waits_for_the_read_under_way() -> None:
+    # Given a read under way (the dashboard starting), held until told to go on
+    sub = Subscription(["a"])
+    sub.go = threading.Event()
+    index = LetterIndex(sub.read, 100)
+    index.warm()
+    assert wait_for(lambda: sub.count == 0 and not index.settle(0.01), 30)
+    # When it ends: settling returns, the read done
+    sub.go.set()
+    assert index.settle(30) and sub.count == 1

@@ -82,6 +82,9 @@ class Dashboard:
             self._letters.index.warm()
 
     def close(self) -> None:
+        if self._letters is not None and not self._letters.index.settle(30):
+            log.warning("dashboard: stopping while reading the dead letters: held ones come back "
+                        "at their ack deadline")  # fmt: skip
         if self._clients is not None:
             self._clients.close()
 

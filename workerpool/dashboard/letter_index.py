@@ -85,6 +85,14 @@ class LetterIndex:
             if self._snapshot is None:
                 self._start()
 
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a read under way to end (it gives back what it
+        holds), as the dashboard stops: before its Pub/Sub clients close. False if it has not."""
+        if not self._pulling.acquire(timeout=timeout):
+            return False
+        self._pulling.release()
+        return True
+
     def _stale(self) -> bool:
         return self._snapshot is None or self._clock() - self._read_when > self._fresh
 
