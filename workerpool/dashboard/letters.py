@@ -8,7 +8,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workerpool.dashboard.letter_index import LetterIndex, Snapshot, key
@@ -17,8 +17,11 @@ from workerpool.pubsub import Clients
 
 ACTIONS = ("replay", "delete")
 # Records one read of the subscription for the index takes at most: with more than this, the
-# rest are not seen (the page says so). Each is held in the dashboard's memory.
-SCAN = 50_000
+# rest are not seen (the page says so). The index keeps each in the dashboard's memory, its
+# payload cut to PREVIEW bytes (a payload may be up to 10 MB): 20,000 records of large payloads
+# take some 60 MB.
+SCAN = 20_000
+PREVIEW = 2048
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class DeadLetters:
         self.index = LetterIndex(self._read, SCAN)
 
     def _read(self) -> list[FailureRecord]:
-        return peek(self._clients().subscriber, self.subscription, limit=SCAN)
+        records = peek(self._clients().subscriber, self.subscription, limit=SCAN)
+        return [preview(record) for record in records]
 
     def page(self, selection: Selection, limit: int, after: str = "") -> Page:
         return letters(self.index.snapshot(), selection, limit, after)
@@ -129,7 +133,17 @@ def _cursor(after: str) -> tuple[str, str]:
     return failed_at, message_id
 
 
+def preview(record: FailureRecord) -> FailureRecord:
+    """The record as the index keeps it: its payload's first PREVIEW bytes, and one more when
+    there were more (the page says it is cut)."""
+    return (
+        replace(record, data=record.data[: PREVIEW + 1]) if len(record.data) > PREVIEW else record
+    )
+
+
 def _text(data: bytes) -> str:
+    if len(data) > PREVIEW:
+        return data[:PREVIEW].decode(errors="replace") + "... (cut: the payload is longer)"
     text = data.decode(errors="replace")
     try:
         return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
