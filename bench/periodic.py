@@ -123,15 +123,20 @@ class Fleet:
                 ))  # fmt: skip
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(self.processes, 30)
+
+
+def stop(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM each process that still runs, then wait for each (SIGKILL past ``timeout``)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def started(path: Path) -> dict[str, list[float]]:

@@ -46,6 +46,7 @@ RUNS: dict[str, list[str]] = {
         "--baseline",
         "debc876",
     ],
+    "dashboard": ["bench.dashboard"],  # the sizes the dashboard must render under a second at
 }
 
 

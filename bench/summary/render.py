@@ -54,17 +54,23 @@ def overview(sections: list[Section]) -> Grid:
 
 
 def body(section: Section, carried: bool) -> list[str]:
-    # The anchor shares the heading's line, and the carried-over notice the command's
-    # paragraph: every line counts in a report kept under 340.
+    # The anchor shares the heading's line, the carried-over notice the command's paragraph,
+    # and that paragraph the about's when it ends in one (not a list): every line counts in a
+    # report kept under 340.
     about = "\n".join(section.about).rstrip("\n")  # one blank line after it, not two
-    lines = [f'## {section.title} <a id="{section.name}"></a>', "", about, ""]
     carried_note = (
         f"**Carried over** from commit {section.commit} ({section.measured}): not re-run "
         "for this report. "
         if carried
         else ""
     )
-    lines += [f"{carried_note}How to reproduce: `{section.command}` ({section.machine}).", ""]
+    reproduce = f"{carried_note}How to reproduce: `{section.command}` ({section.machine})."
+    last = about.rsplit("\n", 1)[-1]
+    if last and not last.startswith(("- ", "|", "#")):
+        paragraphs = [f"{about} {reproduce}", ""]
+    else:
+        paragraphs = [about, "", reproduce, ""]
+    lines = [f'## {section.title} <a id="{section.name}"></a>', "", *paragraphs]
     for grid in section.grids:
         lines += grid_markdown(grid)
     lines += [*section.notes, ""] if section.notes else []

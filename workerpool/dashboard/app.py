@@ -25,7 +25,7 @@ from workerpool.config import Settings
 from workerpool.dashboard import csrf
 from workerpool.dashboard.chart import minutes_chart
 from workerpool.dashboard.control import Order, carry_out, order
-from workerpool.dashboard.letters import ACTIONS, Selection, apply, letters
+from workerpool.dashboard.letters import ACTIONS, DeadLetters, Selection
 from workerpool.dashboard.reading import LIMIT, Fleet
 from workerpool.dashboard.stores import Openers
 from workerpool.dashboard.templating import environment
@@ -64,6 +64,7 @@ class Dashboard:
         self._clients = clients
         self._connecting = threading.Lock()  # endpoints run on several threads
         self.dead_letters = dead_letters  # the dead-letter subscription's path, or ""
+        self._letters = DeadLetters(dead_letters, lambda: self.clients) if dead_letters else None
         self._marks = marks  # opens the periodic schedules' marks (None: none kept)
         self.templates = Jinja2Templates(env=environment(), context_processors=[self._context])
 
@@ -74,7 +75,16 @@ class Dashboard:
                 self._clients = connect()
             return self._clients
 
+    def warm(self) -> None:
+        """Start reading the dead letters for their page's index: a first view then waits
+        only for what is left of the read."""
+        if self._letters is not None:
+            self._letters.index.warm()
+
     def close(self) -> None:
+        if self._letters is not None and not self._letters.index.settle(30):
+            log.warning("dashboard: stopping while reading the dead letters: held ones come back "
+                        "at their ack deadline")  # fmt: skip
         if self._clients is not None:
             self._clients.close()
 
@@ -113,11 +123,8 @@ class Dashboard:
         selection = Selection.of(request.query_params, [])
         after = request.query_params.get("after", "")
         context: dict[str, Any] = {"page_of": None}
-        if self.dead_letters:  # else the page says where they would be read from
-            sub = self.dead_letters
-            context = await _read(
-                lambda: {"page_of": letters(self.clients.subscriber, sub, selection, LIMIT, after)}
-            )
+        if (index := self._letters) is not None:  # else the page says where to read them
+            context = await _read(lambda: {"page_of": index.page(selection, LIMIT, after)})
         return self.render(
             request,
             "letters.html",
@@ -139,14 +146,11 @@ class Dashboard:
     async def apply(self, request: Request) -> Response:
         """An action confirmed: carried out, with an audit line of who asked."""
         found = await self._action(request, confirmed=True)
-        if isinstance(found, Response):
-            return found
+        if isinstance(found, Response) or self._letters is None:
+            return found if isinstance(found, Response) else HTMLResponse("no dead letters", 404)
         action, selection = found
         who = _who(request)
-        clients = self.clients
-        counts = await run_in_threadpool(
-            apply, clients.subscriber, clients.publisher, self.dead_letters, action, selection
-        )
+        counts = await run_in_threadpool(self._letters.apply, action, selection)
         log.warning(
             "dashboard: %s of %s on %s by %s: %s", action, selection.describe(),
             self.dead_letters, who, dict(counts) or "nothing matched",
@@ -272,6 +276,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        dashboard.warm()
         yield
         dashboard.close()
 

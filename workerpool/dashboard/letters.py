@@ -1,23 +1,27 @@
 """The Dead letters page's side of failure records: which records a filter or a selection
-takes, and replaying or deleting them (``workerpool.ops.dlq`` does the reading and the
-republishing, as for ``workerpool dlq``)."""
+takes, a page of them cut from the index (``letter_index``), and replaying or deleting them
+(``workerpool.ops.dlq`` does the reading and the republishing, as for ``workerpool dlq``)."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from workerpool.dashboard.letter_index import LetterIndex, Snapshot, key
 from workerpool.ops.dlq import FailureRecord, Replayer, peek
+from workerpool.pubsub import Clients
 
 ACTIONS = ("replay", "delete")
-# Records one page view reads at most. Pub/Sub pull cannot seek or sort, so each view pulls the
-# subscription through (holding what it pulled, so nothing comes twice, then giving it all
-# back), sorts what matches and shows the page after the cursor: with more records than this,
-# the rest are not seen (the page says so).
-SCAN = 10_000
+# Records one read of the subscription for the index takes at most: with more than this, the
+# rest are not seen (the page says so). The index keeps each in the dashboard's memory, its
+# payload cut to PREVIEW bytes (a payload may be up to 10 MB): 20,000 records of large payloads
+# take some 60 MB.
+SCAN = 20_000
+PREVIEW = 2048
 
 
 @dataclass(frozen=True)
@@ -66,29 +70,62 @@ class Page:
     first: int
     matching: int
     after: str
-    scanned_all: bool  # False: the subscription holds more than SCAN records matching
+    scanned_all: bool  # False: the subscription held more than SCAN records when read
+    read_at: float  # when the records shown were read from the subscription (time.time)
+
+    @property
+    def read_ago(self) -> float:
+        return max(0.0, time.time() - self.read_at)
 
 
-def letters(
-    subscriber: Any, subscription: str, selection: Selection, limit: int, after: str = ""
-) -> Page:
-    """The ``limit`` records matching ``selection`` that failed after the cursor ``after``
-    (the last one a page showed: its failure time and message id), oldest first: the order
-    is the records' own, so paging shows each record once while new ones fail."""
-    records = sorted(peek(subscriber, subscription, limit=SCAN, match=selection), key=_key)
-    rest = [record for record in records if _key(record) > _cursor(after)] if after else records
+class DeadLetters:
+    """The dead letters of ``subscription``: pages of them from an index read now and then,
+    and actions on the subscription itself. ``clients`` gives the Pub/Sub clients."""
+
+    def __init__(self, subscription: str, clients: Callable[[], Clients]) -> None:
+        self.subscription = subscription
+        self._clients = clients
+        self.index = LetterIndex(self._read, SCAN)
+
+    def _read(self) -> list[FailureRecord]:
+        records = peek(self._clients().subscriber, self.subscription, limit=SCAN)
+        return [preview(record) for record in records]
+
+    def page(self, selection: Selection, limit: int, after: str = "") -> Page:
+        return letters(self.index.snapshot(), selection, limit, after)
+
+    def apply(self, action: str, selection: Selection) -> Counter[str]:
+        """Replay or delete the selected records, as the subscription holds them now; how
+        many of each outcome. The index forgets those taken off the subscription."""
+        clients = self._clients()
+        replayer = Replayer(clients.subscriber, clients.publisher, self.subscription)
+        with self.index.acting() as forget:
+            results = list(
+                replayer.replay(match=selection)
+                if action == "replay"
+                else replayer.delete(match=selection)
+            )
+            forget({r.record.message_id for r in results if r.status in ("replayed", "deleted")})
+        return Counter(result.status for result in results)
+
+
+def letters(snapshot: Snapshot, selection: Selection, limit: int, after: str = "") -> Page:
+    """The ``limit`` records of ``snapshot`` matching ``selection`` that failed after the
+    cursor ``after`` (the last one a page showed: its failure time and message id), oldest
+    first: the order is the records' own, so paging shows each record once while new ones
+    fail."""
+    records = [record for record in snapshot.records if selection(record)]
+    cursor = _cursor(after) if after else None
+    rest = [record for record in records if key(record) > cursor] if cursor else records
     shown = rest[:limit]
     return Page(
         [Letter(record, _text(record.data)) for record in shown],
         len(records) - len(rest) + 1,
         len(records),
-        "|".join(_key(shown[-1])) if len(rest) > limit else "",
-        len(records) < SCAN,
+        "|".join(key(shown[-1])) if len(rest) > limit else "",
+        snapshot.complete,
+        snapshot.at,
     )
-
-
-def _key(record: FailureRecord) -> tuple[str, str]:
-    return record.failed_at, record.message_id
 
 
 def _cursor(after: str) -> tuple[str, str]:
@@ -96,18 +133,17 @@ def _cursor(after: str) -> tuple[str, str]:
     return failed_at, message_id
 
 
-def apply(
-    subscriber: Any, publisher: Any, subscription: str, action: str, selection: Selection
-) -> Counter[str]:
-    """Replay or delete the selected records; how many of each outcome."""
-    replayer = Replayer(subscriber, publisher, subscription)
-    results = (
-        replayer.replay(match=selection) if action == "replay" else replayer.delete(match=selection)
+def preview(record: FailureRecord) -> FailureRecord:
+    """The record as the index keeps it: its payload's first PREVIEW bytes, and one more when
+    there were more (the page says it is cut)."""
+    return (
+        replace(record, data=record.data[: PREVIEW + 1]) if len(record.data) > PREVIEW else record
     )
-    return Counter(result.status for result in results)
 
 
 def _text(data: bytes) -> str:
+    if len(data) > PREVIEW:
+        return data[:PREVIEW].decode(errors="replace") + "... (cut: the payload is longer)"
     text = data.decode(errors="replace")
     try:
         return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
