@@ -47,8 +47,13 @@ class _CountedSlots(MemorySlots):
 
 def _round(store: MemorySlots, replica: str, keep: int, want: int) -> tuple[int, int, float]:
     """One replica's round on KEY: (granted, target, seconds left)."""
+    return _grant(store, replica, keep, want)[:3]
+
+
+def _grant(store: MemorySlots, replica: str, keep: int, want: int) -> tuple[int, int, float, int]:
+    """One replica's round on KEY: (granted, target, seconds left, room)."""
     (grant,) = lease_shares(store, [ShareAsk(KEY, replica, LIMIT, keep, want)], TTL)
-    return grant.granted, grant.target, grant.left
+    return grant.granted, grant.target, grant.left, grant.room
 
 
 # --- the record ------------------------------------------------------------------------------
@@ -89,10 +94,10 @@ def test_a_replica_whose_runs_wanted_nothing_is_told_the_room_it_has() -> None:
     store = MemorySlots()
     _round(store, "a", 0, 2)
     _round(store, "b", 0, 3)
-    granted, target, _ = _round(store, "b", 0, 0)
-    # Then b's target is the 3 slots a does not hold, not the 0 its runs wanted: a run of
-    # the key arriving at b next waits for a slot rather than being turned away
-    assert (granted, target) == (0, 3)
+    granted, _, _, room = _grant(store, "b", 0, 0)
+    # Then b is told the 3 slots a does not hold are its room, though its runs wanted none:
+    # a run of the key arriving at b next waits for a slot rather than being turned away
+    assert (granted, room) == (0, 3)
 
 
 # --- a replica's share manager --------------------------------------------------------------

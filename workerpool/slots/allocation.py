@@ -24,12 +24,13 @@ from workerpool.slots.store import Share, SlotStore, Table, TableMutation
 def fair(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
     """Max-min fair targets for ``wants`` (by replica) out of ``limit`` slots: the smallest
     wants are met in full while an equal split allows; the rest split what is left, the
-    remainder a slot each to the first by name (not by want: a replica wanting more than
-    the split gets the same whatever it wants, so ``room`` agrees with every replica's
-    target). They never sum above ``limit``."""
+    remainder a slot each to the first by (want, name), a want above ``limit`` counted as
+    ``limit`` (no share could meet it: as two such wants cross, a slot would move from one
+    replica to the other and back, a write each way, for no fairer a split). They never sum
+    above ``limit``."""
     targets: dict[str, int] = {}
     left = max(0, limit)
-    order = sorted(wants, key=lambda r: (wants[r], r))
+    order = sorted(wants, key=lambda r: (min(wants[r], limit), r))
     for i, replica in enumerate(order):
         share, extra = divmod(left, len(order) - i)
         if wants[replica] <= share:
@@ -37,7 +38,7 @@ def fair(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
             left -= targets[replica]
             continue
         # Every replica from here wants more than an equal split: they all get it.
-        for j, rest in enumerate(sorted(order[i:])):
+        for j, rest in enumerate(order[i:]):
             targets[rest] = share + (1 if j < extra else 0)
         break
     return targets
@@ -64,15 +65,16 @@ class ShareAsk:
 @dataclass(frozen=True)
 class ShareGrant:
     """The share the record now holds for the replica: ``granted`` slots, fenced by
-    ``token``, for ``left`` more seconds; ``target``, its fair part were its runs to want
-    every slot: it shrinks to that as its runs end, and while it holds less and its runs want
-    more it asks again early; ``contended``: another replica's runs want more than its share
-    holds (slots this one does not use are worth giving back early); ``lapsed``: the record
-    had no live share of the replica though it kept slots (it was paused or cut off past the
-    TTL; what its runs held may be held by others now)."""
+    ``token``, for ``left`` more seconds; ``target``, its fair part, which it shrinks to as
+    its runs end; ``room``, the part it would have at least were its runs to want more (while
+    it holds less and they do, it asks again early); ``contended``: another replica's runs,
+    or per-run holders, wait for slots (those this one does not use are worth giving back
+    early); ``lapsed``: the record had no live share of the replica though it kept slots (it
+    was paused or cut off past the TTL; what its runs held may be held by others now)."""
 
     granted: int
     target: int
+    room: int
     token: int
     left: float
     contended: bool = False
@@ -87,7 +89,9 @@ def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
         keep = 0 if mine is None else min(ask.keep, mine.granted)
         free = ask.limit - len(table.live(now))
         wants = {r: s.want for r, s in shares.items()}
-        room = fair(free, {**wants, ask.replica: max(ask.want, ask.limit)})[ask.replica]
+        # (Wanting more than anyone, it is the last to get a remainder: its least part.)
+        more = max([ask.limit, ask.want, *wants.values()]) + 1
+        room = fair(free, {**wants, ask.replica: more})[ask.replica]
         # Others wait: replicas' runs for more than their shares, or per-run holders.
         contended = bool(table.line(now)) or any(s.want > s.granted for s in shares.values())
         target = fair(free, {**wants, ask.replica: max(ask.want, keep)})[ask.replica]
@@ -100,11 +104,12 @@ def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
             and mine.until - now > ttl / 2
             and not _moves_others(free, wants, ask.replica, mine.want, ask.want)
         ):  # nobody's round would decide otherwise: no write
-            return ShareGrant(granted, room, mine.token, mine.until - now, contended), None
+            left = mine.until - now
+            return ShareGrant(granted, target, room, mine.token, left, contended), None
         token = table.next_token
         if mine is not None and granted <= mine.granted:
             token = mine.token  # no slot came from elsewhere: the same grant, renewed
-        grant = ShareGrant(granted, room, token, ttl, contended, lapsed)
+        grant = ShareGrant(granted, target, room, token, ttl, contended, lapsed)
         if granted == 0 and ask.want == 0:
             return grant, (replace(table, shares=shares) if mine is not None else None)
         shares[ask.replica] = Share(granted, ask.want, now + ttl, token)

@@ -88,6 +88,7 @@ class Share:
     granted: int = 0
     cap: int = 0
     target: int = 0
+    room: int = 0  # its part at least, were its runs to want more
     token: int = 0
     expires: float = -math.inf  # our clock: it may lapse in the record from then on
     generation: int = 0  # grows when it lapses: the runs of an earlier one hold nothing
@@ -116,8 +117,8 @@ class Share:
 
     @property
     def owed(self) -> bool:
-        """Its runs want more than it holds, and its fair target has room for them."""
-        return self.granted < min(self.target, self.want)
+        """Its runs want more than it holds, and the record has room for them."""
+        return self.granted < min(self.room, self.want)
 
     @property
     def idle(self) -> bool:
@@ -195,7 +196,7 @@ class ShareManager:
                     if park and ticket.held:
                         # Asked again at each wake: the pool may have room by then.
                         ticket.held = not self._permit(run.permit.put_down)
-                        if ticket.held and share.answered and share.target == 0:
+                        if ticket.held and share.answered and share.room == 0:
                             return "no_room"
                         if share.up_next(ticket):
                             continue  # freed while the lock was let go: no wake will come
@@ -281,7 +282,7 @@ class ShareManager:
                 log.exception("renewing the slot shares failed; trying again")
                 self.healthy = False
             # Rounds asked for early (a new key, slots given back) come no closer than this.
-            self._stop.wait(self._period / 2)
+            self._stop.wait(self._period / 4)
 
     def _owed(self) -> bool:
         """Whether a share is below its fair target while its runs wait: slots given back
@@ -327,6 +328,7 @@ class ShareManager:
             self._lapse(share, share.expires)
         with self._cond:
             share.granted, share.target, share.token = grant.granted, grant.target, grant.token
+            share.room = grant.room
             share.answered, share.contended = True, grant.contended
             share.expires = sent + grant.left
             share.cap = min(share.granted, max(share.target, len(share.uses)))
