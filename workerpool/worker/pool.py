@@ -91,7 +91,9 @@ class Pool:
         self._launching = threading.local()  # see ``_launch``
         self._unstarted = 0  # admitted, and not yet running or given back
         self._low = limits.prefetch // 2  # this few waiting to start: pull now
-        self._batch = max(1, limits.max_held // 2)  # else pull when this much room is free
+        # A pull brings at most one key's share of the hold (ordered subscriptions).
+        self._most = self._sequencer.per_key or limits.max_held
+        self._batch = max(1, min(limits.max_held // 2, self._most))  # else pull this much
         # One lock, two conditions: the puller and ``wait_idle`` watch the hold; slot threads
         # wait for a permit. A freed permit wakes one waiting thread, not all (up to
         # ``prefetch`` may wait, and each woken for nothing costs a GIL hand-off).
@@ -133,7 +135,7 @@ class Pool:
                     room = min(room, self.limits.max_outstanding - self._held + self._parked)
                 wanted = room >= self._batch or self._unstarted <= self._low
                 if room > 0 and wanted and self._held_bytes < self.limits.max_bytes:
-                    return room
+                    return min(room, self._most)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -152,7 +154,7 @@ class Pool:
                 place = (
                     self._sequencer.place(delivery) if fits and not self._quiet.is_set() else None
                 )
-                if place is None:
+                if place is None or place is Place.BACK:
                     released.append(delivery)
                     continue
                 self._held += 1
@@ -170,13 +172,9 @@ class Pool:
             for delivery in startable:
                 self._waiting.put(delivery)
         if released:
-            # More than we asked for, or we are draining: let another worker have them now.
+            # Beyond the bound or their key's share, or draining: another worker may have them.
             self._processor.give_back(released)
-            log.info(
-                "%s released %d messages beyond its bound",
-                self.name,
-                len(released),
-            )
+            log.info("%s released %d beyond its bound or key's share", self.name, len(released))
 
     def _slot(self) -> None:
         permit = SlotPermit(self)
