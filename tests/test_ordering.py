@@ -90,17 +90,32 @@ def test_a_key_holds_at_most_its_share_and_what_comes_beyond_goes_back_in_order(
     assert sequencer.place(a3) is Place.START
 
 
+def _unstarted_pool(n: int, prefetch: int, per_key: int) -> Pool:
+    """An ordered pool whose slot threads are not started: what it admits stays unstarted."""
+    leases = FakeLeaser()
+    processor = Processor(
+        Registry(), FakeAcks(), leases, FakeDeadLetters(), (), ProcessorSettings()
+    )
+    return Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer(per_key))
+
+
 def test_an_ordered_pool_pulls_no_more_than_one_keys_share_at_once() -> None:
     # Given an ordered pool of 8 slots and a prefetch of 16, where a key holds at most 8
-    pool = Pool(
-        Processor(Registry(), FakeAcks(), FakeLeaser(), FakeDeadLetters(), (), ProcessorSettings()),
-        FakeLeaser(),
-        PoolLimits(8, 16),
-        sequencer=Sequencer(8),
-    )
+    pool = _unstarted_pool(8, 16, per_key=8)
     # Then a pull asks for 8, not the 24 it has room for: one pull cannot fill the hold with
     # one key's backlog
     assert pool.wait_for_room(timeout=0) == 8
+
+
+def test_an_ordered_pool_pulls_while_what_it_holds_waits_behind_its_key() -> None:
+    # Given an ordered pool of 2 slots and a prefetch of 4: it pulls at once while 2 or fewer
+    # messages could start, else only once 3 of its 6 places are free
+    pool = _unstarted_pool(2, 4, per_key=6)
+    # When it holds 4 of one key: one to start, three waiting behind it
+    pool.admit([_keyed("a", i) for i in range(4)])
+    # Then it pulls for the 2 places left: the three behind their key cannot start, so they
+    # do not count as messages waiting to start (counted, the pool waited while slots idled)
+    assert pool.wait_for_room(timeout=0) == 2
 
 
 class _Ledger:

@@ -43,6 +43,7 @@ class Sequencer:
         self._keys: dict[str, collections.deque[Delivery]] = {}
         # The keys here that gave one back: their later ones go back too until they leave.
         self._full: set[str] = set()
+        self.waiting = 0  # messages waiting here behind their key: none of them can start yet
 
     def place(self, delivery: Delivery) -> Place:
         key = delivery.ordering_key
@@ -56,6 +57,7 @@ class Sequencer:
             self._full.add(key)
             return Place.BACK
         waiting.append(delivery)
+        self.waiting += 1
         return Place.WAIT
 
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
@@ -68,7 +70,9 @@ class Sequencer:
         if delivery.returned or not waiting:
             del self._keys[key]
             self._full.discard(key)
+            self.waiting -= len(waiting)
             return None, list(waiting)
+        self.waiting -= 1
         return waiting.popleft(), []
 
     def release_all(self) -> list[Delivery]:
@@ -76,6 +80,7 @@ class Sequencer:
         waiting = [d for queued in self._keys.values() for d in queued]
         for queued in self._keys.values():
             queued.clear()
+        self.waiting = 0
         return waiting
 
 
@@ -83,6 +88,7 @@ class Unordered:
     """A subscription without message ordering: every message may start at once."""
 
     per_key: int | None = None
+    waiting = 0
 
     def place(self, delivery: Delivery) -> Place:
         return Place.START
