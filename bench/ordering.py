@@ -152,19 +152,28 @@ def medians(rounds: list[list[Result]]) -> list[Result]:
     ]
 
 
-def grid(results: list[Result], n: int, jobs: int, seconds: float, runs: int) -> Grid:
+def grid(rounds: list[list[Result]], n: int, jobs: int, seconds: float) -> Grid:
+    """Medians (min-max) of each case, ratios of medians, and each run's utilisation ratio."""
+    results = medians(rounds)
     table = Grid(
         "",
-        f"The median of {runs} runs of each case.",
+        f"The median of {len(rounds)} runs of each case (min-max); the last column is each "
+        "run's own utilisation ratio, in the order they ran.",
         [f"N = {n}, {jobs:,} jobs of {seconds * 1000:.0f} ms", "jobs/s", "utilisation",
-         "jobs/s ratio", "utilisation ratio"],
+         "jobs/s ratio", "utilisation ratio", "utilisation ratio, each run"],
     )  # fmt: skip
-    for r in results:
-        base = next(b for b in results if b.case.keys == 0 and b.case.plain == r.case.plain)
+    for i, r in enumerate(results):
+        b = next(
+            j for j, b in enumerate(results) if not b.case.keys and b.case.plain == r.case.plain
+        )
+        runs = [(run[i], run[b]) for run in rounds]
+        utils = [own.utilisation for own, _ in runs]
         table.rows.append([
-            r.case.name, f"{r.jobs_per_second:,.0f}", f"{r.utilisation:.2f}",
-            f"{r.jobs_per_second / base.jobs_per_second:.2f}",
-            f"{r.utilisation / base.utilisation:.2f}",
+            r.case.name, f"{r.jobs_per_second:,.0f}",
+            f"{r.utilisation:.2f} ({min(utils):.2f}-{max(utils):.2f})",
+            f"{r.jobs_per_second / results[b].jobs_per_second:.2f}",
+            f"{r.utilisation / results[b].utilisation:.2f}",
+            ", ".join(f"{own.utilisation / base.utilisation:.2f}" for own, base in runs),
         ])  # fmt: skip
     return table
 
@@ -189,7 +198,7 @@ def main(argv: list[str]) -> None:
             print("  ".join(f"{r.case.name}: {r.utilisation:.2f}" for r in rounds[-1]), flush=True)
     title = "Ordered subscriptions against unordered"
     command = command_line("python -m bench.ordering", argv)
-    table = grid(medians(rounds), args.n, args.jobs, args.seconds, args.runs)
+    table = grid(rounds, args.n, args.jobs, args.seconds)
     emit(Section("ordering", title, command, ABOUT, [table]), stamp, args.json)
 
 
