@@ -132,50 +132,43 @@ ABOUT = [
     "then ordered with 10 keys; then the plain client's `subscribe()` (flow control N, N "
     "threads) runs the same jobs unordered and ordered with 1,000 keys. Jobs per second from "
     "the first start to the last end, and the slots' utilisation over that span (mean running "
-    "/ N), from the jobs' own records. The cases run in turn, the whole round several times; "
-    "each cell is the median of its case's runs, and a ratio is of medians, to the unordered "
-    "case of the same consumer. With 10 keys at most 10 jobs run at once, so its utilisation "
-    "is bounded by 10 / N (its ratio is not, where the unordered case keeps fewer than N "
-    "busy).",
+    "/ N), from the jobs' own records. The cases run in turn, the whole round 3 times: each "
+    "cell is the median of its case's runs (min-max); a ratio is of the medians' utilisation, "
+    "to the unordered case of the same consumer, and beside it each run's own ratio, in the "
+    "order they ran. With 10 keys at most 10 jobs run at once, so its utilisation is bounded "
+    "by 10 / N (its ratio is not, where the unordered case keeps fewer than N busy).",
 ]
 
 
-def medians(rounds: list[list[Result]]) -> list[Result]:
-    """Each case's median jobs/s and utilisation over the rounds."""
-    return [
-        Result(
-            runs[0].case,
-            statistics.median(r.jobs_per_second for r in runs),
-            statistics.median(r.utilisation for r in runs),
-        )
-        for runs in zip(*rounds, strict=True)
-    ]
-
-
 def grid(rounds: list[list[Result]], n: int, jobs: int, seconds: float) -> Grid:
-    """Medians (min-max) of each case, ratios of medians, and each run's utilisation ratio."""
-    results = medians(rounds)
+    """A row per number of keys: workerpool's figures, then the plain client's beside them."""
+    at = {(r.case.keys, r.case.plain): i for i, r in enumerate(rounds[0])}
     table = Grid(
         "",
-        f"The median of {len(rounds)} runs of each case (min-max); the last column is each "
-        "run's own utilisation ratio, in the order they ran.",
+        "",
         [f"N = {n}, {jobs:,} jobs of {seconds * 1000:.0f} ms", "jobs/s", "utilisation",
-         "jobs/s ratio", "utilisation ratio", "utilisation ratio, each run"],
+         "ratio", "ratio, each run", "plain client: utilisation", "ratio", "ratio, each run"],
     )  # fmt: skip
-    for i, r in enumerate(results):
-        b = next(
-            j for j, b in enumerate(results) if not b.case.keys and b.case.plain == r.case.plain
-        )
-        runs = [(run[i], run[b]) for run in rounds]
-        utils = [own.utilisation for own, _ in runs]
+    for (keys, plain), i in at.items():
+        if plain:
+            continue
+        rate = statistics.median(run[i].jobs_per_second for run in rounds)
+        other = at.get((keys, True))
         table.rows.append([
-            r.case.name, f"{r.jobs_per_second:,.0f}",
-            f"{r.utilisation:.2f} ({min(utils):.2f}-{max(utils):.2f})",
-            f"{r.jobs_per_second / results[b].jobs_per_second:.2f}",
-            f"{r.utilisation / results[b].utilisation:.2f}",
-            ", ".join(f"{own.utilisation / base.utilisation:.2f}" for own, base in runs),
+            rounds[0][i].case.name, f"{rate:,.0f}", *_figures(rounds, i, at[0, False]),
+            *(_figures(rounds, other, at[0, True]) if other is not None else ["", "", ""]),
         ])  # fmt: skip
     return table
+
+
+def _figures(rounds: list[list[Result]], i: int, base: int) -> list[str]:
+    """Case ``i``'s median utilisation (min-max), its ratio of medians to case ``base``'s,
+    and each run's own ratio, in the order they ran."""
+    own = [run[i].utilisation for run in rounds]
+    ref = [run[base].utilisation for run in rounds]
+    ratio = statistics.median(own) / statistics.median(ref)
+    each = ", ".join(f"{o / b:.2f}" for o, b in zip(own, ref, strict=True))
+    return [f"{statistics.median(own):.2f} ({min(own):.2f}-{max(own):.2f})", f"{ratio:.2f}", each]
 
 
 def main(argv: list[str]) -> None:
