@@ -32,7 +32,7 @@ def _keyed(key: str, number: int, job: str = "t.step") -> Delivery:
 
 
 def test_a_key_starts_one_message_and_the_next_only_once_it_is_acked() -> None:
-    sequencer = Sequencer()
+    sequencer = Sequencer(10)
     a0, a1, a2, a3 = (_keyed("a", i) for i in range(4))
     b0, plain = _keyed("b", 0), make_delivery(b"{}", {"job": "t.step"})
     # When three of key a, one of b and one without a key come, Then a's first, b's and the
@@ -50,7 +50,7 @@ def test_a_key_starts_one_message_and_the_next_only_once_it_is_acked() -> None:
 
 def test_a_message_given_back_takes_every_later_one_of_its_key() -> None:
     # Given key a with one started and two waiting, and key b with one started and one waiting
-    sequencer = Sequencer()
+    sequencer = Sequencer(10)
     a0, a1, a2, b0, b1 = (*(_keyed("a", i) for i in range(3)), _keyed("b", 0), _keyed("b", 1))
     for delivery in (a0, a1, a2, b0, b1):
         sequencer.place(delivery)
@@ -63,12 +63,59 @@ def test_a_message_given_back_takes_every_later_one_of_its_key() -> None:
 
 
 def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -> None:
-    sequencer = Sequencer()
+    sequencer = Sequencer(10)
     a0, a1, b0, b1 = _keyed("a", 0), _keyed("a", 1), _keyed("b", 0), _keyed("b", 1)
     for delivery in (a0, a1, b0, b1):
         sequencer.place(delivery)
     assert sequencer.release_all() == [a1, b1]
     assert sequencer.settled(a0) == (None, [])
+
+
+def test_a_key_holds_at_most_its_share_and_what_comes_beyond_goes_back_in_order() -> None:
+    # Given a sequencer where one key holds at most 3 messages
+    sequencer = Sequencer(3)
+    a0, a1, a2, a3, a4, b0 = (*(_keyed("a", i) for i in range(5)), _keyed("b", 0))
+    # When 5 of key a come, Then the first starts, two wait and the rest go back at once
+    assert [sequencer.place(d) for d in (a0, a1, a2, a3)] == [
+        Place.START, Place.WAIT, Place.WAIT, Place.BACK,
+    ]  # fmt: skip
+    # And while a is here, a later one of it goes back too, even with room (none passes a3)
+    assert sequencer.settled(a0) == (a1, [])
+    assert sequencer.place(a4) is Place.BACK
+    # And another key is not held back by it
+    assert sequencer.place(b0) is Place.START
+    # And once a's held ones are done, a starts afresh with its redelivery
+    assert sequencer.settled(a1) == (a2, [])
+    assert sequencer.settled(a2) == (None, [])
+    assert sequencer.place(a3) is Place.START
+
+
+def _unstarted_pool(n: int, prefetch: int, per_key: int) -> Pool:
+    """An ordered pool whose slot threads are not started: what it admits stays unstarted."""
+    leases = FakeLeaser()
+    processor = Processor(
+        Registry(), FakeAcks(), leases, FakeDeadLetters(), (), ProcessorSettings()
+    )
+    return Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer(per_key))
+
+
+def test_an_ordered_pool_pulls_no_more_than_one_keys_share_at_once() -> None:
+    # Given an ordered pool of 8 slots and a prefetch of 16, where a key holds at most 8
+    pool = _unstarted_pool(8, 16, per_key=8)
+    # Then a pull asks for 8, not the 24 it has room for: one pull cannot fill the hold with
+    # one key's backlog
+    assert pool.wait_for_room(timeout=0) == 8
+
+
+def test_an_ordered_pool_pulls_while_what_it_holds_waits_behind_its_key() -> None:
+    # Given an ordered pool of 2 slots and a prefetch of 4: it pulls at once while 2 or fewer
+    # messages could start, else only once 3 of its 6 places are free
+    pool = _unstarted_pool(2, 4, per_key=6)
+    # When it holds 4 of one key: one to start, three waiting behind it
+    pool.admit([_keyed("a", i) for i in range(4)])
+    # Then it pulls for the 2 places left: the three behind their key cannot start, so they
+    # do not count as messages waiting to start (counted, the pool waited while slots idled)
+    assert pool.wait_for_room(timeout=0) == 2
 
 
 class _Ledger:
@@ -94,7 +141,7 @@ def _ordered_pool(ledger: _Ledger, n: int, prefetch: int) -> tuple[Pool, FakeAck
     jobs.job("t.step")(ledger)
     settings = ProcessorSettings(ordered=True)
     processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), settings)
-    pool = Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer())
+    pool = Pool(processor, leases, PoolLimits(n, prefetch), sequencer=Sequencer(n + prefetch))
     pool.start()
     return pool, acks
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from workerpool import constants as c
 from workerpool import options as job_options
 from workerpool.assembly import named
 from workerpool.assembly.chain import chain
@@ -159,7 +160,11 @@ class PoolBuilder:
         )
         prefetch = s.prefetch_for(ordered=info.message_ordering)
         limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
-        sequencer = Sequencer() if info.message_ordering else None
+        sequencer = (
+            Sequencer(limits.max_held // c.ORDERED_KEY_SHARE_OF_HOLD)
+            if info.message_ordering
+            else None
+        )
         pool = Pool(processor, leaser, limits, sequencer=sequencer)
         gate = concurrency.gate if concurrency is not None else None
         puller = Puller(clients.subscriber, self.subscription, pool, gate=gate)

@@ -4,12 +4,11 @@ The puller asks ``wait_for_room`` how many messages it may pull; ``admit`` queue
 slot threads (and releases at once anything beyond the bound); ``quiet`` gives back every
 message not yet started; ``stop`` waits for running jobs until a deadline, then interrupts them.
 
-A pull costs the same whether it brings one message or a hundred, so while enough admitted
-messages still wait to start (more than half the prefetch), the puller waits until half the
-pool's hold is free and pulls that much at once: with short jobs whose slots free one at a
-time, pulls of a few messages each had become most of the worker's CPU. A pool whose waiting
-messages run low pulls at once, whatever the room, so no slot waits for a pull it could
-have had.
+A pull costs the same whether it brings one message or a hundred, so while more than half the
+prefetch could start at once (a message behind its key cannot: counted, pulls went out with 21
+of 100 slots running), the puller waits until half the hold is free and pulls that much at
+once (pulls of a few messages each had become most of the CPU with short jobs). A pool whose
+startable messages run low pulls at once, so no slot waits for a pull it could have had.
 
 A message runs only while its slot thread holds one of N permits. There is a thread per
 message held (N + prefetch), so a run that must wait before its handler starts (for a
@@ -89,9 +88,10 @@ class Pool:
         self._waiters: dict[SlotPermit, int] = {}
         self._tickets = itertools.count()
         self._launching = threading.local()  # see ``_launch``
-        self._unstarted = 0  # admitted, and not yet running or given back
+        self._unstarted = 0  # admitted, and not yet running or given back (``_startable``)
         self._low = limits.prefetch // 2  # this few waiting to start: pull now
-        self._batch = max(1, limits.max_held // 2)  # else pull when this much room is free
+        self._most = self._sequencer.per_key or limits.max_held  # a pull's most: a key's share
+        self._batch = max(1, min(limits.max_held // 2, self._most))  # else pull this much
         # One lock, two conditions: the puller and ``wait_idle`` watch the hold; slot threads
         # wait for a permit. A freed permit wakes one waiting thread, not all (up to
         # ``prefetch`` may wait, and each woken for nothing costs a GIL hand-off).
@@ -131,9 +131,9 @@ class Pool:
                 room = self.limits.max_held - self._held
                 if startable:
                     room = min(room, self.limits.max_outstanding - self._held + self._parked)
-                wanted = room >= self._batch or self._unstarted <= self._low
+                wanted = room >= self._batch or self._startable() <= self._low
                 if room > 0 and wanted and self._held_bytes < self.limits.max_bytes:
-                    return room
+                    return min(room, self._most)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -146,13 +146,13 @@ class Pool:
         released: list[Delivery] = []
         with self._cond:
             for delivery in deliveries:
-                fits = self._held < self.limits.max_held and (
-                    self._held_bytes < self.limits.max_bytes or self._held == 0
+                fits = (
+                    not self._quiet.is_set()
+                    and self._held < self.limits.max_held
+                    and (self._held_bytes < self.limits.max_bytes or self._held == 0)
                 )
-                place = (
-                    self._sequencer.place(delivery) if fits and not self._quiet.is_set() else None
-                )
-                if place is None:
+                place = self._sequencer.place(delivery) if fits else Place.BACK
+                if place is Place.BACK:
                     released.append(delivery)
                     continue
                 self._held += 1
@@ -170,13 +170,9 @@ class Pool:
             for delivery in startable:
                 self._waiting.put(delivery)
         if released:
-            # More than we asked for, or we are draining: let another worker have them now.
+            # Beyond the bound or their key's share, or draining: another worker may have them.
             self._processor.give_back(released)
-            log.info(
-                "%s released %d messages beyond its bound",
-                self.name,
-                len(released),
-            )
+            log.info("%s released %d beyond its bound or key's share", self.name, len(released))
 
     def _slot(self) -> None:
         permit = SlotPermit(self)
@@ -404,8 +400,12 @@ class Pool:
     def _started_one(self) -> None:
         """(Under the lock.) An admitted message runs now, or will not run here."""
         self._unstarted -= 1
-        if self._unstarted == self._low:
+        if self._startable() == self._low:
             self._cond.notify_all()  # the puller may be waiting for this
+
+    def _startable(self) -> int:
+        """(Under the lock.) Admitted, not started, and not waiting behind their key."""
+        return self._unstarted - self._sequencer.waiting
 
     def pick_up(self, permit: SlotPermit) -> bool:
         with self._cond:
