@@ -91,8 +91,10 @@ class DeadLetters:
         records = peek(self._clients().subscriber, self.subscription, limit=SCAN)
         return [preview(record) for record in records]
 
-    def page(self, selection: Selection, limit: int, after: str = "") -> Page:
-        return letters(self.index.snapshot(), selection, limit, after)
+    def page(self, selection: Selection, limit: int, after: str = "") -> Page | None:
+        """A page of the index; None while its first read is under way."""
+        snapshot = self.index.snapshot()
+        return None if snapshot is None else letters(snapshot, selection, limit, after)
 
     def apply(self, action: str, selection: Selection) -> Counter[str]:
         """Replay or delete the selected records, as the subscription holds them now; how
