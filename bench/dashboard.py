@@ -66,7 +66,7 @@ PAGES = {
     "Batches": "/batches",
     "Schedules": "/schedules",
     "Autoscaler": "/autoscaler",
-    "chart": "/chart/done.svg",
+    "chart": "/chart/jobs.svg",
 }
 JOBS = [f"bench.job_{i}" for i in range(5)]
 ERRORS = ["permanent_error", "timeout", "invalid_payload", "unknown_job"]
