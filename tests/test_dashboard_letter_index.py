@@ -1,6 +1,8 @@
-"""The Dead letters page's index, in-process: the first view waits for a read, the next ones
-are served from the index, a stale one is read again in the background (the view not waiting
-for it), a failed read keeps what was read before, and an action's records are forgotten."""
+"""The Dead letters page's index, in-process: the first view waits for the first read within
+its bound and is otherwise told there is no index yet (a failed first read is its error), the
+next ones are served from the index, a stale one is read again in the background (the view not
+waiting for it), a failed read keeps what was read before, and an action's records are
+forgotten."""
 
 from __future__ import annotations
 

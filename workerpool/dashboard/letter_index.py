@@ -10,8 +10,8 @@ is being read (the page says so and reloads itself): no view waits for a whole r
 
 Replay and delete act on the subscription itself (they pull, and ack what they replayed or
 deleted); the index then forgets those records at once, so the page never offers a record the
-dashboard already took. Reads and actions take turns: a read holds every
-record it pulled until it ends, and an action running beside it would not find them.
+dashboard already took. Reads and actions take turns: a read holds every record it pulled
+until it ends, and an action running beside it would not find them.
 """
 
 from __future__ import annotations
