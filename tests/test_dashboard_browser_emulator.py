@@ -360,6 +360,8 @@ def _screenshots(page: Any, url: str, only: tuple[str, ...]) -> None:
         return
     for name in only:
         page.goto(url + PAGES[name])
+        if name == "dead-letters":  # it reloads itself until its first read is done
+            page.locator("#letters").wait_for()
         page.wait_for_load_state("networkidle")
         page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
 

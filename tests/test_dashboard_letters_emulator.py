@@ -1,4 +1,6 @@
-"""The Dead letters page over the emulator: it pages through more records than one page shows,
+"""The Dead letters page over the emulator: its first view does not wait for the whole read of
+the subscription (it says the subscription is being read, offers no action, and shows the
+records once the read is done); it pages through more records than one page shows,
 each record on one page only, oldest failure first, reading the subscription once for all the
 views (not once a view); filters page the same way; replay and delete act on exactly the
 records chosen, and the page stops offering them at once; and every other record stays a dead
@@ -7,10 +9,12 @@ letter."""
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 from starlette.testclient import TestClient
 
+from tests.support import wait_for
 from workerpool import constants as c
 from workerpool.config import Settings
 from workerpool.dashboard import create_app
@@ -20,6 +24,8 @@ from workerpool.testing.pubsub import PubSubResources
 
 RECORDS = 250
 TOKEN = "sesame"
+# What the page shows while its first read of the subscription is under way.
+READING = 'id="reading"'
 
 
 class CountingSubscriber:
@@ -35,6 +41,22 @@ class CountingSubscriber:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._subscriber, name)
+
+
+class HeldSubscriber(CountingSubscriber):
+    """A counting subscriber whose pulls after the first ``free`` wait until ``go`` is set, or
+    20 s have passed (a view waiting for the read then gets it, and the test fails instead of
+    hanging)."""
+
+    def __init__(self, subscriber: Any, free: int = 0) -> None:
+        super().__init__(subscriber)
+        self.free = free
+        self.go = threading.Event()
+
+    def pull(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pulls >= self.free and not self.go.wait(20):
+            self.go.set()
+        return super().pull(*args, **kwargs)
 
 
 def _fail(
@@ -63,6 +85,12 @@ def _app(env: PubSubResources, subscriber: CountingSubscriber) -> TestClient:
     return TestClient(create_app(settings, clients=clients, token=TOKEN))
 
 
+def _read(client: TestClient) -> TestClient:
+    """``client`` once its page's first read of the subscription is done."""
+    assert wait_for(lambda: READING not in client.get("/dead-letters").text, 60)
+    return client
+
+
 def _pages(client: TestClient, url: str) -> list[list[str]]:
     """The job ids of each page, following "Next page" from ``url``."""
     pages: list[list[str]] = []
@@ -80,6 +108,33 @@ def _left(env: PubSubResources) -> list[str]:
     return sorted(record.job_id for record in records)
 
 
+def test_the_first_view_does_not_wait_for_the_read_and_the_page_shows_the_records_once_read(
+    pubsub_resources: PubSubResources,
+) -> None:
+    # Given 250 records, and a dashboard whose read of them is held after its first pull (100)
+    env = pubsub_resources
+    env.provision()
+    _fail(env, RECORDS)
+    subscriber = HeldSubscriber(env.subscriber, free=1)
+    client = _app(env, subscriber)
+    # When the page is viewed while the read waits
+    first = client.get("/dead-letters").text
+    # Then it answers without waiting for the read, saying the subscription is being read: it
+    # reloads itself, and offers no record and no action
+    assert not subscriber.go.is_set() and subscriber.pulls <= 1
+    assert READING in first and '<meta http-equiv="refresh"' in first
+    assert "data-message" not in first and 'name="action"' not in first
+    # and, reloaded, how many records the read has so far
+    assert wait_for(lambda: "(100 records so far)" in client.get("/dead-letters").text, 15)
+    assert not subscriber.go.is_set()
+    # When the read goes on: the page, reloaded, shows the records once it is done
+    subscriber.go.set()
+    _read(client)
+    page = client.get("/dead-letters").text
+    assert f"Records 1 to 100 of {RECORDS}" in page and READING not in page
+    assert 'name="action"' in page and "http-equiv" not in page
+
+
 def test_the_dead_letters_page_pages_through_every_record_once(
     pubsub_resources: PubSubResources,
 ) -> None:
@@ -88,7 +143,7 @@ def test_the_dead_letters_page_pages_through_every_record_once(
     env.provision()
     _fail(env, RECORDS)
     subscriber = CountingSubscriber(env.subscriber)
-    client = _app(env, subscriber)
+    client = _read(_app(env, subscriber))
     # When the page is followed from its first page through its "Next page" links
     first = client.get("/dead-letters").text
     pulls = subscriber.pulls
@@ -97,7 +152,7 @@ def test_the_dead_letters_page_pages_through_every_record_once(
     assert f"Records 1 to 100 of {RECORDS}" in first
     assert [len(p) for p in pages] == [100, 100, 50]
     assert [job_id for p in pages for job_id in p] == [f"j-{i:03d}" for i in range(RECORDS)]
-    # and the first view read the subscription, the next four none of it
+    # and the first read pulled the subscription, the next views none of it
     assert pulls > 0 and subscriber.pulls == pulls
     # and reading them consumed none
     assert _left(env) == [f"j-{i:03d}" for i in range(RECORDS)]
@@ -111,7 +166,7 @@ def test_a_filter_pages_through_the_records_it_matches_once(
     env.provision()
     _fail(env, RECORDS, job=lambda i: "t.b" if i % 2 else "t.a",
           error=lambda i: "timeout" if i % 5 == 0 else "permanent_error")  # fmt: skip
-    client = _app(env, CountingSubscriber(env.subscriber))
+    client = _read(_app(env, CountingSubscriber(env.subscriber)))
     # When the records of job t.b are paged through, and those of t.a that timed out
     odd = _pages(client, "/dead-letters?job=t.b")
     timed_out = _pages(client, "/dead-letters?job=t.a&error_type=timeout")
@@ -132,7 +187,7 @@ def test_replay_and_delete_act_on_exactly_the_records_chosen(
     env = pubsub_resources
     env.provision()
     _fail(env, 150, job=lambda i: "t.b" if i % 10 == 0 else "t.a")
-    client = _app(env, CountingSubscriber(env.subscriber))
+    client = _read(_app(env, CountingSubscriber(env.subscriber)))
     second = client.get("/dead-letters?after=" + _last_of_first_page(client)).text
     ids = dict(re.findall(r'<tr data-message="([^"]+)">.*?<td>(j-\d+)</td>', second, re.S))
     chosen = [m for m, job_id in ids.items() if job_id in ("j-101", "j-102", "j-147")]

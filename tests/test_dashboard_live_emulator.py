@@ -94,6 +94,7 @@ def test_twenty_filtered_dead_letters_replayed_from_the_page_each_run_once(
             page = browser.new_page()
             # When the 20 of the first job are filtered and all replayed, confirmed
             page.goto(url + "/dead-letters?job=demo.tenant_sleep")
+            page.locator("#letters").wait_for()  # the page reloads itself until it is read
             assert page.locator("#letters tr[data-message]").count() == 20
             page.get_by_role("button", name="Replay all matching the filter").click()
             assert "every record of job demo.tenant_sleep" in page.locator("#question").inner_text()

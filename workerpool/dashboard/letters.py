@@ -86,13 +86,25 @@ class DeadLetters:
         self.subscription = subscription
         self._clients = clients
         self.index = LetterIndex(self._read, SCAN)
+        self.read_so_far = 0  # records the read under way (or the last one) has pulled
 
     def _read(self) -> list[FailureRecord]:
-        records = peek(self._clients().subscriber, self.subscription, limit=SCAN)
+        self.read_so_far = 0
+        records = peek(
+            self._clients().subscriber, self.subscription, limit=SCAN, progress=self._progress
+        )
         return [preview(record) for record in records]
 
-    def page(self, selection: Selection, limit: int, after: str = "") -> Page:
-        return letters(self.index.snapshot(), selection, limit, after)
+    def _progress(self, count: int) -> None:
+        self.read_so_far = count
+
+    def page(self, selection: Selection, limit: int, after: str = "") -> Page | int:
+        """A page of the index; while its first read is under way, how many records that
+        read has pulled so far."""
+        snapshot = self.index.snapshot()
+        if snapshot is None:
+            return self.read_so_far
+        return letters(snapshot, selection, limit, after)
 
     def apply(self, action: str, selection: Selection) -> Counter[str]:
         """Replay or delete the selected records, as the subscription holds them now; how

@@ -162,9 +162,10 @@ def peek(
     limit: int = 100,
     job: str | None = None,
     match: Match | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[FailureRecord]:
     """Up to ``limit`` records (of ``job`` only, and that ``match``, if given), left on the
-    subscription."""
+    subscription; ``progress`` is told how many it has after each pull."""
     puller = _Puller(subscriber, subscription)
     records: list[FailureRecord] = []
     try:
@@ -176,6 +177,8 @@ def peek(
                 puller.hold(record)
                 if _wanted(record, job, match) and len(records) < limit:
                     records.append(record)
+            if progress is not None:
+                progress(len(records))
     finally:
         puller.release()
     return records
