@@ -45,7 +45,7 @@ class Section:
 
 def grid_markdown(grid: Grid, level: int = 3) -> list[str]:
     # A table with both a heading and a text opens with them on one line, in bold: the report
-    # is kept short enough to read whole (under 340 lines).
+    # is kept short enough to read whole (under 350 lines).
     if grid.heading and grid.about:
         lines = [f"**{grid.heading}.** {grid.about}", ""]
     else:

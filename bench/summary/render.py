@@ -56,7 +56,7 @@ def overview(sections: list[Section]) -> Grid:
 def body(section: Section, carried: bool) -> list[str]:
     # The anchor shares the heading's line, the carried-over notice the command's paragraph,
     # and that paragraph the about's when it ends in one (not a list): every line counts in a
-    # report kept under 340.
+    # report kept under 350.
     about = "\n".join(section.about).rstrip("\n")  # one blank line after it, not two
     carried_note = (
         f"**Carried over** from commit {section.commit} ({section.measured}): not re-run "
