@@ -637,3 +637,47 @@ def test_failed_runs_are_counted_by_the_minute_and_a_day_of_them_kept(
     clock.advance(24 * 3600)
     first.count_failed()
     assert first.failed_per_minute(0) == {minute + 1 + 24 * 60: 1}
+
+
+class _HeldConnection:
+    """An SQLite connection whose statements on ``table`` wait for ``gate`` (the rest pass)."""
+
+    def __init__(self, conn: sqlite3.Connection, table: str) -> None:
+        self._conn, self._table = conn, table
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if self._table in sql:
+            self.entered.set()
+            self.gate.wait(timeout=30)
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def test_sqlite_claims_queued_while_a_failed_run_is_counted_are_committed(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # Given a failed run being counted, its statement held, while two claims queue behind it
+    with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as store:
+        held = _HeldConnection(store._conn, "failed_per_minute")
+        store._conn = held  # type: ignore[assignment]
+        counting = threading.Thread(target=store.count_failed)
+        counting.start()
+        assert held.entered.wait(timeout=30)
+        claimed: list[object] = []
+        claiming = threading.Thread(
+            target=lambda: claimed.extend(store.claim_many([("a", "m-a"), ("b", "m-b")], "w", TTL))
+        )
+        claiming.start()
+        _wait_until(lambda: store._queued() == 2)
+        # When the count is written
+        held.gate.set()
+        counting.join(timeout=30)
+        claiming.join(timeout=10)
+        # Then the claims queued meanwhile are committed too: before, nobody led them and the
+        # worker's claims and completions stalled for good
+        assert not claiming.is_alive()
+        assert [type(c) for c in claimed] == [Claimed, Claimed]
+        store._conn = held._conn

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -205,6 +206,15 @@ class SqliteStore(IdempotencyStore):
         finally:
             self._commit_lock.release()
             self._lead()  # for anyone who queued while we held the lock
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[None]:
+        """The connection to the caller alone, waiting for a batch being committed; then
+        whatever was queued meanwhile is committed. (Holding the commit lock without that left
+        the claims and completions queued meanwhile with no leader: the worker stalled.)"""
+        with self._commit_lock:
+            yield
+        self._lead()
 
     def _claim_now(self, job_id: str, owner: str, message_id: str, ttl: float) -> ClaimResult:
         now = self._clock()
@@ -416,11 +426,11 @@ class SqliteStore(IdempotencyStore):
 
     def completed_per_minute(self, since: float) -> dict[int, int] | None:
         # A scan of the table (no index on completed_at: every completion would pay for one).
-        with self._commit_lock, translated(_LABEL):
+        with self._connection(), translated(_LABEL):
             return {int(m): int(n) for m, n in self._conn.execute(self._PER_MINUTE, (since,))}
 
     def _add_failed(self, minute: int, count: int) -> None:
-        with self._commit_lock, translated(_LABEL), immediate(self._conn):
+        with self._connection(), translated(_LABEL), immediate(self._conn):
             self._conn.execute(
                 "INSERT INTO failed_per_minute VALUES (?, ?) ON CONFLICT (minute)"
                 " DO UPDATE SET failed = failed + excluded.failed", (minute, count),
@@ -430,7 +440,7 @@ class SqliteStore(IdempotencyStore):
             )
 
     def failed_per_minute(self, since: float) -> dict[int, int] | None:
-        with self._commit_lock, translated(_LABEL):
+        with self._connection(), translated(_LABEL):
             rows = self._conn.execute(
                 "SELECT minute, failed FROM failed_per_minute WHERE minute * 60 >= ?", (since,)
             )
