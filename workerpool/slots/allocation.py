@@ -21,15 +21,13 @@ from dataclasses import dataclass, replace
 from workerpool.slots.store import Share, SlotStore, Table, TableMutation
 
 
-def fair(limit: int, wants: Mapping[str, int], *, last: str | None = None) -> dict[str, int]:
+def fair(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
     """Max-min fair targets for ``wants`` (by replica) out of ``limit`` slots: the smallest
-    wants are met in full while an equal split allows, a want above ``limit`` counted as
-    ``limit`` (no share could meet it); the rest split what is left, the remainder a slot
-    each to the first by name, ``last`` after all (its least part). Not by want: the wants of
-    busy replicas cross as their runs come and go, and a remainder following them moved a
-    slot from one replica to another and back, a write each way, while one of them held a
-    slot less than its part for as long as the slot took to move. They never sum above
-    ``limit``."""
+    wants are met in full while an equal split allows; the rest split what is left, the
+    remainder a slot each to the first by (want, name), a want above ``limit`` counted as
+    ``limit`` (no share could meet it: as two such wants cross, a slot would move from one
+    replica to the other and back, a write each way, for no fairer a split). They never sum
+    above ``limit``."""
     targets: dict[str, int] = {}
     left = max(0, limit)
     order = sorted(wants, key=lambda r: (min(wants[r], limit), r))
@@ -40,7 +38,7 @@ def fair(limit: int, wants: Mapping[str, int], *, last: str | None = None) -> di
             left -= targets[replica]
             continue
         # Every replica from here wants more than an equal split: they all get it.
-        for j, rest in enumerate(sorted(order[i:], key=lambda r: (r == last, r))):
+        for j, rest in enumerate(order[i:]):
             targets[rest] = share + (1 if j < extra else 0)
         break
     return targets
@@ -91,9 +89,9 @@ def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
         keep = 0 if mine is None else min(ask.keep, mine.granted)
         free = ask.limit - len(table.live(now))
         wants = {r: s.want for r, s in shares.items()}
-        # (Wanting more than anyone, and the last to get a remainder: its least part.)
+        # (Wanting more than anyone, it is the last to get a remainder: its least part.)
         more = max([ask.limit, ask.want, *wants.values()]) + 1
-        room = fair(free, {**wants, ask.replica: more}, last=ask.replica)[ask.replica]
+        room = fair(free, {**wants, ask.replica: more})[ask.replica]
         # Others wait: replicas' runs for more than their shares, or per-run holders.
         contended = bool(table.line(now)) or any(s.want > s.granted for s in shares.values())
         target = fair(free, {**wants, ask.replica: max(ask.want, keep)})[ask.replica]
