@@ -1,0 +1,202 @@
+"""Bulk keys split into shards: the rebalance rule, and its steps through a store in one
+process (the in-memory store, checked after every write); worker processes on the emulator
+are in test_slot_shares_emulator.py."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from workerpool.slots import Limits, MemorySlots
+from workerpool.slots.allocation import ShareAsk
+from workerpool.slots.sharding import Sharding, rebalance, shard_of, shard_record, spread
+from workerpool.slots.store import T, Table, TableMutation
+
+KEY = "partner-api"
+TTL = 60.0
+
+
+# --- the rule --------------------------------------------------------------------------------
+
+
+def test_a_rebalance_stays_within_the_limit_and_lowers_a_part_only_to_what_it_holds() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        limit = rng.randint(1, 60)
+        names = [f"#{i}" for i in range(rng.randint(1, 6))]
+        # Parts that sum within the limit, each shard holding at most its part.
+        cuts = sorted(rng.randint(0, limit) for _ in names[1:])
+        parts = {n: b - a for n, a, b in zip(names, [0, *cuts], [*cuts, limit], strict=True)}
+        if rng.random() < 0.5:
+            parts = {n: rng.randint(0, p) for n, p in parts.items()}
+        held = {n: rng.randint(0, p) for n, p in parts.items()}
+        wants = {n: rng.randint(0, 40) for n in names}
+        new = rebalance(limit, parts, held, wants)
+        assert sum(new.values()) <= limit
+        targets = spread(limit, wants)
+        for n in names:
+            assert new[n] >= held[n]  # never below what its shares hold
+            assert new[n] <= max(parts[n], targets[n])  # grows only toward its target
+
+
+def test_a_rebalance_is_max_min_fair_over_the_shards_wants() -> None:
+    # Given a key of 20 in 2 shards, 10 each, the second shard's shares holding nothing
+    parts, held = {"#0": 10, "#1": 10}, {"#0": 10, "#1": 0}
+    # When only the first shard wants slots
+    new = rebalance(20, parts, held, {"#0": 32, "#1": 0})
+    # Then it gets them all
+    assert new == {"#0": 20, "#1": 0}
+    # And while the second shard's shares hold 6, it keeps those 6, and no more goes out
+    assert rebalance(20, parts, {"#0": 10, "#1": 6}, {"#0": 32, "#1": 0}) == {"#0": 14, "#1": 6}
+    # And slots no shard wants are split evenly (new demand finds some at once)
+    assert spread(20, {"#0": 4, "#1": 0}) == {"#0": 12, "#1": 8}
+
+
+# --- the steps through a store ---------------------------------------------------------------
+
+
+class CheckedSlots(MemorySlots):
+    """The in-memory store, checking after every write that no shard's part is above what
+    the key's record holds for it and the slots granted in all the shards stay within the
+    limit; ``between`` runs once, before the store call ``after`` calls from now (a rebalance
+    in the middle of another's steps)."""
+
+    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
+        super().__init__(clock=clock)
+        self.limit = limit
+        self.between: Callable[[], None] | None = None
+        self.after = 0
+        self.peak = 0
+
+    def _mutate_many(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
+        self.after -= 1
+        if self.after == 0 and self.between is not None:
+            between, self.between = self.between, None
+            between()
+        results = super()._mutate_many(items)
+        self._check()
+        return results
+
+    def _check(self) -> None:
+        now = self._clock()
+        key = self._tables.get(KEY, Table())
+        parts = {name: share.granted for name, share in key.shares.items() if name[0] == "#"}
+        assert sum(parts.values()) <= self.limit
+        granted = 0
+        for name, table in self._tables.items():
+            if name.startswith(KEY + "#"):
+                assert table.part <= parts.get(name[len(KEY) :], 0), (name, table, parts)
+                held = table.shared(now)
+                assert held <= table.part
+                granted += held
+        self.peak = max(self.peak, granted)
+        assert granted <= self.limit
+
+
+def replicas_of(shard: int, count: int, many: int) -> list[str]:
+    return [r for r in (f"replica-{i}" for i in range(200)) if shard_of(r, count) == shard][:many]
+
+
+def round_of(sharding: Sharding, replica: str, keep: int, want: int, limit: int) -> int:
+    """One round of ``replica``: the slots its share holds now."""
+    return sharding.lease([ShareAsk(KEY, replica, limit, keep, want)], TTL)[0].granted
+
+
+def test_slots_move_between_shards_within_the_limit_under_overlapping_rebalances() -> None:
+    # Given a key of 20 in 3 shards, 9 replicas, rebalances due at every round (period 0),
+    # and some rebalances run in the middle of another's steps (a replica paused there)
+    rng = random.Random(5)
+    now = [1000.0]
+    store = CheckedSlots(20, clock=lambda: now[0])
+    limits = Limits({KEY: 20}, {KEY}, {KEY: 3})
+    names = [r for shard in range(3) for r in replicas_of(shard, 3, 3)]
+    replicas = {r: Sharding(store, r, limits, period=0.0, clock=lambda: now[0]) for r in names}
+    held = dict.fromkeys(names, 0)
+    wants = dict.fromkeys(names, 0)
+    hot_shard = [0]
+
+    def turn(replica: str) -> None:
+        """A round of ``replica``, its demand changed (one shard's hot, the others' light)."""
+        hot = shard_of(replica, 3) == hot_shard[0]
+        wants[replica] = rng.randint(8, 30) if hot else rng.randint(0, 2)
+        keep = min(held[replica], wants[replica])
+        held[replica] = round_of(replicas[replica], replica, keep, wants[replica], 20)
+
+    def interrupt() -> None:
+        """Another replica's round and rebalance, in a few store calls (maybe in the middle
+        of this one's, which may itself be interrupted so)."""
+        other = rng.choice(names)
+
+        def between() -> None:
+            turn(other)
+            if rng.random() < 0.5:
+                interrupt()
+            replicas[other].keep_balanced([KEY])
+
+        store.between, store.after = between, rng.randint(1, 6)
+
+    for step in range(1500):
+        # When replicas' demands change, and a rebalance runs now and then, some of them
+        # while another is half way (after a round whose demand changed)
+        hot_shard[0] = step // 50 % 3
+        replica = rng.choice(names)
+        turn(replica)
+        if rng.random() < 0.3:
+            interrupt()
+            replicas[replica].keep_balanced([KEY])
+        now[0] += 0.1
+    # Then (checked at every write) no shard's part was above the key's record's, and the
+    # slots granted over all shards never exceeded 20; and they reached 20
+    assert store.peak == 20
+
+
+def test_an_idle_shards_slots_reach_a_busy_one_at_the_next_rebalance() -> None:
+    # Given a key of 20 in 2 shards, a replica on each, both busy at first
+    now = [1000.0]
+    store = CheckedSlots(20, clock=lambda: now[0])
+    limits = Limits({KEY: 20}, {KEY}, {KEY: 2})
+    busy, idle = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
+    sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (busy, idle)}
+    for r in (busy, idle):
+        round_of(sides[r], r, 0, 16, 20)
+    assert sides[busy].keep_balanced([KEY])  # the first rebalance: 10 each
+    assert sides[idle].keep_balanced([KEY]) is False  # not due yet for another replica
+    assert [round_of(sides[r], r, 0, 16, 20) for r in (busy, idle)] == [10, 10]
+    # When the idle replica's runs end (it gives its share back), and a period passes
+    assert round_of(sides[idle], idle, 0, 0, 20) == 0
+    now[0] += 11.0  # a period, and the most a replica waits past it
+    # Then the next rebalance moves the idle shard's part to the busy one: all it wants, and
+    # half of the 4 slots nobody wants
+    assert sides[idle].keep_balanced([KEY]) is False  # its own shard did not grow
+    assert round_of(sides[busy], busy, 10, 16, 20) == 16
+    assert store._tables[shard_record(KEY, 0)].part == 18
+
+
+def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_token() -> None:
+    # Given a key of 4 in 2 shards, and a replica of the first shard holding all 4 slots
+    now = [1000.0]
+    store = CheckedSlots(4, clock=lambda: now[0])
+    limits = Limits({KEY: 4}, {KEY}, {KEY: 2})
+    lapsing, taker = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
+    sides = {r: Sharding(store, r, limits, period=1.0, clock=lambda: now[0]) for r in (lapsing,
+             taker)}  # fmt: skip
+    round_of(sides[lapsing], lapsing, 0, 4, 4)
+    sides[lapsing].keep_balanced([KEY])
+    assert round_of(sides[lapsing], lapsing, 0, 4, 4) == 4
+    old = store._tables[shard_record(KEY, 0)].shares[lapsing].token
+    # When its share lapses (the replica stopped past the TTL) and the other shard wants them
+    now[0] += TTL + 1
+    round_of(sides[taker], taker, 0, 4, 4)
+    sides[taker].keep_balanced([KEY])
+    # Then the other shard's replica gets the 4 slots with a higher fencing token
+    grant = sides[taker].lease([ShareAsk(KEY, taker, 4, 0, 4)], TTL)[0]
+    assert grant.granted == 4
+    assert grant.token > old
+
+
+def test_one_shard_is_the_keys_own_record_as_before() -> None:
+    store = MemorySlots()
+    sharding = Sharding(store, "replica-1", Limits({KEY: 5}, {KEY}), period=0.0)
+    assert round_of(sharding, "replica-1", 0, 3, 5) == 3
+    assert sharding.keep_balanced([KEY]) is False
+    assert store.keys("") == [KEY]
