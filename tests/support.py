@@ -339,15 +339,18 @@ def start_bulk_workers(
     limit: int,
     store: str,
     extra_env: dict[str, str],
+    *,
+    shards: int = 1,
 ) -> None:
     """A worker process (N = 16) on each of ``envs`` running workerpool_jobs.demo_slots with
-    its key "demo-slots" of ``limit`` slots leased in bulk, added to ``workers``; returns when
-    all are ready."""
+    its key "demo-slots" of ``limit`` slots leased in bulk (its record split into ``shards``),
+    added to ``workers``; returns when all are ready."""
+    entry = f"demo-slots={limit}/bulk" + (f"/{shards}" if shards > 1 else "")
     for env in envs:
         workers.append(
             spawn_worker(
                 env, ledger, "--jobs", "workerpool_jobs.demo_slots",
-                "--concurrency", f"demo-slots={limit}/bulk", "--concurrency", "tenant:*=1",
+                "--concurrency", entry, "--concurrency", "tenant:*=1",
                 "--max-outstanding", "16", store=store, extra_env=extra_env,
             )
         )  # fmt: skip

@@ -19,35 +19,38 @@ TTL = 60.0
 # --- the rule --------------------------------------------------------------------------------
 
 
-def test_a_rebalance_stays_within_the_limit_and_lowers_a_part_only_to_what_it_holds() -> None:
+def test_a_rebalance_stays_within_the_limit_and_counts_a_shard_for_what_it_holds() -> None:
     rng = random.Random(11)
     for _ in range(3000):
         limit = rng.randint(1, 60)
         names = [f"#{i}" for i in range(rng.randint(1, 6))]
-        # Parts that sum within the limit, each shard holding at most its part.
+        # Shards counting for parts that sum within the limit, each holding at most that.
         cuts = sorted(rng.randint(0, limit) for _ in names[1:])
-        parts = {n: b - a for n, a, b in zip(names, [0, *cuts], [*cuts, limit], strict=True)}
-        if rng.random() < 0.5:
-            parts = {n: rng.randint(0, p) for n, p in parts.items()}
-        held = {n: rng.randint(0, p) for n, p in parts.items()}
+        counted = {n: b - a for n, a, b in zip(names, [0, *cuts], [*cuts, limit], strict=True)}
+        held = {n: rng.randint(0, c) for n, c in counted.items()}
+        parts = {n: rng.randint(0, c) for n, c in counted.items()}
         wants = {n: rng.randint(0, 40) for n in names}
-        new = rebalance(limit, parts, held, wants)
-        assert sum(new.values()) <= limit
+        new, counts = rebalance(limit, parts, held, wants)
+        assert sum(counts.values()) <= limit
         targets = spread(limit, wants)
         for n in names:
-            assert new[n] >= held[n]  # never below what its shares hold
+            assert counts[n] >= max(held[n], new[n])  # never below what its shares hold
             assert new[n] <= max(parts[n], targets[n])  # grows only toward its target
+            assert new[n] <= targets[n] or new[n] <= parts[n]
 
 
 def test_a_rebalance_is_max_min_fair_over_the_shards_wants() -> None:
     # Given a key of 20 in 2 shards, 10 each, the second shard's shares holding nothing
     parts, held = {"#0": 10, "#1": 10}, {"#0": 10, "#1": 0}
     # When only the first shard wants slots
-    new = rebalance(20, parts, held, {"#0": 32, "#1": 0})
     # Then it gets them all
-    assert new == {"#0": 20, "#1": 0}
-    # And while the second shard's shares hold 6, it keeps those 6, and no more goes out
-    assert rebalance(20, parts, {"#0": 10, "#1": 6}, {"#0": 32, "#1": 0}) == {"#0": 14, "#1": 6}
+    assert rebalance(20, parts, held, {"#0": 32, "#1": 0}) == ({"#0": 20, "#1": 0},) * 2
+    # And while the second shard's shares hold 6, its part drops to 0 at once (its shares
+    # shrink to it), but it counts for the 6 they hold, which go out only once given back
+    assert rebalance(20, parts, {"#0": 10, "#1": 6}, {"#0": 32, "#1": 0}) == (
+        {"#0": 14, "#1": 0},
+        {"#0": 14, "#1": 6},
+    )
     # And slots no shard wants are split evenly (new demand finds some at once)
     assert spread(20, {"#0": 4, "#1": 0}) == {"#0": 12, "#1": 8}
 
@@ -56,8 +59,9 @@ def test_a_rebalance_is_max_min_fair_over_the_shards_wants() -> None:
 
 
 class CheckedSlots(MemorySlots):
-    """The in-memory store, checking after every write that no shard's part is above what
-    the key's record holds for it and the slots granted in all the shards stay within the
+    """The in-memory store, checking after every write that no shard's part, nor what its
+    shares hold, is above what the key's record counts for it, and the slots granted in all
+    the shards stay within the
     limit; ``between`` runs once, before the store call ``after`` calls from now (a rebalance
     in the middle of another's steps)."""
 
@@ -85,9 +89,9 @@ class CheckedSlots(MemorySlots):
         granted = 0
         for name, table in self._tables.items():
             if name.startswith(KEY + "#"):
-                assert table.part <= parts.get(name[len(KEY) :], 0), (name, table, parts)
+                counted = parts.get(name[len(KEY) :], 0)
                 held = table.shared(now)
-                assert held <= table.part
+                assert table.part <= counted and held <= counted, (name, table, parts)
                 granted += held
         self.peak = max(self.peak, granted)
         assert granted <= self.limit
@@ -131,7 +135,7 @@ def test_slots_move_between_shards_within_the_limit_under_overlapping_rebalances
             turn(other)
             if rng.random() < 0.5:
                 interrupt()
-            replicas[other].keep_balanced([KEY])
+            replicas[other].keep_balanced({KEY: (held[other], wants[other])})
 
         store.between, store.after = between, rng.randint(1, 6)
 
@@ -143,7 +147,7 @@ def test_slots_move_between_shards_within_the_limit_under_overlapping_rebalances
         turn(replica)
         if rng.random() < 0.3:
             interrupt()
-            replicas[replica].keep_balanced([KEY])
+            replicas[replica].keep_balanced({KEY: (held[replica], wants[replica])})
         now[0] += 0.1
     # Then (checked at every write) no shard's part was above the key's record's, and the
     # slots granted over all shards never exceeded 20; and they reached 20
@@ -159,17 +163,71 @@ def test_an_idle_shards_slots_reach_a_busy_one_at_the_next_rebalance() -> None:
     sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (busy, idle)}
     for r in (busy, idle):
         round_of(sides[r], r, 0, 16, 20)
-    assert sides[busy].keep_balanced([KEY])  # the first rebalance: 10 each
-    assert sides[idle].keep_balanced([KEY]) is False  # not due yet for another replica
+    assert sides[busy].keep_balanced({KEY: (0, 16)})  # the first rebalance: 10 each
+    assert sides[idle].keep_balanced({KEY: (0, 16)}) is False  # not due yet for another replica
     assert [round_of(sides[r], r, 0, 16, 20) for r in (busy, idle)] == [10, 10]
     # When the idle replica's runs end (it gives its share back), and a period passes
     assert round_of(sides[idle], idle, 0, 0, 20) == 0
     now[0] += 11.0  # a period, and the most a replica waits past it
     # Then the next rebalance moves the idle shard's part to the busy one: all it wants, and
     # half of the 4 slots nobody wants
-    assert sides[idle].keep_balanced([KEY]) is False  # its own shard did not grow
+    assert sides[idle].keep_balanced({KEY: (0, 0)}) is False  # its own shard did not grow
     assert round_of(sides[busy], busy, 10, 16, 20) == 16
     assert store._tables[shard_record(KEY, 0)].part == 18
+
+
+def test_a_shard_holding_more_than_its_fair_part_gives_the_rest_back_as_its_runs_end() -> None:
+    # Given a key of 20 in 2 shards, a replica on each, the first one alone at first: its
+    # shard got 18 of the 20 (all it wanted, and half the rest)
+    now = [1000.0]
+    store = CheckedSlots(20, clock=lambda: now[0])
+    limits = Limits({KEY: 20}, {KEY}, {KEY: 2})
+    first, second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
+    sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (first,
+             second)}  # fmt: skip
+    round_of(sides[first], first, 0, 16, 20)
+    sides[first].keep_balanced({KEY: (0, 16)})
+    assert round_of(sides[first], first, 0, 18, 20) == 18
+    # When the second replica wants 16 too, and a period passes
+    assert round_of(sides[second], second, 0, 16, 20) == 2
+    now[0] += 11.0
+    sides[second].keep_balanced({KEY: (2, 16)})
+    # Then the first replica's target drops to 10: it keeps the 18 its runs use until they
+    # end, then gives back the 8 over its target; the next rebalance moves them
+    grant = sides[first].lease([ShareAsk(KEY, first, 20, 18, 18)], TTL)[0]
+    assert (grant.granted, grant.target) == (18, 10)
+    assert round_of(sides[first], first, 10, 18, 20) == 10
+    now[0] += 11.0
+    sides[first].keep_balanced({KEY: (10, 18)})
+    assert round_of(sides[second], second, 2, 16, 20) == 10
+
+
+def test_a_shard_whose_demand_came_after_a_rebalance_is_rebalanced_within_a_fifth_period() -> None:
+    # Given a key of 20 in 2 shards (a rebalance period of 10 s), the first shard's replica
+    # alone at first, holding all 20
+    now = [1000.0]
+    store = CheckedSlots(20, clock=lambda: now[0])
+    limits = Limits({KEY: 20}, {KEY}, {KEY: 2})
+    first, second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
+    sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (first,
+             second)}  # fmt: skip
+    round_of(sides[first], first, 0, 32, 20)
+    sides[first].keep_balanced({KEY: (0, 32)})
+    assert round_of(sides[first], first, 0, 32, 20) == 20
+    # When the second shard's replica wants 16 just after, with nothing
+    assert round_of(sides[second], second, 0, 16, 20) == 0
+    now[0] += 2.5
+    # Then it need not wait a period: a rebalance 2.5 s later lowers the first shard's part
+    # (a replica holding what it wants asks no sooner than a period)
+    assert sides[first].keep_balanced({KEY: (20, 20)}) is False
+    sides[second].keep_balanced({KEY: (0, 16)})
+    grant = sides[first].lease([ShareAsk(KEY, first, 20, 20, 32)], TTL)[0]
+    assert (grant.granted, grant.target) == (20, 10)
+    # And once the first replica's runs gave back 10, the next one, 2.5 s later, moves them
+    assert round_of(sides[first], first, 10, 32, 20) == 10
+    now[0] += 2.5
+    assert sides[second].keep_balanced({KEY: (0, 16)})
+    assert round_of(sides[second], second, 0, 16, 20) == 10
 
 
 def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_token() -> None:
@@ -181,13 +239,13 @@ def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_tok
     sides = {r: Sharding(store, r, limits, period=1.0, clock=lambda: now[0]) for r in (lapsing,
              taker)}  # fmt: skip
     round_of(sides[lapsing], lapsing, 0, 4, 4)
-    sides[lapsing].keep_balanced([KEY])
+    sides[lapsing].keep_balanced({KEY: (0, 4)})
     assert round_of(sides[lapsing], lapsing, 0, 4, 4) == 4
     old = store._tables[shard_record(KEY, 0)].shares[lapsing].token
     # When its share lapses (the replica stopped past the TTL) and the other shard wants them
     now[0] += TTL + 1
     round_of(sides[taker], taker, 0, 4, 4)
-    sides[taker].keep_balanced([KEY])
+    sides[taker].keep_balanced({KEY: (0, 4)})
     # Then the other shard's replica gets the 4 slots with a higher fencing token
     grant = sides[taker].lease([ShareAsk(KEY, taker, 4, 0, 4)], TTL)[0]
     assert grant.granted == 4
@@ -198,5 +256,5 @@ def test_one_shard_is_the_keys_own_record_as_before() -> None:
     store = MemorySlots()
     sharding = Sharding(store, "replica-1", Limits({KEY: 5}, {KEY}), period=0.0)
     assert round_of(sharding, "replica-1", 0, 3, 5) == 3
-    assert sharding.keep_balanced([KEY]) is False
+    assert sharding.keep_balanced({KEY: (3, 3)}) is False
     assert store.keys("") == [KEY]

@@ -35,7 +35,7 @@ class Limits:
                 raise ConfigError(f"concurrency {key}: the limit must be a positive integer")
         self.declared = dict(declared)
         self.bulk_entries = frozenset(bulk) & set(declared)
-        self._shards = {k: n for k, n in (shards or {}).items() if k in self.bulk_entries}
+        self.split = {k: n for k, n in (shards or {}).items() if k in self.bulk_entries}
         self._exact = {k: v for k, v in declared.items() if not k.endswith("*")}
         # Longest first: "partner:eu:*" wins over "partner:*".
         self._prefixes = sorted(
@@ -62,7 +62,7 @@ class Limits:
 
     def shards(self, key: str) -> int:
         """How many records ``key``'s shares are split into (1: its own record)."""
-        return self._shards.get(self.entry(key) or "", 1)
+        return self.split.get(self.entry(key) or "", 1)
 
     def cover(self, head: str) -> bool:
         """A prefix pattern gives a limit to every key that starts with ``head``."""

@@ -4,29 +4,33 @@ document takes more than a few replicas' writes a second.
 A key of S shards has S records beside its own, ``KEY#0`` ... ``KEY#S-1``. Each holds a *part*
 of the key's limit and the shares of the replicas that write it: a replica writes only its
 shard's record (``shard_of``, a hash of its id), by the rules of one record
-(``allocation.share_mutation``) with the part as the limit. The key's own record holds the
-parts, as shares named ``#0`` ... that never lapse, so per-run holders and the shares of
-replicas not splitting the key (in a rolling deploy) count against one limit with them.
+(``allocation.share_mutation``) with the part as the limit, so its shares' targets follow
+the part and they grow only into it. The key's own record holds what each shard counts for,
+as shares named ``#0`` ... that never lapse: its part, or more while its shares shrink to a
+lowered part (per-run holders and the shares of replicas not splitting the key, in a rolling
+deploy, count against one limit with them).
 
 Once a rebalance period one replica, whichever claims the key's record first (no leader),
 moves the parts toward max-min fair over the shards' wants (``rebalance``, a pure function,
 the model's too in ``bench.slot_shards``), in steps of one store call each:
 
 1. claim: the key's record says a period has passed since the last rebalance; it notes now;
-2. read the shards' wants, then lower each part toward its target but never below what the
-   shard's live shares hold (a write of the shard's record: atomic with its grants);
-3. in the key's record, take the lowered parts and grow the others into what is free;
+2. read the shards' wants, then lower each part to its target, the shard counting for no
+   less than its live shares hold (a write of the shard's record: atomic with its grants);
+3. in the key's record, take what the lowered shards count for and grow the others into
+   what is free;
 4. write the grown parts into their shards' records.
 
-The key's record gives each part a token from the key's counter, a new one whenever the part
-grows; a shard's record takes a part only with a newer token than its own, and the key's
-record takes a lowered part only with the token it holds for it. So a shard's part is never
-above what the key's record holds for it, even while two rebalances overlap (a replica paused
-in the middle) or after one stopped half way (the next writes what it left out), and the
-parts in the key's record never sum above the limit: the slots granted across the shards
-never exceed it, at any instant. A grown shard's record also takes the key's counter as the
-floor of its own, and the key's counter follows the shards': slots that move from a lapsed
-share in one shard to a share in another come with a higher fencing token than it had.
+The key's record gives what a shard counts for a token from the key's counter, a new one
+whenever it grows; a shard's record takes a grown part only with a newer token than its own,
+and the key's record takes a lowered count only with the token it holds for it (and never
+above what it holds). So a shard never holds more than the key's record counts for it, even
+while two rebalances overlap (a replica paused in the middle) or after one stopped half way
+(the next writes what it left out), and the counts in the key's record never sum above the
+limit: the slots granted across the shards never exceed it, at any instant. A grown shard's
+record also takes the key's counter as the floor of its own, and the key's counter follows
+the shards': slots that move from a lapsed share in one shard to a share in another come
+with a higher fencing token than it had.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import math
 import random
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from workerpool import constants as c
@@ -54,9 +58,11 @@ from workerpool.stores import StoreError
 
 log = logging.getLogger(__name__)
 
-# A shard's part in the key's record: it is given back only by a rebalance lowering it.
+# A shard's count in the key's record: it is given back only by a rebalance lowering it.
 _NEVER = math.inf
 _PART = "#"
+# A shard behind its fair part may be rebalanced this many times a period.
+_EARLY = 5
 
 
 def shard_record(key: str, index: int) -> str:
@@ -84,14 +90,18 @@ def spread(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
     return targets
 
 
-def lowered(part: int, held: int, target: int) -> int:
-    """A shard's part lowered toward ``target``, never below what its shares hold."""
-    return max(held, min(part, target))
+def lowered(part: int, held: int, target: int) -> tuple[int, int]:
+    """A shard's part lowered to ``target`` at once (its replicas' targets follow, and their
+    shares shrink to them as their runs end), and what it counts for in the key's record
+    meanwhile: never less than its shares hold."""
+    part = min(part, target)
+    return part, max(held, part)
 
 
-def grown(limit: int, parts: Mapping[str, int], targets: Mapping[str, int]) -> dict[str, int]:
-    """``parts`` grown toward their targets, each only into slots no other part holds."""
-    new = dict(parts)
+def grown(limit: int, counted: Mapping[str, int], targets: Mapping[str, int]) -> dict[str, int]:
+    """What the shards count for, grown toward their targets, each only into slots no other
+    shard counts."""
+    new = dict(counted)
     for name in sorted(new):
         others = sum(part for other, part in new.items() if other != name)
         new[name] = grow_to(limit, others, new[name], targets.get(name, 0))
@@ -100,11 +110,15 @@ def grown(limit: int, parts: Mapping[str, int], targets: Mapping[str, int]) -> d
 
 def rebalance(
     limit: int, parts: Mapping[str, int], held: Mapping[str, int], wants: Mapping[str, int]
-) -> dict[str, int]:
+) -> tuple[dict[str, int], dict[str, int]]:
     """The shards' new parts of ``limit`` (by shard), from their parts now, what their shares
-    hold and what their replicas want: the rule ``Sharding`` applies in steps."""
+    hold and what their replicas want, and what each counts for (its part, or what its
+    shares hold while they shrink to it): the rule ``Sharding`` applies in steps."""
     targets = spread(limit, wants)
-    return grown(limit, {n: lowered(p, held[n], targets[n]) for n, p in parts.items()}, targets)
+    low = {name: lowered(part, held[name], targets[name]) for name, part in parts.items()}
+    counted = grown(limit, {name: count for name, (_, count) in low.items()}, targets)
+    new = {name: count if count > low[name][1] else low[name][0] for name, count in counted.items()}
+    return new, counted
 
 
 # --- the records' side -------------------------------------------------------------------
@@ -113,16 +127,15 @@ def rebalance(
 @dataclass(frozen=True)
 class _Claim:
     claimed: bool
-    wait: float  # seconds until a rebalance is due
     room: int = 0  # the limit less per-run holders and the shares of replicas not splitting
     shards: tuple[int, ...] = ()  # the shards with a part in the key's record
 
 
 @dataclass(frozen=True)
 class _Lowered:
-    """A shard's record once its part was lowered (step 2)."""
+    """A shard's record once its part was lowered (step 2): what it counts for now."""
 
-    part: int
+    counted: int
     token: int
     want: int
     next_token: int
@@ -139,14 +152,23 @@ def _room(table: Table, limit: int, now: float) -> int:
     return limit - len(table.live(now)) - unsplit
 
 
-def _claiming(limit: int, period: float) -> TableMutation[_Claim]:
+def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation[_Claim]:
+    """Step 1, by a replica of ``shard`` whose runs ``want`` so many slots: a rebalance is due
+    a period after the last, or a fifth of one where the shard's fair part, with that want,
+    is more than it counts for (demand came to it since, as replicas started or a backlog
+    moved): it then waits seconds, not a whole period, for slots idle elsewhere."""
+
     def mutation(table: Table | None, now: float) -> tuple[_Claim, Table | None]:
         table = table or Table()
-        due = table.rebalanced + period
-        if now < due:
-            return _Claim(False, due - now), None
-        shards = tuple(int(name[len(_PART) :]) for name in _parts(table))
-        return _Claim(True, 0.0, _room(table, limit, now), shards), replace(table, rebalanced=now)
+        parts, room = _parts(table), _room(table, limit, now)
+        wants = {name: part.want for name, part in parts.items()}
+        wants[shard] = max(wants.get(shard, 0), want)
+        counted = parts[shard].granted if shard in parts else 0
+        behind = counted < spread(room, wants)[shard]
+        if now < table.rebalanced + (period / _EARLY if behind else period):
+            return _Claim(False), None
+        shards = tuple(int(name[len(_PART) :]) for name in parts)
+        return _Claim(True, room, shards), replace(table, rebalanced=now)
 
     return mutation
 
@@ -160,9 +182,9 @@ def _lowering(target: int) -> TableMutation[_Lowered]:
     def mutation(table: Table | None, now: float) -> tuple[_Lowered, Table | None]:
         table = table or Table()
         shares = table.live_shares(now).values()
-        part = lowered(table.part, sum(share.granted for share in shares), target)
+        part, counted = lowered(table.part, sum(share.granted for share in shares), target)
         want = sum(share.want for share in shares)
-        result = _Lowered(part, table.part_token, want, table.next_token)
+        result = _Lowered(counted, table.part_token, want, table.next_token)
         return result, (replace(table, part=part) if part != table.part else None)
 
     return mutation
@@ -184,7 +206,7 @@ def _parting(
             if report.token == held[1]:
                 # Lowered from the part recorded (a newer one may have grown it since), and
                 # no higher than it (another rebalance may have lowered it further since).
-                parts[name] = (min(report.part, held[0]), held[1])
+                parts[name] = (min(report.counted, held[0]), held[1])
         room = _room(table, limit, now) - sum(p for n, (p, _) in parts.items() if n not in reports)
         sizes = grown(room, {n: parts[n][0] for n in reports}, targets)
         token = max([table.next_token, *(report.next_token for report in reports.values())])
@@ -242,20 +264,19 @@ class Sharding:
         self._limits = limits
         self._period = period
         self._clock = clock
-        self._due: dict[str, float] = {}  # by key: when (our clock) to try a rebalance
-        self._told: set[str] = set()
+        self._tried: dict[str, float] = {}  # by key: when (our clock) it last tried
+        # A little late, at random: the replicas of a key do not all ask at once.
+        self._late = random.uniform(1.0, 1.1)
+        for entry, count in sorted(limits.split.items()):
+            index = shard_of(owner, count)
+            log.info("slots of %s: this replica writes shard %d of %d", entry, index, count)
 
     def record(self, key: str) -> str:
         """The record this replica's shares of ``key`` are in."""
         count = self._limits.shards(key)
         if count == 1:
             return key
-        index = shard_of(self._owner, count)
-        entry = self._limits.entry(key) or key
-        if entry not in self._told:
-            self._told.add(entry)
-            log.info("slots of %s: this replica writes shard %d of %d", entry, index, count)
-        return shard_record(key, index)
+        return shard_record(key, shard_of(self._owner, count))
 
     def lease(self, asks: Sequence[ShareAsk], ttl: float) -> list[ShareGrant]:
         """``allocation.lease_shares``, each key's ask written to this replica's shard of it."""
@@ -270,26 +291,31 @@ class Sharding:
             return share_mutation(ask, ttl)
         return _in_shard(ask, ttl)
 
-    def keep_balanced(self, keys: Iterable[str]) -> bool:
-        """Rebalance the split keys among ``keys`` whose time came; whether this replica's
-        shard of one grew (its next round may grow its share)."""
+    def keep_balanced(self, demand: Mapping[str, tuple[int, int]]) -> bool:
+        """Rebalance the split keys whose time came, from this replica's ``demand`` by key
+        (slots its share holds, slots its runs want); whether its shard of one grew (its
+        next round may grow its share). A replica whose runs want more than it holds asks
+        a fifth of a period after its last try, others a period after (a read of the key's
+        record, unless a rebalance is due)."""
         grew = False
-        for key in keys:
-            if self._limits.shards(key) == 1 or self._due.get(key, -math.inf) > self._clock():
+        for key, (held, want) in demand.items():
+            if self._limits.shards(key) == 1:
                 continue
+            gap = self._period / _EARLY if held < want else self._period
+            if self._clock() < self._tried.get(key, -math.inf) + gap * self._late:
+                continue
+            self._tried[key] = self._clock()
             try:
-                grew = self._rebalance(key) or grew
+                grew = self._rebalance(key, want) or grew
             except StoreError as exc:
                 log.warning("shards of %s not rebalanced: %s", key, exc)
-                self._due[key] = self._clock() + self._period / 2
         return grew
 
-    def _rebalance(self, key: str) -> bool:
+    def _rebalance(self, key: str, want: int) -> bool:
         limit, count = self._limits.of(key) or 0, self._limits.shards(key)
-        claim = self._store.mutate_records([(key, _claiming(limit, self._period))])[0]
-        # A little late, at random: the replicas of a key do not all ask at once.
-        wait = claim.wait if not claim.claimed else self._period
-        self._due[key] = self._clock() + wait + random.uniform(0, self._period / 10)
+        mine = f"{_PART}{shard_of(self._owner, count)}"
+        claiming = _claiming(limit, self._period, mine, want)
+        claim = self._store.mutate_records([(key, claiming)])[0]
         if not claim.claimed:
             return False
         indexes = sorted({*range(count), *claim.shards})
@@ -314,5 +340,4 @@ class Sharding:
         ]
         if moves:
             self._store.mutate_records(moves)
-        mine = f"{_PART}{shard_of(self._owner, count)}"
-        return parts[mine][0] > reports[mine].part
+        return parts[mine][0] > reports[mine].counted

@@ -244,7 +244,8 @@ class ShareManager:
                 break
             try:
                 self.renew()
-                if self._sharding.keep_balanced(self.shares()):
+                demand = {k: (s.granted, s.want) for k, s in self.shares().items()}
+                if self._sharding.keep_balanced(demand):
                     self._wake.set()  # this replica's shard grew: its share may, now
             except Exception:  # not a StoreError (handled): a bug; keep going
                 log.exception("renewing the slot shares failed; trying again")
