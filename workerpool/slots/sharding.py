@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 _NEVER = math.inf
 _PART = "#"
 # A shard behind its fair part may be rebalanced this many times a period.
-_EARLY = 5
+EARLY = 5
 
 
 def shard_record(key: str, index: int) -> str:
@@ -121,6 +121,15 @@ def rebalance(
     return new, counted
 
 
+def behind(
+    limit: int, counted: Mapping[str, int], wants: Mapping[str, int], shard: str, want: int
+) -> bool:
+    """Whether ``shard`` counts for less than its fair part of ``limit`` were its want at
+    least ``want`` (``wants``: as of the last rebalance): demand came to it since."""
+    wants = {**wants, shard: max(wants.get(shard, 0), want)}
+    return counted.get(shard, 0) < spread(limit, wants)[shard]
+
+
 # --- the records' side -------------------------------------------------------------------
 
 
@@ -162,10 +171,9 @@ def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation
         table = table or Table()
         parts, room = _parts(table), _room(table, limit, now)
         wants = {name: part.want for name, part in parts.items()}
-        wants[shard] = max(wants.get(shard, 0), want)
-        counted = parts[shard].granted if shard in parts else 0
-        behind = counted < spread(room, wants)[shard]
-        if now < table.rebalanced + (period / _EARLY if behind else period):
+        counted = {name: part.granted for name, part in parts.items()}
+        late = behind(room, counted, wants, shard, want)
+        if now < table.rebalanced + (period / EARLY if late else period):
             return _Claim(False), None
         shards = tuple(int(name[len(_PART) :]) for name in parts)
         return _Claim(True, room, shards), replace(table, rebalanced=now)
@@ -301,7 +309,7 @@ class Sharding:
         for key, (held, want) in demand.items():
             if self._limits.shards(key) == 1:
                 continue
-            gap = self._period / _EARLY if held < want else self._period
+            gap = self._period / EARLY if held < want else self._period
             if self._clock() < self._tried.get(key, -math.inf) + gap * self._late:
                 continue
             self._tried[key] = self._clock()
