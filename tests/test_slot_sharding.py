@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from workerpool.slots import Limits, MemorySlots
-from workerpool.slots.allocation import ShareAsk
+from workerpool.slots.allocation import ShareAsk, ShareGrant
 from workerpool.slots.sharding import Sharding, rebalance, shard_of, shard_record, spread
 from workerpool.slots.store import T, Table, TableMutation
 
@@ -80,6 +80,9 @@ class CheckedSlots(MemorySlots):
         results = super()._mutate_many(items)
         self._check()
         return results
+
+    def record(self, name: str) -> Table:
+        return self._tables[name]
 
     def _check(self) -> None:
         now = self._clock()
@@ -154,100 +157,110 @@ def test_slots_move_between_shards_within_the_limit_under_overlapping_rebalances
     assert store.peak == 20
 
 
+class Pair:
+    """A key of ``limit`` in 2 shards, a replica writing each (``first`` shard 0, ``second``
+    shard 1), on a clock the test moves."""
+
+    def __init__(self, limit: int, period: float = 10.0) -> None:
+        self.now = 1000.0
+        self.store = CheckedSlots(limit, clock=lambda: self.now)
+        limits = Limits({KEY: limit}, {KEY}, {KEY: 2})
+        self.first, self.second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
+        self.sides = {
+            r: Sharding(self.store, r, limits, period=period, clock=lambda: self.now)
+            for r in (self.first, self.second)
+        }
+
+    def grant(self, replica: str, keep: int, want: int) -> ShareGrant:
+        """One round of ``replica``: what the record answers."""
+        ask = ShareAsk(KEY, replica, self.store.limit, keep, want)
+        return self.sides[replica].lease([ask], TTL)[0]
+
+    def round(self, replica: str, keep: int, want: int) -> int:
+        """One round of ``replica``: the slots its share holds now."""
+        return self.grant(replica, keep, want).granted
+
+    def balance(self, replica: str, held: int, want: int) -> bool:
+        return self.sides[replica].keep_balanced({KEY: (held, want)})
+
+
 def test_an_idle_shards_slots_reach_a_busy_one_at_the_next_rebalance() -> None:
     # Given a key of 20 in 2 shards, a replica on each, both busy at first
-    now = [1000.0]
-    store = CheckedSlots(20, clock=lambda: now[0])
-    limits = Limits({KEY: 20}, {KEY}, {KEY: 2})
-    busy, idle = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
-    sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (busy, idle)}
+    key = Pair(20)
+    busy, idle = key.first, key.second
     for r in (busy, idle):
-        round_of(sides[r], r, 0, 16, 20)
-    assert sides[busy].keep_balanced({KEY: (0, 16)})  # the first rebalance: 10 each
-    assert sides[idle].keep_balanced({KEY: (0, 16)}) is False  # not due yet for another replica
-    assert [round_of(sides[r], r, 0, 16, 20) for r in (busy, idle)] == [10, 10]
+        key.round(r, 0, 16)
+    assert key.balance(busy, 0, 16)  # the first rebalance: 10 each
+    assert key.balance(idle, 0, 16) is False  # not due yet for another replica
+    assert [key.round(r, 0, 16) for r in (busy, idle)] == [10, 10]
     # When the idle replica's runs end (it gives its share back), and a period passes
-    assert round_of(sides[idle], idle, 0, 0, 20) == 0
-    now[0] += 11.0  # a period, and the most a replica waits past it
+    assert key.round(idle, 0, 0) == 0
+    key.now += 11.0  # a period, and the most a replica waits past it
     # Then the next rebalance moves the idle shard's part to the busy one: all it wants, and
     # half of the 4 slots nobody wants
-    assert sides[idle].keep_balanced({KEY: (0, 0)}) is False  # its own shard did not grow
-    assert round_of(sides[busy], busy, 10, 16, 20) == 16
-    assert store._tables[shard_record(KEY, 0)].part == 18
+    assert key.balance(idle, 0, 0) is False  # its own shard did not grow
+    assert key.round(busy, 10, 16) == 16
+    assert key.store.record(shard_record(KEY, 0)).part == 18
 
 
 def test_a_shard_holding_more_than_its_fair_part_gives_the_rest_back_as_its_runs_end() -> None:
     # Given a key of 20 in 2 shards, a replica on each, the first one alone at first: its
     # shard got 18 of the 20 (all it wanted, and half the rest)
-    now = [1000.0]
-    store = CheckedSlots(20, clock=lambda: now[0])
-    limits = Limits({KEY: 20}, {KEY}, {KEY: 2})
-    first, second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
-    sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (first,
-             second)}  # fmt: skip
-    round_of(sides[first], first, 0, 16, 20)
-    sides[first].keep_balanced({KEY: (0, 16)})
-    assert round_of(sides[first], first, 0, 18, 20) == 18
+    key = Pair(20)
+    key.round(key.first, 0, 16)
+    key.balance(key.first, 0, 16)
+    assert key.round(key.first, 0, 18) == 18
     # When the second replica wants 16 too, and a period passes
-    assert round_of(sides[second], second, 0, 16, 20) == 2
-    now[0] += 11.0
-    sides[second].keep_balanced({KEY: (2, 16)})
+    assert key.round(key.second, 0, 16) == 2
+    key.now += 11.0
+    key.balance(key.second, 2, 16)
     # Then the first replica's target drops to 10: it keeps the 18 its runs use until they
     # end, then gives back the 8 over its target; the next rebalance moves them
-    grant = sides[first].lease([ShareAsk(KEY, first, 20, 18, 18)], TTL)[0]
+    grant = key.grant(key.first, 18, 18)
     assert (grant.granted, grant.target) == (18, 10)
-    assert round_of(sides[first], first, 10, 18, 20) == 10
-    now[0] += 11.0
-    sides[first].keep_balanced({KEY: (10, 18)})
-    assert round_of(sides[second], second, 2, 16, 20) == 10
+    assert key.round(key.first, 10, 18) == 10
+    key.now += 11.0
+    key.balance(key.first, 10, 18)
+    assert key.round(key.second, 2, 16) == 10
 
 
 def test_a_shard_whose_demand_came_after_a_rebalance_is_rebalanced_within_a_fifth_period() -> None:
     # Given a key of 20 in 2 shards (a rebalance period of 10 s), the first shard's replica
     # alone at first, holding all 20
-    now = [1000.0]
-    store = CheckedSlots(20, clock=lambda: now[0])
-    limits = Limits({KEY: 20}, {KEY}, {KEY: 2})
-    first, second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
-    sides = {r: Sharding(store, r, limits, period=10.0, clock=lambda: now[0]) for r in (first,
-             second)}  # fmt: skip
-    round_of(sides[first], first, 0, 32, 20)
-    sides[first].keep_balanced({KEY: (0, 32)})
-    assert round_of(sides[first], first, 0, 32, 20) == 20
+    key = Pair(20)
+    key.round(key.first, 0, 32)
+    key.balance(key.first, 0, 32)
+    assert key.round(key.first, 0, 32) == 20
     # When the second shard's replica wants 16 just after, with nothing
-    assert round_of(sides[second], second, 0, 16, 20) == 0
-    now[0] += 2.5
+    assert key.round(key.second, 0, 16) == 0
+    key.now += 2.5
     # Then it need not wait a period: a rebalance 2.5 s later lowers the first shard's part
     # (a replica holding what it wants asks no sooner than a period)
-    assert sides[first].keep_balanced({KEY: (20, 20)}) is False
-    sides[second].keep_balanced({KEY: (0, 16)})
-    grant = sides[first].lease([ShareAsk(KEY, first, 20, 20, 32)], TTL)[0]
+    assert key.balance(key.first, 20, 20) is False
+    key.balance(key.second, 0, 16)
+    grant = key.grant(key.first, 20, 32)
     assert (grant.granted, grant.target) == (20, 10)
     # And once the first replica's runs gave back 10, the next one, 2.5 s later, moves them
-    assert round_of(sides[first], first, 10, 32, 20) == 10
-    now[0] += 2.5
-    assert sides[second].keep_balanced({KEY: (0, 16)})
-    assert round_of(sides[second], second, 0, 16, 20) == 10
+    assert key.round(key.first, 10, 32) == 10
+    key.now += 2.5
+    assert key.balance(key.second, 0, 16)
+    assert key.round(key.second, 0, 16) == 10
 
 
 def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_token() -> None:
     # Given a key of 4 in 2 shards, and a replica of the first shard holding all 4 slots
-    now = [1000.0]
-    store = CheckedSlots(4, clock=lambda: now[0])
-    limits = Limits({KEY: 4}, {KEY}, {KEY: 2})
-    lapsing, taker = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
-    sides = {r: Sharding(store, r, limits, period=1.0, clock=lambda: now[0]) for r in (lapsing,
-             taker)}  # fmt: skip
-    round_of(sides[lapsing], lapsing, 0, 4, 4)
-    sides[lapsing].keep_balanced({KEY: (0, 4)})
-    assert round_of(sides[lapsing], lapsing, 0, 4, 4) == 4
-    old = store._tables[shard_record(KEY, 0)].shares[lapsing].token
+    key = Pair(4, period=1.0)
+    lapsing, taker = key.first, key.second
+    key.round(lapsing, 0, 4)
+    key.balance(lapsing, 0, 4)
+    assert key.round(lapsing, 0, 4) == 4
+    old = key.store.record(shard_record(KEY, 0)).shares[lapsing].token
     # When its share lapses (the replica stopped past the TTL) and the other shard wants them
-    now[0] += TTL + 1
-    round_of(sides[taker], taker, 0, 4, 4)
-    sides[taker].keep_balanced({KEY: (0, 4)})
+    key.now += TTL + 1
+    key.round(taker, 0, 4)
+    key.balance(taker, 0, 4)
     # Then the other shard's replica gets the 4 slots with a higher fencing token
-    grant = sides[taker].lease([ShareAsk(KEY, taker, 4, 0, 4)], TTL)[0]
+    grant = key.grant(taker, 0, 4)
     assert grant.granted == 4
     assert grant.token > old
 
