@@ -162,6 +162,7 @@ class Pair:
     shard 1), on a clock the test moves."""
 
     def __init__(self, limit: int, period: float = 10.0) -> None:
+        self.period = period
         self.now = 1000.0
         self.store = CheckedSlots(limit, clock=lambda: self.now)
         limits = Limits({KEY: limit}, {KEY}, {KEY: 2})
@@ -182,6 +183,28 @@ class Pair:
 
     def balance(self, replica: str, held: int, want: int) -> bool:
         return self.sides[replica].keep_balanced({KEY: (held, want)})
+
+    def alone(self, replica: str, want: int) -> int:
+        """``replica`` alone wants ``want``: the key's first rebalance splits it evenly, the
+        next, a fifth of a period on, follows the wants; what its share holds then."""
+        self.round(replica, 0, want)
+        assert self.balance(replica, 0, want)
+        half = self.round(replica, 0, want)
+        assert half == min(want, self.store.limit // 2)
+        self.now += self.period / 4
+        self.balance(replica, half, want)
+        return self.round(replica, half, want)
+
+
+def test_a_keys_first_rebalance_splits_it_evenly_whoever_asks_first() -> None:
+    # Given a key of 20 in 2 shards, and only the first shard's replica has written a round
+    key = Pair(20)
+    key.round(key.first, 0, 32)
+    # When it rebalances the key first
+    key.balance(key.first, 0, 32)
+    # Then each shard gets half: the other shard's replicas find slots at their first round
+    assert key.round(key.second, 0, 16) == 10
+    assert key.round(key.first, 0, 32) == 10
 
 
 def test_an_idle_shards_slots_reach_a_busy_one_at_the_next_rebalance() -> None:
@@ -207,9 +230,8 @@ def test_a_shard_holding_more_than_its_fair_part_gives_the_rest_back_as_its_runs
     # Given a key of 20 in 2 shards, a replica on each, the first one alone at first: its
     # shard got 18 of the 20 (all it wanted, and half the rest)
     key = Pair(20)
-    key.round(key.first, 0, 16)
-    key.balance(key.first, 0, 16)
-    assert key.round(key.first, 0, 18) == 18
+    assert key.alone(key.first, 16) == 16
+    assert key.round(key.first, 16, 18) == 18
     # When the second replica wants 16 too, and a period passes
     assert key.round(key.second, 0, 16) == 2
     key.now += 11.0
@@ -228,9 +250,7 @@ def test_a_shard_whose_demand_came_after_a_rebalance_is_rebalanced_within_a_fift
     # Given a key of 20 in 2 shards (a rebalance period of 10 s), the first shard's replica
     # alone at first, holding all 20
     key = Pair(20)
-    key.round(key.first, 0, 32)
-    key.balance(key.first, 0, 32)
-    assert key.round(key.first, 0, 32) == 20
+    assert key.alone(key.first, 32) == 20
     # When the second shard's replica wants 16 just after, with nothing
     assert key.round(key.second, 0, 16) == 0
     key.now += 2.5
@@ -251,9 +271,7 @@ def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_tok
     # Given a key of 4 in 2 shards, and a replica of the first shard holding all 4 slots
     key = Pair(4, period=1.0)
     lapsing, taker = key.first, key.second
-    key.round(lapsing, 0, 4)
-    key.balance(lapsing, 0, 4)
-    assert key.round(lapsing, 0, 4) == 4
+    assert key.alone(lapsing, 4) == 4
     old = key.store.record(shard_record(KEY, 0)).shares[lapsing].token
     # When its share lapses (the replica stopped past the TTL) and the other shard wants them
     key.now += TTL + 1

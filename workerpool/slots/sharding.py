@@ -12,7 +12,8 @@ deploy, count against one limit with them).
 
 Once a rebalance period one replica, whichever claims the key's record first (no leader),
 moves the parts toward max-min fair over the shards' wants (``rebalance``, a pure function,
-the model's too in ``bench.slot_shards``), in steps of one store call each:
+the model's too in ``bench.slot_shards``; a key's first rebalance splits it evenly), in steps
+of one store call each:
 
 1. claim: the key's record says a period has passed since the last rebalance; it notes now;
 2. read the shards' wants, then lower each part to its target, the shard counting for no
@@ -330,6 +331,11 @@ class Sharding:
         names = [f"{_PART}{i}" for i in indexes]
         records = [shard_record(key, i) for i in indexes]
         wants = self._store.mutate_records([(record, _wanting) for record in records])
+        if not claim.shards:
+            # A key's first rebalance splits it evenly: the replicas of the other shards may
+            # not have written their first round yet, and a shard given nothing would defer
+            # their runs (the next rebalance follows the wants, a fifth of a period on).
+            wants = [0] * len(wants)
         targets = spread(claim.room, dict(zip(names, wants, strict=True)))
         reports = dict(
             zip(
