@@ -358,6 +358,31 @@ def start_bulk_workers(
     assert ready, workers[0].output()[-2000:]
 
 
+def run_to_the_end(
+    workers: list[WorkerProcess], ledger: Path, count: int, timeout: float
+) -> list[int]:
+    """Once ``count`` jobs are done in ``ledger`` (asserted within ``timeout`` seconds), the
+    workers stopped with SIGTERM: their exit codes."""
+    finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=timeout)
+    assert finished, f"{len(ledger_events(ledger, 'done'))} of {count} done"
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    return [worker.wait(30) for worker in workers]
+
+
+def subscriptions_of_their_own(
+    stack: contextlib.ExitStack, first: PubSubResources, count: int
+) -> list[PubSubResources]:
+    """``first`` and ``count - 1`` more subscriptions on its emulator, each with a topic of its
+    own, provisioned without a retry policy; the new ones closed with ``stack``."""
+    subs = [first] + [PubSubResources(first.project, first.host) for _ in range(count - 1)]
+    for sub in subs[1:]:
+        stack.callback(sub.close)
+    for sub in subs:
+        sub.provision(retry_policy=False)
+    return subs
+
+
 @contextlib.contextmanager
 def dashboard_process(
     config: Path, log: Path, *args: str, env: dict[str, str] | None = None

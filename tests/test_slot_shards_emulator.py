@@ -6,7 +6,6 @@ a shard's idle slots reach a busy shard within a rebalance period or two."""
 from __future__ import annotations
 
 import re
-import signal
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,10 +17,11 @@ from tests.support import (
     count_slot_writes,
     ledger_events,
     overlap,
+    run_to_the_end,
     shared_store,
     slot_writes,
     start_bulk_workers,
-    wait_for,
+    subscriptions_of_their_own,
     worker_processes,
 )
 from workerpool import constants as c
@@ -94,11 +94,7 @@ def test_a_key_in_two_shards_runs_at_its_limit_with_fewer_writes_per_document(
         two_on_each_shard(workers, [pubsub_resources] * 4, ledger, store, extra_env)
         # When 4,000 jobs of 100 ms (800 of 0.5 s) that take a slot of the key are published
         pubsub_resources.publish_many("demo.slot_sleep", jobs)
-        finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=150)
-        assert finished, f"{len(ledger_events(ledger, 'done'))} of {count} done"
-        for worker in workers:
-            worker.signal(signal.SIGTERM)
-        codes = [worker.wait(30) for worker in workers]
+        codes = run_to_the_end(workers, ledger, count, timeout=150)
     done = ledger_events(ledger, "done")
     runs = [(r["start"], r["end"]) for r in done]
     first_start = min(start for start, _ in runs)
@@ -146,13 +142,7 @@ def test_an_idle_shards_slots_reach_the_busy_shard_within_a_rebalance_period_or_
     # Given 4 worker processes (N = 16), each on a subscription of its own, sharing a key of
     # 20 slots in 2 shards, two workers on each
     with ExitStack() as stack:
-        subs = [pubsub_resources] + [
-            PubSubResources(pubsub_resources.project, pubsub_resources.host) for _ in range(3)
-        ]
-        for sub in subs[1:]:
-            stack.callback(sub.close)
-        for sub in subs:
-            sub.provision(retry_policy=False)
+        subs = subscriptions_of_their_own(stack, pubsub_resources, 4)
         ledger = tmp_path / "ledger.jsonl"
         store, extra_env = shared_store("sqlite", request, tmp_path)
         workers = stack.enter_context(worker_processes())
@@ -167,12 +157,7 @@ def test_an_idle_shards_slots_reach_the_busy_shard_within_a_rebalance_period_or_
             jobs = [(f"{worker.pid}-{i}", {"seconds": 0.5}) for i in range(many)]
             sub.publish_many("demo.slot_sleep", jobs)
             published[worker.pid] = many
-        total = sum(published.values())
-        finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= total, timeout=150)
-        assert finished, f"{len(ledger_events(ledger, 'done'))} of {total} done"
-        for worker in workers:
-            worker.signal(signal.SIGTERM)
-        codes = [worker.wait(30) for worker in workers]
+        codes = run_to_the_end(workers, ledger, sum(published.values()), timeout=150)
     done = ledger_events(ledger, "done")
     hot_pids = {w.pid for w in hot}
     hot_runs = [(r["start"], r["end"]) for r in done if r["pid"] in hot_pids]
