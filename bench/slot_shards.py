@@ -1,13 +1,16 @@
 """``python -m bench.slot_shards``: a model of one bulk key shared by 100 replicas, its record
-split into shards (designed, not built: docs/guide/fleet-wide-limits.md, "Many replicas").
+split into shards (built: ``workerpool.slots.sharding``; docs/guide/fleet-wide-limits.md,
+"Many replicas"), for a fleet larger than the tests can run.
 
 Each replica writes its shard's record once a period (``allocation.fair`` and ``grow_to``
-within the shard, as a replica's round does in one record now); every ``--rebalance``
-periods the shards' limits are rebalanced by the same rules over the shards' wants, a shard
-giving slots back only as its shares shrink. The replicas' wants change at random every
-``--shift`` periods (a few hot replicas, the rest light). Measured: writes per record per
-period, the most slots granted at once in all (never above the limit), and the share of the
-slots the replicas could use that they held (busy).
+within the shard, with the shard's part as its limit, as a replica's round does); every
+``--rebalance`` periods, or a fifth of that once a shard's demand grew past its fair part,
+the shards' parts are rebalanced by ``sharding.rebalance``, the built rule, a shard counting
+for what its shares hold until they shrink to its part. The replicas' wants change at random
+every ``--shift`` periods (a few hot replicas, the rest light). Measured: writes per record
+per period (replicas' rounds, the busiest record), the rebalances' writes per period (all
+records), the most slots granted at once in all (never above the limit), and the share of
+the slots the replicas could use that they held (busy).
 """
 
 from __future__ import annotations
@@ -20,21 +23,27 @@ from pathlib import Path
 
 from bench.results import Grid, Section, Stamp, command_line, emit
 from workerpool.slots.allocation import fair, grow_to
+from workerpool.slots.sharding import EARLY, behind, rebalance, spread
 
 ABOUT = [
     "A model, no store: one bulk key shared by 100 replicas, its record whole or split into "
-    'shards (designed, not built: the fleet-wide limits guide, "Many replicas"). Each replica '
-    "writes its shard's record once a period by the allocator's own rules; every 10 periods "
-    "the shards' limits are rebalanced by the same rules over their wants; every 60 the "
-    "replicas' wants change at random (a tenth hot, the rest light). Writes per record a "
-    "period (the busiest record), the most slots granted at once over all shards (never above "
-    "the limit), and the share of the slots the replicas could use that they held (busy).",
+    'shards (built: the fleet-wide limits guide, "Many replicas"; this model is for a fleet '
+    "larger than the tests run). Each replica writes its shard's record once a period by the "
+    "allocator's own rules; every 10 periods, or 2 once a shard's demand grew past its fair "
+    "part, the shards' parts are rebalanced by the built rule (`sharding.rebalance`); every 60 "
+    "periods the replicas' wants change at random (a tenth hot, the rest light). Writes per "
+    "record a period (the replicas' rounds, the busiest record), the rebalances' writes a "
+    "period (all records), the most slots granted at once over all shards (never above the "
+    "limit), and the share of the slots the replicas could use that they held (busy). The "
+    "model judges a shard behind on its replicas' wants together, where a replica judges on "
+    "its own.",
 ]
 
 
 @dataclass
 class Shard:
-    limit: int
+    limit: int  # its part, as its replicas' rounds use it
+    counted: int  # what the key's record counts it for (its part, or what its shares hold)
     granted: dict[str, int] = field(default_factory=dict)
     target: dict[str, int] = field(default_factory=dict)
     want: dict[str, int] = field(default_factory=dict)
@@ -53,20 +62,70 @@ class Shard:
     def held(self) -> int:
         return sum(self.granted.values())
 
+    @property
+    def wanted(self) -> int:
+        return sum(self.want.values())
+
 
 @dataclass(frozen=True)
 class Result:
-    writes_per_record: float  # per period, the busiest shard record
+    writes_per_record: float  # per period, the replicas' rounds, the busiest shard record
+    rebalance_writes: float  # per period, over all records
     peak: int  # the most granted at once, over all shards
     busy: float
 
 
+@dataclass
+class _Rebalancer:
+    limit: int
+    every: int
+    early: bool
+    wants: dict[str, int] = field(default_factory=dict)  # as of the last rebalance
+    last: int = -(10**9)
+    writes: int = 0
+
+    def due(self, model: list[Shard], period: int) -> bool:
+        if period - self.last >= self.every:
+            return True
+        if not self.early or period - self.last < self.every / EARLY:
+            return False
+        counted = {str(i): s.counted for i, s in enumerate(model)}
+        return any(behind(self.limit, counted, self.wants, str(i), s.wanted)
+                   for i, s in enumerate(model))  # fmt: skip
+
+    def run(self, model: list[Shard], period: int) -> None:
+        """The shards' parts rebalanced: the key's record written twice (its claim and the
+        counts), a shard's record once for each change of its part."""
+        names = [str(i) for i in range(len(model))]
+        self.wants = {n: s.wanted for n, s in zip(names, model, strict=True)}
+        parts, counted = rebalance(
+            self.limit,
+            {n: s.limit for n, s in zip(names, model, strict=True)},
+            {n: s.held for n, s in zip(names, model, strict=True)},
+            self.wants,
+        )
+        self.writes += 2
+        for n, shard in zip(names, model, strict=True):
+            self.writes += parts[n] != shard.limit
+            shard.limit, shard.counted = parts[n], counted[n]
+        self.last = period
+
+
 def simulate(
-    *, replicas: int, shards: int, limit: int, periods: int, rebalance: int, shift: int, seed: int
+    *,
+    replicas: int,
+    shards: int,
+    limit: int,
+    periods: int,
+    rebalance: int,
+    shift: int,
+    seed: int,
+    early: bool = True,
 ) -> Result:
     rng = random.Random(seed)
-    parts = fair(limit, {str(s): limit for s in range(shards)})
-    model = [Shard(parts[str(s)]) for s in range(shards)]
+    parts = spread(limit, {str(s): 0 for s in range(shards)})
+    model = [Shard(parts[str(s)], parts[str(s)]) for s in range(shards)]
+    rebalancer = _Rebalancer(limit, rebalance, early)
     wants = [0] * replicas
     writes = [0] * shards
     peak, used, usable = 0, 0, 0
@@ -81,28 +140,15 @@ def simulate(
             shard.round(str(replica), wants[replica])
             writes[replica % shards] += 1
             peak = max(peak, sum(s.held for s in model))
-        if period % rebalance == rebalance - 1:
-            _rebalance(model, limit)
-            peak = max(peak, sum(s.held for s in model))
+        if shards > 1 and rebalancer.due(model, period):
+            rebalancer.run(model, period)
         used += sum(min(s.granted.get(str(r), 0), wants[r]) for r, s in _owners(model, replicas))
         usable += min(limit, sum(wants))
-    return Result(max(writes) / periods, peak, used / max(1, usable))
+    return Result(max(writes) / periods, rebalancer.writes / periods, peak, used / max(1, usable))
 
 
 def _owners(model: list[Shard], replicas: int) -> list[tuple[int, Shard]]:
     return [(r, model[r % len(model)]) for r in range(replicas)]
-
-
-def _rebalance(model: list[Shard], limit: int) -> None:
-    """The shards' limits toward max-min fair over their wants: a shard keeps what its
-    shares hold, and grows only into what the others do not keep."""
-    wants = {str(i): sum(s.want.values()) for i, s in enumerate(model)}
-    targets = fair(limit, wants)
-    for i, shard in enumerate(model):  # first every shard gives back what it can
-        shard.limit = max(shard.held, min(shard.limit, targets[str(i)]))
-    for i, shard in enumerate(model):
-        others = sum(s.limit for j, s in enumerate(model) if j != i)
-        shard.limit = grow_to(limit, others, shard.limit, targets[str(i)])
 
 
 def main(argv: list[str]) -> None:
@@ -119,14 +165,16 @@ def main(argv: list[str]) -> None:
         "",
         "",
         [f"{args.replicas} replicas, limit {args.limit}", "writes per record a period",
-         "most granted", "busy"],
+         "rebalances' writes a period", "most granted", "busy"],
     )  # fmt: skip
-    for shards in (1, 25):
+    cases = [("1 shard", 1, True), ("25 shards", 25, True),
+             (f"25 shards, every {args.rebalance} periods only", 25, False)]  # fmt: skip
+    for label, shards, early in cases:
         result = simulate(replicas=args.replicas, shards=shards, limit=args.limit,
                           periods=args.periods, rebalance=args.rebalance, shift=args.shift,
-                          seed=1)  # fmt: skip
-        grid.rows.append([f"{shards} shard{'s' if shards > 1 else ''}",
-                          f"{result.writes_per_record:.1f}", str(result.peak),
+                          seed=1, early=early)  # fmt: skip
+        grid.rows.append([label, f"{result.writes_per_record:.1f}",
+                          f"{result.rebalance_writes:.2f}", str(result.peak),
                           f"{result.busy:.3f}"])  # fmt: skip
     title = "Sharded slot records, in a model"
     command = command_line("python -m bench.slot_shards", argv)

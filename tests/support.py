@@ -339,20 +339,48 @@ def start_bulk_workers(
     limit: int,
     store: str,
     extra_env: dict[str, str],
+    *,
+    shards: int = 1,
 ) -> None:
     """A worker process (N = 16) on each of ``envs`` running workerpool_jobs.demo_slots with
-    its key "demo-slots" of ``limit`` slots leased in bulk, added to ``workers``; returns when
-    all are ready."""
+    its key "demo-slots" of ``limit`` slots leased in bulk (its record split into ``shards``),
+    added to ``workers``; returns when all are ready."""
+    entry = f"demo-slots={limit}/bulk" + (f"/{shards}" if shards > 1 else "")
     for env in envs:
         workers.append(
             spawn_worker(
                 env, ledger, "--jobs", "workerpool_jobs.demo_slots",
-                "--concurrency", f"demo-slots={limit}/bulk", "--concurrency", "tenant:*=1",
+                "--concurrency", entry, "--concurrency", "tenant:*=1",
                 "--max-outstanding", "16", store=store, extra_env=extra_env,
             )
         )  # fmt: skip
     ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
     assert ready, workers[0].output()[-2000:]
+
+
+def run_to_the_end(
+    workers: list[WorkerProcess], ledger: Path, count: int, timeout: float
+) -> list[int]:
+    """Once ``count`` jobs are done in ``ledger`` (asserted within ``timeout`` seconds), the
+    workers stopped with SIGTERM: their exit codes."""
+    finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=timeout)
+    assert finished, f"{len(ledger_events(ledger, 'done'))} of {count} done"
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    return [worker.wait(30) for worker in workers]
+
+
+def subscriptions_of_their_own(
+    stack: contextlib.ExitStack, first: PubSubResources, count: int
+) -> list[PubSubResources]:
+    """``first`` and ``count - 1`` more subscriptions on its emulator, each with a topic of its
+    own, provisioned without a retry policy; the new ones closed with ``stack``."""
+    subs = [first] + [PubSubResources(first.project, first.host) for _ in range(count - 1)]
+    for sub in subs[1:]:
+        stack.callback(sub.close)
+    for sub in subs:
+        sub.provision(retry_policy=False)
+    return subs
 
 
 @contextlib.contextmanager

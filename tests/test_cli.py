@@ -396,6 +396,32 @@ def test_a_keys_entry_says_its_slots_are_leased_in_bulk(tmp_path: Path) -> None:
         load_settings(None, {"concurrency": ("api=20/fast",)}, {})
 
 
+def test_a_bulk_keys_entry_may_split_its_record_into_shards(tmp_path: Path) -> None:
+    config = tmp_path / "w.toml"
+    config.write_text('[concurrency]\napi = "200/bulk/25"\n"tenant:*" = "5/bulk"\n')
+    settings = load_settings(str(config), {"concurrency": ("imports=4/bulk/1",)}, {})
+    assert settings.concurrency == {"api": 200, "tenant:*": 5, "imports": 4}
+    assert settings.concurrency_shards == {"api": 25}  # one shard: the key's own record
+    limits = Limits(settings.concurrency, settings.concurrency_leases, settings.concurrency_shards)
+    assert (limits.shards("api"), limits.shards("tenant:acme"), limits.shards("imports")) == (
+        25, 1, 1,
+    )  # fmt: skip
+    for bad in ("api=20/per_run/2", "api=20/bulk/0", "api=20/bulk/21", "api=20/bulk/x",
+                "api=20/bulk/2/3"):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(bad.partition("=")[2])):
+            load_settings(None, {"concurrency": (bad,)}, {})
+    result = _cli(
+        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
+        "--concurrency", "demo-slots=2/bulk/3", env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: concurrency 'demo-slots' (from --concurrency): the limit must be a "
+        "positive integer, optionally /bulk or /per_run, a bulk key's shards /bulk/S (1 to the "
+        "limit), and a key may only end in *, got '2/bulk/3'"
+    ]
+
+
 def test_a_job_whose_concurrency_key_has_no_limit_exits_2_with_one_line(tmp_path: Path) -> None:
     result = _cli(
         "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",

@@ -20,6 +20,7 @@ from tests.support import (
     overlap,
     shared_store,
     start_bulk_workers,
+    subscriptions_of_their_own,
     wait_for,
     worker_processes,
 )
@@ -64,13 +65,7 @@ def test_a_replica_with_a_small_backlog_gets_its_share_at_once_and_the_rest_spli
     # Given 4 worker processes (N = 16) on a key of 20 slots leased in bulk, each reading a
     # subscription of its own, three of them with a backlog of 500 jobs of 100 ms
     with ExitStack() as stack:
-        subs = [pubsub_resources] + [
-            PubSubResources(pubsub_resources.project, pubsub_resources.host) for _ in range(BIG)
-        ]
-        for sub in subs[1:]:
-            stack.callback(sub.close)
-        for sub in subs:
-            sub.provision(retry_policy=False)
+        subs = subscriptions_of_their_own(stack, pubsub_resources, BIG + 1)
         ledger = tmp_path / "ledger.jsonl"
         store, extra_env = shared_store("sqlite", request, tmp_path)
         db = tmp_path / "fleet.db"

@@ -6,7 +6,6 @@ killed-worker test, in both modes."""
 
 from __future__ import annotations
 
-import signal
 from collections import Counter
 from pathlib import Path
 
@@ -16,10 +15,10 @@ from tests.support import (
     count_slot_writes,
     ledger_events,
     overlap,
+    run_to_the_end,
     shared_store,
     slot_writes,
     start_bulk_workers,
-    wait_for,
     worker_processes,
 )
 from workerpool.testing.pubsub import PubSubResources
@@ -51,11 +50,7 @@ def test_a_bulk_key_runs_fast_jobs_at_its_limit_with_few_writes(
         start_bulk_workers(workers, [pubsub_resources] * 4, ledger, LIMIT, store, extra_env)
         # When 4,000 jobs of 100 ms (800 of 0.5 s) that take a slot of the key are published
         pubsub_resources.publish_many("demo.slot_sleep", jobs)
-        finished = wait_for(lambda: len(ledger_events(ledger, "done")) >= count, timeout=120)
-        assert finished, f"{len(ledger_events(ledger, 'done'))} of {count} done"
-        for worker in workers:
-            worker.signal(signal.SIGTERM)
-        codes = [worker.wait(30) for worker in workers]
+        codes = run_to_the_end(workers, ledger, count, timeout=120)
     done = ledger_events(ledger, "done")
     runs = [(r["start"], r["end"]) for r in done]
     first_start = min(start for start, _ in runs)

@@ -63,6 +63,9 @@ class Settings:
     # How each key's slots are leased, where its entry says (``KEY = "20/bulk"``): "bulk"
     # (shares leased to replicas, for fast jobs) or "per_run" (the default).
     concurrency_leases: Mapping[str, str] = field(default_factory=dict)
+    # How many records a bulk key's shares are split into, where more than one
+    # (``KEY = "200/bulk/25"``: ``slots.sharding``).
+    concurrency_shards: Mapping[str, int] = field(default_factory=dict)
     # ``[[pools]]``: one pool per subscription, each overriding the settings above.
     pools: tuple[Mapping[str, Any], ...] = ()
     # ``[[schedules]]``: periodic jobs, each fired by the pool its ``pool`` names (default the
@@ -150,7 +153,8 @@ def _pool_values(index: int, pool: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _STRUCTURED = (
-    "job_config", "rate_limits", "concurrency", "concurrency_leases", "pools", "schedules"
+    "job_config", "rate_limits", "concurrency", "concurrency_leases", "concurrency_shards",
+    "pools", "schedules",
 )  # fmt: skip
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _STRUCTURED}
 
@@ -187,40 +191,53 @@ def _rate_limit_flags(entries: str | tuple[str, ...], source: str) -> dict[str, 
     return _rate_limits(_pairs(entries, source, "rate limit", "NAME=RATE/s[:BURST]"), source)
 
 
-def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, tuple[int, str]]:
-    """``KEY = LIMIT`` or ``KEY = "LIMIT/MODE"`` (MODE ``bulk`` or ``per_run``): the limit
-    and how its slots are leased."""
+def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, tuple[int, str, int]]:
+    """``KEY = LIMIT`` or ``KEY = "LIMIT/MODE"`` (MODE ``bulk`` or ``per_run``), or
+    ``"LIMIT/bulk/SHARDS"``: the limit, how its slots are leased, and how many records a bulk
+    key's shares are split into (``slots.sharding``)."""
     limits = {}
     for key, raw in entries.items():
-        text, _, mode = str(raw).strip().partition("/")
+        text, mode, shards = (*str(raw).strip().split("/"), "", "")[:3]
         mode = mode.strip() or LEASES_PER_RUN
+        shards = shards.strip() or "1"
         if (
             isinstance(raw, bool)
+            or str(raw).count("/") > 2
             or not text.strip().isdigit()
             or int(text) < 1
             or "*" in key[:-1]
             or mode not in (LEASES_PER_RUN, LEASES_BULK)
+            or not shards.isdigit()
+            or not 1 <= int(shards) <= int(text)
+            or (int(shards) > 1 and mode != LEASES_BULK)
         ):
             raise ConfigError(
                 f"concurrency {key!r} (from {source}): the limit must be a positive integer, "
-                f"optionally /bulk or /per_run, and a key may only end in *, got {raw!r}"
+                "optionally /bulk or /per_run, a bulk key's shards /bulk/S (1 to the limit), "
+                f"and a key may only end in *, got {raw!r}"
             )
-        limits[key] = (int(text), mode)
+        limits[key] = (int(text), mode, int(shards))
     return limits
 
 
-def _concurrency_flags(entries: str | tuple[str, ...], source: str) -> dict[str, tuple[int, str]]:
-    """``KEY=LIMIT[/MODE]`` items, comma-separated in the environment."""
-    return _concurrency(_pairs(entries, source, "concurrency", "KEY=LIMIT[/MODE]"), source)
+def _concurrency_flags(
+    entries: str | tuple[str, ...], source: str
+) -> dict[str, tuple[int, str, int]]:
+    """``KEY=LIMIT[/MODE[/SHARDS]]`` items, comma-separated in the environment."""
+    return _concurrency(_pairs(entries, source, "concurrency", "KEY=LIMIT[/MODE[/SHARDS]]"), source)
 
 
 def _split_concurrency(
-    values: dict[str, Any], declared: Mapping[str, tuple[int, str]]
+    values: dict[str, Any], declared: Mapping[str, tuple[int, str, int]]
 ) -> dict[str, Any]:
-    """Settings' ``concurrency`` (limits) and ``concurrency_leases`` (the bulk keys)."""
-    values["concurrency"] = {key: limit for key, (limit, _) in declared.items()}
+    """Settings' ``concurrency`` (limits), ``concurrency_leases`` (the bulk keys) and
+    ``concurrency_shards`` (the bulk keys split into shards)."""
+    values["concurrency"] = {key: limit for key, (limit, _, _) in declared.items()}
     values["concurrency_leases"] = {
-        key: mode for key, (_, mode) in declared.items() if mode == LEASES_BULK
+        key: mode for key, (_, mode, _) in declared.items() if mode == LEASES_BULK
+    }
+    values["concurrency_shards"] = {
+        key: shards for key, (_, _, shards) in declared.items() if shards > 1
     }
     return values
 

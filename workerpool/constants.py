@@ -110,6 +110,9 @@ DEFAULT_SLOT_WAIT: Final = 30.0
 LEASES_PER_RUN: Final = "per_run"
 LEASES_BULK: Final = "bulk"
 SLOT_SHARE_PERIOD: Final = 1.0
+# A bulk key split into shards (``"200/bulk/25"``) has its shards' parts of the limit
+# rebalanced this often (seconds), by one replica at a time.
+SLOT_SHARD_REBALANCE: Final = 10.0
 # Each replica writes its heartbeat (what it runs and holds, for the autoscaler) this often.
 DEFAULT_HEARTBEAT_INTERVAL: Final = 2.0
 ENTRY_POINT_GROUP: Final = "workerpool.jobs"

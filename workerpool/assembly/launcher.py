@@ -137,7 +137,8 @@ class Launcher:
             s = self.settings
             slot_limits = declared_limits(
                 self._jobs.specs(), job_config, concurrency=s.concurrency,
-                bulk=s.concurrency_leases, pool_key=s.pool_concurrency,
+                bulk=s.concurrency_leases, shards=s.concurrency_shards,
+                pool_key=s.pool_concurrency,
                 store_url=s.idempotency_store,
             )  # fmt: skip
             clients = self._clients or connect()

@@ -21,12 +21,13 @@ def declared_limits(
     *,
     concurrency: Mapping[str, int],
     bulk: Iterable[str] = (),
+    shards: Mapping[str, int] | None = None,
     pool_key: str,
     store_url: str,
 ) -> Limits | None:
     """The declared limits (``concurrency``, the ``[concurrency]`` table, and the
     ``concurrency_limits`` of job configs: the BigQuery plugin's ``max_concurrent_exports``;
-    ``bulk``, the entries leased in shares),
+    ``bulk``, the entries leased in shares, ``shards`` how many records each is split into),
     checked to cover every job's key and the pool's key (``ConfigError`` if not); None when no
     job takes slots and none are declared. With limits declared, any run may take a slot for
     part of its run (ctx.slot). A job config's limits hold only where the store
@@ -47,7 +48,7 @@ def declared_limits(
                 f"concurrency {key!r}: [concurrency] says {limit}, a job's config "
                 f"{declared[key]}; declare it once"
             )
-    limits = Limits(declared, frozenset(bulk))
+    limits = Limits(declared, frozenset(bulk), shards)
     keys = {spec.name: spec.options["concurrency"] for spec in specs
             if spec.options.get("concurrency")}  # fmt: skip
     for job_name, key in keys.items():

@@ -19,9 +19,15 @@ from workerpool.errors import ConfigError
 class Limits:
     """The declared limits; ``of(key)`` is the exact key's, else the longest matching
     prefix pattern's, else None. ``bulk`` names the entries whose slots are leased to
-    replicas in shares (``"20/bulk"``); a key's mode is that of the entry giving its limit."""
+    replicas in shares (``"20/bulk"``); a key's mode is that of the entry giving its limit.
+    ``shards``: how many records a bulk entry's keys are split into, where more than one."""
 
-    def __init__(self, declared: Mapping[str, int], bulk: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        declared: Mapping[str, int],
+        bulk: Collection[str] = (),
+        shards: Mapping[str, int] | None = None,
+    ) -> None:
         for key, limit in declared.items():
             if not key or "*" in key[:-1]:
                 raise ConfigError(f"concurrency key {key!r}: a pattern may only end in *")
@@ -29,6 +35,7 @@ class Limits:
                 raise ConfigError(f"concurrency {key}: the limit must be a positive integer")
         self.declared = dict(declared)
         self.bulk_entries = frozenset(bulk) & set(declared)
+        self.split = {k: n for k, n in (shards or {}).items() if k in self.bulk_entries}
         self._exact = {k: v for k, v in declared.items() if not k.endswith("*")}
         # Longest first: "partner:eu:*" wins over "partner:*".
         self._prefixes = sorted(
@@ -52,6 +59,10 @@ class Limits:
     def bulk(self, key: str) -> bool:
         """Whether ``key``'s slots are leased in shares (``slots.shares``)."""
         return self.entry(key) in self.bulk_entries
+
+    def shards(self, key: str) -> int:
+        """How many records ``key``'s shares are split into (1: its own record)."""
+        return self.split.get(self.entry(key) or "", 1)
 
     def cover(self, head: str) -> bool:
         """A prefix pattern gives a limit to every key that starts with ``head``."""

@@ -27,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workerpool import constants as c
-from workerpool.slots.allocation import ShareAsk, ShareGrant, lease_shares
+from workerpool.slots.allocation import ShareAsk, ShareGrant
 from workerpool.slots.keys import Limits
+from workerpool.slots.sharding import Sharding
 from workerpool.slots.store import MIN_COME_BACK, SlotStore
 from workerpool.stores import StoreError
 from workerpool.worker.outcome import LAPSED_COME_BACK, LostLease
@@ -120,6 +121,8 @@ class ShareManager:
         # Lapse here this long before the record may: time for runs to see ctx.cancelled.
         self._margin = min(ttl / 6, 10.0)
         self._shares: dict[str, Share] = {}
+        # Which record each key's round writes (a split key's: this replica's shard).
+        self._sharding = Sharding(store, owner, limits, clock=clock)
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
         self._wake = threading.Event()
@@ -241,6 +244,9 @@ class ShareManager:
                 break
             try:
                 self.renew()
+                demand = {k: (s.granted, s.want) for k, s in self.shares().items()}
+                if self._sharding.keep_balanced(demand):
+                    self._wake.set()  # this replica's shard grew: its share may, now
             except Exception:  # not a StoreError (handled): a bug; keep going
                 log.exception("renewing the slot shares failed; trying again")
                 self.healthy = False
@@ -269,7 +275,7 @@ class ShareManager:
             return
         sent = self._clock()
         try:
-            grants = lease_shares(self._store, asks, self.ttl)
+            grants = self._sharding.lease(asks, self.ttl)
         except StoreError as exc:
             log.warning("slot shares of %d keys not renewed: %s", len(asks), exc)
             self.healthy = False

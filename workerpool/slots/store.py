@@ -78,6 +78,9 @@ class Table:
     # Replicas' shares of the key, by replica, where it is leased in bulk (``allocation``);
     # per-run holders and shares count against one limit.
     shares: dict[str, Share] = field(default_factory=dict)
+    part: int = 0  # a shard's record (``sharding``): its part of the key's limit,
+    part_token: int = 0  # and the key's token for that part;
+    rebalanced: float = 0.0  # a split key's own record: when it was last rebalanced
 
     def live(self, now: float) -> dict[str, Holding]:
         return {h: holding for h, holding in self.holders.items() if holding.until > now}
@@ -156,6 +159,9 @@ def encode(table: Table) -> dict[str, Any]:
             }
             for r, share in table.shares.items()
         ],
+        "part": table.part,
+        "part_token": table.part_token,
+        "rebalanced": table.rebalanced,
     }
 
 
@@ -182,6 +188,9 @@ def decode(data: dict[str, Any]) -> Table:
             )
             for e in data.get("shares", [])
         },
+        part=int(data.get("part", 0)),
+        part_token=int(data.get("part_token", 0)),
+        rebalanced=float(data.get("rebalanced", 0.0)),
     )
 
 

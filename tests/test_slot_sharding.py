@@ -1,0 +1,291 @@
+"""Bulk keys split into shards: the rebalance rule, and its steps through a store in one
+process (the in-memory store, checked after every write); worker processes on the emulator
+are in test_slot_shares_emulator.py."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from workerpool.slots import Limits, MemorySlots
+from workerpool.slots.allocation import ShareAsk, ShareGrant
+from workerpool.slots.sharding import Sharding, rebalance, shard_of, shard_record, spread
+from workerpool.slots.store import T, Table, TableMutation
+
+KEY = "partner-api"
+TTL = 60.0
+
+
+# --- the rule --------------------------------------------------------------------------------
+
+
+def test_a_rebalance_stays_within_the_limit_and_counts_a_shard_for_what_it_holds() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        limit = rng.randint(1, 60)
+        names = [f"#{i}" for i in range(rng.randint(1, 6))]
+        # Shards counting for parts that sum within the limit, each holding at most that.
+        cuts = sorted(rng.randint(0, limit) for _ in names[1:])
+        counted = {n: b - a for n, a, b in zip(names, [0, *cuts], [*cuts, limit], strict=True)}
+        held = {n: rng.randint(0, c) for n, c in counted.items()}
+        parts = {n: rng.randint(0, c) for n, c in counted.items()}
+        wants = {n: rng.randint(0, 40) for n in names}
+        new, counts = rebalance(limit, parts, held, wants)
+        assert sum(counts.values()) <= limit
+        targets = spread(limit, wants)
+        for n in names:
+            assert counts[n] >= max(held[n], new[n])  # never below what its shares hold
+            assert new[n] <= max(parts[n], targets[n])  # grows only toward its target
+            assert new[n] <= targets[n] or new[n] <= parts[n]
+
+
+def test_a_rebalance_is_max_min_fair_over_the_shards_wants() -> None:
+    # Given a key of 20 in 2 shards, 10 each, the second shard's shares holding nothing
+    parts, held = {"#0": 10, "#1": 10}, {"#0": 10, "#1": 0}
+    # When only the first shard wants slots
+    # Then it gets them all
+    assert rebalance(20, parts, held, {"#0": 32, "#1": 0}) == ({"#0": 20, "#1": 0},) * 2
+    # And while the second shard's shares hold 6, its part drops to 0 at once (its shares
+    # shrink to it), but it counts for the 6 they hold, which go out only once given back
+    assert rebalance(20, parts, {"#0": 10, "#1": 6}, {"#0": 32, "#1": 0}) == (
+        {"#0": 14, "#1": 0},
+        {"#0": 14, "#1": 6},
+    )
+    # And slots no shard wants are split evenly (new demand finds some at once)
+    assert spread(20, {"#0": 4, "#1": 0}) == {"#0": 12, "#1": 8}
+
+
+# --- the steps through a store ---------------------------------------------------------------
+
+
+class CheckedSlots(MemorySlots):
+    """The in-memory store, checking after every write that no shard's part, nor what its
+    shares hold, is above what the key's record counts for it, and the slots granted in all
+    the shards stay within the
+    limit; ``between`` runs once, before the store call ``after`` calls from now (a rebalance
+    in the middle of another's steps)."""
+
+    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
+        super().__init__(clock=clock)
+        self.limit = limit
+        self.between: Callable[[], None] | None = None
+        self.after = 0
+        self.peak = 0
+
+    def _mutate_many(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
+        self.after -= 1
+        if self.after == 0 and self.between is not None:
+            between, self.between = self.between, None
+            between()
+        results = super()._mutate_many(items)
+        self._check()
+        return results
+
+    def record(self, name: str) -> Table:
+        return self._tables[name]
+
+    def _check(self) -> None:
+        now = self._clock()
+        key = self._tables.get(KEY, Table())
+        parts = {name: share.granted for name, share in key.shares.items() if name[0] == "#"}
+        assert sum(parts.values()) <= self.limit
+        granted = 0
+        for name, table in self._tables.items():
+            if name.startswith(KEY + "#"):
+                counted = parts.get(name[len(KEY) :], 0)
+                held = table.shared(now)
+                assert table.part <= counted and held <= counted, (name, table, parts)
+                granted += held
+        self.peak = max(self.peak, granted)
+        assert granted <= self.limit
+
+
+def replicas_of(shard: int, count: int, many: int) -> list[str]:
+    return [r for r in (f"replica-{i}" for i in range(200)) if shard_of(r, count) == shard][:many]
+
+
+def round_of(sharding: Sharding, replica: str, keep: int, want: int, limit: int) -> int:
+    """One round of ``replica``: the slots its share holds now."""
+    return sharding.lease([ShareAsk(KEY, replica, limit, keep, want)], TTL)[0].granted
+
+
+def test_slots_move_between_shards_within_the_limit_under_overlapping_rebalances() -> None:
+    # Given a key of 20 in 3 shards, 9 replicas, rebalances due at every round (period 0),
+    # and some rebalances run in the middle of another's steps (a replica paused there)
+    rng = random.Random(5)
+    now = [1000.0]
+    store = CheckedSlots(20, clock=lambda: now[0])
+    limits = Limits({KEY: 20}, {KEY}, {KEY: 3})
+    names = [r for shard in range(3) for r in replicas_of(shard, 3, 3)]
+    replicas = {r: Sharding(store, r, limits, period=0.0, clock=lambda: now[0]) for r in names}
+    held = dict.fromkeys(names, 0)
+    wants = dict.fromkeys(names, 0)
+    hot_shard = [0]
+
+    def turn(replica: str) -> None:
+        """A round of ``replica``, its demand changed (one shard's hot, the others' light)."""
+        hot = shard_of(replica, 3) == hot_shard[0]
+        wants[replica] = rng.randint(8, 30) if hot else rng.randint(0, 2)
+        keep = min(held[replica], wants[replica])
+        held[replica] = round_of(replicas[replica], replica, keep, wants[replica], 20)
+
+    def interrupt() -> None:
+        """Another replica's round and rebalance, in a few store calls (maybe in the middle
+        of this one's, which may itself be interrupted so)."""
+        other = rng.choice(names)
+
+        def between() -> None:
+            turn(other)
+            if rng.random() < 0.5:
+                interrupt()
+            replicas[other].keep_balanced({KEY: (held[other], wants[other])})
+
+        store.between, store.after = between, rng.randint(1, 6)
+
+    for step in range(1500):
+        # When replicas' demands change, and a rebalance runs now and then, some of them
+        # while another is half way (after a round whose demand changed)
+        hot_shard[0] = step // 50 % 3
+        replica = rng.choice(names)
+        turn(replica)
+        if rng.random() < 0.3:
+            interrupt()
+            replicas[replica].keep_balanced({KEY: (held[replica], wants[replica])})
+        now[0] += 0.1
+    # Then (checked at every write) no shard's part was above the key's record's, and the
+    # slots granted over all shards never exceeded 20; and they reached 20
+    assert store.peak == 20
+
+
+class Pair:
+    """A key of ``limit`` in 2 shards, a replica writing each (``first`` shard 0, ``second``
+    shard 1), on a clock the test moves."""
+
+    def __init__(self, limit: int, period: float = 10.0) -> None:
+        self.period = period
+        self.now = 1000.0
+        self.store = CheckedSlots(limit, clock=lambda: self.now)
+        limits = Limits({KEY: limit}, {KEY}, {KEY: 2})
+        self.first, self.second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
+        self.sides = {
+            r: Sharding(self.store, r, limits, period=period, clock=lambda: self.now)
+            for r in (self.first, self.second)
+        }
+
+    def grant(self, replica: str, keep: int, want: int) -> ShareGrant:
+        """One round of ``replica``: what the record answers."""
+        ask = ShareAsk(KEY, replica, self.store.limit, keep, want)
+        return self.sides[replica].lease([ask], TTL)[0]
+
+    def round(self, replica: str, keep: int, want: int) -> int:
+        """One round of ``replica``: the slots its share holds now."""
+        return self.grant(replica, keep, want).granted
+
+    def balance(self, replica: str, held: int, want: int) -> bool:
+        return self.sides[replica].keep_balanced({KEY: (held, want)})
+
+    def alone(self, replica: str, want: int) -> int:
+        """``replica`` alone wants ``want``: the key's first rebalance splits it evenly, the
+        next, a fifth of a period on, follows the wants; what its share holds then."""
+        self.round(replica, 0, want)
+        assert self.balance(replica, 0, want)
+        half = self.round(replica, 0, want)
+        assert half == min(want, self.store.limit // 2)
+        self.now += self.period / 4
+        self.balance(replica, half, want)
+        return self.round(replica, half, want)
+
+
+def test_a_keys_first_rebalance_splits_it_evenly_whoever_asks_first() -> None:
+    # Given a key of 20 in 2 shards, and only the first shard's replica has written a round
+    key = Pair(20)
+    key.round(key.first, 0, 32)
+    # When it rebalances the key first
+    key.balance(key.first, 0, 32)
+    # Then each shard gets half: the other shard's replicas find slots at their first round
+    assert key.round(key.second, 0, 16) == 10
+    assert key.round(key.first, 0, 32) == 10
+
+
+def test_an_idle_shards_slots_reach_a_busy_one_at_the_next_rebalance() -> None:
+    # Given a key of 20 in 2 shards, a replica on each, both busy at first
+    key = Pair(20)
+    busy, idle = key.first, key.second
+    for r in (busy, idle):
+        key.round(r, 0, 16)
+    assert key.balance(busy, 0, 16)  # the first rebalance: 10 each
+    assert key.balance(idle, 0, 16) is False  # not due yet for another replica
+    assert [key.round(r, 0, 16) for r in (busy, idle)] == [10, 10]
+    # When the idle replica's runs end (it gives its share back), and a period passes
+    assert key.round(idle, 0, 0) == 0
+    key.now += 11.0  # a period, and the most a replica waits past it
+    # Then the next rebalance moves the idle shard's part to the busy one: all it wants, and
+    # half of the 4 slots nobody wants
+    assert key.balance(idle, 0, 0) is False  # its own shard did not grow
+    assert key.round(busy, 10, 16) == 16
+    assert key.store.record(shard_record(KEY, 0)).part == 18
+
+
+def test_a_shard_holding_more_than_its_fair_part_gives_the_rest_back_as_its_runs_end() -> None:
+    # Given a key of 20 in 2 shards, a replica on each, the first one alone at first: its
+    # shard got 18 of the 20 (all it wanted, and half the rest)
+    key = Pair(20)
+    assert key.alone(key.first, 16) == 16
+    assert key.round(key.first, 16, 18) == 18
+    # When the second replica wants 16 too, and a period passes
+    assert key.round(key.second, 0, 16) == 2
+    key.now += 11.0
+    key.balance(key.second, 2, 16)
+    # Then the first replica's target drops to 10: it keeps the 18 its runs use until they
+    # end, then gives back the 8 over its target; the next rebalance moves them
+    grant = key.grant(key.first, 18, 18)
+    assert (grant.granted, grant.target) == (18, 10)
+    assert key.round(key.first, 10, 18) == 10
+    key.now += 11.0
+    key.balance(key.first, 10, 18)
+    assert key.round(key.second, 2, 16) == 10
+
+
+def test_a_shard_whose_demand_came_after_a_rebalance_is_rebalanced_within_a_fifth_period() -> None:
+    # Given a key of 20 in 2 shards (a rebalance period of 10 s), the first shard's replica
+    # alone at first, holding all 20
+    key = Pair(20)
+    assert key.alone(key.first, 32) == 20
+    # When the second shard's replica wants 16 just after, with nothing
+    assert key.round(key.second, 0, 16) == 0
+    key.now += 2.5
+    # Then it need not wait a period: a rebalance 2.5 s later lowers the first shard's part
+    # (a replica holding what it wants asks no sooner than a period)
+    assert key.balance(key.first, 20, 20) is False
+    key.balance(key.second, 0, 16)
+    grant = key.grant(key.first, 20, 32)
+    assert (grant.granted, grant.target) == (20, 10)
+    # And once the first replica's runs gave back 10, the next one, 2.5 s later, moves them
+    assert key.round(key.first, 10, 32) == 10
+    key.now += 2.5
+    assert key.balance(key.second, 0, 16)
+    assert key.round(key.second, 0, 16) == 10
+
+
+def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_token() -> None:
+    # Given a key of 4 in 2 shards, and a replica of the first shard holding all 4 slots
+    key = Pair(4, period=1.0)
+    lapsing, taker = key.first, key.second
+    assert key.alone(lapsing, 4) == 4
+    old = key.store.record(shard_record(KEY, 0)).shares[lapsing].token
+    # When its share lapses (the replica stopped past the TTL) and the other shard wants them
+    key.now += TTL + 1
+    key.round(taker, 0, 4)
+    key.balance(taker, 0, 4)
+    # Then the other shard's replica gets the 4 slots with a higher fencing token
+    grant = key.grant(taker, 0, 4)
+    assert grant.granted == 4
+    assert grant.token > old
+
+
+def test_one_shard_is_the_keys_own_record_as_before() -> None:
+    store = MemorySlots()
+    sharding = Sharding(store, "replica-1", Limits({KEY: 5}, {KEY}), period=0.0)
+    assert round_of(sharding, "replica-1", 0, 3, 5) == 3
+    assert sharding.keep_balanced({KEY: (3, 3)}) is False
+    assert store.keys("") == [KEY]

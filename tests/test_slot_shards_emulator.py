@@ -1,0 +1,192 @@
+"""Bulk keys whose record is split into shards (``"20/bulk/2"``), shown with real worker
+processes on the Pub/Sub emulator sharing an SQLite store that counts its writes by record:
+the fleet runs at the key's limit with each shard's record written by its replicas only, and
+a shard's idle slots reach a busy shard within a rebalance period or two."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from tests.support import (
+    WorkerProcess,
+    count_slot_writes,
+    ledger_events,
+    overlap,
+    run_to_the_end,
+    shared_store,
+    slot_writes,
+    start_bulk_workers,
+    subscriptions_of_their_own,
+    worker_processes,
+)
+from workerpool import constants as c
+from workerpool.slots.sharding import EARLY
+from workerpool.testing.pubsub import PubSubResources
+
+LIMIT = 20
+SHARDS = 2
+KEY = "demo-slots"
+
+
+def shard_of(worker: WorkerProcess) -> int:
+    """The shard the worker writes, as it logs at start."""
+    found = re.search(r"writes shard (\d+) of", worker.output())
+    assert found, worker.output()[-2000:]
+    return int(found[1])
+
+
+def two_on_each_shard(
+    workers: list[WorkerProcess],
+    envs: list[PubSubResources],
+    ledger: Path,
+    store: str,
+    extra_env: dict[str, str],
+) -> dict[int, list[WorkerProcess]]:
+    """4 workers, started on ``envs``, two of them writing each shard: a replica's shard is a
+    hash of its id, random per process, so a worker on a shard that has two already is
+    stopped (before it takes any slot) and started again."""
+    start_bulk_workers(workers, envs, ledger, LIMIT, store, extra_env, shards=SHARDS)
+    for _ in range(20):
+        on = Counter(shard_of(w) for w in workers)
+        extra = next((w for w in workers if on[shard_of(w)] > len(workers) // SHARDS), None)
+        if extra is None:
+            break
+        env = envs[workers.index(extra)]
+        extra.kill()
+        extra.wait(10)
+        at = workers.index(extra)
+        workers.remove(extra)
+        start_bulk_workers(workers, [env], ledger, LIMIT, store, extra_env, shards=SHARDS)
+        workers.insert(at, workers.pop())  # the worker on envs[at] stays at its place
+    by_shard: dict[int, list[WorkerProcess]] = {}
+    for worker in workers:
+        by_shard.setdefault(shard_of(worker), []).append(worker)
+    assert sorted(len(ws) for ws in by_shard.values()) == [2, 2], by_shard
+    return by_shard
+
+
+# (jobs, seconds each) by store, as for one record (test_slot_shares_emulator.py): on
+# Firestore every job's claim and completion are writes too.
+WORK = {"sqlite": (4000, 0.1), "firestore": (800, 0.5)}
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("kind", ["sqlite", "firestore"])
+def test_a_key_in_two_shards_runs_at_its_limit_with_fewer_writes_per_document(
+    kind: str, pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 4 worker processes (N = 16) sharing a subscription and a store (SQLite: counting
+    # its writes), a key of 20 slots leased in bulk in 2 shards, two workers on each
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store(kind, request, tmp_path, warm=True)
+    db = tmp_path / "fleet.db"  # (shared_store's SQLite file)
+    if kind == "sqlite":
+        count_slot_writes(db)
+    count, seconds = WORK[kind]
+    jobs = [(f"fast-{i}", {"seconds": seconds}) for i in range(count)]
+    with worker_processes() as workers:
+        two_on_each_shard(workers, [pubsub_resources] * 4, ledger, store, extra_env)
+        # When 4,000 jobs of 100 ms (800 of 0.5 s) that take a slot of the key are published
+        pubsub_resources.publish_many("demo.slot_sleep", jobs)
+        codes = run_to_the_end(workers, ledger, count, timeout=150)
+    done = ledger_events(ledger, "done")
+    runs = [(r["start"], r["end"]) for r in done]
+    first_start = min(start for start, _ in runs)
+    backlog_until = max(start for start, _ in runs)  # from then on nothing waits for a slot
+    backlog = backlog_until - first_start
+    peak, busy = overlap(runs, until=backlog_until)
+    written = Counter(
+        key
+        for key, at in (slot_writes(db) if kind == "sqlite" else [])
+        if first_start <= at <= backlog_until
+    )
+    shards = {key: n / backlog for key, n in written.items() if key.startswith(KEY + "#")}
+    one_record = sum(shards.values())  # every round, were they all written to one record
+    per_worker = Counter(r["pid"] for r in done)
+    print(
+        f"{kind}: peak {peak} running, {busy / LIMIT:.3f} of {LIMIT} slots busy over "
+        f"{backlog:.1f}s of backlog ({count / backlog:.0f} runs/s); writes a second: "
+        f"{ {k: round(v, 2) for k, v in sorted(shards.items())} }, the key's own record "
+        f"{written[KEY] / backlog:.2f}; per worker {sorted(per_worker.values())}"
+    )
+    # Then never more than 20 ran at once across the fleet (the jobs' own ledger), and the 20
+    # were reached; the slots were kept busy while the backlog lasted; (SQLite) each shard's
+    # record was written by its own replicas, well under what one record takes (all the
+    # rounds), and the key's own record twice a rebalance at most, rebalanced early at most 5
+    # times a period (while a shard is behind its fair part); every job ran once
+    assert peak == LIMIT
+    assert busy / LIMIT >= 0.85
+    if kind == "sqlite":
+        assert len(shards) == SHARDS
+        assert max(shards.values()) <= 0.7 * one_record
+        assert written[KEY] / backlog <= 2 * EARLY / c.SLOT_SHARD_REBALANCE
+    assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
+    assert len(per_worker) == 4
+    assert codes == [0, 0, 0, 0]
+
+
+def running_at(runs: list[tuple[float, float]], at: float) -> int:
+    return sum(1 for start, end in runs if start <= at < end)
+
+
+@pytest.mark.alone
+def test_an_idle_shards_slots_reach_the_busy_shard_within_a_rebalance_period_or_two(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 4 worker processes (N = 16), each on a subscription of its own, sharing a key of
+    # 20 slots in 2 shards, two workers on each
+    with ExitStack() as stack:
+        subs = subscriptions_of_their_own(stack, pubsub_resources, 4)
+        ledger = tmp_path / "ledger.jsonl"
+        store, extra_env = shared_store("sqlite", request, tmp_path)
+        workers = stack.enter_context(worker_processes())
+        by_shard = two_on_each_shard(workers, subs, ledger, store, extra_env)
+        hot = by_shard[0]
+        # When the workers of one shard get 500 jobs of 0.5 s each, those of the other 100
+        # each (so at first both shards are busy, each with its half of the slots)
+        published = {}
+        for worker in workers:
+            sub = subs[workers.index(worker)]
+            many = 500 if worker in hot else 100
+            jobs = [(f"{worker.pid}-{i}", {"seconds": 0.5}) for i in range(many)]
+            sub.publish_many("demo.slot_sleep", jobs)
+            published[worker.pid] = many
+        codes = run_to_the_end(workers, ledger, sum(published.values()), timeout=150)
+    done = ledger_events(ledger, "done")
+    hot_pids = {w.pid for w in hot}
+    hot_runs = [(r["start"], r["end"]) for r in done if r["pid"] in hot_pids]
+    cold_runs = [(r["start"], r["end"]) for r in done if r["pid"] not in hot_pids]
+    cold_over = max(end for _, end in cold_runs)  # the idle shard's last run ended
+    backlog_until = max(start for start, _ in hot_runs)
+    # When the busy shard's workers first ran the key's 20 at once, after the idle ones' end
+    full = min(
+        (start for start, _ in hot_runs
+         if start >= cold_over and running_at(hot_runs, start + 1e-6) == LIMIT),
+        default=float("inf"),
+    )  # fmt: skip
+    peak, _ = overlap([(r["start"], r["end"]) for r in done])
+    after = [(s, e) for s, e in hot_runs if s >= full]
+    _, busy_after = overlap(after, until=backlog_until) if after else (0, 0.0)
+    both_busy = cold_over - min(s for s, _ in hot_runs)
+    print(
+        f"idle shard's last run ended {both_busy:.1f}s in; the "
+        f"busy shard ran 20 at once {full - cold_over:.1f}s later, then {busy_after / LIMIT:.3f}"
+        f" of the 20 busy until its backlog ran out ({backlog_until - full:.1f}s); peak {peak}"
+    )
+    # Then both shards ran at first; the busy shard's workers ran the key's 20 slots within
+    # two rebalance periods of the other shard's end (its slots moved), and kept them busy;
+    # never more than 20 ran at once; every job ran once
+    assert both_busy > 0
+    assert full - cold_over <= 2 * c.SLOT_SHARD_REBALANCE
+    assert busy_after / LIMIT >= 0.85
+    assert peak == LIMIT
+    assert Counter(r["job_id"] for r in done) == Counter(
+        {f"{pid}-{i}": 1 for pid, many in published.items() for i in range(many)}
+    )
+    assert codes == [0, 0, 0, 0]
