@@ -217,18 +217,17 @@ class Periodics(Middleware):
     def _blocked(self, schedule: Periodic, tick: float) -> str | None:
         """Unless overlap is "allow": "runs" if the run of the last tick before ``tick`` has
         not ended, "waits" if that tick waits for the one before it to end (overlap
-        "buffer_one"); None if the tick may fire."""
+        "buffer_one", or a schedule changed from it); None if the tick may fire."""
         if schedule.overlap == "allow" or self.run_state is None:
             return None
         previous = self._marks.last_run(schedule.name, tick)
         if previous is None:
             return None
-        if self._runs(schedule, previous):
-            return "runs"
-        waiting = Mark(schedule.name, previous.tick, BUFFERED)
-        if schedule.overlap == "buffer_one" and waiting in self._marks.unpublished(REQUESTED):
+        # Decided on this one read of the previous mark: another worker may publish a waiting
+        # tick a moment later, and a second read would miss both its wait and its run.
+        if previous.marked_at == BUFFERED:
             return "waits"
-        return None
+        return "runs" if self._runs(schedule, previous) else None
 
     def _runs(self, schedule: Periodic, previous: Mark) -> bool:
         """Whether the run of the tick ``previous`` has not ended: claimed and not completed
@@ -245,11 +244,10 @@ class Periodics(Middleware):
         return queued and self._clock() - previous.marked_at < schedule.overlap_unclaimed
 
     def _still_blocked(self, schedule: Periodic, mark: Mark) -> bool:
-        """Whether a tick waiting for the previous run (overlap "buffer_one") still waits."""
-        if mark.marked_at != BUFFERED or self.run_state is None:
-            return False
-        previous = self._marks.last_run(schedule.name, mark.tick)
-        return previous is not None and self._runs(schedule, previous)
+        """Whether a tick waiting for the previous run (overlap "buffer_one") still waits:
+        that run has not ended, or that tick waits too (two wait when a tick was marked while
+        the one before it was being set waiting), whichever order the workers look in."""
+        return mark.marked_at == BUFFERED and self._blocked(schedule, mark.tick) is not None
 
     def _take_over(self, now: float) -> None:
         taken: list[tuple[Due, bool]] = []
