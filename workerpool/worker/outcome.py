@@ -141,7 +141,9 @@ Outcome = (
 )
 
 
-@dataclass(frozen=True)
+# Not frozen: one is made per message, and a frozen dataclass's __init__ costs more than three
+# times as much (0.85 against 0.25 us for six fields, measured). Nothing changes it once made.
+@dataclass(slots=True)
 class Facts:
     """What the decision needs besides the outcome."""
 
