@@ -38,6 +38,23 @@ COMPLETE = (
 
 
 @functools.cache
+def complete_sql(rows: int) -> str:
+    """``COMPLETE`` for ``rows`` job ids in one statement: parameters ``now, retention``, then
+    ``job_id, owner, message_id`` per row. Rows of one job id apply in order, as ``COMPLETE``
+    one after another would: the first completion stays."""
+    values = ", ".join(
+        f"(?{3 + 3 * i}, ?{4 + 3 * i}, ?{5 + 3 * i}, ?1, ?1, ?1 + ?2, 0, 0)" for i in range(rows)
+    )
+    return (
+        f"INSERT INTO idempotency VALUES {values}"
+        " ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner,"
+        " message_id = excluded.message_id, until = excluded.until,"
+        " completed_at = excluded.completed_at, expire_at = excluded.expire_at"
+        " WHERE NOT (completed_at IS NOT NULL AND completed_at + ?2 > ?1)"
+    )
+
+
+@functools.cache
 def claim_sql(rows: int) -> str:
     """Claim ``rows`` job ids: parameters ``now, retention``, then ``job_id, owner,
     message_id, until`` per row; returns ``job_id, failures, token`` of each claim won. The WHERE
