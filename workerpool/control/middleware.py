@@ -88,12 +88,15 @@ class Cancels:
 
     def settled(self, job_id: str) -> None:
         with self._lock:
-            self._held[job_id] -= 1
-            if self._held[job_id] <= 0:
-                del self._held[job_id]
-                if job_id not in self._running:
-                    self._known.pop(job_id, None)
-                    self._read_at.pop(job_id, None)
+            # A dict's own get and pop: a Counter's ``-=`` and ``del`` are Python methods.
+            count = self._held.get(job_id, 0) - 1
+            if count > 0:
+                self._held[job_id] = count
+                return
+            self._held.pop(job_id, None)
+            if job_id not in self._running:
+                self._known.pop(job_id, None)
+                self._read_at.pop(job_id, None)
 
     def known(self, job_id: str) -> Cancel | None:
         return self._known.get(job_id)
@@ -102,28 +105,38 @@ class Cancels:
         """The run's job id's cancel, read at most ``SEEN_WITHIN`` before this call; else
         the run is watched until ``end``."""
         job_id = run.job.job_id
-        with self._lock:
+        with self._lock:  # once, when a read recent enough has looked it up (most runs)
             read_at = self._read_at.get(job_id)
-        if read_at is None or self._monotonic() - read_at > SEEN_WITHIN:
-            self._read_fresh(job_id)
+            if read_at is not None and self._monotonic() - read_at <= SEEN_WITHIN:
+                return self._watch(job_id, run)
+        self._read_fresh(job_id)
         with self._lock:
-            cancel = self._known.get(job_id)
-            if cancel is None:
-                self._running.setdefault(job_id, set()).add(run)
-            return cancel
+            return self._watch(job_id, run)
+
+    def _watch(self, job_id: str, run: Run) -> Cancel | None:
+        """(Under the lock.) The job id's cancel, or None, and then ``run`` is watched."""
+        cancel = self._known.get(job_id)
+        if cancel is None:
+            runs = self._running.get(job_id)
+            if runs is None:
+                self._running[job_id] = {run}
+            else:
+                runs.add(run)
+        return cancel
 
     def end(self, run: Run) -> Cancel | None:
         """The run's end: the cancel it was stopped for, if it was."""
         job_id = run.job.job_id
         with self._lock:
-            runs = self._running.get(job_id, set())
-            runs.discard(run)
+            runs = self._running.get(job_id)
+            if runs is not None:
+                runs.discard(run)
             if not runs:
                 self._running.pop(job_id, None)
                 if job_id not in self._held:  # settled while it ran (handed back, say)
                     self._known.pop(job_id, None)
                     self._read_at.pop(job_id, None)
-            return self._stopped.pop(run, None)
+            return self._stopped.pop(run, None) if self._stopped else None
 
     def _read_fresh(self, job_id: str) -> None:
         """Return once a read of the store that began after this call, and looked ``job_id``
@@ -172,9 +185,12 @@ class Cancels:
             self._failing = False
         stopping: list[tuple[Run, Cancel]] = []
         with self._lock:
+            held, running, read_at = self._held, self._running, self._read_at
             for job_id in job_ids:
-                if job_id in self._held or job_id in self._running:
-                    self._read_at[job_id] = max(began, self._read_at.get(job_id, began))
+                if job_id in held or job_id in running:
+                    last = read_at.get(job_id)
+                    if last is None or last < began:
+                        read_at[job_id] = began
             for job_id, cancel in found.items():
                 if job_id not in self._held and job_id not in self._running:
                     continue  # settled meanwhile

@@ -27,9 +27,9 @@ from workerpool.context import Flag
 from workerpool.idempotency.base import IdempotencyStore, StoreError, StoreUnavailable
 from workerpool.worker.outcome import (
     LAPSED_COME_BACK,
+    SUCCEEDED,
     LostLease,
     Outcome,
-    Succeeded,
     Unavailable,
 )
 
@@ -174,7 +174,7 @@ class Completions(Generic[L]):
         except StoreError as exc:  # not going to get better by waiting
             self._not_recorded(pending, exc)
         else:
-            self._answer(pending, Succeeded())
+            self._answer(pending, SUCCEEDED)
         return None
 
     def _still_waiting(

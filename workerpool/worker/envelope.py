@@ -23,7 +23,9 @@ from workerpool.worker.text import truncate_utf8
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+# Not frozen: one is made per message, and a frozen dataclass's __init__ costs several times
+# as much (see ``outcome.Facts``). Nothing changes it once made.
+@dataclass(slots=True)
 class Job:
     spec: JobSpec
     job_id: str

@@ -141,7 +141,9 @@ Outcome = (
 )
 
 
-@dataclass(frozen=True)
+# Not frozen: one is made per message, and a frozen dataclass's __init__ costs more than three
+# times as much (0.85 against 0.25 us for six fields, measured). Nothing changes it once made.
+@dataclass(slots=True)
 class Facts:
     """What the decision needs besides the outcome."""
 
@@ -191,6 +193,10 @@ class Renew:
 
 
 Action = Ack | Nack | DeadLetter | Renew
+# What most messages end with, made once: a frozen dataclass costs 0.4-1 us to make (measured),
+# and these never change.
+SUCCEEDED = Succeeded()
+_ACK_DONE = Ack(Label.DONE)
 
 
 # One branch per row of the design page's decide table (docs/design.md), side by side on
@@ -199,7 +205,7 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
     match outcome:
         case Succeeded():
             # Completion is recorded by the idempotency middleware before we get here.
-            return Ack(Label.DONE)
+            return _ACK_DONE
         case Failed(error_type, error_message) if facts.attempt >= facts.max_attempts:
             # Last attempt: keep the reason, stop redelivering.
             return DeadLetter(

@@ -38,6 +38,7 @@ from workerpool.worker.interfaces import Acks, FailureRecords, Leases
 from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import (
     LAPSED_COME_BACK,
+    SUCCEEDED,
     CopyForAnother,
     Deferred,
     Failed,
@@ -238,7 +239,7 @@ class Processor:
             resume(lambda: context.run(self._end, run, steps, outcome, left))
 
         def finished(error: BaseException | None) -> None:
-            end(Succeeded() if error is None else _failure(run.job, run.ctx, error))
+            end(SUCCEEDED if error is None else _failure(run.job, run.ctx, error))
 
         def start(granted: bool) -> None:
             # On whichever thread granted the permit: the loop's own, when a task ended.
@@ -416,7 +417,7 @@ def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
     try:
         if job.spec.is_async:
             loop.run(job.spec.handler, ctx, job.payload)
-            return Succeeded()
+            return SUCCEEDED
         result = job.spec.handler(ctx, job.payload)
     except BaseException as exc:
         return _failure(job, ctx, exc)
@@ -432,7 +433,7 @@ def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
             f"handler returned {type(result).__name__} instead of running: declare it with "
             "async def, so the worker awaits it",
         )
-    return Succeeded()
+    return SUCCEEDED
 
 
 def _failure(job: Job, ctx: RunContext, exc: BaseException) -> Outcome:

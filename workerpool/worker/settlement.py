@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 _ACK_CONFIRM_TIMEOUT = 60.0
 
 
-@dataclass(frozen=True)
+# Not frozen, as ``Facts``: one or two are made per message.
+@dataclass(slots=True)
 class Subject:
     """What a failure record, the logs and the decision say a message was."""
 
