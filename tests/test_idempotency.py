@@ -681,3 +681,30 @@ def test_sqlite_claims_queued_while_a_failed_run_is_counted_are_committed(
         assert not claiming.is_alive()
         assert [type(c) for c in claimed] == [Claimed, Claimed]
         store._conn = held._conn
+
+
+@pytest.mark.parametrize(
+    "claims", [[("a", "m-a")], [("a", "m-a"), ("b", "m-b")]], ids=["one", "a_pull"]
+)
+def test_sqlite_a_claim_lost_to_a_record_swept_before_it_is_read_is_claimed_after_all(
+    tmp_path: Path, clock: FakeClock, claims: list[tuple[str, str]]
+) -> None:
+    # Given job id "a" held elsewhere, and a claim of it whose lost record is swept (its
+    # retention over) between the claim's statement and the read of who holds it: a lone
+    # caller's claims run in autocommit, not in one transaction
+    path = tmp_path / "idem.db"
+    with SqliteStore(path, retention=RETENTION, clock=clock) as store:
+        assert store.claim("a", "elsewhere", "m-0", TTL) == Claimed()
+        read = store._records
+
+        def swept_then_read(job_ids: list[str]) -> dict[str, Any]:
+            with contextlib.closing(sqlite3.connect(path)) as sweeper, sweeper:
+                sweeper.execute("DELETE FROM idempotency WHERE job_id = 'a'")
+            return read(job_ids)
+
+        store._records = swept_then_read  # type: ignore[method-assign]
+        # When the claims are made, Then each is won: the swept record is claimed after all
+        # (not a KeyError, nor "held" by a record that is gone)
+        assert store.claim_many(claims, "w", TTL) == [Claimed()] * len(claims)
+        store._records = read  # type: ignore[method-assign]
+        assert isinstance(store.claim("a", "w2", "m-9", TTL), HeldElsewhere)
