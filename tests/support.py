@@ -339,16 +339,17 @@ def start_bulk_workers(
     limit: int,
     store: str,
     extra_env: dict[str, str],
+    *args: str,
 ) -> None:
     """A worker process (N = 16) on each of ``envs`` running workerpool_jobs.demo_slots with
-    its key "demo-slots" of ``limit`` slots leased in bulk, added to ``workers``; returns when
-    all are ready."""
+    its key "demo-slots" of ``limit`` slots leased in bulk (and ``args``, more options),
+    added to ``workers``; returns when all are ready."""
     for env in envs:
         workers.append(
             spawn_worker(
                 env, ledger, "--jobs", "workerpool_jobs.demo_slots",
                 "--concurrency", f"demo-slots={limit}/bulk", "--concurrency", "tenant:*=1",
-                "--max-outstanding", "16", store=store, extra_env=extra_env,
+                "--max-outstanding", "16", *args, store=store, extra_env=extra_env,
             )
         )  # fmt: skip
     ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
