@@ -235,3 +235,44 @@ def test_runs_waiting_with_their_permits_take_slots_those_without_cannot_use_yet
     assert wait_for(lambda: len(ran) == 4, timeout=10)
     assert ran[0].startswith("held") and sorted(ran) == ["held-1", "held-2", "parked-1", "parked-2"]
     manager.close(5)
+
+
+def test_a_share_rounds_twice_a_period_while_slots_may_move(
+    store: MemorySlots, timers: Timers
+) -> None:
+    # Given replica a whose 3 runs hold all 3 slots its share has of a key of 5, b holding
+    # the other 2 and its runs wanting no more
+    _round(store, "b", 0, 2)
+    a = _manager(store, timers, "a")
+    taken: list[ShareUse] = []
+    _take_on_threads(a, 3, taken)
+    assert wait_for(lambda: a.shares()[KEY].want == 3, timeout=5)
+    a.renew()
+    assert wait_for(lambda: len(taken) == 3, timeout=5)
+    # Then nothing is to move: its next round is a period on
+    assert a.next_round() == PERIOD
+    # When a newcomer's runs want slots (a's share is to shrink for it, though a does not
+    # know it until its next round reads the record), a learns of it at a round
+    _round(store, "c", 0, 4)
+    a.renew()
+    # Then while they wait a rounds twice a period: a share whose round came just before
+    # the newcomer's first ask does not keep its larger share a whole period while the
+    # others shrink
+    assert a.shares()[KEY].contended
+    assert a.next_round() == PERIOD / 2
+    # When the newcomer is gone again, and a's runs want more than its share holds (and b
+    # then gives its slots back)
+    _round(store, "c", 0, 0)
+    a.renew()
+    _take_on_threads(a, 1, taken)
+    assert wait_for(lambda: a.shares()[KEY].want == 4, timeout=5)
+    # Then it rounds twice a period too: it regrows within half a period of slots freeing,
+    # though its room at its last round had no slot for them
+    assert not a.shares()[KEY].contended
+    assert a.next_round() == PERIOD / 2
+    _round(store, "b", 0, 0)
+    a.renew()
+    assert wait_for(lambda: len(taken) == 4, timeout=5)
+    for use in taken:
+        a.give(use)
+    a.close(5)

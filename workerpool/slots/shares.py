@@ -121,6 +121,13 @@ class Share:
         return self.granted < min(self.room, self.want)
 
     @property
+    def unsettled(self) -> bool:
+        """Slots may move to or from it: its runs want more than it holds, or another
+        replica's runs wait for slots (one of which may be the newcomer its share is to
+        shrink for)."""
+        return self.contended or self.want > self.granted
+
+    @property
     def idle(self) -> bool:
         """It holds slots its runs do not use while another replica's runs wait for some."""
         return self.contended and self.want < self.cap
@@ -272,7 +279,7 @@ class ShareManager:
 
     def _keep(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._period / 2 if self._owed() else self._period)
+            self._wake.wait(self.next_round())
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -284,12 +291,16 @@ class ShareManager:
             # Rounds asked for early (a new key, slots given back) come no closer than this.
             self._stop.wait(self._period / 4)
 
-    def _owed(self) -> bool:
-        """Whether a share is below its fair target while its runs wait: slots given back
-        elsewhere reach it at its next round, so it comes sooner (twice a period, only
-        while a rebalance is under way)."""
+    def next_round(self) -> float:
+        """Seconds until the next round: half a period while slots may move to or from a
+        share (such a round is mostly a read of the record, a write only where a share or a
+        target moves). A share learns of others' wants only at its own rounds: one whose
+        round came just before a newcomer's first ask kept its larger share a whole period
+        while the others shrank for it, and one that shrank for it regrew only a period
+        after the newcomer left."""
         with self._cond:
-            return any(s.owed for s in self._shares.values())
+            unsettled = any(s.unsettled for s in self._shares.values())
+        return self._period / 2 if unsettled else self._period
 
     def renew(self, *, closing: bool = False) -> None:
         """One store call for every share: renew it, grow it toward its target, give back
