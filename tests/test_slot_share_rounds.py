@@ -88,6 +88,25 @@ def test_a_round_that_changes_nothing_another_replica_sees_writes_nothing() -> N
     assert store.writes == writes + 3
 
 
+def test_a_remainder_slot_stays_with_its_holder_as_the_replicas_wants_cross() -> None:
+    # Given two replicas that split a key of 5 as 3 and 2, both wanting more than it, a
+    # holding the slot over the equal split
+    store = _CountedSlots()
+    assert _round(store, "a", 0, 3)[0] == 3
+    assert _round(store, "b", 0, 4)[:2] == (2, 2)
+    writes = store.writes
+    # When a's runs come to want more than b's (5 against 4), and b asks again
+    store.now += 1
+    a = _round(store, "a", 3, 5)
+    b = _round(store, "b", 2, 4)
+    # Then the slot stays with a: neither's target moved, and the record was not written
+    # (the remainder went to the smaller want: a's target fell to 2 and b's rose to 3, a
+    # write, and the slot moved, another; and a round deciding from a want the record had
+    # not seen yet could give the slot to neither)
+    assert (a[:2], b[:2]) == ((3, 3), (2, 2))
+    assert store.writes == writes
+
+
 def test_a_replica_whose_runs_wanted_nothing_is_told_the_room_it_has() -> None:
     # Given a key of 5, replica a holding 2 for its 2 runs, and replica b whose runs of the
     # key all ended (it gives its share back)

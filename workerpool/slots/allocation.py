@@ -21,14 +21,23 @@ from dataclasses import dataclass, replace
 from workerpool.slots.store import Share, SlotStore, Table, TableMutation
 
 
-def fair(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
+def fair(
+    limit: int, wants: Mapping[str, int], held: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Max-min fair targets for ``wants`` (by replica) out of ``limit`` slots: the smallest
     wants are met in full while an equal split allows; the rest split what is left, the
-    remainder a slot each to the first by (want, name), a want above ``limit`` counted as
-    ``limit`` (no share could meet it: as two such wants cross, a slot would move from one
-    replica to the other and back, a write each way, for no fairer a split). They never sum
-    above ``limit``."""
+    remainder a slot each first to those that hold more than the split already (``held``,
+    by replica), then by (want, name), a want above ``limit`` counted as ``limit``. They
+    never sum above ``limit``.
+
+    The remainder stays where it is held: busy replicas' wants cross as their runs come and
+    go, and a remainder following them moved a slot from one replica to another and back, a
+    write of the record each way, for no fairer a split; and each replica decides its own
+    target from the others' wants as last written, so two replicas could each give the
+    remainder to the other and leave the slot unheld. What each holds is in the record as
+    of every change, so they agree on it."""
     targets: dict[str, int] = {}
+    held = held or {}
     left = max(0, limit)
     order = sorted(wants, key=lambda r: (min(wants[r], limit), r))
     for i, replica in enumerate(order):
@@ -38,8 +47,9 @@ def fair(limit: int, wants: Mapping[str, int]) -> dict[str, int]:
             left -= targets[replica]
             continue
         # Every replica from here wants more than an equal split: they all get it.
-        for j, rest in enumerate(order[i:]):
-            targets[rest] = share + (1 if j < extra else 0)
+        rest = sorted(order[i:], key=lambda r: held.get(r, 0) <= share)  # (a stable sort)
+        for j, other in enumerate(rest):
+            targets[other] = share + (1 if j < extra else 0)
         break
     return targets
 
@@ -89,12 +99,14 @@ def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
         keep = 0 if mine is None else min(ask.keep, mine.granted)
         free = ask.limit - len(table.live(now))
         wants = {r: s.want for r, s in shares.items()}
-        # (Wanting more than anyone, it is the last to get a remainder: its least part.)
+        held = {r: s.granted for r, s in shares.items()}
+        held[ask.replica] = keep
+        # (Wanting more than anyone, it is the last to get a remainder it does not hold.)
         more = max([ask.limit, ask.want, *wants.values()]) + 1
-        room = fair(free, {**wants, ask.replica: more})[ask.replica]
+        room = fair(free, {**wants, ask.replica: more}, held)[ask.replica]
         # Others wait: replicas' runs for more than their shares, or per-run holders.
         contended = bool(table.line(now)) or any(s.want > s.granted for s in shares.values())
-        target = fair(free, {**wants, ask.replica: max(ask.want, keep)})[ask.replica]
+        target = fair(free, {**wants, ask.replica: max(ask.want, keep)}, held)[ask.replica]
         others = ask.limit - free + sum(s.granted for s in shares.values())
         granted = grow_to(ask.limit, others, keep, target)
         lapsed = mine is None and ask.keep > 0
@@ -102,7 +114,7 @@ def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
             mine is not None
             and granted == mine.granted
             and mine.until - now > ttl / 2
-            and not _moves_others(free, wants, ask.replica, mine.want, ask.want)
+            and not _moves_others(free, wants, held, ask.replica, (mine.want, ask.want))
         ):  # nobody's round would decide otherwise: no write
             left = mine.until - now
             return ShareGrant(granted, target, room, mine.token, left, contended), None
@@ -119,11 +131,18 @@ def share_mutation(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
     return mutation
 
 
-def _moves_others(free: int, wants: Mapping[str, int], replica: str, was: int, now: int) -> bool:
-    """Whether ``replica``'s want going from ``was`` to ``now`` moves another's fair target
-    (its own is its ``room``, whatever it wants)."""
-    before = fair(free, {**wants, replica: was})
-    after = fair(free, {**wants, replica: now})
+def _moves_others(
+    free: int,
+    wants: Mapping[str, int],
+    held: Mapping[str, int],
+    replica: str,
+    change: tuple[int, int],
+) -> bool:
+    """Whether ``replica``'s want going from one to the other of ``change`` moves another's
+    fair target (its own is its ``room``, whatever it wants)."""
+    was, now = change
+    before = fair(free, {**wants, replica: was}, held)
+    after = fair(free, {**wants, replica: now}, held)
     return any(before[r] != after[r] for r in wants)
 
 
