@@ -147,6 +147,20 @@ def _take_on_threads(manager: ShareManager, count: int, taken: list[ShareUse]) -
         threading.Thread(target=take, args=(i,), daemon=True).start()
 
 
+def _running(
+    store: MemorySlots, timers: Timers, name: str, count: int
+) -> tuple[ShareManager, list[ShareUse]]:
+    """``name``'s manager (not started) with ``count`` runs of KEY in its share, after a
+    round."""
+    manager = _manager(store, timers, name)
+    taken: list[ShareUse] = []
+    _take_on_threads(manager, count, taken)
+    assert wait_for(lambda: manager.shares()[KEY].want == count, timeout=5)
+    manager.renew()
+    assert wait_for(lambda: len(taken) == count, timeout=5)
+    return manager, taken
+
+
 def test_a_share_asks_again_at_once_when_more_runs_come_than_its_first_ask_saw(
     store: MemorySlots, timers: Timers
 ) -> None:
@@ -200,12 +214,7 @@ def test_a_run_coming_after_its_share_was_given_back_is_not_turned_away(
     # Given replica a holding 2 of the key's 5, and replica b whose one run of the key ended
     # and whose share went back at its next round
     _round(store, "a", 0, 2)
-    b = _manager(store, timers, "b")
-    first: list[ShareUse] = []
-    _take_on_threads(b, 1, first)
-    assert wait_for(lambda: b.shares()[KEY].want == 1, timeout=5)
-    b.renew()
-    assert wait_for(lambda: len(first) == 1, timeout=5)
+    b, first = _running(store, timers, "b", 1)
     b.give(first[0])
     b.renew()
     # When a run of the key comes to b while its pool has no room to wait without its permit
@@ -261,13 +270,8 @@ def test_a_share_rounds_twice_a_period_while_slots_may_move(
 ) -> None:
     # Given replica a whose 3 runs hold all 3 slots its share has of a key of 5, b holding
     # the other 2 and its runs wanting no more
+    a, taken = _running(store, timers, "a", 3)
     _round(store, "b", 0, 2)
-    a = _manager(store, timers, "a")
-    taken: list[ShareUse] = []
-    _take_on_threads(a, 3, taken)
-    assert wait_for(lambda: a.shares()[KEY].want == 3, timeout=5)
-    a.renew()
-    assert wait_for(lambda: len(taken) == 3, timeout=5)
     # Then nothing is to move: its next round is a period on
     assert a.next_round() == PERIOD
     # When a newcomer's runs want slots (a's share is to shrink for it, though a does not

@@ -92,7 +92,7 @@ def test_per_tenant_bulk_keys_hold_each_tenant_to_its_limit_with_few_writes_each
     )
     # Then each tenant ran exactly 5 at once at its peak, never more (the jobs' own ledger);
     # a tenant's key was written at most twice a second over the time it was in use, but for
-    # a few keys in use for a second or two (the busiest: 1.9-2.8 a second in six runs);
+    # a few keys in use for a few seconds (the busiest: 1.96-2.82 a second in four runs);
     # every job ran once, at its first delivery (none turned away or waiting out its
     # patience while its replica had room)
     assert peaks == dict.fromkeys(range(TENANTS), LIMIT)

@@ -10,9 +10,11 @@ changed). While that call is in flight the share is capped at what it keeps, so 
 never use more than the record grants. Above its target, the share shrinks as runs end (it
 starts none beyond the target).
 
-Between periods a round comes early only where it moves slots: a share whose runs want more
-than it holds while the record has room for it (a key's first ask saw only the first of its
-runs), or one holding slots its runs no longer use while another replica's runs wait.
+Rounds come twice a period while slots may move (another replica's runs wait, or this one's
+want more than its share holds), and between them only where one moves slots: a share whose
+runs want more than it holds while the record has room for it (a key's first ask saw only
+the first of its runs), or one holding slots its runs no longer use while another replica's
+runs wait.
 
 A share not renewed in time lapses here before it can in the record (a watch timer, as the
 keeper's for per-run slots): it starts no more runs, and its runs are cancelled and handed
