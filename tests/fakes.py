@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -56,3 +57,50 @@ def through(middleware: Middleware, run: Run, handler: Callable[[Run], Outcome])
     steps = Steps(Chain([middleware]), run)
     ended = steps.enter()
     return steps.leave(handler(run) if ended is None else ended)
+
+
+class PermitPool:
+    """Permits as workerpool/worker/pool.py gives them: ``n`` to run, ``prefetch`` runs
+    may wait without theirs."""
+
+    def __init__(self, n: int, prefetch: int) -> None:
+        self.cond = threading.Condition()
+        self.free, self.parked, self.prefetch = n, 0, prefetch
+
+
+class PoolPermit:
+    def __init__(self, pool: PermitPool, state: str = "none") -> None:
+        self.pool, self.state = pool, state
+
+    def take(self) -> None:
+        with self.pool.cond:
+            while not self.pool.free:
+                self.pool.cond.wait()
+            self.pool.free -= 1
+            self.state = "held"
+
+    def put_down(self) -> bool:
+        with self.pool.cond:
+            if self.state != "held" or self.pool.parked >= self.pool.prefetch:
+                return False
+            self.state = "parked"
+            self.pool.parked += 1
+            self.pool.free += 1
+            self.pool.cond.notify_all()
+            return True
+
+    def pick_up(self) -> bool:
+        with self.pool.cond:
+            while not self.pool.free:
+                self.pool.cond.wait()
+            self.pool.parked -= self.state == "parked"
+            self.pool.free -= 1
+            self.state = "held"
+            return True
+
+    def end(self) -> None:
+        with self.pool.cond:
+            self.pool.free += self.state == "held"
+            self.pool.parked -= self.state == "parked"
+            self.state = "none"
+            self.pool.cond.notify_all()

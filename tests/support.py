@@ -339,19 +339,19 @@ def start_bulk_workers(
     limit: int,
     store: str,
     extra_env: dict[str, str],
-    *,
+    *args: str,
     shards: int = 1,
 ) -> None:
     """A worker process (N = 16) on each of ``envs`` running workerpool_jobs.demo_slots with
-    its key "demo-slots" of ``limit`` slots leased in bulk (its record split into ``shards``),
-    added to ``workers``; returns when all are ready."""
+    its key "demo-slots" of ``limit`` slots leased in bulk (its record split into ``shards``,
+    and ``args``, more options), added to ``workers``; returns when all are ready."""
     entry = f"demo-slots={limit}/bulk" + (f"/{shards}" if shards > 1 else "")
     for env in envs:
         workers.append(
             spawn_worker(
                 env, ledger, "--jobs", "workerpool_jobs.demo_slots",
                 "--concurrency", entry, "--concurrency", "tenant:*=1",
-                "--max-outstanding", "16", store=store, extra_env=extra_env,
+                "--max-outstanding", "16", *args, store=store, extra_env=extra_env,
             )
         )  # fmt: skip
     ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)

@@ -38,6 +38,9 @@ def test_a_small_demand_gets_what_it_needs_and_the_rest_share_equally() -> None:
     assert targets == {"small": 2, "a": 6, "b": 6, "c": 6}
     # And a remainder goes one slot each, so shares differ by at most 1
     assert sorted(fair(20, {"a": 50, "b": 40, "c": 16}).values()) == [6, 7, 7]
+    # And a remainder stays with those holding it already, whatever they want
+    held = {"a": 6, "b": 7, "c": 7}
+    assert fair(20, {"a": 16, "b": 19, "c": 20}, held) == {"a": 6, "b": 7, "c": 7}
     # And nobody gets more than it wants, even with slots to spare
     assert fair(20, {"a": 3, "b": 4}) == {"a": 3, "b": 4}
 

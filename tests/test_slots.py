@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.fakes import FakeClock, through
+from tests.fakes import FakeClock, PermitPool, PoolPermit, through
 from tests.support import book, store_handles, wait_for
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
@@ -568,53 +568,6 @@ def test_the_earliest_deferred_job_takes_the_front_over_from_a_later_one(timers:
     assert not isinstance(results["earlier"], GaveUp)
 
 
-class _Pool:
-    """Permits as workerpool/worker/pool.py gives them: ``n`` to run, ``prefetch`` runs
-    may wait without theirs."""
-
-    def __init__(self, n: int, prefetch: int) -> None:
-        self.cond = threading.Condition()
-        self.free, self.parked, self.prefetch = n, 0, prefetch
-
-
-class _PoolPermit:
-    def __init__(self, pool: _Pool, state: str = "none") -> None:
-        self.pool, self.state = pool, state
-
-    def take(self) -> None:
-        with self.pool.cond:
-            while not self.pool.free:
-                self.pool.cond.wait()
-            self.pool.free -= 1
-            self.state = "held"
-
-    def put_down(self) -> bool:
-        with self.pool.cond:
-            if self.state != "held" or self.pool.parked >= self.pool.prefetch:
-                return False
-            self.state = "parked"
-            self.pool.parked += 1
-            self.pool.free += 1
-            self.pool.cond.notify_all()
-            return True
-
-    def pick_up(self) -> bool:
-        with self.pool.cond:
-            while not self.pool.free:
-                self.pool.cond.wait()
-            self.pool.parked -= self.state == "parked"
-            self.pool.free -= 1
-            self.state = "held"
-            return True
-
-    def end(self) -> None:
-        with self.pool.cond:
-            self.pool.free += self.state == "held"
-            self.pool.parked -= self.state == "parked"
-            self.state = "none"
-            self.pool.cond.notify_all()
-
-
 def test_with_one_permit_a_returning_job_never_holds_it_from_a_run_granted_its_slot(
     timers: Timers,
 ) -> None:
@@ -624,8 +577,8 @@ def test_with_one_permit_a_returning_job_never_holds_it_from_a_run_granted_its_s
     leases = SlotLeases(store, "w", Limits({KEY: 1}), timers)
     assert isinstance(store.acquire(KEY, "elsewhere", 1, 60), Granted)
     book(store, KEY, "old", 1)
-    pool = _Pool(1, 1)
-    waiting = _PoolPermit(pool)
+    pool = PermitPool(1, 1)
+    waiting = PoolPermit(pool)
     waiting.take()
     got: dict[str, object] = {}
     newer = threading.Thread(
@@ -634,13 +587,13 @@ def test_with_one_permit_a_returning_job_never_holds_it_from_a_run_granted_its_s
     newer.start()
     assert wait_for(lambda: len(store.table(KEY).waiters) == 1, timeout=5, interval=0.01)
     # and another job running on the pool's one permit
-    running = _PoolPermit(pool)
+    running = PoolPermit(pool)
     running.take()
     # When the other replica lets the slot go (handed to the waiting message's place, which
     # now waits for the permit), and the running job's permit goes to the returning job
     store.release(KEY, "elsewhere", held_for=1, limit=1, ttl=60)
     assert wait_for(lambda: leases._picking_up == 1, timeout=5, interval=0.01)
-    returning = _PoolPermit(pool, state=running.state)  # the permit, handed on
+    returning = PoolPermit(pool, state=running.state)  # the permit, handed on
     # Then the returning job does not wait with the permit the granted one needs: deferred
     assert leases.take(KEY, _run("old", returning), patience=30) is GaveUp.NO_ROOM
     returning.end()

@@ -3,11 +3,18 @@ with no store write, and one store call a period renews them all.
 
 A share is a number of slots the key's record holds for this replica (``allocation``). A
 run takes one of them in memory and gives it back in memory when it ends. Once a period the
-``ShareManager``'s thread writes every key with a share or a demand in one store call: per
-key, the slots it keeps (those in use, up to what its runs want) and what its runs want; the
-record answers with the share's size and the replica's fair target. While that call is in
-flight the share is capped at what it keeps, so runs here never use more than the record
-grants. Above its target, the share shrinks as runs end (it starts none beyond the target).
+``ShareManager``'s thread asks about every key with a share or a demand in one store call:
+per key, the slots it keeps (those in use, up to what its runs want) and what its runs want;
+the record answers with the share's size and the replica's fair target (and writes only what
+changed). While that call is in flight the share is capped at what it keeps, so runs here
+never use more than the record grants. Above its target, the share shrinks as runs end (it
+starts none beyond the target).
+
+Rounds come twice a period while slots may move (another replica's runs wait, or this one's
+want more than its share holds), and between them only where one moves slots: a share whose
+runs want more than it holds while the record has room for it (a key's first ask saw only
+the first of its runs), or one holding slots its runs no longer use while another replica's
+runs wait.
 
 A share not renewed in time lapses here before it can in the record (a watch timer, as the
 keeper's for per-run slots): it starts no more runs, and its runs are cancelled and handed
@@ -44,6 +51,10 @@ _CHECK_EVERY = 0.25
 _GATHER = 0.05
 # How much one run's hold time moves a share's mean hold time (for deferrals' delays).
 _HOLD_WEIGHT = 0.2
+# Periods a share nobody else waits for keeps slots its runs no longer want: a key's runs
+# come in waves (as pulls bring them), and each time it gives them back and asks again is a
+# write of the key's record.
+_LINGER = 2
 
 
 class ShareUse:
@@ -67,6 +78,7 @@ class ShareUse:
 class _Ticket:
     # Jobs that came back (deferred, or delivered again) go ahead of first deliveries.
     rank: tuple[int, int]
+    held: bool = True  # its run holds its pool permit (it did not put it down to wait)
 
 
 @dataclass(eq=False)
@@ -79,10 +91,13 @@ class Share:
     granted: int = 0
     cap: int = 0
     target: int = 0
+    room: int = 0  # its part at least, were its runs to want more
     token: int = 0
     expires: float = -math.inf  # our clock: it may lapse in the record from then on
     generation: int = 0  # grows when it lapses: the runs of an earlier one hold nothing
     answered: bool = False  # the record has answered for it once
+    contended: bool = False  # the record said another replica's runs wait for slots
+    wanted: float = -math.inf  # our clock: the last round at which its runs wanted slots
     hold: float = 0.0  # mean seconds a run held a slot
     uses: set[ShareUse] = field(default_factory=set)
     line: list[_Ticket] = field(default_factory=list)
@@ -93,8 +108,32 @@ class Share:
         return len(self.uses) + len(self.line)
 
     def free_for(self, ticket: _Ticket) -> bool:
-        """Whether a slot of the share is free for ``ticket`` now (those ahead go first)."""
+        """Whether a slot of the share is free for ``ticket`` now: those ahead go first, but
+        not those whose runs put their permits down to wait (``up_next``) until they have
+        them back, so a slot never waits for a permit that runs waiting for it hold."""
+        ahead = self.line[: self.line.index(ticket)]
+        return ticket.held and sum(t.held for t in ahead) < self.cap - len(self.uses)
+
+    def up_next(self, ticket: _Ticket) -> bool:
+        """Whether a slot of the share is free for ``ticket`` by its place in line."""
         return self.line.index(ticket) < self.cap - len(self.uses)
+
+    @property
+    def owed(self) -> bool:
+        """Its runs want more than it holds, and the record has room for them."""
+        return self.granted < min(self.room, self.want)
+
+    @property
+    def unsettled(self) -> bool:
+        """Slots may move to or from it: its runs want more than it holds, or another
+        replica's runs wait for slots (one of which may be the newcomer its share is to
+        shrink for)."""
+        return self.contended or self.want > self.granted
+
+    @property
+    def idle(self) -> bool:
+        """It holds slots its runs do not use while another replica's runs wait for some."""
+        return self.contended and self.want < self.cap
 
 
 class ShareManager:
@@ -149,21 +188,30 @@ class ShareManager:
         came_back = (run.delivery.delivery_attempt or 1) > 1
         ticket = _Ticket((0 if came_back else 1, next(self._arrivals)))
         deadline = self._clock() + patience
-        parked = False
         with self._cond:
             share = self._share(key)
+            owed = share.owed
             bisect.insort(share.line, ticket, key=lambda t: t.rank)
+            if share.answered and share.owed and not owed:
+                self._wake.set()  # its target has room for this run: ask now, not in a period
             try:
                 while not share.free_for(ticket):
                     if should_stop(run):
                         return "stopped"
-                    if park and not parked:
+                    if not ticket.held and share.up_next(ticket):
+                        # Its permit back first (runs behind that hold theirs may take the
+                        # slot meanwhile); then it waits with it, never parking again.
+                        if not self._permit(run.permit.pick_up):
+                            return "stopped"
+                        ticket.held, park = True, False
+                        continue
+                    if park and ticket.held:
                         # Asked again at each wake: the pool may have room by then.
-                        parked = self._put_down(run)
-                        if not parked and share.answered and share.target == 0:
+                        ticket.held = not self._permit(run.permit.put_down)
+                        if ticket.held and share.answered and share.room == 0:
                             return "no_room"
-                        if share.free_for(ticket):
-                            break  # freed while the lock was let go: no wake will come
+                        if share.up_next(ticket):
+                            continue  # freed while the lock was let go: no wake will come
                     left = deadline - self._clock()
                     if left <= 0:
                         return "patience"
@@ -174,17 +222,15 @@ class ShareManager:
                 share.line.remove(ticket)
                 self._cond.notify_all()
         run.leases.append(use)
-        if parked and not run.permit.pick_up():
-            self.give(use, held=False)
-            return "stopped"
         return use
 
-    def _put_down(self, run: Run) -> bool:
-        """(Under the lock.) ``run.permit.put_down()``, the lock let go meanwhile: the pool
-        takes its own lock for it, and may call into a middleware that takes this one."""
+    def _permit(self, call: Callable[[], bool]) -> bool:
+        """(Under the lock.) ``run.permit.put_down`` or ``pick_up``, the lock let go
+        meanwhile: the pool takes its own lock for it (and a pick-up waits for a permit),
+        and may call into a middleware that takes this one."""
         self._cond.release()
         try:
-            return run.permit.put_down()
+            return call()
         finally:
             self._cond.acquire()
 
@@ -214,8 +260,8 @@ class ShareManager:
                 )
             shrinking = share.cap > share.target
             share.cap = min(share.cap, max(share.target, len(share.uses)))
-            if shrinking and share.cap == share.target:
-                self._wake.set()  # back to its target: the slots it gave up go out now
+            if (shrinking and share.cap == share.target) or share.idle:
+                self._wake.set()  # slots others wait for: they go out now, not in a period
             self._cond.notify_all()
         _unlist(use, now)
 
@@ -238,7 +284,7 @@ class ShareManager:
 
     def _keep(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._period / 2 if self._owed() else self._period)
+            self._wake.wait(self.next_round())
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -253,22 +299,33 @@ class ShareManager:
             # Rounds asked for early (a new key, slots given back) come no closer than this.
             self._stop.wait(self._period / 4)
 
-    def _owed(self) -> bool:
-        """Whether a share is below its fair target while its runs wait: slots given back
-        elsewhere reach it at its next round, so it comes sooner (twice a period, only
-        while a rebalance is under way)."""
+    def next_round(self) -> float:
+        """Seconds until the next round: half a period while slots may move to or from a
+        share (such a round is mostly a read of the record, a write only where a share or a
+        target moves). A share learns of others' wants only at its own rounds: one whose
+        round came just before a newcomer's first ask kept its larger share a whole period
+        while the others shrank for it, and one that shrank for it regrew only a period
+        after the newcomer left."""
         with self._cond:
-            return any(s.granted < min(s.target, s.want) for s in self._shares.values())
+            unsettled = any(s.unsettled for s in self._shares.values())
+        return self._period / 2 if unsettled else self._period
 
     def renew(self, *, closing: bool = False) -> None:
         """One store call for every share: renew it, grow it toward its target, give back
         what its runs do not use (all of it, ``closing``)."""
+        now = self._clock()
         with self._cond:
             asking = [s for s in self._shares.values() if s.granted or s.want or s.uses]
             asks = []
             for share in asking:
                 want = 0 if closing else share.want
-                share.cap = max(len(share.uses), min(share.cap, want))  # only drops here
+                if want:
+                    share.wanted = now
+                if share.contended or closing or now - share.wanted >= _LINGER * self._period:
+                    # Slots its runs do not use go back (only here) once another replica
+                    # waits for them, or its runs have wanted none for a while; until then
+                    # they stay for its next runs (a pull's runs come in waves), unwritten.
+                    share.cap = max(len(share.uses), min(share.cap, want))
                 asks.append(ShareAsk(share.key, self._owner, share.limit, share.cap, want))
         if not asks:
             self.healthy = True
@@ -290,8 +347,9 @@ class ShareManager:
             self._lapse(share, share.expires)
         with self._cond:
             share.granted, share.target, share.token = grant.granted, grant.target, grant.token
-            share.answered = True
-            share.expires = sent + self.ttl
+            share.room = grant.room
+            share.answered, share.contended = True, grant.contended
+            share.expires = sent + grant.left
             share.cap = min(share.granted, max(share.target, len(share.uses)))
             if share.watch is not None:
                 share.watch.cancel()
@@ -299,6 +357,8 @@ class ShareManager:
             share.watch = self._timers.call_at(
                 expires - self._margin, lambda: self._lapse(share, expires)
             )
+            if share.idle:
+                self._wake.set()  # others wait for slots its runs do not use
             self._cond.notify_all()
 
     def _lapse(self, share: Share, expires: float) -> None:
