@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeClock
-from tests.support import book
+from tests.support import book, split_key_in_use
 from workerpool.ops.monitoring import MONITORING_URL, Backlog, BacklogReader
 from workerpool.ops.status import backlog_lines, slot_lines
 from workerpool.slots import MemorySlots, SqliteSlots
 from workerpool.slots.allocation import ShareAsk, lease_shares
+from workerpool.slots.sharding import shard_of
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
 
@@ -124,3 +125,30 @@ def test_status_shows_each_replicas_share_of_a_bulk_key() -> None:
     line = dict(slot_lines(store, {"api": 20}))["concurrency api"]
     # Then it shows the slots in shares and each replica's
     assert line.endswith("; 19 in shares: w1 16 (wants 16, token 1), w2 3 (wants 3, token 2)")
+
+
+def test_status_shows_a_split_key_once_with_each_shards_part_and_shares_by_replica() -> None:
+    # Given a key of 20 in 2 shards: w1 and w2 write shard 0 (wanting 3 and 9), w4 shard 1
+    store = MemorySlots()
+    assert [shard_of(r, 2) for r in ("w1", "w2", "w4")] == [0, 0, 1]
+    split_key_in_use(store, "api", {"w1": 3, "w2": 9, "w4": 4})
+    # When status reads it
+    lines = slot_lines(store, {"api": 20}, {"api": 2})
+    # Then the key shows once, its shards under it: each one's part and its replicas' shares
+    assert lines == [
+        ("concurrency api", "limit 20, 0 held; 0 replicas waiting, 0 jobs deferred; in 2 shards"),
+        ("  shard #0", "part 14; 12 in shares: w1 3 (wants 3, token 5), w2 9 (wants 9, token 6)"),
+        ("  shard #1", "part 6; 4 in shares: w4 4 (wants 4, token 4)"),
+    ]
+
+
+def test_a_split_tenant_keys_shard_records_are_not_keys_of_their_own() -> None:
+    # Given "tenant:*" = "20/bulk/2" with tenant:a in use (its records tenant:a, tenant:a#0,
+    # tenant:a#1) and an unsplit "job:*" whose key job:b#1 is a key (no job:b record)
+    store = MemorySlots()
+    split_key_in_use(store, "tenant:a", {"w1": 3, "w4": 4})
+    lease_shares(store, [ShareAsk("job:b#1", "w1", 5, 0, 2)], 60)
+    # When status reads them
+    names = [name for name, _ in slot_lines(store, {"tenant:*": 20, "job:*": 5}, {"tenant:*": 2})]
+    # Then tenant:a shows once, its shards under it
+    assert names == ["concurrency job:b#1", "concurrency tenant:a", "  shard #0", "  shard #1"]
