@@ -14,7 +14,8 @@ from workerpool.ops.monitoring import MONITORING_URL, Backlog, BacklogReader
 from workerpool.ops.status import backlog_lines, slot_lines
 from workerpool.slots import MemorySlots, SqliteSlots
 from workerpool.slots.allocation import ShareAsk, lease_shares
-from workerpool.slots.sharding import shard_of
+from workerpool.slots.keys import Limits
+from workerpool.slots.sharding import Sharding, shard_of
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
 
@@ -152,3 +153,20 @@ def test_a_split_tenant_keys_shard_records_are_not_keys_of_their_own() -> None:
     names = [name for name, _ in slot_lines(store, {"tenant:*": 20, "job:*": 5}, {"tenant:*": 2})]
     # Then tenant:a shows once, its shards under it
     assert names == ["concurrency job:b#1", "concurrency tenant:a", "  shard #0", "  shard #1"]
+
+
+def test_a_lowered_shard_shows_what_it_counts_for_while_its_shares_shrink() -> None:
+    # Given a key of 20 in 2 shards: w1 holds 12 in shard 0 (part 15), w4 2 in shard 1
+    store = MemorySlots()
+    split_key_in_use(store, "api", {"w1": 12, "w4": 2})
+    # When w4's runs want 18 and it rebalances: shard 0's part is lowered below its shares
+    limits = Limits({"api": 20}, {"api"}, {"api": 2})
+    w4 = Sharding(store, "w4", limits, period=0.0)
+    w4.lease([ShareAsk("api", "w4", 20, 2, 18)], 60)
+    w4.keep_balanced({"api": (2, 18)})
+    shards = slot_lines(store, {"api": 20}, {"api": 2})[1:]
+    # Then shard 0 shows its new part and the 12 it counts for until w1's share shrinks
+    assert shards == [
+        ("  shard #0", "part 10 (counts for 12); 12 in shares: w1 12 (wants 12, token 6)"),
+        ("  shard #1", "part 8; 5 in shares: w4 5 (wants 18, token 5)"),
+    ]
