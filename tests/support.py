@@ -24,6 +24,9 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from workerpool.slots import SlotStore
+from workerpool.slots.allocation import ShareAsk
+from workerpool.slots.keys import Limits
+from workerpool.slots.sharding import Sharding
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
@@ -404,3 +407,14 @@ def dashboard_process(
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(10)
+
+
+def split_key_in_use(store: SlotStore, key: str, wants: dict[str, int]) -> None:
+    """Replicas of ``key`` (20 slots leased in bulk, in 2 shards) that ran rounds and a
+    rebalance (the first: the limit split evenly), then a round each into their parts."""
+    limits = Limits({key: 20}, {key}, {key: 2})
+    sides = {r: Sharding(store, r, limits, period=0.0) for r in wants}
+    for _ in range(2):
+        for replica, want in wants.items():
+            sides[replica].lease([ShareAsk(key, replica, 20, want, want)], 60)
+            sides[replica].keep_balanced({key: (0, want)})

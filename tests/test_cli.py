@@ -422,6 +422,19 @@ def test_a_bulk_keys_entry_may_split_its_record_into_shards(tmp_path: Path) -> N
     ]
 
 
+def test_a_declared_key_may_not_contain_the_shard_records_mark(tmp_path: Path) -> None:
+    # A split key's shard records are named KEY#0, KEY#1, ...: a key "api#1" would be one
+    result = _cli(
+        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
+        "--concurrency", "demo-slots=2", "--concurrency", "api#1=4", env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: concurrency 'api#1' (from --concurrency): a key may not contain # "
+        "(a split key's shard records are named KEY#0, KEY#1, ...)"
+    ]
+
+
 def test_a_job_whose_concurrency_key_has_no_limit_exits_2_with_one_line(tmp_path: Path) -> None:
     result = _cli(
         "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",

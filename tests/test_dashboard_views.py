@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
+from tests.support import split_key_in_use
 from workerpool.batches import MemoryBatches
 from workerpool.config import Settings
 from workerpool.dashboard import create_app
@@ -114,6 +115,25 @@ def test_keys_batches_and_schedules_pages(client: TestClient) -> None:
     schedules = client.get("/schedules").text
     assert "later-1" in schedules and "j.x" in schedules
     assert client.get("/nowhere").status_code == 404
+
+
+def test_the_keys_page_shows_a_split_key_once_with_its_shards_and_their_shares() -> None:
+    # Given "tenant:*" = "20/bulk/2" with tenant:a in use by w1 (shard 0) and w4 (shard 1)
+    slots = MemorySlots()
+    split_key_in_use(slots, "tenant:a", {"w1": 3, "w4": 4})
+    settings = Settings(project="p", subscription="jobs", concurrency={"tenant:*": 20},
+                        concurrency_leases={"tenant:*": "bulk"},
+                        concurrency_shards={"tenant:*": 2})  # fmt: skip
+    app = create_app(settings, openers=Openers(slots=lambda: slots), token=TOKEN)
+    # When the Keys page is read
+    keys = TestClient(app).get("/keys").text
+    # Then tenant:a is one row (no row of its shard records), its shards in it, each with
+    # its part and the shares of the replicas writing it
+    assert re.findall(r'<tr data-key="([^"]+)">', keys) == ["tenant:a"]
+    shard = (r'<div class="shard" data-shard="(\d)">#\d: part (\d+), (\d+) in shares'
+             r'<br><span data-replica="(\w+)">\w+: (\d+) \(wants (\d+),')  # fmt: skip
+    shards = re.findall(shard, keys)
+    assert shards == [("0", "10", "3", "w1", "3", "3"), ("1", "10", "4", "w4", "4", "4")]
 
 
 def test_the_autoscaler_page_shows_its_decisions_newest_first_as_text(

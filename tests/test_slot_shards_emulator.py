@@ -1,7 +1,8 @@
 """Bulk keys whose record is split into shards (``"20/bulk/2"``), shown with real worker
 processes on the Pub/Sub emulator sharing an SQLite store that counts its writes by record:
 the fleet runs at the key's limit with each shard's record written by its replicas only, and
-a shard's idle slots reach a busy shard within a rebalance period or two."""
+a shard's idle slots reach a busy shard within a rebalance period or two; ``workerpool status``
+shows the key once, each shard's part and the replicas' shares in it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from tests.support import (
     WorkerProcess,
@@ -22,9 +24,11 @@ from tests.support import (
     slot_writes,
     start_bulk_workers,
     subscriptions_of_their_own,
+    wait_for,
     worker_processes,
 )
 from workerpool import constants as c
+from workerpool.cli import main
 from workerpool.slots.sharding import EARLY
 from workerpool.testing.pubsub import PubSubResources
 
@@ -188,5 +192,68 @@ def test_an_idle_shards_slots_reach_the_busy_shard_within_a_rebalance_period_or_
     assert peak == LIMIT
     assert Counter(r["job_id"] for r in done) == Counter(
         {f"{pid}-{i}": 1 for pid, many in published.items() for i in range(many)}
+    )
+    assert codes == [0, 0, 0, 0]
+
+
+def status_of_the_key(env: PubSubResources, store: str) -> list[str]:
+    """``workerpool status`` (the fleet's declaration): the key's line and its shards'."""
+    result = CliRunner().invoke(main, [
+        "status", "--project", env.project, "--subscription", env.subscription,
+        "--idempotency-store", store, "--concurrency", f"{KEY}={LIMIT}/bulk/{SHARDS}",
+        "--concurrency", "tenant:*=1",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"concurrency {KEY}"))
+    return [line for line in lines[at:] if line.startswith((f"concurrency {KEY}", "  shard #"))]
+
+
+def holding(line: str) -> dict[int, int]:
+    """The slots each replica (by pid: a worker's id is host-pid-random) holds in a shard."""
+    return {int(pid): int(n) for pid, n in re.findall(r"-(\d+)-\w+ (\d+) \(wants", line)}
+
+
+@pytest.mark.alone
+def test_status_shows_the_split_key_once_with_each_shards_part_and_its_replicas_shares(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 4 worker processes (N = 16) sharing a key of 20 slots in 2 shards, two on each
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store("sqlite", request, tmp_path)
+    jobs = [(f"slow-{i}", {"seconds": 1.0}) for i in range(300)]
+    with worker_processes() as workers:
+        by_shard = two_on_each_shard(workers, [pubsub_resources] * 4, ledger, store, extra_env)
+        # When 300 jobs of 1 s are published, and status asked while they run, until every
+        # worker holds slots in its shard
+        pubsub_resources.publish_many("demo.slot_sleep", jobs)
+        seen: list[list[str]] = []
+
+        def all_holding() -> bool:
+            seen.append(status_of_the_key(pubsub_resources, store))
+            held = [holding(line) for line in seen[-1][1:]]
+            return len(held) == SHARDS and all(
+                set(held[shard]) == {w.pid for w in by_shard[shard]} and all(held[shard].values())
+                for shard in range(SHARDS)
+            )
+
+        shown = wait_for(all_holding, timeout=30, interval=0.5)
+        codes = run_to_the_end(workers, ledger, len(jobs), timeout=120)
+    lines = seen[-1]
+    print("\n".join(lines))
+    # Then the key shows once, then a line for each shard (no shard record shows as a key):
+    # each with its part of the 20 and the shares of the two workers writing it, no more
+    # held in a shard than its part nor across the shards than the limit; every job ran once
+    assert shown, "\n".join(lines)
+    assert lines[0].split(":", 1)[0].strip() == f"concurrency {KEY}"
+    assert lines[0].endswith(f"; in {SHARDS} shards")
+    assert [line.split(":", 1)[0].strip() for line in lines[1:]] == ["shard #0", "shard #1"]
+    parts = [int(re.findall(r":\s+part (\d+)", line)[0]) for line in lines[1:]]
+    held = [sum(holding(line).values()) for line in lines[1:]]
+    assert sum(parts) == LIMIT
+    assert all(h <= p for h, p in zip(held, parts, strict=True)) and sum(held) <= LIMIT
+    assert sorted(r["job_id"] for r in ledger_events(ledger, "done")) == sorted(
+        job_id for job_id, _ in jobs
     )
     assert codes == [0, 0, 0, 0]

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeClock
-from tests.support import book
+from tests.support import book, split_key_in_use
 from workerpool.ops.monitoring import MONITORING_URL, Backlog, BacklogReader
 from workerpool.ops.status import backlog_lines, slot_lines
 from workerpool.slots import MemorySlots, SqliteSlots
 from workerpool.slots.allocation import ShareAsk, lease_shares
+from workerpool.slots.keys import Limits
+from workerpool.slots.sharding import Sharding, shard_of
 
 SUBSCRIPTION = "projects/ads-prod/subscriptions/exports-sub"
 
@@ -124,3 +126,47 @@ def test_status_shows_each_replicas_share_of_a_bulk_key() -> None:
     line = dict(slot_lines(store, {"api": 20}))["concurrency api"]
     # Then it shows the slots in shares and each replica's
     assert line.endswith("; 19 in shares: w1 16 (wants 16, token 1), w2 3 (wants 3, token 2)")
+
+
+def test_status_shows_a_split_key_once_with_each_shards_part_and_shares_by_replica() -> None:
+    # Given a key of 20 in 2 shards: w1 and w2 write shard 0 (wanting 3 and 9), w4 shard 1
+    store = MemorySlots()
+    assert [shard_of(r, 2) for r in ("w1", "w2", "w4")] == [0, 0, 1]
+    split_key_in_use(store, "api", {"w1": 3, "w2": 9, "w4": 4})
+    # When status reads it
+    lines = slot_lines(store, {"api": 20}, {"api": 2})
+    # Then the key shows once, its shards under it: each one's part and its replicas' shares
+    assert lines == [
+        ("concurrency api", "limit 20, 0 held; 0 replicas waiting, 0 jobs deferred; in 2 shards"),
+        ("  shard #0", "part 14; 12 in shares: w1 3 (wants 3, token 5), w2 9 (wants 9, token 6)"),
+        ("  shard #1", "part 6; 4 in shares: w4 4 (wants 4, token 4)"),
+    ]
+
+
+def test_a_split_tenant_keys_shard_records_are_not_keys_of_their_own() -> None:
+    # Given "tenant:*" = "20/bulk/2" with tenant:a in use (its records tenant:a, tenant:a#0,
+    # tenant:a#1) and an unsplit "job:*" whose key job:b#1 is a key (no job:b record)
+    store = MemorySlots()
+    split_key_in_use(store, "tenant:a", {"w1": 3, "w4": 4})
+    lease_shares(store, [ShareAsk("job:b#1", "w1", 5, 0, 2)], 60)
+    # When status reads them
+    names = [name for name, _ in slot_lines(store, {"tenant:*": 20, "job:*": 5}, {"tenant:*": 2})]
+    # Then tenant:a shows once, its shards under it
+    assert names == ["concurrency job:b#1", "concurrency tenant:a", "  shard #0", "  shard #1"]
+
+
+def test_a_lowered_shard_shows_what_it_counts_for_while_its_shares_shrink() -> None:
+    # Given a key of 20 in 2 shards: w1 holds 12 in shard 0 (part 15), w4 2 in shard 1
+    store = MemorySlots()
+    split_key_in_use(store, "api", {"w1": 12, "w4": 2})
+    # When w4's runs want 18 and it rebalances: shard 0's part is lowered below its shares
+    limits = Limits({"api": 20}, {"api"}, {"api": 2})
+    w4 = Sharding(store, "w4", limits, period=0.0)
+    w4.lease([ShareAsk("api", "w4", 20, 2, 18)], 60)
+    w4.keep_balanced({"api": (2, 18)})
+    shards = slot_lines(store, {"api": 20}, {"api": 2})[1:]
+    # Then shard 0 shows its new part and the 12 it counts for until w1's share shrinks
+    assert shards == [
+        ("  shard #0", "part 10 (counts for 12); 12 in shares: w1 12 (wants 12, token 6)"),
+        ("  shard #1", "part 8; 5 in shares: w4 5 (wants 18, token 5)"),
+    ]

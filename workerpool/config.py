@@ -197,6 +197,11 @@ def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, tuple[int
     key's shares are split into (``slots.sharding``)."""
     limits = {}
     for key, raw in entries.items():
+        if "#" in key:
+            raise ConfigError(
+                f"concurrency {key!r} (from {source}): a key may not contain # (a split key's "
+                "shard records are named KEY#0, KEY#1, ...)"
+            )
         text, mode, shards = (*str(raw).strip().split("/"), "", "")[:3]
         mode = mode.strip() or LEASES_PER_RUN
         shards = shards.strip() or "1"

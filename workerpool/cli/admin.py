@@ -73,7 +73,7 @@ def status(
     if settings.concurrency:
         store = open_slot_store(settings.idempotency_store)
         try:
-            slots = slot_lines(store, settings.concurrency)
+            slots = slot_lines(store, settings.concurrency, settings.concurrency_shards)
         finally:
             store.close()
     clients = connect()

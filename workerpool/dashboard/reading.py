@@ -136,7 +136,9 @@ class Fleet:
         with opened(self._openers.slots) as store:
             if store is None:
                 return []
-            return key_states(store, self.settings.concurrency, self._clock())
+            return key_states(
+                store, self.settings.concurrency, self._clock(), self.settings.concurrency_shards
+            )
 
     def batches(self) -> list[BatchRow]:
         with opened(self._openers.batches) as store:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workerpool.ops.keys import KeyState, key_states
+from workerpool.ops.keys import ShardState, Shares, key_states
 from workerpool.ops.monitoring import (
     EMULATOR_VARIABLE,
     OLDEST_UNACKED_AGE,
@@ -87,34 +87,46 @@ def backlog_lines(
     return lines
 
 
-def slot_lines(store: SlotStore, limits: Mapping[str, int]) -> list[tuple[str, str]]:
+def slot_lines(
+    store: SlotStore, limits: Mapping[str, int], shards: Mapping[str, int] | None = None
+) -> list[tuple[str, str]]:
     """Each declared key's limit, holders, waiters and deferred jobs; a pattern ("partner:*")
-    shows every key of it that has a record."""
+    shows every key of it that has a record; a split key (``shards``: by entry), a line for
+    each shard under its own."""
     lines = []
-    for state in key_states(store, limits, time.time()):
+    for state in key_states(store, limits, time.time(), shards):
         if not state.in_use:
             lines.append((f"concurrency {state.key}", f"limit {state.limit} each, no key in use"))
             continue
         holders = ", ".join(f"{h.name} (token {h.token}, {h.held_for:.0f}s)" for h in state.holders)
         hold = f", mean hold {state.hold:.1f}s" if state.hold else ""
+        split = f"; in {len(state.shards)} shards" if state.shards else ""
         lines.append((
             f"concurrency {state.key}",
             f"limit {state.limit}, {len(state.holders)} held{': ' + holders if holders else ''}; "
             f"{state.waiters} replicas waiting, {state.deferred} jobs deferred{hold}"
-            f"{_shares(state)}",
+            f"{_shares(state.shares)}{split}",
         ))  # fmt: skip
+        lines.extend((f"  shard #{shard.index}", _shard(shard)) for shard in state.shards)
     return lines
 
 
-def _shares(state: KeyState) -> str:
-    """A key leased in bulk: each replica's share (slots held, slots its runs want)."""
-    if not state.shares:
+def _shard(shard: ShardState) -> str:
+    """A shard's part of its key's limit (and what the key's record counts it for, while its
+    shares shrink to a lowered part) and its replicas' shares."""
+    counted = f" (counts for {shard.counted})" if shard.counted != shard.part else ""
+    return f"part {shard.part}{counted}{_shares(shard.shares) or '; no shares'}"
+
+
+def _shares(shares: Shares) -> str:
+    """Shares of a key leased in bulk: each replica's (slots held, slots its runs want)."""
+    if not shares:
         return ""
-    shares = ", ".join(
+    listed = ", ".join(
         f"{replica} {share.granted} (wants {share.want}, token {share.token})"
-        for replica, share in state.shares
+        for replica, share in shares
     )
-    return f"; {sum(share.granted for _, share in state.shares)} in shares: {shares}"
+    return f"; {sum(share.granted for _, share in shares)} in shares: {listed}"
 
 
 def status_lines(

@@ -71,6 +71,13 @@ def shard_record(key: str, index: int) -> str:
     return f"{key}{_PART}{index}"
 
 
+def shard_key(record: str) -> tuple[str, int] | None:
+    """The key and shard index a shard record's name gives (``KEY#3``: ``KEY``, 3), or None
+    for a key's own record."""
+    key, part, index = record.rpartition(_PART)
+    return (key, int(index)) if part and key and index.isdigit() else None
+
+
 def shard_of(replica: str, count: int) -> int:
     """The shard of ``count`` that ``replica`` writes: a hash of its id, stable across
     processes (not Python's ``hash``, salted per process)."""
@@ -151,13 +158,14 @@ class _Lowered:
     next_token: int
 
 
-def _parts(table: Table) -> dict[str, Share]:
+def shard_parts(table: Table) -> dict[str, Share]:
+    """A split key's own record: what each shard counts for, by ``#i``."""
     return {name: share for name, share in table.shares.items() if name.startswith(_PART)}
 
 
 def _room(table: Table, limit: int, now: float) -> int:
     """``limit`` less what holds slots in the key's record beside the shards' parts."""
-    parts = _parts(table)
+    parts = shard_parts(table)
     unsplit = sum(s.granted for r, s in table.live_shares(now).items() if r not in parts)
     return limit - len(table.live(now)) - unsplit
 
@@ -170,7 +178,7 @@ def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation
 
     def mutation(table: Table | None, now: float) -> tuple[_Claim, Table | None]:
         table = table or Table()
-        parts, room = _parts(table), _room(table, limit, now)
+        parts, room = shard_parts(table), _room(table, limit, now)
         wants = {name: part.want for name, part in parts.items()}
         counted = {name: part.granted for name, part in parts.items()}
         late = behind(room, counted, wants, shard, want)
@@ -206,7 +214,7 @@ def _parting(
 
     def mutation(table: Table | None, now: float) -> tuple[dict[str, tuple[int, int]], Table]:
         table = table or Table()
-        recorded = _parts(table)
+        recorded = shard_parts(table)
         parts: dict[str, tuple[int, int]] = {}
         for name, share in recorded.items():
             parts[name] = (share.granted, share.token)
