@@ -34,6 +34,16 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def _demo_slots_worker(tmp_path: Path, *concurrency: str) -> subprocess.CompletedProcess[str]:
+    """A worker of workerpool_jobs.demo_slots with these ``--concurrency`` entries, and no
+    Pub/Sub or credentials to reach: it stops at its settings' checks."""
+    entries = [arg for entry in concurrency for arg in ("--concurrency", entry)]
+    return _cli(
+        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
+        *entries, env=_nowhere(tmp_path),
+    )  # fmt: skip
+
+
 def _clis(
     commands: list[list[str]], env: dict[str, str] | None = None
 ) -> list[subprocess.CompletedProcess[str]]:
@@ -410,10 +420,7 @@ def test_a_bulk_keys_entry_may_split_its_record_into_shards(tmp_path: Path) -> N
                 "api=20/bulk/2/3"):  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(bad.partition("=")[2])):
             load_settings(None, {"concurrency": (bad,)}, {})
-    result = _cli(
-        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
-        "--concurrency", "demo-slots=2/bulk/3", env=_nowhere(tmp_path),
-    )  # fmt: skip
+    result = _demo_slots_worker(tmp_path, "demo-slots=2/bulk/3")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "workerpool: error: concurrency 'demo-slots' (from --concurrency): the limit must be a "
@@ -424,10 +431,7 @@ def test_a_bulk_keys_entry_may_split_its_record_into_shards(tmp_path: Path) -> N
 
 def test_a_declared_key_may_not_contain_the_shard_records_mark(tmp_path: Path) -> None:
     # A split key's shard records are named KEY#0, KEY#1, ...: a key "api#1" would be one
-    result = _cli(
-        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
-        "--concurrency", "demo-slots=2", "--concurrency", "api#1=4", env=_nowhere(tmp_path),
-    )  # fmt: skip
+    result = _demo_slots_worker(tmp_path, "demo-slots=2", "api#1=4")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "workerpool: error: concurrency 'api#1' (from --concurrency): a key may not contain # "
@@ -436,10 +440,7 @@ def test_a_declared_key_may_not_contain_the_shard_records_mark(tmp_path: Path) -
 
 
 def test_a_job_whose_concurrency_key_has_no_limit_exits_2_with_one_line(tmp_path: Path) -> None:
-    result = _cli(
-        "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
-        "--concurrency", "demo-slots=2", env=_nowhere(tmp_path),
-    )  # fmt: skip
+    result = _demo_slots_worker(tmp_path, "demo-slots=2")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "workerpool: error: job demo.tenant_sleep: concurrency key 'tenant:{tenant}' has no "
