@@ -60,8 +60,8 @@ def test_a_rebalance_is_max_min_fair_over_the_shards_wants() -> None:
 
 class CheckedSlots(MemorySlots):
     """The in-memory store, checking after every write that no shard's part, nor what its
-    shares hold, is above what the key's record counts for it, and the slots granted in all
-    the shards stay within the
+    shares hold, is above what the key's record counts for it, that a shard's record holds
+    only its own replicas' shares, and the slots granted in all the shards stay within the
     limit; ``between`` runs once, before the store call ``after`` calls from now (a rebalance
     in the middle of another's steps)."""
 
@@ -95,6 +95,9 @@ class CheckedSlots(MemorySlots):
                 counted = parts.get(name[len(KEY) :], 0)
                 held = table.shared(now)
                 assert table.part <= counted and held <= counted, (name, table, parts)
+                # Each replica writes its own shard's record only (once the parts are set).
+                mine = [f"#{shard_of(r, len(parts))}" for r in table.shares] if parts else []
+                assert set(mine) <= {name[len(KEY) :]}, table
                 granted += held
         self.peak = max(self.peak, granted)
         assert granted <= self.limit
