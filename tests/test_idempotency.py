@@ -689,9 +689,10 @@ def test_sqlite_claims_queued_while_a_failed_run_is_counted_are_committed(
 def test_sqlite_a_claim_lost_to_a_record_swept_before_it_is_read_is_claimed_after_all(
     tmp_path: Path, clock: FakeClock, claims: list[tuple[str, str]]
 ) -> None:
-    # Given job id "a" held elsewhere, and a claim of it whose lost record is swept (its
-    # retention over) between the claim's statement and the read of who holds it: a lone
-    # caller's claims run in autocommit, not in one transaction
+    # Given job id "a" held elsewhere, and a claim of it whose lost record is gone (deleted
+    # here, as the expiry sweep deletes a record past its time) between the claim's statement
+    # and the read of who holds it: a lone caller's claims run in autocommit, not in one
+    # transaction
     path = tmp_path / "idem.db"
     with SqliteStore(path, retention=RETENTION, clock=clock) as store:
         assert store.claim("a", "elsewhere", "m-0", TTL) == Claimed()

@@ -1,6 +1,6 @@
 """Bulk keys split into shards: the rebalance rule, and its steps through a store in one
 process (the in-memory store, checked after every write); worker processes on the emulator
-are in test_slot_shares_emulator.py."""
+are in test_slot_shards_emulator.py."""
 
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def test_slots_moved_from_a_lapsed_share_to_another_shard_come_with_a_higher_tok
     assert grant.token > old
 
 
-def test_one_shard_is_the_keys_own_record_as_before() -> None:
+def test_a_key_of_one_shard_keeps_its_own_record() -> None:
     store = MemorySlots()
     sharding = Sharding(store, "replica-1", Limits({KEY: 5}, {KEY}), period=0.0)
     assert round_of(sharding, "replica-1", 0, 3, 5) == 3
