@@ -67,7 +67,8 @@ _RUN_OPTIONS: list[Callable[[Any], Any]] = [
         "--concurrency",
         multiple=True,
         help="Declare a fleet-wide limit KEY=LIMIT (repeatable), e.g. bigquery-exports=2, "
-        "or per key of a prefix: 'partner:*=1'.",
+        "or per key of a prefix: 'partner:*=1'; LIMIT/bulk leases slots to replicas in "
+        "shares, LIMIT/bulk/S splits the key's record into S shards.",
     ),
     click.option("--slot-ttl", type=float, help="Seconds a concurrency slot lives unless renewed."),
     click.option(
