@@ -25,6 +25,7 @@ from workerpool.schedule.store import ScheduleStore
 from workerpool.stores import StoreError
 from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import (
+    SUCCEEDED,
     AlreadyDone,
     Cancelled,
     Outcome,
@@ -111,7 +112,7 @@ class Batches(Middleware):
             self._deliver(self._batches.expire(batch_id))
         except StoreError as exc:
             return Unavailable(f"batch store: {exc}")
-        return Succeeded()
+        return SUCCEEDED
 
     def _deliver(self, completion: Completion | None) -> None:
         due = deliver(completion, self._batches, self._schedule, self._clock)
