@@ -209,12 +209,7 @@ def test_slots_another_replica_waits_for_go_back_once_the_runs_have_paused_a_per
     clock = FakeClock()
     timers = _HeldTimers()
     timers.start()
-    a = _manager(store, timers, "a", clock)
-    taken: list[ShareUse] = []
-    _take_on_threads(a, LIMIT, taken)
-    assert wait_for(lambda: a.shares()[KEY].want == LIMIT, timeout=5)
-    a.renew()
-    assert wait_for(lambda: len(taken) == LIMIT, timeout=5)
+    a, taken = _running(store, timers, "a", LIMIT, clock)
     _round(store, "b", 0, 10)
     a.renew()
     assert a.shares()[KEY].target == 3
