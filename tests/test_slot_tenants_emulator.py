@@ -93,7 +93,7 @@ def test_per_tenant_bulk_keys_hold_each_tenant_to_its_limit_with_few_writes_each
     # Then each tenant ran exactly 5 at once at its peak, never more (the jobs' own ledger);
     # every tenant's key was written at most twice a second over the time it was in use (the
     # busiest: 1.96-2.82 a second in four runs while a share gave back at once the slots its
-    # runs stopped using between pulls, 1.34-1.69 in four since it keeps them a period);
+    # runs stopped using between pulls, 1.34-1.69 in six since it keeps them a period);
     # every job ran once, at its first delivery (none turned away or waiting out its
     # patience while its replica had room)
     assert peaks == dict.fromkeys(range(TENANTS), LIMIT)
