@@ -5,11 +5,12 @@ test_slot_fairness_emulator.py's per-tenant test)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from tests.fakes import PermitPool, PoolPermit
+from tests.fakes import FakeClock, PermitPool, PoolPermit
 from tests.support import wait_for
 from workerpool.slots import Limits, MemorySlots
 from workerpool.slots.allocation import ShareAsk, lease_shares
@@ -17,7 +18,7 @@ from workerpool.slots.shares import ShareManager, ShareUse
 from workerpool.slots.store import T, TableMutation
 from workerpool.testing.fakes import slot_run
 from workerpool.worker.run import Unparkable
-from workerpool.worker.timers import Timers
+from workerpool.worker.timers import Timer, Timers
 
 KEY = "tenant:acme"
 LIMIT = 5
@@ -133,8 +134,24 @@ PERIOD = 20.0
 EARLY = 12.0
 
 
-def _manager(store: MemorySlots, timers: Timers, name: str) -> ShareManager:
-    return ShareManager(store, name, Limits({KEY: LIMIT}, [KEY]), timers, ttl=TTL, period=PERIOD)
+def _manager(
+    store: MemorySlots, timers: Timers, name: str, clock: Callable[[], float] = time.monotonic
+) -> ShareManager:
+    return ShareManager(
+        store, name, Limits({KEY: LIMIT}, [KEY]), timers, ttl=TTL, period=PERIOD, clock=clock
+    )
+
+
+class _HeldTimers(Timers):
+    """Timers whose delayed calls are kept for the test to make (when its clock says so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[tuple[float, Callable[[], None]]] = []
+
+    def call_after(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        self.held.append((seconds, callback))
+        return super().call_after(seconds, lambda: None)
 
 
 def _take_on_threads(manager: ShareManager, count: int, taken: list[ShareUse]) -> None:
@@ -148,11 +165,15 @@ def _take_on_threads(manager: ShareManager, count: int, taken: list[ShareUse]) -
 
 
 def _running(
-    store: MemorySlots, timers: Timers, name: str, count: int
+    store: MemorySlots,
+    timers: Timers,
+    name: str,
+    count: int,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[ShareManager, list[ShareUse]]:
     """``name``'s manager (not started) with ``count`` runs of KEY in its share, after a
     round."""
-    manager = _manager(store, timers, name)
+    manager = _manager(store, timers, name, clock)
     taken: list[ShareUse] = []
     _take_on_threads(manager, count, taken)
     assert wait_for(lambda: manager.shares()[KEY].want == count, timeout=5)
@@ -180,17 +201,15 @@ def test_a_share_asks_again_at_once_when_more_runs_come_than_its_first_ask_saw(
     manager.close(5)
 
 
-def test_slots_another_replica_waits_for_go_back_as_soon_as_the_runs_are_done(
-    store: MemorySlots, timers: Timers
+def test_slots_another_replica_waits_for_go_back_once_the_runs_have_paused_a_period(
+    store: MemorySlots,
 ) -> None:
     # Given replica a running 5 runs in its share of all 5 slots, and replica b whose runs
     # wait for the key (a has learnt so at a round since)
-    a = _manager(store, timers, "a")
-    taken: list[ShareUse] = []
-    _take_on_threads(a, LIMIT, taken)
-    assert wait_for(lambda: a.shares()[KEY].want == LIMIT, timeout=5)
-    a.renew()
-    assert wait_for(lambda: len(taken) == LIMIT, timeout=5)
+    clock = FakeClock()
+    timers = _HeldTimers()
+    timers.start()
+    a, taken = _running(store, timers, "a", LIMIT, clock)
     _round(store, "b", 0, 10)
     a.renew()
     assert a.shares()[KEY].target == 3
@@ -201,10 +220,54 @@ def test_slots_another_replica_waits_for_go_back_as_soon_as_the_runs_are_done(
         a.give(use)
     assert wait_for(lambda: store.table(KEY).shares["a"].granted == 3, timeout=EARLY)
     # When its other runs end and no more come
+    held = len(timers.held)
     for use in taken[2:]:
         a.give(use)
-    # Then a gives those slots back in a round that comes now, not a period on
+    # Then a keeps those slots a period (its runs may have paused between pulls), and asks
+    # for a round then
+    ((pause, wake),) = timers.held[held:]
+    assert pause == PERIOD
+    assert store.table(KEY).shares["a"].granted == 3
+    # When that period has passed with no run of the key
+    clock.advance(PERIOD)
+    wake()
+    # Then a gives the slots back in a round that comes now, not a period on
     assert wait_for(lambda: "a" not in store.table(KEY).shares, timeout=EARLY)
+    a.close(5)
+    timers.close(1.0)
+
+
+def test_a_share_keeps_its_slots_through_a_pause_of_its_runs_while_another_replica_waits(
+    timers: Timers,
+) -> None:
+    # Given replica a whose 3 runs use all 3 slots of its share of a key of 5, and replica b
+    # holding the other 2, its runs wanting more (a has learnt so at a round since)
+    store = _CountedSlots()
+    clock = FakeClock()
+    a, taken = _running(store, timers, "a", 3, clock)
+    assert _round(store, "b", 0, 10)[0] == 2
+    a.renew()
+    assert a.shares()[KEY].contended
+    writes = store.writes
+    # When a's runs all end, the next pull's not come yet, and its rounds come half a period
+    # apart
+    for use in taken:
+        a.give(use)
+    clock.advance(PERIOD / 2)
+    a.renew()
+    # Then it keeps its slots, and the record is not written (it gave them back to b and
+    # asked for them again with its next pull's runs: 5-7 writes for each such pause)
+    assert store.table(KEY).shares["a"].granted == 3
+    assert store.writes == writes
+    # When the next pull's runs come, they start in its share with no write either
+    more: list[ShareUse] = []
+    _take_on_threads(a, 3, more)
+    assert wait_for(lambda: len(more) == 3, timeout=5)
+    clock.advance(PERIOD / 2)
+    a.renew()
+    assert store.writes == writes
+    for use in more:
+        a.give(use)
     a.close(5)
 
 
