@@ -2,11 +2,13 @@
 processes on the Pub/Sub emulator sharing an SQLite store that counts its writes by record:
 the fleet runs at the key's limit with each shard's record written by its replicas only, and
 a shard's idle slots reach a busy shard within a rebalance period or two; ``workerpool status``
-shows the key once, each shard's part and the replicas' shares in it."""
+shows the key once, each shard's part and the replicas' shares in it; and a fleet redeployed
+with the key as one record gets its slots once the parts' lease ran out."""
 
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,6 +31,7 @@ from tests.support import (
 )
 from workerpool import constants as c
 from workerpool.cli import main
+from workerpool.slots.parts import part_lease
 from workerpool.slots.sharding import EARLY
 from workerpool.testing.pubsub import PubSubResources
 
@@ -258,4 +261,62 @@ def test_status_shows_the_split_key_once_with_each_shards_part_and_its_replicas_
     assert sorted(r["job_id"] for r in ledger_events(ledger, "done")) == sorted(
         job_id for job_id, _ in jobs
     )
+    assert codes == [0, 0, 0, 0]
+
+
+# A short slot TTL, so a part's lease (the TTL and two rebalance periods) is short too.
+TTL = 6.0
+
+
+@pytest.mark.alone
+def test_a_split_key_redeployed_as_one_record_gets_every_slot_within_a_parts_lease(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 2 worker processes (N = 16, a slot TTL of 6 s) sharing a store, a key of 20
+    # slots leased in bulk in 2 shards, that ran a backlog of 400 jobs of 100 ms and were
+    # stopped (SIGTERM: the fleet redeployed)
+    pubsub_resources.provision(retry_policy=False)
+    store, extra_env = shared_store("sqlite", request, tmp_path)
+    ttl = ("--slot-ttl", str(TTL))
+    split_ledger = tmp_path / "split.jsonl"
+    with worker_processes() as workers:
+        start_bulk_workers(
+            workers, [pubsub_resources] * 2, split_ledger, LIMIT, store, extra_env, *ttl,
+            shards=SHARDS,
+        )  # fmt: skip
+        assert all(shard_of(w) in range(SHARDS) for w in workers)
+        pubsub_resources.publish_many(
+            "demo.slot_sleep", [(f"split-{i}", {"seconds": 0.1}) for i in range(400)]
+        )
+        codes = run_to_the_end(workers, split_ledger, 400, timeout=120)
+    stopped = time.time()
+    # When 2 workers keeping the key as one record ("20/bulk") start at once, with a backlog
+    # of 600 jobs of 0.5 s
+    ledger = tmp_path / "whole.jsonl"
+    jobs = [(f"whole-{i}", {"seconds": 0.5}) for i in range(600)]
+    with worker_processes() as workers:
+        start_bulk_workers(workers, [pubsub_resources] * 2, ledger, LIMIT, store, extra_env, *ttl)
+        pubsub_resources.publish_many("demo.slot_sleep", jobs)
+        codes += run_to_the_end(workers, ledger, len(jobs), timeout=180)
+    split = [(r["start"], r["end"]) for r in ledger_events(split_ledger, "done")]
+    runs = [(r["start"], r["end"]) for r in ledger_events(ledger, "done")]
+    first = min(start for start, _ in runs)
+    full = min(start for start, _ in runs if running_at(runs, start + 1e-6) == LIMIT)
+    bound = part_lease(TTL, c.SLOT_SHARD_REBALANCE)
+    peak, _ = overlap(runs)
+    print(
+        f"split fleet peak {overlap(split)[0]}; one-record fleet: first run "
+        f"{first - stopped:.1f}s after the split fleet stopped, {LIMIT} running "
+        f"{full - stopped:.1f}s after (a part's lease: {bound:g}s), peak {peak}"
+    )
+    # Then the workers keeping one record ran the key's 20 at once within a part's lease
+    # of the split fleet's stop (a round or two more: their shares grow at their rounds),
+    # and never more than 20 ran at once, in either fleet (the jobs' own ledger); every
+    # job ran once
+    assert full - stopped <= bound + 2 * c.SLOT_SHARE_PERIOD
+    assert peak == LIMIT and overlap(split)[0] <= LIMIT
+    assert sorted(r["job_id"] for r in ledger_events(ledger, "done")) == sorted(
+        job_id for job_id, _ in jobs
+    )
+    assert len(split) == 400
     assert codes == [0, 0, 0, 0]

@@ -43,6 +43,7 @@ def encode(table: Table) -> dict[str, Any]:
         ],
         "part": table.part,
         "part_token": table.part_token,
+        "part_until": table.part_until,
         "rebalanced": table.rebalanced,
     }
 
@@ -72,5 +73,6 @@ def decode(data: dict[str, Any]) -> Table:
         },
         part=int(data.get("part", 0)),
         part_token=int(data.get("part_token", 0)),
+        part_until=float(data.get("part_until", 0.0)),
         rebalanced=float(data.get("rebalanced", 0.0)),
     )

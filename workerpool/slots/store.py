@@ -79,7 +79,8 @@ class Table:
     # per-run holders and shares count against one limit.
     shares: dict[str, Share] = field(default_factory=dict)
     part: int = 0  # a shard's record (``sharding``): its part of the key's limit,
-    part_token: int = 0  # and the key's token for that part;
+    part_token: int = 0  # the key's token for that part,
+    part_until: float = 0.0  # and when it lapses unless a rebalance renews it (``parts``);
     rebalanced: float = 0.0  # a split key's own record: when it was last rebalanced
 
     def live(self, now: float) -> dict[str, Holding]:
