@@ -21,9 +21,11 @@ from tests.support import (
     count_slot_writes,
     ledger_events,
     overlap,
+    read_ledger,
     run_to_the_end,
     shared_store,
     slot_writes,
+    spawn_worker,
     start_bulk_workers,
     subscriptions_of_their_own,
     wait_for,
@@ -322,3 +324,44 @@ def test_a_split_key_redeployed_as_one_record_gets_every_slot_within_a_parts_lea
     )
     assert len(split) == 400
     assert codes == [0, 0, 0, 0]
+
+
+@pytest.mark.alone
+def test_a_job_whose_key_would_name_a_shard_record_gets_one_failure_record(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 2 worker processes (N = 16) sharing a store, each tenant's key of 5 slots leased
+    # in bulk in 2 shards (the records of "tenant:acme"'s shards: "tenant:acme#0", "#1")
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store("sqlite", request, tmp_path)
+    jobs = [(f"ok-{i}", {"tenant": "acme", "seconds": 0.05}) for i in range(20)]
+    with worker_processes() as workers:
+        for _ in range(2):
+            workers.append(
+                spawn_worker(
+                    pubsub_resources, ledger, "--jobs", "workerpool_jobs.demo_slots",
+                    "--concurrency", "demo-slots=1", "--concurrency", "tenant:*=5/bulk/2",
+                    "--max-outstanding", "16", store=store, extra_env=extra_env,
+                )
+            )  # fmt: skip
+        assert wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+        # When a job whose tenant is "acme#0" (its key: shard 0's record of "tenant:acme") is
+        # published with 20 jobs of tenant "acme"
+        clash = {"tenant": "acme#0", "seconds": 0.05}
+        pubsub_resources.publish("demo.tenant_sleep", clash, job_id="clash")
+        pubsub_resources.publish_many("demo.tenant_sleep", jobs)
+        records = pubsub_resources.dead_letters(expected=1, timeout=30)
+        codes = run_to_the_end(workers, ledger, len(jobs), timeout=60)
+        records += pubsub_resources.dead_letters(expected=1, timeout=2)
+    # Then that job has one failure record, an invalid payload from its first delivery, and
+    # never started; the others ran once each
+    assert len(records) == 1, records
+    failure = records[0].attributes
+    assert failure[c.ATTR_ERROR_TYPE] == c.ERR_INVALID_PAYLOAD
+    assert (failure[c.ATTR_JOB_ID], failure[c.ATTR_DELIVERY_ATTEMPT]) == ("clash", "1")
+    assert "'tenant:acme#0'" in failure[c.ATTR_ERROR_MESSAGE]
+    assert not [r for r in read_ledger(ledger) if r["job_id"] == "clash"]
+    done = ledger_events(ledger, "done")
+    assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
+    assert codes == [0, 0]
