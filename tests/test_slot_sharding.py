@@ -9,8 +9,17 @@ from collections.abc import Callable, Sequence
 
 from workerpool.slots import Limits, MemorySlots
 from workerpool.slots.allocation import ShareAsk, ShareGrant
-from workerpool.slots.sharding import Sharding, rebalance, shard_of, shard_record, spread
-from workerpool.slots.store import T, Table, TableMutation
+from workerpool.slots.parts import live_part, part_lease
+from workerpool.slots.sharding import (
+    Sharding,
+    rebalance,
+    shard_of,
+    shard_parts,
+    shard_record,
+    spread,
+)
+from workerpool.slots.store import Granted, T, Table, TableMutation
+from workerpool.stores import StoreUnavailable
 
 KEY = "partner-api"
 TTL = 60.0
@@ -60,17 +69,21 @@ def test_a_rebalance_is_max_min_fair_over_the_shards_wants() -> None:
 
 class CheckedSlots(MemorySlots):
     """The in-memory store, checking after every write that no shard's part, nor what its
-    shares hold, is above what the key's record counts for it, that a shard's record holds
-    only its own replicas' shares, and the slots granted in all the shards stay within the
-    limit; ``between`` runs once, before the store call ``after`` calls from now (a rebalance
-    in the middle of another's steps)."""
+    shares hold, is above what the key's record counts for it, nor outlives it there, that
+    no share granted in a shard outlives its part, that a shard's record holds only its own
+    replicas' shares, and the slots granted in all the shards, in the key's own record
+    (replicas not splitting the key) and to per-run holders stay within the limit;
+    ``between`` runs once, before the store call ``after`` calls from now (a rebalance in
+    the middle of another's steps)."""
 
-    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
+    def __init__(self, limit: int, clock: Callable[[], float], shards: int = 2) -> None:
         super().__init__(clock=clock)
         self.limit = limit
+        self.shards = shards
         self.between: Callable[[], None] | None = None
         self.after = 0
-        self.peak = 0
+        self.peak = 0  # in the shards
+        self.unsplit_peak = 0  # in the key's own record
 
     def _mutate_many(self, items: Sequence[tuple[str, TableMutation[T]]]) -> list[T]:
         self.after -= 1
@@ -87,20 +100,27 @@ class CheckedSlots(MemorySlots):
     def _check(self) -> None:
         now = self._clock()
         key = self._tables.get(KEY, Table())
-        parts = {name: share.granted for name, share in key.shares.items() if name[0] == "#"}
-        assert sum(parts.values()) <= self.limit
+        parts = shard_parts(key, now)
+        counts = {name: share.granted for name, share in parts.items()}
+        unsplit = key.shared(now) - sum(counts.values()) + len(key.live(now))
+        assert sum(counts.values()) + unsplit <= self.limit
         granted = 0
         for name, table in self._tables.items():
             if name.startswith(KEY + "#"):
-                counted = parts.get(name[len(KEY) :], 0)
+                counted = counts.get(name[len(KEY) :], 0)
                 held = table.shared(now)
-                assert table.part <= counted and held <= counted, (name, table, parts)
-                # Each replica writes its own shard's record only (once the parts are set).
-                mine = [f"#{shard_of(r, len(parts))}" for r in table.shares] if parts else []
+                assert live_part(table, now) <= counted and held <= counted, (name, table, key)
+                if live_part(table, now) or held:
+                    assert table.part_until <= parts[name[len(KEY) :]].until, (table, key)
+                shares = table.live_shares(now).values()
+                assert all(s.until <= table.part_until for s in shares if s.granted), table
+                # Each replica writes its own shard's record only.
+                mine = [f"#{shard_of(r, self.shards)}" for r in table.shares]
                 assert set(mine) <= {name[len(KEY) :]}, table
                 granted += held
         self.peak = max(self.peak, granted)
-        assert granted <= self.limit
+        self.unsplit_peak = max(self.unsplit_peak, unsplit)
+        assert granted + unsplit <= self.limit
 
 
 def replicas_of(shard: int, count: int, many: int) -> list[str]:
@@ -117,7 +137,7 @@ def test_slots_move_between_shards_within_the_limit_under_overlapping_rebalances
     # and some rebalances run in the middle of another's steps (a replica paused there)
     rng = random.Random(5)
     now = [1000.0]
-    store = CheckedSlots(20, clock=lambda: now[0])
+    store = CheckedSlots(20, clock=lambda: now[0], shards=3)
     limits = Limits({KEY: 20}, {KEY}, {KEY: 3})
     names = [r for shard in range(3) for r in replicas_of(shard, 3, 3)]
     replicas = {r: Sharding(store, r, limits, period=0.0, clock=lambda: now[0]) for r in names}
@@ -171,9 +191,11 @@ class Pair:
         limits = Limits({KEY: limit}, {KEY}, {KEY: 2})
         self.first, self.second = replicas_of(0, 2, 1)[0], replicas_of(1, 2, 1)[0]
         self.sides = {
-            r: Sharding(self.store, r, limits, period=period, clock=lambda: self.now)
+            r: Sharding(self.store, r, limits, ttl=TTL, period=period, clock=lambda: self.now)
             for r in (self.first, self.second)
         }
+        # Replicas that keep the key as one record (redeployed, or not yet split).
+        self.whole = Limits({KEY: limit}, {KEY})
 
     def grant(self, replica: str, keep: int, want: int) -> ShareGrant:
         """One round of ``replica``: what the record answers."""
@@ -183,6 +205,11 @@ class Pair:
     def round(self, replica: str, keep: int, want: int) -> int:
         """One round of ``replica``: the slots its share holds now."""
         return self.grant(replica, keep, want).granted
+
+    def unsplit(self, replica: str, keep: int, want: int) -> int:
+        """One round of ``replica``, a replica keeping the key as one record: what it holds."""
+        side = self.sides.setdefault(replica, Sharding(self.store, replica, self.whole))
+        return round_of(side, replica, keep, want, self.store.limit)
 
     def balance(self, replica: str, held: int, want: int) -> bool:
         return self.sides[replica].keep_balanced({KEY: (held, want)})
@@ -292,3 +319,125 @@ def test_a_key_of_one_shard_keeps_its_own_record() -> None:
     assert round_of(sharding, "replica-1", 0, 3, 5) == 3
     assert sharding.keep_balanced({KEY: (3, 3)}) is False
     assert store.keys("") == [KEY]
+
+
+# --- brought back to one record: a part is a lease ---------------------------------------------
+
+LEASE = part_lease(TTL, 10.0)  # the slot TTL and two rebalance periods
+
+
+def busy_split(key: Pair) -> float:
+    """Both of ``key``'s shards' replicas busy, 10 slots each after the key's first
+    rebalance: when (the store's clock) that rebalance ran."""
+    for replica in (key.first, key.second):
+        key.round(replica, 0, 16)
+    assert key.balance(key.first, 0, 16)
+    assert [key.round(r, 0, 16) for r in (key.first, key.second)] == [10, 10]
+    return key.now
+
+
+def test_once_no_replica_splits_a_key_its_parts_lapse_and_one_record_gets_every_slot() -> None:
+    # Given a key of 20 in 2 shards, a replica on each holding 10, that renew their shares
+    # 30 s after the last rebalance and then stop (killed: nothing is given back)
+    key = Pair(20)
+    last = busy_split(key)
+    key.now += 30
+    assert [key.round(r, 10, 16) for r in (key.first, key.second)] == [10, 10]
+    # When the fleet is redeployed with the key as one record, and a replica wants 32
+    # Then it gets no slot while the parts live (the shards' shares may still be running)
+    assert key.unsplit("whole-1", 0, 32) == 0
+    key.now = last + LEASE - 1
+    assert key.unsplit("whole-1", 0, 32) == 0
+    # And once they lapsed, a part's lease after the last rebalance, per-run holders and
+    # replicas leasing in bulk from the one record get every slot (never more: checked at
+    # every write)
+    key.now = last + LEASE + 0.1
+    assert isinstance(key.store.acquire(KEY, "run-1", 20, TTL), Granted)
+    assert key.unsplit("whole-1", 0, 32) == 19
+    assert key.store.unsplit_peak == 20
+
+
+def test_a_rebalance_stalled_past_the_parts_lease_writes_the_shards_a_lapsed_part() -> None:
+    # Given a key of 20 in 2 shards, a replica on each holding 10
+    key = Pair(20)
+    busy_split(key)
+    taken: list[int] = []
+
+    def redeployed() -> None:
+        """Past the part's lease, a replica keeping the key as one record asks for 32."""
+        key.now += LEASE + 1
+        taken.append(key.unsplit("whole-1", 0, 32))
+
+    # When the next rebalance stalls between the key's record and the shards' (a paused
+    # process) past the parts' lease, while the fleet is redeployed with the key as one record
+    key.now += 11
+    key.store.between, key.store.after = redeployed, 5
+    key.balance(key.first, 10, 16)
+    # Then the replica keeping one record got every slot once the parts lapsed
+    assert taken == [20]
+    # And the stalled rebalance wrote the shards an expiry already past: their replicas
+    # get no slot (never more than 20 were granted: checked at every write)
+    assert [key.round(r, 10, 16) for r in (key.first, key.second)] == [0, 0]
+    assert key.store.record(KEY).shares["whole-1"].granted == 20
+
+
+def test_a_rebalance_stopped_half_way_grants_the_slots_nowhere_until_the_next_completes() -> None:
+    # Given a key of 20 in 2 shards, a replica on each holding 10
+    key = Pair(20)
+    last = busy_split(key)
+
+    def cut_off() -> None:
+        raise StoreUnavailable("cut off")
+
+    # When the next rebalance stops after renewing the parts in the key's record, before
+    # the shards' records (step 4)
+    key.now += 11
+    key.store.between, key.store.after = cut_off, 5
+    key.balance(key.first, 10, 16)
+    # Then once the shards' parts lapsed (a lease after the last complete rebalance), the
+    # shards grant nothing, nor do the key's own record's, which counts them a while longer
+    key.now = last + LEASE + 1
+    assert [key.round(r, 10, 16) for r in (key.first, key.second)] == [0, 0]
+    assert key.unsplit("whole-1", 0, 32) == 0
+    # And the next rebalance gives the shards parts again, leaving the replica that keeps
+    # one record (and still wants 32) its max-min fair due beside them
+    key.balance(key.second, 0, 16)
+    assert [key.round(r, 0, 16) for r in (key.first, key.second)] == [7, 7]
+    assert key.unsplit("whole-1", 0, 32) == 6
+
+
+def test_a_mixed_fleet_keeps_the_limit_and_one_record_gets_every_slot_once_the_split_left() -> None:
+    # Given a key of 20, four replicas splitting it in 2 shards and two keeping it as one
+    # record (a rolling deploy either way), their demands changing at random
+    rng = random.Random(7)
+    now = [1000.0]
+    store = CheckedSlots(20, clock=lambda: now[0])
+    split, whole = Limits({KEY: 20}, {KEY}, {KEY: 2}), Limits({KEY: 20}, {KEY})
+    splitting = [r for shard in range(2) for r in replicas_of(shard, 2, 2)]
+    unsplit = ["whole-1", "whole-2"]
+    sides = {
+        r: Sharding(store, r, split if r in splitting else whole, ttl=TTL, clock=lambda: now[0])
+        for r in splitting + unsplit
+    }
+    held = dict.fromkeys(sides, 0)
+    both = 0
+
+    def turn(replica: str, want: int) -> None:
+        held[replica] = round_of(sides[replica], replica, min(held[replica], want), want, 20)
+        sides[replica].keep_balanced({KEY: (held[replica], want)})
+
+    # When they run side by side for 200 s
+    for _ in range(2000):
+        turn(rng.choice(splitting + unsplit), rng.randint(0, 16))
+        both += min(sum(held[r] for r in splitting), sum(held[r] for r in unsplit)) > 0
+        now[0] += 0.1
+    # Then both kinds held slots at once, never more than 20 in all (checked at every write)
+    assert both > 0 and store.peak > 0 and store.unsplit_peak > 0
+    # And once the splitting replicas left (killed: nothing given back), the others get
+    # every slot within a part's lease
+    left = now[0]
+    while now[0] < left + LEASE + 1:
+        for replica in unsplit:
+            turn(replica, 16)
+        now[0] += 0.5
+    assert [held[r] for r in unsplit] == [10, 10]

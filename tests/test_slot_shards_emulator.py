@@ -2,11 +2,13 @@
 processes on the Pub/Sub emulator sharing an SQLite store that counts its writes by record:
 the fleet runs at the key's limit with each shard's record written by its replicas only, and
 a shard's idle slots reach a busy shard within a rebalance period or two; ``workerpool status``
-shows the key once, each shard's part and the replicas' shares in it."""
+shows the key once, each shard's part and the replicas' shares in it; and a fleet redeployed
+with the key as one record gets its slots once the parts' lease ran out."""
 
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,9 +21,11 @@ from tests.support import (
     count_slot_writes,
     ledger_events,
     overlap,
+    read_ledger,
     run_to_the_end,
     shared_store,
     slot_writes,
+    spawn_worker,
     start_bulk_workers,
     subscriptions_of_their_own,
     wait_for,
@@ -29,7 +33,9 @@ from tests.support import (
 )
 from workerpool import constants as c
 from workerpool.cli import main
+from workerpool.slots.parts import part_lease
 from workerpool.slots.sharding import EARLY
+from workerpool.slots.store import MIN_COME_BACK
 from workerpool.testing.pubsub import PubSubResources
 
 LIMIT = 20
@@ -258,4 +264,144 @@ def test_status_shows_the_split_key_once_with_each_shards_part_and_its_replicas_
     assert sorted(r["job_id"] for r in ledger_events(ledger, "done")) == sorted(
         job_id for job_id, _ in jobs
     )
+    assert codes == [0, 0, 0, 0]
+
+
+# A short slot TTL, so a part's lease (the TTL and two rebalance periods) is short too.
+TTL = 6.0
+
+
+@pytest.mark.alone
+def test_a_split_key_redeployed_as_one_record_gets_every_slot_within_a_parts_lease(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 2 worker processes (N = 16, a slot TTL of 6 s) sharing a store, a key of 20
+    # slots leased in bulk in 2 shards, that ran a backlog of 400 jobs of 100 ms and were
+    # stopped (SIGTERM: the fleet redeployed)
+    pubsub_resources.provision(retry_policy=False)
+    store, extra_env = shared_store("sqlite", request, tmp_path)
+    ttl = ("--slot-ttl", str(TTL))
+    split_ledger = tmp_path / "split.jsonl"
+    with worker_processes() as workers:
+        start_bulk_workers(
+            workers, [pubsub_resources] * 2, split_ledger, LIMIT, store, extra_env, *ttl,
+            shards=SHARDS,
+        )  # fmt: skip
+        assert all(shard_of(w) in range(SHARDS) for w in workers)
+        pubsub_resources.publish_many(
+            "demo.slot_sleep", [(f"split-{i}", {"seconds": 0.1}) for i in range(400)]
+        )
+        codes = run_to_the_end(workers, split_ledger, 400, timeout=120)
+    stopped = time.time()
+    # When 2 workers keeping the key as one record ("20/bulk") start at once, with a backlog
+    # of 600 jobs of 0.5 s
+    ledger = tmp_path / "whole.jsonl"
+    jobs = [(f"whole-{i}", {"seconds": 0.5}) for i in range(600)]
+    with worker_processes() as workers:
+        start_bulk_workers(workers, [pubsub_resources] * 2, ledger, LIMIT, store, extra_env, *ttl)
+        pubsub_resources.publish_many("demo.slot_sleep", jobs)
+        codes += run_to_the_end(workers, ledger, len(jobs), timeout=180)
+    split = [(r["start"], r["end"]) for r in ledger_events(split_ledger, "done")]
+    runs = [(r["start"], r["end"]) for r in ledger_events(ledger, "done")]
+    first = min(start for start, _ in runs)
+    full = min(start for start, _ in runs if running_at(runs, start + 1e-6) == LIMIT)
+    bound = part_lease(TTL, c.SLOT_SHARD_REBALANCE)
+    peak, _ = overlap(runs)
+    print(
+        f"split fleet peak {overlap(split)[0]}; one-record fleet: first run "
+        f"{first - stopped:.1f}s after the split fleet stopped, {LIMIT} running "
+        f"{full - stopped:.1f}s after (a part's lease: {bound:g}s), peak {peak}"
+    )
+    # Then the workers keeping one record ran the key's 20 at once within a part's lease
+    # of the split fleet's stop (its last rebalance came before), and what their runs take
+    # to get there: runs deferred while the key was held come back a second later at least,
+    # and shares grow at rounds; never more than 20 ran at once, in either fleet (the jobs'
+    # own ledger); every job ran once
+    assert full - stopped <= bound + MIN_COME_BACK + 2 * c.SLOT_SHARE_PERIOD
+    assert peak == LIMIT and overlap(split)[0] <= LIMIT
+    assert sorted(r["job_id"] for r in ledger_events(ledger, "done")) == sorted(
+        job_id for job_id, _ in jobs
+    )
+    assert len(split) == 400
+    assert codes == [0, 0, 0, 0]
+
+
+@pytest.mark.alone
+def test_a_job_whose_key_would_name_a_shard_record_gets_one_failure_record(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 2 worker processes (N = 16) sharing a store, each tenant's key of 5 slots leased
+    # in bulk in 2 shards (the records of "tenant:acme"'s shards: "tenant:acme#0", "#1")
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store("sqlite", request, tmp_path)
+    jobs = [(f"ok-{i}", {"tenant": "acme", "seconds": 0.05}) for i in range(20)]
+    with worker_processes() as workers:
+        for _ in range(2):
+            workers.append(
+                spawn_worker(
+                    pubsub_resources, ledger, "--jobs", "workerpool_jobs.demo_slots",
+                    "--concurrency", "demo-slots=1", "--concurrency", "tenant:*=5/bulk/2",
+                    "--max-outstanding", "16", store=store, extra_env=extra_env,
+                )
+            )  # fmt: skip
+        assert wait_for(lambda: all(w.ready() for w in workers), timeout=60)
+        # When a job whose tenant is "acme#0" (its key: shard 0's record of "tenant:acme") is
+        # published with 20 jobs of tenant "acme"
+        clash = {"tenant": "acme#0", "seconds": 0.05}
+        pubsub_resources.publish("demo.tenant_sleep", clash, job_id="clash")
+        pubsub_resources.publish_many("demo.tenant_sleep", jobs)
+        records = pubsub_resources.dead_letters(expected=1, timeout=30)
+        codes = run_to_the_end(workers, ledger, len(jobs), timeout=60)
+        records += pubsub_resources.dead_letters(expected=1, timeout=2)
+    # Then that job has one failure record, an invalid payload from its first delivery, and
+    # never started; the others ran once each
+    assert len(records) == 1, records
+    failure = records[0].attributes
+    assert failure[c.ATTR_ERROR_TYPE] == c.ERR_INVALID_PAYLOAD
+    assert (failure[c.ATTR_JOB_ID], failure[c.ATTR_DELIVERY_ATTEMPT]) == ("clash", "1")
+    assert "'tenant:acme#0'" in failure[c.ATTR_ERROR_MESSAGE]
+    assert not [r for r in read_ledger(ledger) if r["job_id"] == "clash"]
+    done = ledger_events(ledger, "done")
+    assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
+    assert codes == [0, 0]
+
+
+@pytest.mark.alone
+def test_a_rolling_deploy_of_split_and_one_record_workers_keeps_the_limit_exact(
+    pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Given 4 worker processes (N = 16) sharing a subscription and a store, a key of 20
+    # slots leased in bulk: two split its record in 2 shards, two keep it as one record (a
+    # rolling deploy, either way)
+    pubsub_resources.provision(retry_policy=False)
+    ledger = tmp_path / "ledger.jsonl"
+    store, extra_env = shared_store("sqlite", request, tmp_path)
+    jobs = [(f"mixed-{i}", {"seconds": 0.1}) for i in range(2000)]
+    envs = [pubsub_resources] * 2
+    with worker_processes() as workers:
+        start_bulk_workers(workers, envs, ledger, LIMIT, store, extra_env, shards=SHARDS)
+        start_bulk_workers(workers, envs, ledger, LIMIT, store, extra_env)
+        split_pids = {w.pid for w in workers[:2]}
+        # When 2,000 jobs of 100 ms that take a slot of the key are published
+        pubsub_resources.publish_many("demo.slot_sleep", jobs)
+        codes = run_to_the_end(workers, ledger, len(jobs), timeout=150)
+    done = ledger_events(ledger, "done")
+    runs = [(r["start"], r["end"]) for r in done]
+    backlog_until = max(start for start, _ in runs)
+    peak, busy = overlap(runs, until=backlog_until)
+    split = [(r["start"], r["end"]) for r in done if r["pid"] in split_pids]
+    whole = [(r["start"], r["end"]) for r in done if r["pid"] not in split_pids]
+    both = sum(1 for s, _ in split if running_at(whole, s) > 0)
+    print(
+        f"mixed fleet: peak {peak}, {busy / LIMIT:.3f} of the slots busy over the backlog; "
+        f"runs {len(split)} split, {len(whole)} one record; {both} split runs started while "
+        f"one-record runs ran"
+    )
+    # Then never more than 20 ran at once across both kinds (the jobs' own ledger), and the
+    # 20 were reached; every job ran once. (How the jobs split between the kinds is not
+    # judged: the emulator hands a shared backlog to whichever pulls first, and slots a
+    # shard's shares gave back count in the key's record until the next rebalance.)
+    assert peak == LIMIT
+    assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
     assert codes == [0, 0, 0, 0]

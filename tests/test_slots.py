@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock, PermitPool, PoolPermit, through
 from tests.support import book, store_handles, wait_for
+from workerpool import constants as c
 from workerpool.context import AsyncJobContext, Flag, JobContext
 from workerpool.errors import ConfigError, Defer
 from workerpool.slots import (
@@ -30,13 +31,13 @@ from workerpool.slots import (
     slot_store_opener,
 )
 from workerpool.slots.gate import PoolGate
-from workerpool.slots.keys import MissingField
+from workerpool.slots.keys import BadPayloadKey
 from workerpool.slots.leases import GaveUp, SlotLeases, Taken
 from workerpool.slots.middleware import Concurrency
 from workerpool.slots.store import BOOKING_GRACE, MIN_COME_BACK, WAITER_TTL, Booking, Table
 from workerpool.testing.fakes import RoomyPermit as _Permit
 from workerpool.testing.fakes import slot_run as _run
-from workerpool.worker.outcome import Outcome, Succeeded
+from workerpool.worker.outcome import Outcome, Rejected, Succeeded
 from workerpool.worker.run import UNPARKABLE, Run
 from workerpool.worker.timers import Timers
 
@@ -360,8 +361,35 @@ def test_a_template_renders_one_key_per_tenant_and_names_what_is_missing() -> No
     assert template.render({"partner_id": "acme", "x": 1}) == "partner:acme"
     assert template.render({"partner_id": 7}) == "partner:7"
     for payload in ({}, {"partner_id": None}, {"partner_id": {"nested": 1}}):
-        with pytest.raises(MissingField, match="partner_id"):
+        with pytest.raises(BadPayloadKey, match="partner_id"):
             template.render(payload)
+
+
+def test_a_key_that_could_name_a_shard_record_is_refused_for_good(timers: Timers) -> None:
+    # Given "partner:*" leased in bulk and split in 2 shards (records "partner:acme#0", ...),
+    # and a job whose key is "partner:{partner_id}"
+    limits = Limits({"partner:*": 5}, {"partner:*"}, {"partner:*": 2})
+    store = MemorySlots()
+    concurrency = Concurrency(SlotLeases(store, "w", limits, timers))
+    ran: list[str] = []
+
+    def handler(run: Run) -> Outcome:
+        ran.append(run.job.job_id)
+        return Succeeded()
+
+    # When a payload's partner_id puts # in the key (it would name a shard's record)
+    run = _run("1", key="partner:{partner_id}")
+    run.job.payload = {"partner_id": "acme#0"}
+    outcome = through(concurrency, run, handler)
+    # Then the run is rejected as an invalid payload (one failure record, never retried),
+    # before its handler or any store write
+    assert isinstance(outcome, Rejected) and outcome.error_type == c.ERR_INVALID_PAYLOAD
+    assert "'partner:acme#0'" in outcome.error_message and ran == []
+    assert store.keys("") == []
+    # And a handler naming such a key for part of its run is refused too
+    with pytest.raises(LookupError, match="may not contain #"):
+        concurrency.take_in_run("partner:acme#1", _run("2"))
+    assert store.keys("") == []
 
 
 def test_a_template_must_be_covered_by_a_declared_limit() -> None:

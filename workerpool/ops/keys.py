@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from workerpool.slots.parts import live_part
 from workerpool.slots.sharding import shard_key, shard_parts, shard_record
 from workerpool.slots.store import Share, SlotStore, Table
 
@@ -60,11 +61,11 @@ def key_states(
                 Holder(holder, lease.token, now - lease.since)
                 for holder, lease in sorted(table.holders.items(), key=lambda h: h[1].since)
             )
-            parts = shard_parts(table)
+            parts = shard_parts(table, now)
             shares = tuple(sorted((r, s) for r, s in table.shares.items() if r not in parts))
             states.append(
                 KeyState(key, limit, holders, len(table.waiters), len(table.booked), table.hold,
-                         shares=shares, shards=_shards(store, key, table, count))
+                         shares=shares, shards=_shards(store, key, table, count, now))
             )  # fmt: skip
     return states
 
@@ -82,13 +83,15 @@ def _is_shard(parsed: tuple[str, int] | None, count: int, listed: set[str]) -> b
     return parsed is not None and (count > 1 or parsed[0] in listed)
 
 
-def _shards(store: SlotStore, key: str, table: Table, count: int) -> tuple[ShardState, ...]:
+def _shards(
+    store: SlotStore, key: str, table: Table, count: int, now: float
+) -> tuple[ShardState, ...]:
     """Each shard of a split key: the declared ones and any the key's record still counts."""
-    counted = {int(name[1:]): share.granted for name, share in shard_parts(table).items()}
+    counted = {int(name[1:]): share.granted for name, share in shard_parts(table, now).items()}
     indexes = sorted({*(range(count) if count > 1 else ()), *counted})
     states = []
     for index in indexes:
         shard = store.table(shard_record(key, index))
         shares = tuple(sorted(shard.shares.items()))
-        states.append(ShardState(index, shard.part, counted.get(index, 0), shares))
+        states.append(ShardState(index, live_part(shard, now), counted.get(index, 0), shares))
     return tuple(states)

@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from workerpool.slots.store import SlotStore, T, TableMutation, decode, encode
+from workerpool.slots.codec import decode, encode
+from workerpool.slots.store import SlotStore, T, TableMutation
 from workerpool.stores import firestore as docs
 
 

@@ -15,6 +15,9 @@ from typing import Any
 
 from workerpool.errors import ConfigError
 
+# Marks a split key's shard records (``KEY#0``): no declared or rendered key contains it.
+SHARD_MARK = "#"
+
 
 class Limits:
     """The declared limits; ``of(key)`` is the exact key's, else the longest matching
@@ -72,8 +75,10 @@ class Limits:
         return bool(self.declared)
 
 
-class MissingField(Exception):
-    """The payload lacks a field the key's template names."""
+class BadPayloadKey(Exception):
+    """The payload cannot name a key by the template: it lacks a field the template names,
+    or a field's value puts ``#`` in the key (which names a split key's shard records,
+    ``KEY#0``: a tenant named so would count against, and write, another key's shard)."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +116,18 @@ class KeyTemplate:
             else:
                 value = getattr(payload, name, None)
             if value is None or isinstance(value, dict | list):
-                raise MissingField(
+                raise BadPayloadKey(
                     f"concurrency key {self.text} needs payload field {name!r} "
                     "(a string or a number)"
                 )
             values[name] = value
-        return self.text.format_map(values)
+        key = self.text.format_map(values)
+        if SHARD_MARK in key:
+            raise BadPayloadKey(
+                f"concurrency key {self.text}: the payload renders {key!r}, and a key may not "
+                f"contain {SHARD_MARK} (it marks a split key's shard records)"
+            )
+        return key
 
     def check(self, limits: Limits) -> str | None:
         """Why no declared limit covers every key this renders, or None if one does."""

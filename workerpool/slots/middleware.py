@@ -16,7 +16,7 @@ from workerpool.errors import Defer
 from workerpool.options import CONCURRENCY
 from workerpool.registry import JobSpec
 from workerpool.slots.gate import PoolGate
-from workerpool.slots.keys import KeyTemplate, MissingField
+from workerpool.slots.keys import SHARD_MARK, BadPayloadKey, KeyTemplate
 from workerpool.slots.leases import GaveUp, Lease, SlotLeases, Taken
 from workerpool.stores import StoreError
 from workerpool.worker.middleware import Around, Middleware
@@ -88,7 +88,7 @@ class Concurrency(Middleware):
         if text:
             try:
                 key = _template(text).render(run.job.payload)
-            except MissingField as exc:
+            except BadPayloadKey as exc:
                 return Rejected(c.ERR_INVALID_PAYLOAD, str(exc))
             if self._leases.limits.of(key) is None:
                 return Rejected(c.ERR_UNKNOWN_CONCURRENCY_KEY, f"no limit declared for key {key!r}")
@@ -147,6 +147,8 @@ class Concurrency(Middleware):
     def take_in_run(self, key: str, run: Run | None, holder: str | None = None) -> Taken:
         """A slot for part of a running job (``ctx.slot``); raises ``Defer`` or
         ``LookupError`` as ``context.Slots.take`` says (``run`` None: it has ended)."""
+        if SHARD_MARK in key:
+            raise LookupError(f"concurrency key {key!r}: a key may not contain {SHARD_MARK}")
         if self._leases.limits.of(key) is None:
             raise LookupError(f"no concurrency limit is declared for {key!r}")
         if run is None:

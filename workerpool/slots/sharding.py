@@ -6,9 +6,11 @@ of the key's limit and the shares of the replicas that write it: a replica write
 shard's record (``shard_of``, a hash of its id), by the rules of one record
 (``allocation.share_mutation``) with the part as the limit, so its shares' targets follow
 the part and they grow only into it. The key's own record holds what each shard counts for,
-as shares named ``#0`` ... that never lapse: its part, or more while its shares shrink to a
-lowered part (per-run holders and the shares of replicas not splitting the key, in a rolling
-deploy, count against one limit with them).
+as shares named ``#0`` ...: its part, or more while its shares shrink to a lowered part
+(per-run holders and the shares of replicas not splitting the key, in a rolling deploy,
+count against one limit with them). A part is a lease that each rebalance renews, and no
+share in a shard outlives its part (``parts``): once no replica splits the key, its parts
+lapse and replicas that keep it as one record get its slots.
 
 Once a rebalance period one replica, whichever claims the key's record first (no leader),
 moves the parts toward max-min fair over the shards' wants (``rebalance``, a pure function,
@@ -19,8 +21,8 @@ of one store call each:
 2. read the shards' wants, then lower each part to its target, the shard counting for no
    less than its live shares hold (a write of the shard's record: atomic with its grants);
 3. in the key's record, take what the lowered shards count for and grow the others into
-   what is free;
-4. write the grown parts into their shards' records.
+   what is free, every part's expiry renewed;
+4. write the grown parts, and every part's expiry, into their shards' records.
 
 The key's record gives what a shard counts for a token from the key's counter, a new one
 whenever it grows; a shard's record takes a grown part only with a newer token than its own,
@@ -53,15 +55,14 @@ from workerpool.slots.allocation import (
     lease_shares,
     share_mutation,
 )
-from workerpool.slots.keys import Limits
+from workerpool.slots.keys import SHARD_MARK, Limits
+from workerpool.slots.parts import live_part, part_lease, renewed, share_terms, taken
 from workerpool.slots.store import Share, SlotStore, Table, TableMutation
 from workerpool.stores import StoreError
 
 log = logging.getLogger(__name__)
 
-# A shard's count in the key's record: it is given back only by a rebalance lowering it.
-_NEVER = math.inf
-_PART = "#"
+_PART = SHARD_MARK
 # A shard behind its fair part may be rebalanced this many times a period.
 EARLY = 5
 
@@ -144,7 +145,7 @@ def behind(
 @dataclass(frozen=True)
 class _Claim:
     claimed: bool
-    room: int = 0  # the limit less per-run holders and the shares of replicas not splitting
+    room: int = 0  # the limit less per-run holders and the fair due of replicas not splitting
     shards: tuple[int, ...] = ()  # the shards with a part in the key's record
 
 
@@ -158,16 +159,29 @@ class _Lowered:
     next_token: int
 
 
-def shard_parts(table: Table) -> dict[str, Share]:
-    """A split key's own record: what each shard counts for, by ``#i``."""
-    return {name: share for name, share in table.shares.items() if name.startswith(_PART)}
+def shard_parts(table: Table, now: float) -> dict[str, Share]:
+    """A split key's own record: what each shard counts for, by ``#i`` (lapsed parts count
+    for nothing)."""
+    return {n: share for n, share in table.live_shares(now).items() if n.startswith(_PART)}
 
 
 def _room(table: Table, limit: int, now: float) -> int:
     """``limit`` less what holds slots in the key's record beside the shards' parts."""
-    parts = shard_parts(table)
+    parts = shard_parts(table, now)
     unsplit = sum(s.granted for r, s in table.live_shares(now).items() if r not in parts)
     return limit - len(table.live(now)) - unsplit
+
+
+def _shards_room(table: Table, limit: int, now: float) -> int:
+    """What the shards' parts may come to: the limit less per-run holders and what the
+    replicas not splitting the key (a rolling deploy) hold or are due, max-min fair with
+    each shard as one replica, so neither kind of replica starves the other."""
+    parts = shard_parts(table, now)
+    others = {r: s for r, s in table.live_shares(now).items() if r not in parts}
+    free = limit - len(table.live(now))
+    wants = {**{n: p.want for n, p in parts.items()}, **{r: s.want for r, s in others.items()}}
+    due = fair(free, wants)
+    return free - sum(max(due[r], s.granted) for r, s in others.items())
 
 
 def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation[_Claim]:
@@ -178,7 +192,7 @@ def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation
 
     def mutation(table: Table | None, now: float) -> tuple[_Claim, Table | None]:
         table = table or Table()
-        parts, room = shard_parts(table), _room(table, limit, now)
+        parts, room = shard_parts(table, now), _shards_room(table, limit, now)
         wants = {name: part.want for name, part in parts.items()}
         counted = {name: part.granted for name, part in parts.items()}
         late = behind(room, counted, wants, shard, want)
@@ -199,27 +213,33 @@ def _lowering(target: int) -> TableMutation[_Lowered]:
     def mutation(table: Table | None, now: float) -> tuple[_Lowered, Table | None]:
         table = table or Table()
         shares = table.live_shares(now).values()
-        part, counted = lowered(table.part, sum(share.granted for share in shares), target)
+        live = live_part(table, now)
+        part, counted = lowered(live, sum(share.granted for share in shares), target)
         want = sum(share.want for share in shares)
         result = _Lowered(counted, table.part_token, want, table.next_token)
-        return result, (replace(table, part=part) if part != table.part else None)
+        return result, (replace(table, part=part) if part != live else None)
 
     return mutation
 
 
-def _parting(
-    limit: int, reports: Mapping[str, _Lowered], targets: Mapping[str, int]
-) -> TableMutation[dict[str, tuple[int, int]]]:
-    """Step 3: the parts (and their tokens) by shard, as the key's record now holds them."""
+_Part = tuple[int, int, float]  # a part of the limit, its token and its expiry
 
-    def mutation(table: Table | None, now: float) -> tuple[dict[str, tuple[int, int]], Table]:
+
+def _parting(
+    limit: int, reports: Mapping[str, _Lowered], targets: Mapping[str, int], lease: float
+) -> TableMutation[dict[str, _Part]]:
+    """Step 3: the reported shards' parts, tokens and expiries, as the key's record now
+    holds them."""
+
+    def mutation(table: Table | None, now: float) -> tuple[dict[str, _Part], Table]:
         table = table or Table()
-        recorded = shard_parts(table)
+        recorded = shard_parts(table, now)
         parts: dict[str, tuple[int, int]] = {}
         for name, share in recorded.items():
             parts[name] = (share.granted, share.token)
         for name, report in reports.items():
-            held = parts.get(name, (0, 0))
+            # A shard whose part lapsed counts for nothing (its shares lapsed with it).
+            held = parts.setdefault(name, (0, 0))
             if report.token == held[1]:
                 # Lowered from the part recorded (a newer one may have grown it since), and
                 # no higher than it (another rebalance may have lowered it further since).
@@ -232,23 +252,23 @@ def _parting(
                 parts[name] = (size, token)
                 token += 1
         shares = table.live_shares(now)
-        for name, (size, part_token) in parts.items():
-            want = reports[name].want if name in reports else recorded[name].want
-            shares[name] = Share(size, want, _NEVER, part_token)
-        return parts, replace(table, shares=shares, next_token=token)
+        written: dict[str, _Part] = {}
+        for name, report in reports.items():
+            size, part_token = parts[name]
+            until = renewed(recorded.get(name), part_token, now, lease)
+            shares[name] = Share(size, report.want, until, part_token)
+            written[name] = (size, part_token, until)
+        return written, replace(table, shares=shares, next_token=token)
 
     return mutation
 
 
-def _taking(part: int, token: int) -> TableMutation[None]:
-    """Step 4: a shard's record takes a grown part, unless it has a newer one."""
+def _taking(part: int, token: int, until: float) -> TableMutation[None]:
+    """Step 4: a shard's record takes a grown part, or its part's later expiry, unless it
+    has a newer one."""
 
     def mutation(table: Table | None, now: float) -> tuple[None, Table | None]:
-        table = table or Table()
-        if token <= table.part_token:
-            return None, None
-        next_token = max(table.next_token, token + 1)
-        return None, replace(table, part=part, part_token=token, next_token=next_token)
+        return None, taken(table or Table(), part, token, until)
 
     return mutation
 
@@ -257,8 +277,8 @@ def _in_shard(ask: ShareAsk, ttl: float) -> TableMutation[ShareGrant]:
     """A replica's round in its shard's record: the record's rules, the part as the limit."""
 
     def mutation(table: Table | None, now: float) -> tuple[ShareGrant, Table | None]:
-        part = 0 if table is None else table.part
-        return share_mutation(replace(ask, limit=part), ttl)(table, now)
+        part, until = share_terms(table, now, ttl)
+        return share_mutation(replace(ask, limit=part), until)(table, now)
 
     return mutation
 
@@ -273,6 +293,7 @@ class Sharding:
         owner: str,
         limits: Limits,
         *,
+        ttl: float = c.DEFAULT_SLOT_TTL,
         period: float = c.SLOT_SHARD_REBALANCE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -280,6 +301,7 @@ class Sharding:
         self._owner = owner
         self._limits = limits
         self._period = period
+        self._lease = part_lease(ttl, period)
         self._clock = clock
         self._tried: dict[str, float] = {}  # by key: when (our clock) it last tried
         # A little late, at random: the replicas of a key do not all ask at once.
@@ -354,12 +376,10 @@ class Sharding:
                 strict=True,
             )
         )
-        parts = self._store.mutate_records([(key, _parting(limit, reports, targets))])[0]
-        moves = [
-            (record, _taking(*parts[name]))
-            for name, record in zip(names, records, strict=True)
-            if parts[name][1] > reports[name].token
-        ]
-        if moves:
-            self._store.mutate_records(moves)
+        parting = _parting(limit, reports, targets, self._lease)
+        parts = self._store.mutate_records([(key, parting)])[0]
+        # Every shard's record: the grown parts, and every part's renewed expiry.
+        self._store.mutate_records(
+            [(record, _taking(*parts[name])) for name, record in zip(names, records, strict=True)]
+        )
         return parts[mine][0] > reports[mine].counted

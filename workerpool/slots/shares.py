@@ -177,7 +177,7 @@ class ShareManager:
         self._pause = _PAUSE * period
         self._shares: dict[str, Share] = {}
         # Which record each key's round writes (a split key's: this replica's shard).
-        self._sharding = Sharding(store, owner, limits, clock=clock)
+        self._sharding = Sharding(store, owner, limits, ttl=ttl, clock=clock)
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
         self._wake = threading.Event()

@@ -8,7 +8,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from workerpool.slots.store import SlotStore, T, Table, TableMutation, decode, encode
+from workerpool.slots.codec import decode, encode
+from workerpool.slots.store import SlotStore, T, Table, TableMutation
 from workerpool.stores.sqlite import connect, immediate, translated
 
 _LABEL = "slot store"

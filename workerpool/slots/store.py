@@ -15,7 +15,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from workerpool.stores import guarded
 
@@ -79,7 +79,8 @@ class Table:
     # per-run holders and shares count against one limit.
     shares: dict[str, Share] = field(default_factory=dict)
     part: int = 0  # a shard's record (``sharding``): its part of the key's limit,
-    part_token: int = 0  # and the key's token for that part;
+    part_token: int = 0  # the key's token for that part,
+    part_until: float = 0.0  # and when it lapses unless a rebalance renews it (``parts``);
     rebalanced: float = 0.0  # a split key's own record: when it was last rebalanced
 
     def live(self, now: float) -> dict[str, Holding]:
@@ -123,75 +124,6 @@ class Full:
     ahead: int = 0
     since: float = field(default=math.inf, compare=False)
     booked: bool = field(default=False, compare=False)
-
-
-def encode(table: Table) -> dict[str, Any]:
-    """The record as JSON-able data (lists, not maps keyed by holder: Firestore would read
-    such keys as field paths)."""
-    return {
-        "holders": [
-            {
-                "holder": h,
-                "until": float(lease.until),
-                "token": lease.token,
-                "since": lease.since,
-                "job_id": lease.job_id,
-            }
-            for h, lease in table.holders.items()
-        ],
-        "waiters": [
-            {"holder": h, "since": float(w.since), "until": float(w.until), "job_id": w.job_id}
-            for h, w in table.waiters.items()
-        ],
-        "booked": [
-            {"job_id": j, "since": float(b.since), "at": float(b.at)}
-            for j, b in table.booked.items()
-        ],
-        "next_token": table.next_token,
-        "hold": float(table.hold),
-        "shares": [
-            {
-                "replica": r,
-                "granted": share.granted,
-                "want": share.want,
-                "until": share.until,
-                "token": share.token,
-            }
-            for r, share in table.shares.items()
-        ],
-        "part": table.part,
-        "part_token": table.part_token,
-        "rebalanced": table.rebalanced,
-    }
-
-
-def decode(data: dict[str, Any]) -> Table:
-    return Table(
-        holders={
-            e["holder"]: Holding(
-                float(e["until"]), int(e["token"]), float(e["since"]), e.get("job_id", "")
-            )
-            for e in data.get("holders", [])
-        },
-        next_token=int(data.get("next_token", 1)),
-        waiters={
-            e["holder"]: Waiter(float(e["since"]), float(e["until"]), e.get("job_id", ""))
-            for e in data.get("waiters", [])
-        },
-        booked={
-            e["job_id"]: Booking(float(e["since"]), float(e["at"])) for e in data.get("booked", [])
-        },
-        hold=float(data.get("hold", 0.0)),
-        shares={
-            e["replica"]: Share(
-                int(e["granted"]), int(e["want"]), float(e["until"]), int(e["token"])
-            )
-            for e in data.get("shares", [])
-        },
-        part=int(data.get("part", 0)),
-        part_token=int(data.get("part_token", 0)),
-        rebalanced=float(data.get("rebalanced", 0.0)),
-    )
 
 
 # Given a key's record (None if it has none) and the time, what to return and the record to
