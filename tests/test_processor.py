@@ -539,3 +539,18 @@ def test_the_handler_sees_the_publish_time_pub_sub_gave_to_the_microsecond() -> 
     # Nanoseconds are cut to microseconds, as protobuf's ``ToDatetime`` cuts them.
     assert seen == [datetime.fromtimestamp(s, UTC) + timedelta(microseconds=n // 1000)
                     for s, n in stamps]  # fmt: skip
+
+
+def test_a_run_that_ends_leaves_no_timeout_behind() -> None:
+    jobs = Registry()
+    jobs.job("t.quick", timeout=60)(lambda ctx, payload: None)
+    jobs.job("t.failing", timeout=60)(lambda ctx, payload: 1 / 0)
+    timers = Timers()
+    time_limit = TimeLimit(timers)
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [time_limit], ProcessorSettings(BACKOFF)
+    )
+    for name in ["t.quick", "t.failing"] * 3:
+        processor.process(make_delivery(b"{}", {"job": name}))
+    # Each run's timer is cancelled as it ends, however it ended
+    assert processor.stats == {"done": 3, "retried": 3} and len(timers) == 0

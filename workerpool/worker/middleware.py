@@ -9,13 +9,13 @@ rather than a wrapper that calls ``next``, so that ``Steps`` can stop between th
 an ``async def`` handler runs as a task on the event loop while no thread waits for it, and
 the halves after it run once it has ended. An ``around`` with nothing to do for some runs
 can be a plain method that returns None for those, and its generator for the others.
-``after`` is for a middleware whose part after the rest needs nothing from before it but what
-the ``Run`` holds: a plain call, innermost first, with the outcome of the rest (or what the
-rest raised), returning the run's outcome (or that exception, to pass it on); it is called for
-every run that got past the middleware's ``before``, as an ``around``'s part after its
-``yield`` would be. ``before`` and ``after`` cost a call each; ``around`` a generator
-(measured: about 1.5 us more per run each, half of it the ``StopIteration`` that ends it),
-so a middleware uses the one it needs.
+``after`` is for a middleware whose part after the rest needs no generator's locals (what it
+keeps from its ``before`` is on the ``Run``, or kept by run): a plain call, innermost first,
+with the outcome of the rest (or what the rest raised), returning the run's outcome (or that
+exception, to pass it on); it is called for every run that got past the middleware's
+``before``, as an ``around``'s part after its ``yield`` would be. ``before`` and ``after``
+cost a call each; ``around`` a generator (measured: about 1.5 us more per run each, half of
+it the ``StopIteration`` that ends it), so a middleware uses the one it needs.
 ``admitted`` hears what the pool took in, before any of it starts, so a middleware can prepare
 a pull's messages in one call (the idempotency store claims their job ids).
 ``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
@@ -38,7 +38,7 @@ from workerpool.registry import JobSpec
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.outcome import Interrupted, Outcome
 from workerpool.worker.run import Run, Settled
-from workerpool.worker.timers import Timers
+from workerpool.worker.timers import Timer, Timers
 
 # What comes before the yield, the outcome of the rest of the chain, the run's outcome.
 Around = Generator[None, Outcome, Outcome]
@@ -207,15 +207,22 @@ class TimeLimit(Middleware):
 
     def __init__(self, timers: Timers) -> None:
         self._timers = timers
+        # Each run's deadline and its timer, from its ``before`` to its ``after``. (A dict's
+        # set and pop are atomic: runs on any thread, no lock.)
+        self._running: dict[Run, tuple[_Deadline, Timer]] = {}
 
-    def around(self, run: Run) -> Around:
+    def before(self, run: Run) -> None:
         deadline = _Deadline(self._timers, run)
-        timer = self._timers.call_after(run.job.spec.timeout, deadline.expire)
-        try:
-            return (yield)
-        finally:
-            deadline.run = None
-            timer.cancel()
+        self._running[run] = (
+            deadline,
+            self._timers.call_after(run.job.spec.timeout, deadline.expire),
+        )
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        deadline, timer = self._running.pop(run)
+        deadline.run = None
+        timer.cancel()
+        return ended
 
 
 class _Deadline:
