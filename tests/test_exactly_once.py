@@ -22,9 +22,9 @@ class _RefusingClient:
         self.refused = refused
         self.calls: list[list[str]] = []
 
-    def acknowledge(self, request: dict[str, Any], **options: Any) -> None:
-        self.calls.append(list(request["ack_ids"]))
-        errors = {a: why for a, why in self.refused.items() if a in request["ack_ids"]}
+    def acknowledge(self, request: Any, **options: Any) -> None:
+        self.calls.append(list(request.ack_ids))
+        errors = {a: why for a, why in self.refused.items() if a in request.ack_ids}
         if errors:
             info = error_details_pb2.ErrorInfo(
                 reason="EXACTLY_ONCE_ACKID_FAILURE", domain="pubsub.googleapis.com"

@@ -9,7 +9,7 @@ from workerpool.context import Flag, JobContext
 from workerpool.registry import Registry
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.envelope import Job, decode
-from workerpool.worker.middleware import Around, Chain, Middleware, Steps
+from workerpool.worker.middleware import Around, Chain, Ended, Middleware, Steps
 from workerpool.worker.outcome import AlreadyDone, Failed, Outcome, Succeeded
 from workerpool.worker.run import Run
 
@@ -42,6 +42,25 @@ class Before(Middleware):
     def before(self, run: Run) -> Outcome | None:
         self.heard.append("before-only")
         return self.early
+
+
+class BeforeAfter(Middleware):
+    """A ``before`` and an ``after``, no generator: writes down each, and what it saw; its
+    ``before`` ends the run if told to, its ``after`` changes the outcome if told to."""
+
+    def __init__(
+        self, name: str, heard: list[str], *, early: Outcome | None = None,
+        instead: Outcome | None = None,
+    ) -> None:  # fmt: skip
+        self.name, self.heard, self.early, self.instead = name, heard, early, instead
+
+    def before(self, run: Run) -> Outcome | None:
+        self.heard.append(f"{self.name} before")
+        return self.early
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        self.heard.append(f"{self.name} after {type(ended).__name__}")
+        return ended if self.instead is None else self.instead
 
 
 class Raises(Middleware):
@@ -159,14 +178,22 @@ def test_an_around_that_wraps_the_base_one_still_works() -> None:
     assert heard == ["wrapper before", "wrapper after Succeeded"]
 
 
-def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_caller() -> None:
+@pytest.mark.parametrize(
+    ("outer", "saw"),
+    [(Recorder, "outer saw a bug before the yield"), (BeforeAfter, "outer after RuntimeError")],
+)
+def test_what_a_middleware_raises_reaches_the_ones_outside_it_and_then_the_caller(
+    outer: type[Recorder | BeforeAfter], saw: str
+) -> None:
+    # (an around's part after its yield has it raised there; an after is given it, and
+    # passes it on)
     heard: list[str] = []
-    steps = Steps(Chain([Recorder("outer", heard), Raises()]), _run())
+    steps = Steps(Chain([outer("outer", heard), Raises()]), _run())
     ended = steps.enter()
     assert isinstance(ended, RuntimeError)
     with pytest.raises(RuntimeError, match="a bug before the yield"):
         steps.leave(ended)
-    assert heard == ["outer before", "outer saw a bug before the yield"]
+    assert heard == ["outer before", saw]
 
 
 def test_a_middleware_that_yields_twice_is_a_bug_named_by_the_error() -> None:
@@ -182,3 +209,36 @@ def test_the_wrapper_form_of_earlier_versions_is_refused_where_it_is_defined() -
         class Old(Middleware):
             def run(self, run: Run, call_next: object) -> Outcome:
                 return Succeeded()
+
+
+def test_an_after_hook_is_left_in_its_place_as_an_arounds_half_after_would_be() -> None:
+    # Given a before-and-after between two arounds, and one innermost
+    heard: list[str] = []
+    chain = Chain(
+        [
+            Recorder("outer", heard),
+            BeforeAfter("plain", heard),
+            Recorder("inner", heard),
+            BeforeAfter("last", heard, instead=AlreadyDone()),
+        ]
+    )
+    # When a run goes through and its handler succeeds
+    steps = Steps(chain, _run())
+    assert steps.enter() is None
+    heard.append("handler")
+    # Then each after runs where the half after its yield would, innermost first, and what it
+    # returns is the outcome the ones outside it see
+    assert steps.leave(Succeeded()) == AlreadyDone()
+    assert heard == [
+        "outer before", "plain before", "inner before", "last before", "handler",
+        "last after Succeeded", "inner after AlreadyDone", "plain after AlreadyDone",
+        "outer after AlreadyDone",
+    ]  # fmt: skip
+
+
+def test_an_after_is_not_called_when_its_own_before_ended_the_run() -> None:
+    heard: list[str] = []
+    steps = Steps(Chain([BeforeAfter("outer", heard), BeforeAfter("early", heard,
+                                     early=AlreadyDone())]), _run())  # fmt: skip
+    assert steps.leave(steps.enter() or Succeeded()) == AlreadyDone()
+    assert heard == ["outer before", "early before", "outer after AlreadyDone"]

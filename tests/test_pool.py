@@ -26,6 +26,7 @@ from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers
+from workerpool.worker.watched import Watched
 
 
 class _Gate:
@@ -615,3 +616,26 @@ def test_a_start_that_raises_does_not_stop_the_starts_queued_after_it() -> None:
         assert started == [True]
     finally:
         _close(pool, loop)
+
+
+def test_a_watched_condition_wakes_whoever_waits_and_nobody_else() -> None:
+    lock = threading.Lock()
+    watched = Watched(lock)
+    with lock:
+        watched.notify_all()  # nobody waits: nothing to wake, nothing kept for later
+    woken: list[bool] = []
+
+    def waiter() -> None:
+        with lock:
+            woken.append(watched.wait(60))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    while True:  # until the waiter waits (it holds the lock until then)
+        with lock:
+            if watched._waiting:
+                watched.notify_all()
+                break
+        time.sleep(0.001)
+    thread.join()
+    assert woken == [True]

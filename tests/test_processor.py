@@ -9,9 +9,11 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from google.pubsub_v1.types import ReceivedMessage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +50,7 @@ from workerpool.worker.outcome import (
     decide,
 )
 from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.puller import to_delivery
 from workerpool.worker.renewal import Renewer
 from workerpool.worker.run import Settled
 from workerpool.worker.timers import Timers
@@ -514,3 +517,40 @@ def test_job_config_sections_are_converted_once_and_mistakes_named() -> None:
         jobs.configs({"t.typed": {"hosts": [1]}})
     with pytest.raises(TypeError, match="config must be a dataclass"):
         jobs.job("t.bad", config=dict)
+
+
+def test_the_handler_sees_the_publish_time_pub_sub_gave_to_the_microsecond() -> None:
+    jobs, seen = Registry(), []
+
+    @jobs.job("t.when")
+    def when(ctx: JobContext, payload: dict[str, Any]) -> None:
+        seen.append(ctx.publish_time)
+
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [], ProcessorSettings(BACKOFF)
+    )
+    stamps = [(0, 0), (1_764_940_000, 999_999_999), (2_000_000_000, 123_456_789), (1, 1_000)]
+    for seconds, nanos in stamps:
+        received = ReceivedMessage.pb(ReceivedMessage(ack_id=f"ack-{seconds}"))
+        received.message.message_id, received.message.data = f"m-{seconds}", b"{}"
+        received.message.attributes["job"] = "t.when"
+        received.message.publish_time.seconds, received.message.publish_time.nanos = seconds, nanos
+        processor.process(to_delivery(received))
+    # Nanoseconds are cut to microseconds, as protobuf's ``ToDatetime`` cuts them.
+    assert seen == [datetime.fromtimestamp(s, UTC) + timedelta(microseconds=n // 1000)
+                    for s, n in stamps]  # fmt: skip
+
+
+def test_a_run_that_ends_leaves_no_timeout_behind() -> None:
+    jobs = Registry()
+    jobs.job("t.quick", timeout=60)(lambda ctx, payload: None)
+    jobs.job("t.failing", timeout=60)(lambda ctx, payload: 1 / 0)
+    timers = Timers()
+    time_limit = TimeLimit(timers)
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [time_limit], ProcessorSettings(BACKOFF)
+    )
+    for name in ["t.quick", "t.failing"] * 3:
+        processor.process(make_delivery(b"{}", {"job": name}))
+    # Each run's timer is cancelled as it ends, however it ended
+    assert processor.stats == {"done": 3, "retried": 3} and len(timers) == 0

@@ -12,6 +12,7 @@ import logging
 import random
 import sys
 import threading
+import time
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -364,6 +365,56 @@ def test_messages_renewed_on_their_last_delivery_are_counted_and_logged(
     # and the end line says so only where it happened
     fields = [record.fields for record in caplog.records]
     assert [f.get("renewed") for f in fields] == [True, True, None]
+
+
+def test_every_end_line_has_the_attributes_make_record_gives_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given records that name no thread or process (as ``setup_logging`` has them)
+    for flag in ("logThreads", "logProcesses", "logMultiprocessing"):
+        monkeypatch.setattr(logging, flag, False)
+    job_log = JobLog()
+    events = [Settled(Label.DONE, f"t.{i}", f"j-{i}", f"m-{i}", 1) for i in range(3)]
+    # When several end lines are logged
+    with caplog.at_level(logging.INFO, logger="workerpool.jobs"):
+        before = time.time()
+        for event in events:
+            job_log.settled(event)
+        after = time.time()
+    # Then each has the attributes ``makeRecord`` gives the first, its own time and fields
+    logger = logging.getLogger("workerpool.jobs")
+    for record, event in zip(caplog.records, events, strict=True):
+        made = logger.makeRecord(
+            logger.name, record.levelno, record.pathname, record.lineno, record.msg, (), None,
+            record.funcName, {"fields": record.fields, "span_context": record.span_context},
+        )  # fmt: skip
+        # (but for the time, and what a formatter sets on a record it formats)
+        timing = {"created", "msecs", "relativeCreated", "message", "asctime"}
+        assert {k: v for k, v in vars(record).items() if k not in timing} == {
+            k: v for k, v in vars(made).items() if k not in timing
+        }
+        assert before <= record.created <= after and record.fields["job_id"] == event.job_id
+        assert record.getMessage() == f"job {event.job} done"
+        assert record.msecs == int((record.created % 1) * 1000)
+        # (both since logging started)
+        since = (record.created - made.created) * 1000
+        assert abs(record.relativeCreated - made.relativeCreated - since) < 0.01
+    assert record.funcName == "settled" and record.pathname.endswith("joblog.py")
+    # and an application's record factory still makes each one
+    made_by_it: list[str] = []
+    factory = logging.getLogRecordFactory()
+
+    def counting(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        made_by_it.append(args[4])
+        return factory(*args, **kwargs)
+
+    logging.setLogRecordFactory(counting)
+    try:
+        with caplog.at_level(logging.INFO, logger="workerpool.jobs"):
+            job_log.settled(events[0])
+    finally:
+        logging.setLogRecordFactory(factory)
+    assert made_by_it == ["job t.0 done"]
 
 
 def test_a_failing_settled_hook_never_breaks_settling() -> None:

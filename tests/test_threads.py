@@ -37,13 +37,13 @@ class _FlakyClient:
         if self.errors:
             raise self.errors.pop(0)
 
-    def acknowledge(self, request: dict[str, Any], **options: Any) -> None:
+    def acknowledge(self, request: Any, **options: Any) -> None:
         self._maybe_fail()
-        self.acked.extend(request["ack_ids"])
+        self.acked.extend(request.ack_ids)
 
-    def modify_ack_deadline(self, request: dict[str, Any], **options: Any) -> None:
+    def modify_ack_deadline(self, request: Any, **options: Any) -> None:
         self._maybe_fail()
-        self.modacked.extend(request["ack_ids"])
+        self.modacked.extend(request.ack_ids)
 
 
 @pytest.mark.parametrize(

@@ -28,13 +28,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from workerpool.control.store import SEEN_WITHIN, Cancel, CancelStore
 from workerpool.stores import StoreError
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import job_id_of
-from workerpool.worker.middleware import Middleware
+from workerpool.worker.middleware import Ended, Middleware
 from workerpool.worker.outcome import Cancelled, Outcome
 from workerpool.worker.run import Run, Settled
 
@@ -243,12 +243,13 @@ class CancelWatch(Middleware):
     def __init__(self, cancels: Cancels) -> None:
         self._cancels = cancels
 
-    def around(self, run: Run) -> Generator[None, Outcome, Outcome]:
+    def before(self, run: Run) -> Outcome | None:
         cancel = self._cancels.begin(run)
-        if cancel is not None:  # cancelled while it waited for a slot or a token
-            return Cancelled(cancel.reason)
-        try:
-            outcome = yield
-        finally:
-            stopped = self._cancels.end(run)
-        return outcome if stopped is None else Cancelled(stopped.reason)
+        # Cancelled while it waited for a slot or a token: it ends here, never begun.
+        return None if cancel is None else Cancelled(cancel.reason)
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        stopped = self._cancels.end(run)
+        if stopped is None or isinstance(ended, BaseException):
+            return ended
+        return Cancelled(stopped.reason)

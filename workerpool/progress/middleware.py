@@ -28,8 +28,8 @@ from workerpool.progress.writer import ProgressWriter
 from workerpool.stores import StoreError
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import job_id_of
-from workerpool.worker.middleware import Around, Middleware
-from workerpool.worker.outcome import Unavailable
+from workerpool.worker.middleware import Ended, Middleware
+from workerpool.worker.outcome import Outcome, Unavailable
 from workerpool.worker.run import Run, Settled
 
 # A cancelled run is finished too: no later run of its job id resumes.
@@ -60,7 +60,7 @@ class Checkpoints(Middleware):
     def start(self) -> None:
         self.writer.start()
 
-    def around(self, run: Run) -> Around:
+    def before(self, run: Run) -> Outcome | None:
         job = run.job
         handle = RunHandle(self._store, job.name, job.job_id, self._replica, run.delivery)
         run.ctx.run_state = handle
@@ -76,10 +76,13 @@ class Checkpoints(Middleware):
             except StoreError as exc:
                 return Unavailable(f"checkpoints: {exc}")
         self.writer.started(handle)
-        try:
-            return (yield)
-        finally:
+        return None
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        handle = run.ctx.run_state  # the one ``before`` gave it
+        if isinstance(handle, RunHandle):
             self.writer.ended(handle)
+        return ended
 
     def admitted(self, deliveries: Sequence[Delivery]) -> None:
         job_ids = [job_id_of(delivery) for delivery in deliveries if self._is_async(delivery)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Protocol
 
@@ -188,8 +188,8 @@ class Metrics(Middleware):
         job = run.job
         self._known_jobs.add(job.name)  # a set's add is atomic; reads tolerate a late one
         self._started.add(job.name)
-        if job.publish_time is not None:
-            latency = (datetime.now(UTC) - job.publish_time).total_seconds()
+        if job.published is not None:
+            latency = time.time() - job.published
             self._record_queue_latency(max(0.0, latency), (job.name,))
 
     def settled(self, event: Settled) -> None:

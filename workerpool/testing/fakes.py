@@ -8,10 +8,10 @@ take them without a ``type: ignore``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 from workerpool.context import Flag, JobContext
 from workerpool.registry import JobSpec
@@ -71,7 +71,7 @@ def make_delivery(
         message_id=message_id,
         data=data,
         attributes=attributes,
-        publish_time=datetime.now(UTC),
+        published=time.time(),
         delivery_attempt=attempt,
     )
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from workerpool import constants as c
@@ -94,7 +94,7 @@ def run_job(
     delivery = Delivery(
         ack_id="run-job", message_id=job_id, data=body,
         attributes={c.ATTR_JOB: spec.name, c.ATTR_JOB_ID: job_id},
-        publish_time=datetime.now(UTC), delivery_attempt=attempt,
+        published=time.time(), delivery_attempt=attempt,
     )  # fmt: skip
     deadline = threading.Timer(cancel_after, processor.interrupt_running) if cancel_after else None
     timers.start()

@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from workerpool import constants as c
@@ -32,12 +32,17 @@ class Job:
     payload: Any
     message_id: str
     delivery_attempt: int
-    publish_time: datetime | None
+    published: float | None  # POSIX seconds (``Delivery.published``)
     attributes: dict[str, str]
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def publish_time(self) -> datetime | None:
+        """When Pub/Sub published the message, in UTC (the handler's ``ctx.publish_time``)."""
+        return None if self.published is None else datetime.fromtimestamp(self.published, UTC)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,6 @@ def decode(
         payload=payload,
         message_id=delivery.message_id,
         delivery_attempt=attempt,
-        publish_time=delivery.publish_time,
+        published=delivery.published,
         attributes=delivery.attributes,
     )

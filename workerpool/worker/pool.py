@@ -50,6 +50,7 @@ from workerpool.worker.limits import PoolLimits
 from workerpool.worker.ordering import Place, Sequencer, Unordered
 from workerpool.worker.permits import AHEAD, HELD, NONE, PARKED, SlotPermit, Start
 from workerpool.worker.processor import Ending, Processor
+from workerpool.worker.watched import Watched
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,11 @@ class Pool:
         self._low = limits.prefetch // 2  # this few waiting to start: pull now
         self._most = self._sequencer.per_key or limits.max_held  # a pull's most: a key's share
         self._batch = max(1, min(limits.max_held // 2, self._most))  # else pull this much
-        # One lock, two conditions: the puller and ``wait_idle`` watch the hold; slot threads
-        # wait for a permit. A freed permit wakes one waiting thread, not all (up to
-        # ``prefetch`` may wait, and each woken for nothing costs a GIL hand-off).
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)
+        # One lock, entered as itself (a Condition's __enter__ is one more Python call), two
+        # conditions: the puller and ``wait_idle`` watch the hold; slot threads wait for a
+        # permit, one woken per freed permit (each woken for nothing is a GIL hand-off).
+        self._lock = lock = threading.Lock()
+        self._cond = Watched(lock)
         self._permits = threading.Condition(lock)
         self._quiet = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -126,7 +127,7 @@ class Pool:
         ``startable``, only as many as could start at once (a run waiting without its permit
         does not count)."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while not self._quiet.is_set():
                 room = self.limits.max_held - self._held
                 if startable:
@@ -144,7 +145,7 @@ class Pool:
         accepted: list[Delivery] = []
         startable: list[Delivery] = []
         released: list[Delivery] = []
-        with self._cond:
+        with self._lock:
             for delivery in deliveries:
                 fits = (
                     not self._quiet.is_set()
@@ -185,7 +186,7 @@ class Pool:
                 continue
             delivery = item
             if delivery.settled:  # given back by quiet() while it waited
-                with self._cond:
+                with self._lock:
                     self._started_one()
                 continue
             start = functools.partial(self._start, permit, delivery)
@@ -219,7 +220,7 @@ class Pool:
     def _end_run(self, permit: SlotPermit, delivery: Delivery, *, settled: bool) -> None:
         if settled:
             self._leases.remove(delivery)
-        with self._cond:
+        with self._lock:
             starts = self._let_go(permit)
             # One round trip of the lock, not two, for most messages.
             after = self._unhold(delivery) if settled else []
@@ -306,7 +307,7 @@ class Pool:
         if permit.state is HELD:  # held: only its run changes its state, and that is us
             start(True)
             return
-        with self._cond:
+        with self._lock:
             if permit.state is AHEAD and not self._quiet.is_set():
                 self._ready.append((permit, start))
                 starts = self._dispatch()
@@ -327,7 +328,7 @@ class Pool:
         before a slot thread looks: a thread woken per run would cost most of what the run
         saved by holding none."""
         if self._ready:  # (read without the lock: else the rest lets the permit go, as ever)
-            with self._cond:
+            with self._lock:
                 starts = self._let_go(permit)
             self._launch(starts)
         self._resumed.append((permit, delivery, rest))
@@ -350,7 +351,7 @@ class Pool:
     def _left(self, delivery: Delivery) -> None:
         """``delivery``, settled after its run ended, is held no more."""
         self._leases.remove(delivery)
-        with self._cond:
+        with self._lock:
             after = self._unhold(delivery)
             self._cond.notify_all()
         self._give_back_after(after)
@@ -378,7 +379,7 @@ class Pool:
             self._processor.give_back(deliveries)
 
     def put_down(self, permit: SlotPermit) -> bool:
-        with self._cond:
+        with self._lock:
             if permit.state is not HELD or self._parked >= self.limits.prefetch:
                 return False
             self._parked += 1
@@ -389,7 +390,7 @@ class Pool:
         return True
 
     def _wait_for_permit(self, permit: SlotPermit, delivery: Delivery) -> bool:
-        with self._cond:
+        with self._lock:
             self._starting.add(delivery)
             try:
                 return self._pick_up_locked(permit)
@@ -408,7 +409,7 @@ class Pool:
         return self._unstarted - self._sequencer.waiting
 
     def pick_up(self, permit: SlotPermit) -> bool:
-        with self._cond:
+        with self._lock:
             return self._pick_up_locked(permit)
 
     def _pick_up_locked(self, permit: SlotPermit) -> bool:
@@ -432,7 +433,7 @@ class Pool:
     def stop_starting(self) -> int:
         """Admit nothing more and start nothing more; tell running jobs we are draining.
         Returns how many async runs made ready ahead it released unstarted."""
-        with self._cond:
+        with self._lock:
             self._quiet.set()
             refused = [start for _, start in self._ready]
             while self._ready:
@@ -459,11 +460,11 @@ class Pool:
                 waiting.append(item)
         for _ in range(resumes):  # async runs that ended still need a slot thread
             self._waiting.put(_RESUME)
-        with self._cond:
+        with self._lock:
             starting = list(self._starting)  # their threads count them out of held
             waiting += self._sequencer.release_all()  # behind their key: back with the rest
         released = self._processor.give_back(waiting + starting)
-        with self._cond:
+        with self._lock:
             self._drop_unstarted(waiting)
             self._permits.notify_all()
             self._cond.notify_all()
@@ -471,7 +472,7 @@ class Pool:
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no job runs, or the monotonic ``deadline`` passes."""
-        with self._cond:
+        with self._lock:
             while self.running or self._held:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -421,7 +421,8 @@ def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
         result = job.spec.handler(ctx, job.payload)
     except BaseException as exc:
         return _failure(job, ctx, exc)
-    if inspect.isawaitable(result) or inspect.isgenerator(result):
+    # (None, as most handlers return, skips the checks: isawaitable's is an ABC's, 0.3 us.)
+    if result is not None and (inspect.isawaitable(result) or inspect.isgenerator(result)):
         # Registration refuses generator functions and knows async ones; a plain def can
         # still return a coroutine (a lambda around one, say). Its body never ran: never
         # call that done.

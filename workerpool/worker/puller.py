@@ -13,7 +13,6 @@ import logging
 import random
 import threading
 from collections.abc import Sequence
-from datetime import UTC
 from typing import Any, Protocol
 
 from google.api_core import exceptions as gexc
@@ -29,15 +28,16 @@ def to_delivery(received: Any) -> Delivery:
     proto-plus one: reading its fields through proto-plus cost 26 us a message, measured,
     reading them here 3 us)."""
     message = received.message
-    publish_time = (
-        message.publish_time.ToDatetime(UTC) if message.HasField("publish_time") else None
-    )
+    published = None
+    if message.HasField("publish_time"):
+        stamp = message.publish_time  # its nanoseconds cut to microseconds, as ToDatetime does
+        published = stamp.seconds + stamp.nanos // 1000 / 1e6
     return Delivery(
         ack_id=received.ack_id,
         message_id=message.message_id,
         data=message.data,
         attributes=dict(message.attributes),
-        publish_time=publish_time,
+        published=published,
         delivery_attempt=received.delivery_attempt or None,
         ordering_key=message.ordering_key,
     )

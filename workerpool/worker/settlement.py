@@ -30,6 +30,7 @@ from workerpool.worker.outcome import (
     Outcome,
     RecordFailed,
     Renew,
+    Succeeded,
     decide,
 )
 from workerpool.worker.renewal import Renewer
@@ -100,11 +101,13 @@ class Settlement:
         # Those that hear how each message left: a call a message each, only where it is heard.
         self._hear_settled = [mw for mw in middleware if type(mw).settled is not Middleware.settled]
         self._counts: Counts[str] = Counts()
+        self._unread = Facts(1, 1, backoff)  # what the decision of a success never reads
 
     def settle(
         self, delivery: Delivery, outcome: Outcome, subject: Subject, run: Run | None = None
     ) -> None:
-        facts = self._facts(subject)
+        # A success is acked whatever the facts: they are made only for the other outcomes.
+        facts = self._unread if isinstance(outcome, Succeeded) else self._facts(subject)
         action = decide(outcome, facts)
         error_type = ""
         renewed = False
