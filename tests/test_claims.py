@@ -253,7 +253,7 @@ def test_a_late_renewal_reply_never_releases_a_newer_claim_of_the_same_message(
     # Given a run whose renewal hangs in the store
     store = FaultyStore(MemoryStore())
     worker = _Worker(store, timers)
-    failing, second_running = threading.Event(), threading.Event()
+    failing, second_running, checked = threading.Event(), threading.Event(), threading.Event()
 
     @worker.jobs.job("t.twice")
     def twice(ctx: JobContext, payload: dict[str, Any]) -> None:
@@ -262,7 +262,7 @@ def test_a_late_renewal_reply_never_releases_a_newer_claim_of_the_same_message(
             ctx.cancelled.wait(0.5)
             raise RetryableError("first run fails")
         second_running.set()
-        ctx.cancelled.wait(3)
+        checked.wait(10)  # runs, holding its claim, until the test has looked
 
     try:
         store.stall("renew", 30)
@@ -278,8 +278,10 @@ def test_a_late_renewal_reply_never_releases_a_newer_claim_of_the_same_message(
         # Then the newer claim is still held: nobody else could start the job id
         held = store.inner.claim("j1", "w2", "m-2", TTL)
         assert isinstance(held, HeldElsewhere) and held.owner == OWNER
+        checked.set()
         second.join(timeout=10)
     finally:
+        checked.set()
         store.heal()
         worker.close()
 

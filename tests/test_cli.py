@@ -8,13 +8,13 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from signal import SIGTERM
 
 import pytest
 from click.testing import CliRunner
 
+from tests.commands import run_command, run_commands
 from tests.support import catches_signal, runs_workerpool, wait_for
 from workerpool.cli import main
 from workerpool.config import load_settings
@@ -38,18 +38,10 @@ def _demo_slots_worker(tmp_path: Path, *concurrency: str) -> subprocess.Complete
     """A worker of workerpool_jobs.demo_slots with these ``--concurrency`` entries, and no
     Pub/Sub or credentials to reach: it stops at its settings' checks."""
     entries = [arg for entry in concurrency for arg in ("--concurrency", entry)]
-    return _cli(
+    return run_command(
         "run", "--project", "p", "--subscription", "s", "--jobs", "workerpool_jobs.demo_slots",
         *entries, env=_nowhere(tmp_path),
     )  # fmt: skip
-
-
-def _clis(
-    commands: list[list[str]], env: dict[str, str] | None = None
-) -> list[subprocess.CompletedProcess[str]]:
-    """``_cli`` for several commands side by side (each process spends a second starting)."""
-    with ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda args: _cli(*args, env=env), commands))
 
 
 def test_provision_twice_succeeds_and_says_what_existed(pubsub_resources: PubSubResources) -> None:
@@ -124,7 +116,7 @@ def test_a_mistake_in_a_jobs_config_section_exits_2_before_connecting(tmp_path: 
         config.write_text(section)
         commands.append(["run", "--config", str(config), "--project", "p", "--subscription", "s"])
     # When a worker starts with each
-    results = _clis(commands, env=_nowhere(tmp_path))
+    results = run_commands(commands, env=_nowhere(tmp_path))
     # Then it exits 2 with one line naming the setting, before it tries to connect
     for result, (_, says) in zip(results, _SECTION_MISTAKES, strict=True):
         assert result.returncode == 2, result.stderr
@@ -144,7 +136,7 @@ def test_a_command_without_credentials_exits_2_with_one_line(tmp_path: Path) -> 
         ["provision", *project, *topic, "--subscription", "s", "--dead-letter-topic", "d"],
         ["dlq", "list", *project, "--subscription", "s-dlq"],
     ]
-    results = _clis(commands, env=_nowhere(tmp_path))
+    results = run_commands(commands, env=_nowhere(tmp_path))
     # Then each says what is missing in one line, not a traceback
     for result in results:
         assert result.returncode == 2, result.stderr
@@ -192,7 +184,9 @@ def test_a_job_module_with_a_generator_handler_exits_2_with_one_line(tmp_path: P
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # When a worker is started with it
-    result = _cli("run", "--project", "p", "--subscription", "s", "--jobs", "asyncjobs", env=env)
+    result = run_command(
+        "run", "--project", "p", "--subscription", "s", "--jobs", "asyncjobs", env=env
+    )
     # Then it refuses to start, before pulling anything, in one line that says why
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
@@ -259,7 +253,7 @@ def test_publish_refuses_a_bad_file_in_one_line_and_publishes_none_of_it(
         commands.append([*target, "--file", str(tmp_path / f"{name}.jsonl")])
     commands.append([*target, "--job", "demo.echo", "--job-id", "j", "--data", "[1]"])
     # When each is published
-    results = _clis(commands)
+    results = run_commands(commands)
     # Then each exits 2 with one line naming the file's line and the field
     for (name, (_, says)), result in zip(bad.items(), results, strict=False):
         assert result.returncode == 2 and result.stdout == "", result.stderr
@@ -276,7 +270,7 @@ def test_publish_refuses_a_bad_file_in_one_line_and_publishes_none_of_it(
 def test_publish_refuses_arguments_that_are_not_utf8_in_one_line() -> None:
     # Given --data and --job arguments with a byte that is not UTF-8 (0xff, as argv carries it)
     target = ["publish", "--project", "p", "--topic", "t"]
-    results = _clis(
+    results = run_commands(
         [
             [*target, "--job", "a", "--data", '{"x": "\udcff"}'],
             [*target, "--job", "a\udcff", "--data", "{}"],
@@ -300,7 +294,7 @@ def test_publishing_to_a_missing_topic_exits_2_with_one_line(
     target = ["publish", "--project", project, "--topic", "no-such-topic"]
     # When one job, a file, and a batch are published to it
     batch = ["--on-complete", "demo.echo", "--batch-id", "b-1", "--idempotency-store", store]
-    results = _clis(
+    results = run_commands(
         [
             [*target, "--job", "demo.echo", "--job-id", "a", "--data", "{}"],
             [*target, "--file", str(jsonl)],
@@ -469,7 +463,7 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
          "--concurrency", limits]
         for key, limits in cases
     ]  # fmt: skip
-    for (key, _), result in zip(cases, _clis(commands, env=_nowhere(tmp_path)), strict=True):
+    for (key, _), result in zip(cases, run_commands(commands, env=_nowhere(tmp_path)), strict=True):
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().splitlines() == [
             f"workerpool: error: pool_concurrency {key!r}: a pool's key must be a plain key "
@@ -478,7 +472,7 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
 
 
 def test_a_pool_key_leased_in_bulk_exits_2_with_one_line(tmp_path: Path) -> None:
-    result = _cli(
+    result = run_command(
         "run", "--project", "p", "--subscription", "s", "--pool-concurrency", "exports",
         "--concurrency", "exports=2/bulk", env=_nowhere(tmp_path),
     )  # fmt: skip
@@ -493,7 +487,7 @@ def test_a_limit_a_job_config_declares_must_agree_with_the_concurrency_table(
     tmp_path: Path,
 ) -> None:
     # The BigQuery plugin declares max_concurrent_exports (default 2) as its key's limit
-    result = _cli(
+    result = run_command(
         "run", "--project", "p", "--subscription", "s", "--concurrency", "bigquery-exports=3",
         env=_nowhere(tmp_path),
     )  # fmt: skip
@@ -547,8 +541,8 @@ def test_a_bad_middleware_name_exits_2_naming_it(tmp_path: Path) -> None:
     ]
     env = _nowhere(tmp_path)
     # When a worker starts with each (and one with the name only in the environment)
-    results = _clis(commands, env=env)
-    results.append(_cli(*run, env={**env, "WORKERPOOL_MIDDLEWARE": "no_such_module:Audit"}))
+    results = run_commands(commands, env=env)
+    results.append(run_command(*run, env={**env, "WORKERPOOL_MIDDLEWARE": "no_such_module:Audit"}))
     # Then it exits 2 with one line naming it, before it tries to connect
     says = [
         "middleware no-such-plugin: no entry point of that name in workerpool.middleware, and "
@@ -575,7 +569,7 @@ def test_jobs_lists_a_job_that_takes_an_option_of_a_named_middleware(tmp_path: P
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     # When the jobs are listed without the middleware, then with it
-    without, named = _clis(
+    without, named = run_commands(
         [
             ["jobs", "--jobs", "audit_jobs"],
             ["jobs", "--jobs", "audit_jobs", "--middleware", "audit_mw:Audit"],

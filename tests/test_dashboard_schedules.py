@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
-import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from tests.commands import run_command
 from tests.support import dashboard_process, http_get
 from workerpool.periodic import marks_opener
 
@@ -86,10 +85,6 @@ def test_without_the_job_modules_only_the_config_schedules_show(tmp_path: Path) 
 def test_a_job_module_that_cannot_be_imported_is_one_line_and_exit_2(tmp_path: Path) -> None:
     config = tmp_path / "workerpool.toml"
     config.write_text(CONFIG.format(store=f"sqlite:///{tmp_path / 'fleet.db'}"))
-    done = subprocess.run(
-        [sys.executable, "-m", "workerpool", "dashboard", "--config", str(config),
-         "--jobs", "no_such_jobs_module"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = run_command("dashboard", "--config", str(config), "--jobs", "no_such_jobs_module")
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "no_such_jobs_module" in done.stderr

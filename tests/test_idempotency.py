@@ -301,7 +301,10 @@ def _claim_all_in_process(path: str, owner: str, job_ids: list[str], start: Any,
 
 def test_sqlite_racing_processes_claim_each_job_once(tmp_path: Path) -> None:
     processes, job_ids = 4, [f"job-{i}" for i in range(200)]
-    ctx = multiprocessing.get_context("spawn")
+    # Processes of their own, forked from one that imported this module once (not spawned:
+    # each would import it again, seconds of CPU before it races at all)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     start, out = ctx.Barrier(processes), ctx.Queue()
     path = str(tmp_path / "shared" / "idem.db")
     pool = [

@@ -29,6 +29,8 @@ from workerpool.stores import StoreError
 
 HOUR = 3600.0
 NOW = 1_800_000_000.0  # on the hour
+# How often the firers look at a clock the test moves by hand (a real one: each second).
+POLL = 0.05
 
 
 @pytest.fixture(params=["memory", "sqlite", "firestore"])
@@ -196,7 +198,9 @@ def test_a_tick_due_is_published_once_by_many_firers(opened: Callable[[], Marks]
     publisher = Publisher()
     clock = _Clock(NOW)
     every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1))
-    firers = [Periodics([every], opened(), "t", publisher, clock=clock) for _ in range(4)]
+    firers = [
+        Periodics([every], opened(), "t", publisher, clock=clock, poll=POLL) for _ in range(4)
+    ]
     for firer in firers:
         firer.start()
     try:
@@ -286,8 +290,8 @@ def test_overlap_buffer_one_keeps_one_tick_waiting_and_fires_it_when_the_run_end
     schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "none",
                         10 * HOUR, "buffer_one")  # fmt: skip
     publisher, counts, clock = Publisher(), Counted(), _Clock(NOW - 1)
-    firers = [Periodics([schedule], opened(), "t", publisher, clock=clock, on_ticks=counts)
-              for _ in range(2)]  # fmt: skip
+    firers = [Periodics([schedule], opened(), "t", publisher, clock=clock, on_ticks=counts,
+                        poll=POLL) for _ in range(2)]  # fmt: skip
     runs = threading.Event()
     runs.set()
     for firer in firers:
@@ -333,7 +337,7 @@ def test_the_firing_thread_survives_a_store_that_fails_and_a_bug() -> None:
     clock = _Clock(NOW)
     every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1))
     marks = _Failing()
-    firer = Periodics([every], marks, "t", publisher, clock=clock)
+    firer = Periodics([every], marks, "t", publisher, clock=clock, poll=POLL)
     firer.start()
     try:
         # When three ticks come due, one by one, the first two meeting a failure each
@@ -380,7 +384,7 @@ def test_a_paused_schedule_fires_nothing_and_resumed_not_what_it_missed() -> Non
     clock = _Clock(NOW)
     every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="all")
     marks = _Reading()
-    firers = [Periodics([every], marks, "t", publisher, clock=clock) for _ in range(2)]
+    firers = [Periodics([every], marks, "t", publisher, clock=clock, poll=POLL) for _ in range(2)]
     for firer in firers:
         firer.start()
     try:

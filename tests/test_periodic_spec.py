@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.commands import run_command
 from workerpool.config import Settings, load_settings
 from workerpool.errors import ConfigError
 from workerpool.periodic import with_jobs
@@ -85,11 +84,7 @@ def test_the_worker_stops_with_exit_2_on_a_bad_schedule(tmp_path: Path) -> None:
     # Given a config whose schedule has an unknown timezone, when the worker starts, then exit 2.
     config = tmp_path / "workerpool.toml"
     config.write_text('[[schedules]]\nname = "x"\njob = "j"\ncron = "* * * * *"\ntimezone = "X"\n')
-    result = subprocess.run(
-        [sys.executable, "-m", "workerpool", "run", "--config", str(config),
-         "--project", "p", "--subscription", "s"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    result = run_command("run", "--config", str(config), "--project", "p", "--subscription", "s")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"workerpool: error: schedule 'x' (from {config}): unknown timezone 'X' (an IANA name)"

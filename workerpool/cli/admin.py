@@ -7,9 +7,6 @@ from typing import Any
 import click
 
 from workerpool.config import load_settings
-from workerpool.ops.admin import ProvisionRequest
-from workerpool.ops.admin import provision as provision_resources
-from workerpool.pubsub import connect, subscription_path
 
 
 @click.command()
@@ -27,6 +24,10 @@ from workerpool.pubsub import connect, subscription_path
 @click.option("--ordered", is_flag=True, help="Enable message ordering (by ordering key).")
 def provision(**options: Any) -> None:
     """Create the topic, subscription, dead-letter topic and its subscription (idempotent)."""
+    from workerpool.ops.admin import ProvisionRequest
+    from workerpool.ops.admin import provision as provision_resources
+    from workerpool.pubsub import connect
+
     options["filter"] = options.pop("filter_")
     clients = connect()
     try:
@@ -57,6 +58,7 @@ def status(
     each declared concurrency key's limit, holders and waiters; or (--running) the jobs
     running in the fleet: job, job id, replica, started, progress, note."""
     from workerpool.ops.status import slot_lines, status_lines
+    from workerpool.pubsub import connect, subscription_path
     from workerpool.slots import open_slot_store
 
     flags = {"idempotency_store": idempotency_store, "concurrency": concurrency}

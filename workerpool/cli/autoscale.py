@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from workerpool.assembly.service import exit_now
 from workerpool.config import load_settings
 from workerpool.errors import ConfigError
 from workerpool.worker.signals import held
@@ -81,6 +80,7 @@ def autoscale(
     """Size the worker fleet from its heartbeats, a probe pull while it is at zero, and Cloud
     Monitoring where it answers. Arguments after -- go to each `workerpool run` the process
     actuator starts (e.g. -- --jobs myjobs --max-outstanding 2)."""
+    from workerpool.assembly.service import exit_now
     from workerpool.autoscale.policy import Policy
     from workerpool.autoscale.service import AutoscaleOptions, run_autoscaler
 

@@ -9,8 +9,6 @@ from typing import Any
 
 import click
 
-from workerpool.pubsub import connect, describe_subscription, subscription_path
-
 
 @click.group()
 def dlq() -> None:
@@ -36,6 +34,7 @@ def _dlq_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def dlq_list(project: str, subscription: str, job_name: str | None, limit: int) -> None:
     """Show failure records as a table, leaving them on the subscription."""
     from workerpool.ops.dlq import peek, table
+    from workerpool.pubsub import connect, describe_subscription, subscription_path
 
     clients = connect()
     try:
@@ -58,6 +57,7 @@ def dlq_replay(
 ) -> None:
     """Republish failure records to their source topic; ack each once that is confirmed."""
     from workerpool.ops.dlq import Replayer
+    from workerpool.pubsub import connect, describe_subscription, subscription_path
 
     clients = connect()
     counts: Counter[str] = Counter()

@@ -11,7 +11,6 @@ import click
 
 from workerpool.errors import ConfigError
 from workerpool.publishing import JobMessage, publish_batch, publish_many, read_jsonl
-from workerpool.pubsub import connect, topic_path
 from workerpool.telemetry.exporters import publish_span
 from workerpool.worker.envelope import parse_json
 
@@ -51,6 +50,8 @@ def publish(
     idempotency_store: str | None,
 ) -> None:
     """Publish one job (--job/--data) or many (--file), now or delayed, or as one batch."""
+    from workerpool.pubsub import connect, topic_path
+
     when = _not_before(delay, not_before)
     messages = _messages(jsonl, job_name, job_id, data)
     if ordering_key:  # for every line of a --file that names no key of its own

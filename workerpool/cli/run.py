@@ -8,7 +8,6 @@ from typing import Any
 import click
 
 from workerpool.assembly.named import find_all
-from workerpool.assembly.service import exit_now, serve
 from workerpool.cli.options import load_jobs, log_format
 from workerpool.config import Settings, load_settings
 from workerpool.registry import registry
@@ -92,6 +91,8 @@ def _run_options(func: Callable[..., Any]) -> Callable[..., Any]:
 @log_format
 def run(config_file: str | None, jobs: tuple[str, ...], **flags: Any) -> None:
     """Pull and run jobs until SIGTERM or SIGINT, then drain."""
+    from workerpool.assembly.service import exit_now, serve
+
     settings = load_settings(config_file, {**flags, "jobs": jobs})
     find_all(settings)  # first: a job may take an option one of them declares
     load_jobs(settings.jobs)

@@ -74,7 +74,8 @@ Due = tuple[Periodic, float]
 class Periodics(Middleware):
     """Fires the ticks of ``schedules`` to ``topic`` (see the module). ``on_late`` hears how
     late each tick was published, by schedule; ``on_ticks`` how many ticks of a schedule were
-    "fired", "skipped" (overlap) or "missed" (catch_up), each counted by one worker."""
+    "fired", "skipped" (overlap) or "missed" (catch_up), each counted by one worker.
+    ``poll`` is the longest the thread sleeps between looks at ``clock``."""
 
     options = frozenset({SCHEDULE})
 
@@ -86,6 +87,7 @@ class Periodics(Middleware):
         publisher: Any,
         *,
         take_over_after: float = 5.0,
+        poll: float = 1.0,
         on_late: Callable[[str, float], None] = lambda name, seconds: None,
         on_ticks: Callable[[str, str, int], None] = lambda name, outcome, count: None,
         clock: Callable[[], float] = time.time,
@@ -95,6 +97,7 @@ class Periodics(Middleware):
         self._topic = topic
         self._publisher = publisher
         self._take_over_after = take_over_after
+        self._poll = poll
         self._on_late = on_late
         self._on_ticks = on_ticks
         self._clock = clock
@@ -135,8 +138,9 @@ class Periodics(Middleware):
             for start in range(0, len(burst), _BURST):
                 self._guarded(partial(self._fire, burst[start : start + _BURST]))
             self._guarded(partial(self._take_over, now))
-            # Awake at the next tick, and at least every second to take over lost publishes.
-            self._stop.wait(max(0.0, min(min(due.values()) - self._clock(), 1.0)))
+            # Awake at the next tick, and at least every poll (a second) to take over lost
+            # publishes and to see a clock that moved.
+            self._stop.wait(max(0.0, min(min(due.values()) - self._clock(), self._poll)))
 
     def _guarded(self, step: Callable[[], object]) -> None:
         try:
