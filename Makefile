@@ -24,17 +24,11 @@ docs:
 		--site-dir $$site; \
 	status=$$?; rm -rf $$site; exit $$status
 
-# The tests write the bytecode they compile, whatever the environment says: with
-# PYTHONDONTWRITEBYTECODE set, each test process (and each process a test starts) compiled the
-# package and rewrote every test module from source again, 20 s of a 92 s unit run measured
-# on 2 busy cores. The caches go to __pycache__/, which git ignores.
-TESTS = env -u PYTHONDONTWRITEBYTECODE $(PYTHON) -m pytest
-
 unit:
-	$(TESTS) -m "not emulator" -n 2 -q
+	$(PYTHON) -m pytest -m "not emulator" -n 2 -q
 
 test:
-	$(TESTS) -n 2
+	$(PYTHON) -m pytest -n 2
 
 # BENCHMARKS.md, written by the bench: every runner of bench/ with the report's short settings
 # (about 20 minutes on 2 cores), its results in bench/results/, then the report from them.

@@ -21,6 +21,13 @@ import pytest
 from workerpool.testing.emulator import LocalEmulator, gcloud_available
 from workerpool.worker.timers import Timers
 
+# The tests write the bytecode they compile, whatever the environment says: with
+# PYTHONDONTWRITEBYTECODE set (as container images often do), every test process and every
+# worker process a test starts compiled the package from source again. This module is loaded
+# before pytest-xdist starts its workers, so they and their children inherit the change.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # The project the Firestore emulator's stores live in (idempotency claims, slots).
 FIRESTORE_PROJECT = "workerpool-idempotency"
 
