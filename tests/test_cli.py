@@ -429,7 +429,7 @@ def test_a_declared_key_may_not_contain_the_shard_records_mark(tmp_path: Path) -
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "workerpool: error: concurrency 'api#1' (from --concurrency): a key may not contain # "
-        "(a split key's shard records are named KEY#0, KEY#1, ...)"
+        "(it marks a split key's shard records)"
     ]
 
 
@@ -469,6 +469,19 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
             f"workerpool: error: pool_concurrency {key!r}: a pool's key must be a plain key "
             "with a declared limit (the pool takes its slots before it sees any payload)"
         ]
+
+
+def test_a_pool_key_that_could_name_a_shard_record_exits_2_with_one_line(tmp_path: Path) -> None:
+    # "partner:*" covers "partner:a#0", which names the first shard record of "partner:a"
+    result = run_command(
+        "run", "--project", "p", "--subscription", "s", "--pool-concurrency", "partner:a#0",
+        "--concurrency", "partner:*=2", env=_nowhere(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "workerpool: error: pool_concurrency 'partner:a#0': a key may not contain # (it marks "
+        "a split key's shard records)"
+    ]
 
 
 def test_a_pool_key_leased_in_bulk_exits_2_with_one_line(tmp_path: Path) -> None:

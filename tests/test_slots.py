@@ -400,6 +400,12 @@ def test_a_template_must_be_covered_by_a_declared_limit() -> None:
     assert KeyTemplate("imports").check(limits) == "has no declared limit"
     problem = KeyTemplate("tenant:{id}").check(limits)
     assert problem is not None and '"tenant:*"' in problem
+    # A key a pattern covers that could name a shard record ("partner:a"'s first) is refused
+    # as the worker starts, not at each job's run
+    for shard_like in ("partner:a#0", "partner:#{id}"):
+        assert KeyTemplate(shard_like).check(limits) == (
+            "a key may not contain # (it marks a split key's shard records)"
+        )
     for bad in ("p:{a.b}", "p:{0}", "p:{a!r}", "p:{a:>3}", "p:{"):
         with pytest.raises(ConfigError):
             KeyTemplate(bad)

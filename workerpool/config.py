@@ -19,7 +19,7 @@ from workerpool.constants import LEASES_BULK, LEASES_PER_RUN
 from workerpool.errors import ConfigError
 from workerpool.periodic.spec import Periodic, parse_schedules
 from workerpool.ratelimit import RateSpec, parse_rate
-from workerpool.slots.keys import SHARD_MARK
+from workerpool.slots.keys import NO_SHARD_MARK, SHARD_MARK
 
 DEFAULT_CONFIG_FILE = "workerpool.toml"
 ENV_PREFIX = "WORKERPOOL_"
@@ -199,10 +199,7 @@ def _concurrency(entries: Mapping[str, Any], source: str) -> dict[str, tuple[int
     limits = {}
     for key, raw in entries.items():
         if SHARD_MARK in key:
-            raise ConfigError(
-                f"concurrency {key!r} (from {source}): a key may not contain {SHARD_MARK} (a "
-                f"split key's shard records are named KEY{SHARD_MARK}0, KEY{SHARD_MARK}1, ...)"
-            )
+            raise ConfigError(f"concurrency {key!r} (from {source}): {NO_SHARD_MARK}")
         text, mode, shards = (*str(raw).strip().split("/"), "", "")[:3]
         mode = mode.strip() or LEASES_PER_RUN
         shards = shards.strip() or "1"

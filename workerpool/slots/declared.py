@@ -10,7 +10,7 @@ from typing import Any
 from workerpool.errors import ConfigError
 from workerpool.registry import JobSpec
 from workerpool.slots import slot_store_opener
-from workerpool.slots.keys import KeyTemplate, Limits
+from workerpool.slots.keys import NO_SHARD_MARK, SHARD_MARK, KeyTemplate, Limits
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ def declared_limits(
             f"pool_concurrency {pool_key!r}: a pool's key is leased per run (its slots are "
             "taken before each pull); declare it without /bulk"
         )
+    if pool_key and SHARD_MARK in pool_key:
+        raise ConfigError(f"pool_concurrency {pool_key!r}: {NO_SHARD_MARK}")
     if pool_key and (KeyTemplate(pool_key).fields or limits.of(pool_key) is None):
         raise ConfigError(
             f"pool_concurrency {pool_key!r}: a pool's key must be a plain key with a "

@@ -17,6 +17,7 @@ from workerpool.errors import ConfigError
 
 # Marks a split key's shard records (``KEY#0``): no declared or rendered key contains it.
 SHARD_MARK = "#"
+NO_SHARD_MARK = f"a key may not contain {SHARD_MARK} (it marks a split key's shard records)"
 
 
 class Limits:
@@ -124,13 +125,15 @@ class KeyTemplate:
         key = self.text.format_map(values)
         if SHARD_MARK in key:
             raise BadPayloadKey(
-                f"concurrency key {self.text}: the payload renders {key!r}, and a key may not "
-                f"contain {SHARD_MARK} (it marks a split key's shard records)"
+                f"concurrency key {self.text}: the payload renders {key!r}, and {NO_SHARD_MARK}"
             )
         return key
 
     def check(self, limits: Limits) -> str | None:
-        """Why no declared limit covers every key this renders, or None if one does."""
+        """Why a key this renders may not be used (no declared limit covers it, or it could
+        name a shard record), or None if every one may."""
+        if SHARD_MARK in self.text:  # (a declared pattern may cover it: "tenant:*", "tenant:a#0")
+            return NO_SHARD_MARK
         if not self.fields:
             return None if limits.of(self.text) is not None else "has no declared limit"
         if limits.cover(self.head):

@@ -16,7 +16,7 @@ from workerpool.errors import Defer
 from workerpool.options import CONCURRENCY
 from workerpool.registry import JobSpec
 from workerpool.slots.gate import PoolGate
-from workerpool.slots.keys import SHARD_MARK, BadPayloadKey, KeyTemplate
+from workerpool.slots.keys import NO_SHARD_MARK, SHARD_MARK, BadPayloadKey, KeyTemplate
 from workerpool.slots.leases import GaveUp, Lease, SlotLeases, Taken
 from workerpool.stores import StoreError
 from workerpool.worker.middleware import Around, Middleware
@@ -148,7 +148,7 @@ class Concurrency(Middleware):
         """A slot for part of a running job (``ctx.slot``); raises ``Defer`` or
         ``LookupError`` as ``context.Slots.take`` says (``run`` None: it has ended)."""
         if SHARD_MARK in key:
-            raise LookupError(f"concurrency key {key!r}: a key may not contain {SHARD_MARK}")
+            raise LookupError(f"concurrency key {key!r}: {NO_SHARD_MARK}")
         if self._leases.limits.of(key) is None:
             raise LookupError(f"no concurrency limit is declared for {key!r}")
         if run is None:
