@@ -415,6 +415,17 @@ def test_every_end_line_has_the_attributes_make_record_gives_it(
     finally:
         logging.setLogRecordFactory(factory)
     assert made_by_it == ["job t.0 done"]
+    # and so does a logger class of the application's (``logging.setLoggerClass``)
+
+    class Numbering(logging.Logger):
+        def makeRecord(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+            made_by_it.append(args[4])
+            return super().makeRecord(*args, **kwargs)
+
+    monkeypatch.setattr(logger, "__class__", Numbering)
+    with caplog.at_level(logging.INFO, logger="workerpool.jobs"):
+        job_log.settled(events[1])
+    assert made_by_it == ["job t.0 done", "job t.1 done"]
 
 
 def test_a_failing_settled_hook_never_breaks_settling() -> None:
