@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
 import logging
 import time
@@ -554,3 +556,20 @@ def test_a_run_that_ends_leaves_no_timeout_behind() -> None:
         processor.process(make_delivery(b"{}", {"job": name}))
     # Each run's timer is cancelled as it ends, however it ended
     assert processor.stats == {"done": 3, "retried": 3} and len(timers) == 0
+
+
+def test_settled_takes_its_fields_in_order_with_their_defaults() -> None:
+    # Settled has an __init__ of its own (it is made once a message): a field added to the
+    # class but not to it, or a default that differs, would go unnoticed at every use
+    parameters = list(inspect.signature(Settled.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(Settled)
+    assert [p.name for p in parameters] == [f.name for f in fields]
+    made = Settled(Label.DONE, "t.job", "j-1", "m-1", 1)
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            assert getattr(made, f.name) == f.default, f.name
+        elif f.default_factory is not dataclasses.MISSING and f.name != "settled_at":
+            assert getattr(made, f.name) == f.default_factory(), f.name
+    assert 0 < time.monotonic() - made.settled_at < 60
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.label = Label.RETRIED  # type: ignore[misc]
