@@ -5,7 +5,8 @@ bytecode, compiling) the package before it reads its first argument: that domina
 tests that check how a command refuses bad input. Here one Python per test process imports
 the command once and forks a process for each run. Each run still starts from a process that
 has done nothing but import the command, in the environment it is given, and writes to its own
-stdout and stderr file descriptors, read back as it left them. What only a started
+stdout and stderr file descriptors, read back as it left them, in this process's directory,
+and runs its exit handlers as it ends. What only a started
 ``python -m workerpool`` has (signals held from its first line, the entry point itself) stays
 with the tests that start one."""
 
@@ -20,16 +21,18 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-# Reads one [args, env] a line on stdin; answers each with [returncode, stdout, stderr].
+# Reads one [args, env, cwd] a line on stdin; answers each with [returncode, stdout, stderr].
 _SERVER = """
-import json, os, signal, sys, tempfile, traceback
+import atexit, json, os, signal, sys, tempfile, traceback
 from workerpool.cli import main
 
-def run(args, env):
+def run(args, env, cwd):
     signal.alarm(60)  # a run that would not end (it found nothing wrong) ends here
+    os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # After the directory it runs in (sys.path[0], ''), as a started Python has them
+    sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     try:
         main(args, prog_name="workerpool")
     except SystemExit as exc:
@@ -41,14 +44,15 @@ def run(args, env):
     return 1
 
 for line in sys.stdin:
-    args, env = json.loads(line)
+    args, env, cwd = json.loads(line)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.fork()
         if pid == 0:
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
-            code = run(args, env)
+            code = run(args, env, cwd)
+            atexit._run_exitfuncs()  # (os._exit skips them: a process's end runs them)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
@@ -75,7 +79,7 @@ class _Server:
                     text=True,
                 )
             stdin, stdout = self._pipes(self._process)
-            stdin.write(json.dumps([list(args), dict(env)]) + "\n")
+            stdin.write(json.dumps([list(args), dict(env), os.getcwd()]) + "\n")
             stdin.flush()
             answer: list[object] = json.loads(stdout.readline())
             return answer
