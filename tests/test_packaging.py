@@ -59,9 +59,9 @@ def test_the_plugins_install_as_workerpool_jobs_and_jobs_is_not_importable(
     assert not [value for value in plugins.values() if value.split(".")[0] == "jobs"]
 
 
-# With the emulator tests, outside the fast unit tier: pip builds the wheel in an environment
-# of its own, installing its build backend into it first (seconds of I/O, all of it pip's).
-@pytest.mark.emulator
+# In the full suite, outside the fast unit tier: pip builds the wheel in an environment of its
+# own, installing its build backend into it first (seconds of I/O, all of it pip's).
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_wheel_holds_two_typed_top_level_packages(tmp_path: Path) -> None:
     # Given a wheel built from the tree
