@@ -471,28 +471,34 @@ def test_a_pool_key_without_a_limit_or_with_fields_exits_2_with_one_line(tmp_pat
         ]
 
 
-def test_a_pool_key_that_could_name_a_shard_record_exits_2_with_one_line(tmp_path: Path) -> None:
-    # "partner:*" covers "partner:a#0", which names the first shard record of "partner:a"
+@pytest.mark.parametrize(
+    ("key", "limits", "why"),
+    [
+        (
+            "exports",
+            "exports=2/bulk",
+            "a pool's key is leased per run (its slots are taken before each pull); declare it "
+            "without /bulk",
+        ),
+        # "partner:*" covers "partner:a#0", which names the first shard record of "partner:a"
+        (
+            "partner:a#0",
+            "partner:*=2",
+            "a key may not contain # (it marks a split key's shard records)",
+        ),
+    ],
+    ids=["leased_in_bulk", "naming_a_shard_record"],
+)
+def test_a_pool_key_the_pool_cannot_take_slots_of_exits_2_with_one_line(
+    tmp_path: Path, key: str, limits: str, why: str
+) -> None:
     result = run_command(
-        "run", "--project", "p", "--subscription", "s", "--pool-concurrency", "partner:a#0",
-        "--concurrency", "partner:*=2", env=_nowhere(tmp_path),
+        "run", "--project", "p", "--subscription", "s", "--pool-concurrency", key,
+        "--concurrency", limits, env=_nowhere(tmp_path),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "workerpool: error: pool_concurrency 'partner:a#0': a key may not contain # (it marks "
-        "a split key's shard records)"
-    ]
-
-
-def test_a_pool_key_leased_in_bulk_exits_2_with_one_line(tmp_path: Path) -> None:
-    result = run_command(
-        "run", "--project", "p", "--subscription", "s", "--pool-concurrency", "exports",
-        "--concurrency", "exports=2/bulk", env=_nowhere(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "workerpool: error: pool_concurrency 'exports': a pool's key is leased per run (its "
-        "slots are taken before each pull); declare it without /bulk"
+        f"workerpool: error: pool_concurrency {key!r}: {why}"
     ]
 
 
