@@ -28,7 +28,7 @@ unit:
 	$(PYTHON) -m pytest -m "not emulator and not slow" -n 2 -q
 
 test:
-	$(PYTHON) -m pytest -n 2
+	$(PYTHON) -m pytest -n 3
 
 # BENCHMARKS.md, written by the bench: every runner of bench/ with the report's short settings
 # (about 20 minutes on 2 cores), its results in bench/results/, then the report from them.

@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _alone_when_marked(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """Under pytest-xdist (``-n 2``), a test marked ``alone`` runs while no other test does:
-    its figure is a rate or a share of time that another test's processes, on the other
-    core, would bend. Every test holds a shared lock, an ``alone`` test the exclusive one;
+    """Under pytest-xdist (``-n 3``), a test marked ``alone`` runs while no other test does:
+    its figure is a rate or a share of time that other tests' processes, on the same
+    cores, would bend. Every test holds a shared lock, an ``alone`` test the exclusive one;
     a turnstile taken first stops a stream of shared holders from starving it."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield

@@ -14,7 +14,7 @@ README = ROOT / "README.md"
 SET_UP = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]' && workerpool demo",
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]' -e examples/reports"
-    " && python -m pytest -n 2",
+    " && python -m pytest -n 3",
 )
 
 # Each section of the README before the docs site, and the page its text moved to.

@@ -326,7 +326,6 @@ def test_a_split_key_redeployed_as_one_record_gets_every_slot_within_a_parts_lea
     assert codes == [0, 0, 0, 0]
 
 
-@pytest.mark.alone
 def test_a_job_whose_key_would_name_a_shard_record_gets_one_failure_record(
     pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -367,7 +366,6 @@ def test_a_job_whose_key_would_name_a_shard_record_gets_one_failure_record(
     assert codes == [0, 0]
 
 
-@pytest.mark.alone
 def test_a_rolling_deploy_of_split_and_one_record_workers_keeps_the_limit_exact(
     pubsub_resources: PubSubResources, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
