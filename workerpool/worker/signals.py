@@ -14,6 +14,7 @@ Standard library only: it runs before anything else is imported.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
@@ -24,15 +25,29 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
 class Signals:
-    """Signal handlers only record; the main thread acts. The second signal skips the wait."""
+    """Signal handlers only record; a thread of its own sets ``stop`` at the first signal and
+    ``hurry`` at the second (the second skips the drain's wait), and the main thread acts.
+
+    A handler runs on the main thread between two of its bytecodes, and the main thread may
+    hold the lock of the very Event the handler would set: ``Event.wait`` takes it each time
+    round, and a lock is not reentrant. A worker whose SIGTERM came at that instant hung for
+    good in the handler's ``Event.set``. So the handler only assigns and puts into a
+    ``SimpleQueue``, whose put is reentrant."""
 
     def __init__(self) -> None:
         self.stop = threading.Event()
         self.hurry = threading.Event()
         self.at = 0.0  # monotonic time of the first signal: the drain's deadline counts from it
         self.first = 0  # which signal that was
+        self._arrived: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._watcher: threading.Thread | None = None
 
     def install(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(
+                target=self._watch, name="workerpool-signals", daemon=True
+            )
+            self._watcher.start()
         for signum in HANDLED:
             signal.signal(signum, self._handle)
 
@@ -44,10 +59,15 @@ class Signals:
             signal.raise_signal(self.first)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self.stop.is_set():
+        if not self.first:
             self.at = time.monotonic()
             self.first = signum
-        (self.hurry if self.stop.is_set() else self.stop).set()
+        self._arrived.put(signum)
+
+    def _watch(self) -> None:
+        while True:
+            self._arrived.get()
+            (self.hurry if self.stop.is_set() else self.stop).set()
 
 
 _held: Signals | None = None
