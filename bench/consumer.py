@@ -62,6 +62,28 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def thread_times() -> dict[int, tuple[str, float, int]]:
+    """Each live thread's name (trailing digits cut: the slots of a pool are one group; a
+    thread Python did not start is "native"), CPU seconds and scheduler slices (times it was
+    put on a CPU) so far, by thread id, from the kernel's schedstat; empty where there is
+    none. A thread that ends before the second look is not counted."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    times = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in map(int, tids):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                on_cpu_ns, _, slices = stat.read().split()[:3]
+        except (OSError, ValueError):
+            continue  # ended meanwhile, or no schedstat
+        name = names.get(tid, "native").rstrip("0123456789").rstrip("-_ ") or "native"
+        times[tid] = (name, int(on_cpu_ns) / 1e9, int(slices))
+    return times
+
+
 def rss_kib() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
@@ -90,6 +112,9 @@ class Report:
     last_start: float | None = None
     last_end: float | None = None
     cpu_done: float | None = None  # CPU seconds when the last expected job ended
+    # Between those two: CPU seconds and scheduler slices by thread name (``thread_times``).
+    thread_cpu: dict[str, float] = field(default_factory=dict)
+    thread_slices: dict[str, int] = field(default_factory=dict)
     rss_kib_at: dict[int, int] = field(default_factory=dict)  # percent done -> RSS
     max_rss_kib: int = 0
     starts: list[tuple[str, float]] = field(default_factory=list)  # with --intervals
@@ -126,6 +151,7 @@ class Recorder:
         self._keep = keep_intervals
         self._on_done = on_done
         self._lock = threading.Lock()
+        self._threads_first: dict[int, tuple[str, float, int]] = {}
         # One byte per job, allocated up front: sets of ids grew by tens of MiB over the soak
         # and would have been measured as the implementation's growth.
         self._started = bytearray(report.expect)
@@ -147,6 +173,7 @@ class Recorder:
                 r.duplicates += 1
             self._started[index] = 1
             if r.first_start is None:
+                self._threads_first = thread_times()  # first: its reads are not counted
                 r.first_start, r.cpu_first = now, cpu_seconds()
                 print(f"first-start {now}", flush=True)
             r.last_start = now
@@ -170,8 +197,17 @@ class Recorder:
             done = first_time and r.finished == r.expect  # once: a repeat run must not stop twice
             if done:
                 r.cpu_done = cpu_seconds()
+                self._count_threads()
         if done:
             self._on_done()
+
+    def _count_threads(self) -> None:
+        """Each thread group's CPU and slices since the first job started."""
+        r = self.report
+        for tid, (name, cpu, slices) in thread_times().items():
+            _, cpu_first, slices_first = self._threads_first.get(tid, (name, 0.0, 0))
+            r.thread_cpu[name] = r.thread_cpu.get(name, 0.0) + cpu - cpu_first
+            r.thread_slices[name] = r.thread_slices.get(name, 0) + slices - slices_first
 
     def run(self, job_id: str, seconds: float) -> None:
         started = self.begin(job_id)

@@ -444,6 +444,35 @@ PART_IMPLS = (
 )  # fmt: skip
 
 
+# Where a no-op job's CPU goes in a workerpool process: its threads by the name the consumer
+# reports them under (``consumer.thread_times``); the rest (the main thread, gRPC's, the
+# timers, the bench's sampler) is "other threads".
+THREAD_GROUPS = {
+    "slot threads": "-slot",
+    "puller": "workerpool-puller",
+    "completions": "workerpool-completions",
+    "log writer": "workerpool-logs",
+    "acks": "workerpool-acks",
+}
+
+
+def thread_group(name: str) -> str:
+    for group, suffix in THREAD_GROUPS.items():
+        if name.endswith(suffix):
+            return group
+    return "other threads"
+
+
+def per_thread(report: dict[str, Any], field: str, jobs: int) -> dict[str, float]:
+    """``report[field]`` (CPU seconds or slices by thread name) summed by thread group,
+    per job."""
+    grouped: dict[str, float] = {}
+    for name, value in report[field].items():
+        group = thread_group(name)
+        grouped[group] = grouped.get(group, 0.0) + value / jobs
+    return grouped
+
+
 def parts(ctx: Context) -> None:
     for n, backlog, seconds in ctx.plan.parts_runs:
         kind = f"{seconds * 1000:g} ms jobs" if seconds else "no-op jobs"
@@ -465,6 +494,18 @@ def parts(ctx: Context) -> None:
         mean = (
             table.row("mean running / N while the backlog lasts", "", "higher") if seconds else None
         )
+        # No-op jobs: the CPU by thread, and how often the slot threads were put on a CPU (a
+        # run whose slot threads wake for every few jobs costs two to three times one whose
+        # threads take job after job).
+        threads = (
+            {
+                group: table.row(f"CPU per job, {group}", "us", "lower")
+                for group in (*THREAD_GROUPS, "other threads")
+            }
+            if not seconds
+            else {}
+        )
+        slices = table.row("slot threads put on a CPU, per job", "", "lower") if threads else None
         for run, impl in rotations(ctx.with_baseline(PART_IMPLS), ctx.plan.runs):
             with ctx.bench.resources(f"pt{n}") as res:
                 ctx.bench.publish(res, backlog)
@@ -477,6 +518,12 @@ def parts(ctx: Context) -> None:
             rate_row.add(impl, rate(report))
             if mean is not None:
                 mean.add(impl, busy(report, n))
+            if threads and report["thread_cpu"]:
+                for group, seconds_per_job in per_thread(report, "thread_cpu", backlog).items():
+                    threads[group].add(impl, seconds_per_job * 1e6)
+            if slices is not None and report["thread_slices"]:
+                slot_slices = per_thread(report, "thread_slices", backlog)
+                slices.add(impl, slot_slices.get("slot threads", 0.0))
             ctx.log(f"parts N={n} {impl}: {cpu.values[impl][-1]:.3f} ms CPU per job")
 
 
