@@ -242,3 +242,43 @@ def test_an_after_is_not_called_when_its_own_before_ended_the_run() -> None:
                                      early=AlreadyDone())]), _run())  # fmt: skip
     assert steps.leave(steps.enter() or Succeeded()) == AlreadyDone()
     assert heard == ["outer before", "early before", "outer after AlreadyDone"]
+
+
+class _Replace:
+    """An ``after`` that is an object of its own, not a method: it turns the outcome into
+    AlreadyDone."""
+
+    def __call__(self, run: Run, ended: Ended) -> Ended:
+        return AlreadyDone()
+
+
+class _StaticAfter(Middleware):
+    @staticmethod
+    def after(run: Run, ended: Ended) -> Ended:
+        return Failed("Replaced", "by a static after", None)
+
+
+class _ObjectAfter(Middleware):
+    after = _Replace()
+
+
+@pytest.mark.parametrize(
+    ("middleware", "outcome"),
+    [
+        (_StaticAfter(), Failed("Replaced", "by a static after", None)),
+        (_ObjectAfter(), AlreadyDone()),
+    ],
+    ids=["static_method", "callable_object"],
+)
+def test_an_after_that_is_not_a_method_is_called_as_an_after(
+    middleware: Middleware, outcome: Outcome
+) -> None:
+    # Given a middleware whose after is a static method, or a callable object, inside an around
+    heard: list[str] = []
+    steps = Steps(Chain([Recorder("outer", heard), middleware]), _run())
+    # When a run goes through and its handler succeeds
+    assert steps.enter() is None
+    # Then the after is called with the run and its outcome, and the around outside sees what
+    # it returned
+    assert steps.leave(Succeeded()) == outcome
+    assert heard == ["outer before", f"outer after {type(outcome).__name__}"]

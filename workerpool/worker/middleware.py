@@ -128,8 +128,17 @@ def _hooks(mw: Middleware) -> _Hooks:
     return (
         mw.before if kind.before is not Middleware.before else None,
         mw.around if kind.around is not Middleware.around else None,
-        mw.after if kind.after is not Middleware.after else None,
+        _after(mw) if kind.after is not Middleware.after else None,
     )
+
+
+def _after(mw: Middleware) -> Callable[[Run, Ended], Ended]:
+    """``mw.after`` as a bound method, which ``Steps.leave`` tells from an around's generator
+    by its type alone: an after that is a static method or a callable object is made one."""
+    after = mw.after
+    if isinstance(after, MethodType):
+        return after
+    return MethodType(lambda _mw, run, ended: after(run, ended), mw)
 
 
 class Steps:
