@@ -483,6 +483,13 @@ def parts(ctx: Context) -> None:
             "lines), or all of them (workerpool). CPU: user + system seconds of the consumer "
             "process from its first job to its last, per job."
             + (
+                ""
+                if seconds
+                else " By thread: the kernel's count of each thread's CPU over the same span"
+                " (each row a median of its own: the rows need not add up to the total's), and"
+                " how many times slot threads were put on a CPU, per job."
+            )
+            + (
                 f" `@{ctx.baseline}`: the same, by the workerpool of that revision."
                 if ctx.baseline
                 else ""
