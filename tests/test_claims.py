@@ -689,6 +689,76 @@ def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled
     assert events == ["let go lease-a,lease-b", "a Succeeded", "b Succeeded"]
 
 
+class _CountingStore(MemoryStore):
+    """Counts the writes of completions (one per batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def complete_many(self, completions: Any, owner: str) -> None:
+        self.batches.append(len(completions))
+        super().complete_many(completions, owner)
+
+
+def test_completions_that_trickle_in_share_one_write() -> None:
+    # Given a recorder whose first completion of a batch waits half a second for others
+    store = _CountingStore()
+    answered: list[str] = []
+    completions: Completions[str] = Completions(
+        store, OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False,
+        linger=0.5,
+    )  # fmt: skip
+    completions.start()
+    try:
+        # When ten completions come one by one, 10 ms apart (jobs that end one after another)
+        for i in range(10):
+            completions.add(f"j{i}", f"m{i}", Flag(), f"j{i}",
+                            lambda outcome, i=i: answered.append(f"j{i}"))  # fmt: skip
+            time.sleep(0.01)
+        # Then all ten are recorded in one write, and each is answered once
+        assert wait_for(lambda: len(answered) == 10, timeout=10)
+        assert store.batches == [10]
+        assert sorted(answered) == sorted(f"j{i}" for i in range(10))
+    finally:
+        completions.close(5)
+
+
+def test_a_completion_a_thread_waits_for_is_recorded_without_lingering() -> None:
+    # Given a recorder that would let a batch's first completion wait a minute for others
+    answered = threading.Event()
+    completions: Completions[str] = Completions(
+        MemoryStore(), OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False,
+        linger=60.0,
+    )  # fmt: skip
+    completions.start()
+    try:
+        # When a completion comes that a thread waits for (an exactly-once ack)
+        completions.add("j", "m", Flag(), "j", lambda outcome: answered.set(), waited=True)
+        # Then it is recorded and answered without that wait
+        assert answered.wait(10)
+    finally:
+        completions.close(5)
+
+
+def test_closing_ends_a_batch_that_lingers_and_records_it() -> None:
+    # Given a recorder whose batch's first completion lingers for a minute
+    outcomes: list[Outcome] = []
+    store = _CountingStore()
+    completions: Completions[str] = Completions(
+        store, OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False,
+        linger=60.0,
+    )  # fmt: skip
+    completions.start()
+    completions.add("j", "m", Flag(), "j", outcomes.append)
+    assert wait_for(lambda: completions._queue.empty(), timeout=10)  # taken: lingering now
+    # When the worker stops
+    completions.close(5)
+    # Then the drain did not wait out the linger: the completion is recorded and answered
+    assert [type(outcome).__name__ for outcome in outcomes] == ["Succeeded"]
+    assert store.batches == [1]
+
+
 def test_every_completion_added_while_the_recorder_closes_is_answered_once() -> None:
     # Given threads adding completions as fast as they can
     answered: list[str] = []

@@ -8,6 +8,12 @@ could not be recorded; its message is acked, or not, from there. Before a batch'
 ``let_go`` hears once what each completion held its job id with (its claim's lease): one
 call, and one lock round, a batch instead of one a job.
 
+Completions of jobs that take a while end one by one: each would be a write, a commit and a
+wake-up of this thread of its own. So the first of a batch waits ``LINGER`` for others to
+join it, unless a thread waits for its answer (an exactly-once subscription's slot, whose
+ack waits for it). Measured at N = 64 with 50 ms jobs on SQLite: without it, this thread
+spent 49-59 us of CPU a job, recording batches of one or two.
+
 A completion whose claim has lapsed by the time its batch is sent (``lapsed``: the process was
 paused past the claim's deadline, and another worker may have claimed the job id since) is
 not recorded: it is answered ``LostLease``, and its message goes back.
@@ -36,6 +42,7 @@ from workerpool.worker.outcome import (
 log = logging.getLogger(__name__)
 
 L = TypeVar("L")  # what holds a completion's job id until it is answered
+LINGER = 0.005  # seconds the first completion of a batch waits for others to join it
 _FIRST_DELAY = 0.2  # between attempts while the store is unavailable, doubling
 _MAX_DELAY = 5.0
 
@@ -50,6 +57,7 @@ class _Completion(Generic[L]):
     cancelled: Flag  # the run's: once set, it is not waited for any more either
     held: L
     then: Callable[[Outcome], None]
+    waited: bool  # a thread waits for the answer: no lingering for others
 
 
 class Completions(Generic[L]):
@@ -61,8 +69,10 @@ class Completions(Generic[L]):
         patience: float,
         let_go: Callable[[list[L]], None],
         lapsed: Callable[[L], bool],
+        linger: float = LINGER,
     ) -> None:
         self._store = store
+        self._linger = linger
         self._owner = owner
         self._patience = patience
         self._let_go = let_go
@@ -85,11 +95,14 @@ class Completions(Generic[L]):
         cancelled: Flag,
         held: L,
         then: Callable[[Outcome], None],
+        *,
+        waited: bool = False,
     ) -> None:
         """Record ``job_id`` as done soon; ``then`` hears how it went, on this object's thread
-        (or at once on the caller's, once stopped), after ``held`` is let go."""
+        (or at once on the caller's, once stopped), after ``held`` is let go. ``waited``: a
+        thread waits for that, so its batch is recorded without lingering."""
         completion = _Completion(
-            job_id, message_id, time.monotonic() + self._patience, cancelled, held, then
+            job_id, message_id, time.monotonic() + self._patience, cancelled, held, then, waited
         )
         with self._closing:  # else queued after the thread's last look, never answered
             stopping = self._stopping.is_set()
@@ -119,6 +132,8 @@ class Completions(Generic[L]):
                     stop = True
                     continue
                 pending.append(first)
+                if not first.waited:
+                    self._stopping.wait(self._linger)  # close() ends it: no drain waits
             stop = self._take_queued(pending) or stop
             try:
                 pending = self._still_held(pending)

@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workerpool import constants as c
@@ -51,7 +51,7 @@ from workerpool.worker.outcome import (
     Succeeded,
     Unavailable,
 )
-from workerpool.worker.run import Run, Settled
+from workerpool.worker.run import Recording, Run, Settled
 from workerpool.worker.timers import Timers
 
 log = logging.getLogger(__name__)
@@ -259,9 +259,7 @@ class Idempotency(Middleware):
             and self._store.renew(key[0], self._owner, key[1], self.keeper.ttl)
         )
 
-    def _completion(
-        self, run: Run, key: _Key, held: Held[_Key]
-    ) -> Callable[[Callable[[Outcome], None]], None]:
+    def _completion(self, run: Run, key: _Key, held: Held[_Key]) -> Recording:
         return functools.partial(self._completions.add, key[0], key[1], run.ctx.cancelled, held)
 
     def _recorded(self, held: list[Held[_Key]]) -> None:

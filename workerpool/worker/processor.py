@@ -50,7 +50,7 @@ from workerpool.worker.outcome import (
     Succeeded,
 )
 from workerpool.worker.renewal import Renewer
-from workerpool.worker.run import UNPARKABLE, Permit, Run
+from workerpool.worker.run import UNPARKABLE, Permit, Recording, Run
 from workerpool.worker.settlement import Settlement, Subject
 
 log = logging.getLogger(__name__)
@@ -466,7 +466,7 @@ def _when_recorded(outcome: Outcome, recording: Outcome) -> Outcome:
     return outcome if isinstance(recording, Succeeded) else recording
 
 
-def _wait_for(completion: Callable[[Callable[[Outcome], None]], None]) -> Outcome:
+def _wait_for(completion: Recording) -> Outcome:
     """How recording a run's completion went, waited for on this thread."""
     answered = threading.Event()
     heard: list[Outcome] = []
@@ -475,6 +475,6 @@ def _wait_for(completion: Callable[[Callable[[Outcome], None]], None]) -> Outcom
         heard.append(result)
         answered.set()
 
-    completion(answer)
+    completion(answer, waited=True)
     answered.wait()
     return heard[0]

@@ -70,6 +70,14 @@ class Lease(Protocol):
         ...
 
 
+class Recording(Protocol):
+    """Records a run's completion durably, then tells ``then`` how that went: Succeeded, or
+    why not. ``waited``: a thread waits for the answer (it is recorded without waiting for
+    other completions to share its write)."""
+
+    def __call__(self, then: Callable[[Outcome], None], *, waited: bool = False) -> None: ...
+
+
 @dataclass(eq=False)
 class Run:
     job: Job
@@ -93,7 +101,7 @@ class Run:
     # message is acked (the idempotency store's completion), to record it off the slot
     # thread: called once the chain has returned, with what to do once recorded (Succeeded)
     # or not (why). The message stays held meanwhile.
-    completion: Callable[[Callable[[Outcome], None]], None] | None = None
+    completion: Recording | None = None
     # The store leases it holds now (kept by ``keeper.LeaseKeeper``), and what it held that
     # had lapsed when it was let go ("": none): see ``lost_lease``.
     leases: list[Lease] = field(default_factory=list)
