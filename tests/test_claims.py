@@ -724,7 +724,7 @@ def test_completions_that_trickle_in_share_one_write() -> None:
         completions.close(5)
 
 
-def test_a_completion_a_thread_waits_for_is_recorded_without_lingering() -> None:
+def test_a_completion_something_waits_for_is_recorded_without_lingering() -> None:
     # Given a recorder that would let a batch's first completion wait a minute for others
     answered = threading.Event()
     completions: Completions[str] = Completions(
@@ -733,8 +733,9 @@ def test_a_completion_a_thread_waits_for_is_recorded_without_lingering() -> None
     )  # fmt: skip
     completions.start()
     try:
-        # When a completion comes that a thread waits for (an exactly-once ack)
-        completions.add("j", "m", Flag(), "j", lambda outcome: answered.set(), waited=True)
+        # When a completion comes that something waits for (an exactly-once ack, the next
+        # message of its ordering key)
+        completions.add("j", "m", Flag(), "j", lambda outcome: answered.set(), awaited=True)
         # Then it is recorded and answered without that wait
         assert answered.wait(10)
     finally:

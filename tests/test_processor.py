@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -30,7 +31,7 @@ from workerpool.telemetry.textlog import TextFormatter
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.failures import failure_attributes
-from workerpool.worker.middleware import Middleware, TimeLimit
+from workerpool.worker.middleware import Ended, Middleware, TimeLimit
 from workerpool.worker.outcome import (
     Ack,
     AlreadyDone,
@@ -43,6 +44,7 @@ from workerpool.worker.outcome import (
     LostLease,
     Nack,
     NotStarted,
+    Outcome,
     RecordFailed,
     RedeliveredWhileRunning,
     Rejected,
@@ -54,7 +56,7 @@ from workerpool.worker.outcome import (
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.puller import to_delivery
 from workerpool.worker.renewal import Renewer
-from workerpool.worker.run import Settled
+from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
 
 BACKOFF = Backoff(minimum=1.0, maximum=60.0)
@@ -573,3 +575,51 @@ def test_settled_takes_its_fields_in_order_with_their_defaults() -> None:
     assert 0 < time.monotonic() - made.settled_at < 60
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.label = Label.RETRIED  # type: ignore[misc]
+
+
+class _RecordsCompletions(Middleware):
+    """Has a successful run's completion recorded off its thread, as the idempotency store's
+    middleware does, noting whether something waits for the record."""
+
+    def __init__(self) -> None:
+        self.awaited: list[bool] = []
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        if isinstance(ended, Succeeded):
+
+            def record(then: Callable[[Outcome], None], *, awaited: bool = False) -> None:
+                self.awaited.append(awaited)
+                then(Succeeded())
+
+            run.completion = record
+        return ended
+
+
+@pytest.mark.parametrize(
+    ("ordered", "ordering_key", "awaited"),
+    [(True, "k", True), (True, "", False), (False, "k", False)],
+    ids=["keyed_on_an_ordered_subscription", "unkeyed", "keyed_on_an_unordered_one"],
+)
+def test_a_completion_is_awaited_where_the_next_message_of_its_key_waits_for_it(
+    ordered: bool, ordering_key: str, awaited: bool
+) -> None:
+    # Given a processor whose successes are recorded off the slot thread
+    jobs = Registry()
+
+    @jobs.job("t.ok")
+    def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+        return None
+
+    recording, acks = _RecordsCompletions(), FakeAcks()
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [recording],
+        ProcessorSettings(BACKOFF, ordered=ordered),
+    )  # fmt: skip
+    delivery = make_delivery(b"{}", {"job": "t.ok", "job_id": "j"})
+    delivery.ordering_key = ordering_key
+    # When a message runs and succeeds
+    processor.process(delivery)
+    # Then its record is awaited (not left to wait for others to share its write) only where
+    # the next message of its ordering key starts once it settles; it is acked either way
+    assert recording.awaited == [awaited]
+    assert acks.acked == [delivery.ack_id]

@@ -293,7 +293,8 @@ class Processor:
                     if left is not None:
                         left()
 
-            run.completion(recorded)
+            # The next message of its ordering key starts once this one is settled.
+            run.completion(recorded, awaited=self._settings.ordered and bool(delivery.ordering_key))
             return Ending.RECORDING
         finally:
             with self._lock:  # only now: the end of a drain may still give it back
@@ -475,6 +476,6 @@ def _wait_for(completion: Recording) -> Outcome:
         heard.append(result)
         answered.set()
 
-    completion(answer, waited=True)
+    completion(answer, awaited=True)
     answered.wait()
     return heard[0]

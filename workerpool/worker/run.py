@@ -72,10 +72,11 @@ class Lease(Protocol):
 
 class Recording(Protocol):
     """Records a run's completion durably, then tells ``then`` how that went: Succeeded, or
-    why not. ``waited``: a thread waits for the answer (it is recorded without waiting for
-    other completions to share its write)."""
+    why not. ``awaited``: something waits for the answer (a slot's exactly-once ack, the next
+    message of an ordering key), so it is recorded without waiting for other completions to
+    share its write."""
 
-    def __call__(self, then: Callable[[Outcome], None], *, waited: bool = False) -> None: ...
+    def __call__(self, then: Callable[[Outcome], None], *, awaited: bool = False) -> None: ...
 
 
 @dataclass(eq=False)
