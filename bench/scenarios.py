@@ -444,32 +444,24 @@ PART_IMPLS = (
 )  # fmt: skip
 
 
-# Where a no-op job's CPU goes in a workerpool process: its threads by the name the consumer
-# reports them under (``consumer.thread_times``); the rest (the main thread, gRPC's, the
-# timers, the bench's sampler) is "other threads".
+# Where a no-op job's CPU goes in a workerpool process: the threads that carry a job, by the
+# name the consumer reports them under (``consumer.thread_times``). The rest (the log writer,
+# acks, gRPC's, the timers, the main thread) is a few microseconds a job each.
 THREAD_GROUPS = {
     "slot threads": "-slot",
     "puller": "workerpool-puller",
     "completions": "workerpool-completions",
-    "log writer": "workerpool-logs",
-    "acks": "workerpool-acks",
 }
 
 
-def thread_group(name: str) -> str:
-    for group, suffix in THREAD_GROUPS.items():
-        if name.endswith(suffix):
-            return group
-    return "other threads"
-
-
 def per_thread(report: dict[str, Any], field: str, jobs: int) -> dict[str, float]:
-    """``report[field]`` (CPU seconds or slices by thread name) summed by thread group,
-    per job."""
+    """``report[field]`` (CPU seconds or slices by thread name) summed over each of
+    ``THREAD_GROUPS``' threads, per job."""
     grouped: dict[str, float] = {}
     for name, value in report[field].items():
-        group = thread_group(name)
-        grouped[group] = grouped.get(group, 0.0) + value / jobs
+        for group, suffix in THREAD_GROUPS.items():
+            if name.endswith(suffix):
+                grouped[group] = grouped.get(group, 0.0) + value / jobs
     return grouped
 
 
@@ -485,9 +477,10 @@ def parts(ctx: Context) -> None:
             + (
                 ""
                 if seconds
-                else " By thread: the kernel's count of each thread's CPU over the same span"
-                " (each row a median of its own: the rows need not add up to the total's), and"
-                " how many times slot threads were put on a CPU, per job."
+                else " By thread: the kernel's count of the CPU of the threads that carry a job"
+                " over the same span (each row a median of its own; the other threads take a"
+                " few microseconds a job each), and how many times slot threads were put on a"
+                " CPU, per job. Throughput: the cost table's."
             )
             + (
                 f" `@{ctx.baseline}`: the same, by the workerpool of that revision."
@@ -496,7 +489,6 @@ def parts(ctx: Context) -> None:
             ),
         )
         cpu = table.row("CPU per job", "ms", "lower")
-        rate_row = table.row("throughput", "msg/s", "higher")
         # Slots of no-op jobs are busy for microseconds: a sampled mean means nothing there.
         mean = (
             table.row("mean running / N while the backlog lasts", "", "higher") if seconds else None
@@ -505,10 +497,7 @@ def parts(ctx: Context) -> None:
         # run whose slot threads wake for every few jobs costs two to three times one whose
         # threads take job after job).
         threads = (
-            {
-                group: table.row(f"CPU per job, {group}", "us", "lower")
-                for group in (*THREAD_GROUPS, "other threads")
-            }
+            {group: table.row(f"CPU per job, {group}", "us", "lower") for group in THREAD_GROUPS}
             if not seconds
             else {}
         )
@@ -519,10 +508,9 @@ def parts(ctx: Context) -> None:
                 report = Consumer(
                     ctx.bench, impl, res, n=n, expect=backlog, seconds=seconds, sample_ms=10
                 ).wait(_timeout(backlog, seconds, n))
-            if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", (cpu, rate_row)):
+            if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", (cpu,)):
                 continue
             cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / backlog * 1000)
-            rate_row.add(impl, rate(report))
             if mean is not None:
                 mean.add(impl, busy(report, n))
             if threads and report["thread_cpu"]:
