@@ -163,6 +163,7 @@ class Recorder:
     def begin(self, job_id: str) -> float:
         now = time.monotonic()
         r = self.report
+        first = False
         with self._lock:
             self.running += 1
             r.peak = max(r.peak, self.running)
@@ -173,10 +174,14 @@ class Recorder:
                 r.duplicates += 1
             self._started[index] = 1
             if r.first_start is None:
-                self._threads_first = thread_times()  # first: its reads are not counted
                 r.first_start, r.cpu_first = now, cpu_seconds()
+                first = True
                 print(f"first-start {now}", flush=True)
             r.last_start = now
+        if first:
+            # Outside the lock: it reads a file a thread, and under the lock it held every
+            # slot's next job up at once, at the start of every run.
+            self._threads_first = thread_times()
         return now
 
     def end(self, job_id: str, started: float) -> None:

@@ -508,7 +508,8 @@ def parts(ctx: Context) -> None:
                 report = Consumer(
                     ctx.bench, impl, res, n=n, expect=backlog, seconds=seconds, sample_ms=10
                 ).wait(_timeout(backlog, seconds, n))
-            if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", (cpu,)):
+            rows = (cpu, *threads.values(), *([slices] if slices is not None else []))
+            if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", rows):
                 continue
             cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / backlog * 1000)
             if mean is not None:

@@ -701,15 +701,20 @@ class _CountingStore(MemoryStore):
         super().complete_many(completions, owner)
 
 
-def test_completions_that_trickle_in_share_one_write() -> None:
-    # Given a recorder whose first completion of a batch waits half a second for others
-    store = _CountingStore()
-    answered: list[str] = []
+def _lingering(store: MemoryStore, *, enough: int, linger: float) -> Completions[str]:
     completions: Completions[str] = Completions(
         store, OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False,
-        linger=0.5,
+        enough=enough, linger=linger,
     )  # fmt: skip
     completions.start()
+    return completions
+
+
+def test_completions_that_trickle_in_share_one_write() -> None:
+    # Given a recorder whose first completion of a batch waits half a second for 20
+    store = _CountingStore()
+    answered: list[str] = []
+    completions = _lingering(store, enough=20, linger=0.5)
     try:
         # When ten completions come one by one, 10 ms apart (jobs that end one after another)
         for i in range(10):
@@ -724,20 +729,45 @@ def test_completions_that_trickle_in_share_one_write() -> None:
         completions.close(5)
 
 
-def test_a_completion_something_waits_for_is_recorded_without_lingering() -> None:
-    # Given a recorder that would let a batch's first completion wait a minute for others
+@pytest.mark.parametrize("first_lingers", [False, True], ids=["alone", "after_one_that_lingers"])
+def test_a_completion_something_waits_for_is_recorded_without_lingering(
+    first_lingers: bool,
+) -> None:
+    # Given a recorder that would let a batch's first completion wait a minute for others,
+    # and maybe one such completion lingering already
+    store = _CountingStore()
+    completions = _lingering(store, enough=20, linger=60.0)
     answered = threading.Event()
-    completions: Completions[str] = Completions(
-        MemoryStore(), OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False,
-        linger=60.0,
-    )  # fmt: skip
-    completions.start()
     try:
+        if first_lingers:
+            completions.add("early", "m-early", Flag(), "early", lambda outcome: None)
+            assert wait_for(lambda: completions._queue.empty(), timeout=10)  # lingering now
         # When a completion comes that something waits for (an exactly-once ack, the next
         # message of its ordering key)
         completions.add("j", "m", Flag(), "j", lambda outcome: answered.set(), awaited=True)
-        # Then it is recorded and answered without that wait
+        # Then it is recorded and answered without that wait, with any that lingered
         assert answered.wait(10)
+        assert store.batches == [2 if first_lingers else 1]
+    finally:
+        completions.close(5)
+
+
+@pytest.mark.parametrize("enough", [1, 3], ids=["a_pool_that_spares_none", "a_full_batch"])
+def test_enough_completions_are_written_without_waiting_out_the_linger(enough: int) -> None:
+    # Given a recorder whose batch's first completion would wait a minute for ``enough``
+    store = _CountingStore()
+    completions = _lingering(store, enough=enough, linger=60.0)
+    answered: list[str] = []
+    try:
+        # When that many come, the first alone, then the rest while it lingers
+        for i in range(enough):
+            completions.add(f"j{i}", f"m{i}", Flag(), f"j{i}",
+                            lambda outcome, i=i: answered.append(f"j{i}"))  # fmt: skip
+            if i == 0:
+                assert wait_for(lambda: completions._queue.empty(), timeout=10)
+        # Then they are written without that wait
+        assert wait_for(lambda: len(answered) == enough, timeout=10)
+        assert sum(store.batches) == enough
     finally:
         completions.close(5)
 
@@ -746,11 +776,7 @@ def test_closing_ends_a_batch_that_lingers_and_records_it() -> None:
     # Given a recorder whose batch's first completion lingers for a minute
     outcomes: list[Outcome] = []
     store = _CountingStore()
-    completions: Completions[str] = Completions(
-        store, OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False,
-        linger=60.0,
-    )  # fmt: skip
-    completions.start()
+    completions = _lingering(store, enough=20, linger=60.0)
     completions.add("j", "m", Flag(), "j", outcomes.append)
     assert wait_for(lambda: completions._queue.empty(), timeout=10)  # taken: lingering now
     # When the worker stops

@@ -123,7 +123,8 @@ class PoolBuilder:
         coordination += key_blocks(
             self._jobs.specs(), s.idempotency_store, self.telemetry.metrics.watch_blocked
         )
-        middleware = self._middleware(timers, concurrency, coordination)
+        prefetch = s.prefetch_for(ordered=info.message_ordering)
+        middleware = self._middleware(timers, concurrency, coordination, prefetch)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
@@ -158,7 +159,6 @@ class PoolBuilder:
             loop=loop,
             renewer=Renewer(clients.publisher, info.topic, info.name, info.max_delivery_attempts),
         )
-        prefetch = s.prefetch_for(ordered=info.message_ordering)
         limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
         sequencer = (
             Sequencer(limits.max_held // c.ORDERED_KEY_SHARE_OF_HOLD)
@@ -194,7 +194,11 @@ class PoolBuilder:
         )
 
     def _middleware(
-        self, timers: Timers, concurrency: Concurrency | None, coordination: list[Middleware]
+        self,
+        timers: Timers,
+        concurrency: Concurrency | None,
+        coordination: list[Middleware],
+        prefetch: int,
     ) -> list[Middleware]:
         idempotency = None
         store = self._store
@@ -204,7 +208,12 @@ class PoolBuilder:
             except (ImportError, StoreError) as exc:
                 raise ConfigError(f"idempotency_store: {exc}") from None
         if store is not None:
-            idempotency = Idempotency(store, self.worker_id, timers, ttl=self.settings.claim_ttl)
+            # A completion's message stays held until it is recorded: a batch that waits for
+            # more may hold half the prefetch, so the pool can still pull before it runs dry.
+            idempotency = Idempotency(
+                store, self.worker_id, timers, ttl=self.settings.claim_ttl,
+                write_batch=max(1, prefetch // 2),
+            )  # fmt: skip
             for periodics in (mw for mw in coordination if isinstance(mw, Periodics)):
                 periodics.run_state = store.run_state
         return chain(

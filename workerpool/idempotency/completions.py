@@ -9,11 +9,13 @@ could not be recorded; its message is acked, or not, from there. Before a batch'
 call, and one lock round, a batch instead of one a job.
 
 Completions of jobs that take a while end one by one: each would be a write, a commit and a
-wake-up of this thread of its own. So the first of a batch waits ``LINGER`` for others to
-join it, unless something waits for its answer: a slot of an exactly-once subscription (its
-ack waits for it), or the next message of its ordering key (it starts once this one is
-settled). Measured at N = 64 with 50 ms jobs on SQLite: the linger took this thread from
-95-124 us of CPU a job to 28-57.
+wake-up of this thread of its own. So the first of a batch waits up to ``LINGER`` for others
+to join it, until ``enough`` have; not at all where something waits for an answer: a slot of
+an exactly-once subscription (its ack waits for it), or the next message of an ordering key
+(it starts once the one before is settled). A message stays held until its completion is
+recorded, so ``enough`` is what the pool can spare: half its prefetch (a pool of a few slots
+spares none, and never waits). Measured at N = 64 with 50 ms jobs on SQLite: the linger took
+this thread from 95-124 us of CPU a job to 28-57.
 
 A completion whose claim has lapsed by the time its batch is sent (``lapsed``: the process was
 paused past the claim's deadline, and another worker may have claimed the job id since) is
@@ -70,10 +72,17 @@ class Completions(Generic[L]):
         patience: float,
         let_go: Callable[[list[L]], None],
         lapsed: Callable[[L], bool],
+        enough: int = 1,
         linger: float = LINGER,
     ) -> None:
+        """``enough``: completions a batch is written with at once; the first of a smaller
+        batch waits up to ``linger`` seconds for more (1: it never waits)."""
         self._store = store
+        self._enough = enough
         self._linger = linger
+        # While a batch lingers: how many more would make it enough (read by ``add``).
+        self._wanted = enough
+        self._hurry = threading.Event()  # a lingering batch is written now
         self._owner = owner
         self._patience = patience
         self._let_go = let_go
@@ -111,12 +120,15 @@ class Completions(Generic[L]):
                 self._queue.put(completion)
         if stopping:
             self._answer([completion], Unavailable("completion not recorded: worker stopping"))
+        elif self._enough > 1 and (awaited or self._queue.qsize() >= self._wanted):
+            self._hurry.set()  # after the put: the batch it ends takes this one
 
     def close(self, timeout: float) -> None:
         """Record what is queued once more (no waiting for an unavailable store), then stop."""
         with self._closing:
             self._stopping.set()
             self._queue.put(None)
+        self._hurry.set()  # a batch that lingers is written now: no drain waits for it
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -133,8 +145,7 @@ class Completions(Generic[L]):
                     stop = True
                     continue
                 pending.append(first)
-                if not first.awaited:
-                    self._stopping.wait(self._linger)  # close() ends it: no drain waits
+                stop = self._gather(pending)
             stop = self._take_queued(pending) or stop
             try:
                 pending = self._still_held(pending)
@@ -152,6 +163,19 @@ class Completions(Generic[L]):
                 delay = min(delay * 2, _MAX_DELAY)
         self._take_queued(pending)  # queued while closing: too late
         self._answer(pending, Unavailable("completion not recorded: worker stopping"))
+
+    def _gather(self, pending: list[_Completion[L]]) -> bool:
+        """Let others join the batch of ``pending``'s first completion for up to the linger:
+        until enough have, one comes that something waits for, or the recorder closes. True
+        if the stop sentinel came."""
+        if self._enough <= 1 or pending[0].awaited:
+            return False
+        self._hurry.clear()  # then look: what ``add`` queued before it is seen below
+        stop = self._take_queued(pending)
+        self._wanted = self._enough - len(pending)
+        if not stop and self._wanted > 0 and not any(c.awaited for c in pending):
+            self._hurry.wait(self._linger)
+        return stop
 
     def _take_queued(self, pending: list[_Completion[L]]) -> bool:
         """Move everything queued to ``pending``; True if the stop sentinel was among it."""

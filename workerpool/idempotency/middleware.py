@@ -79,7 +79,10 @@ class Idempotency(Middleware):
         *,
         ttl: float = c.DEFAULT_CLAIM_TTL,
         complete_patience: float = 60.0,
+        write_batch: int = 1,
     ) -> None:
+        """``write_batch``: completions worth one write; the first of fewer waits a few
+        milliseconds for more (``Completions``; 1: never)."""
         self._store = store
         self._owner = owner
         self.keeper: LeaseKeeper[_Key] = LeaseKeeper(
@@ -92,7 +95,7 @@ class Idempotency(Middleware):
         )
         self._completions: Completions[Held[_Key]] = Completions(
             store, owner, patience=complete_patience, let_go=self._recorded,
-            lapsed=self.keeper.lapsed,
+            lapsed=self.keeper.lapsed, enough=write_batch,
         )  # fmt: skip
         # Being processed here, claimed or not yet, until its completion is recorded.
         self._active: set[_Key] = set()
