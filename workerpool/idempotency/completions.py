@@ -128,7 +128,7 @@ class Completions(Generic[L]):
         with self._closing:
             self._stopping.set()
             self._queue.put(None)
-        self._hurry.set()  # a batch that lingers is written now: no drain waits for it
+        self._hurry.set()  # a batch that lingers is written now
         if self._thread is not None:
             self._thread.join(timeout)
 
