@@ -172,9 +172,13 @@ class Completions(Generic[L]):
             return False
         self._hurry.clear()  # then look: what ``add`` queued before it is seen below
         stop = self._take_queued(pending)
-        self._wanted = self._enough - len(pending)
-        if not stop and self._wanted > 0 and not any(c.awaited for c in pending):
+        self._wanted = wanted = self._enough - len(pending)
+        # (An ``add`` that read the last batch's ``_wanted`` queued before the line above: the
+        # queue's size counts it.)
+        enough = wanted <= 0 or self._queue.qsize() >= wanted
+        if not (stop or enough or any(c.awaited for c in pending)):
             self._hurry.wait(self._linger)
+        self._wanted = self._enough  # until the next batch lingers: only a full queue hurries
         return stop
 
     def _take_queued(self, pending: list[_Completion[L]]) -> bool:
