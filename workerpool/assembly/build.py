@@ -123,8 +123,10 @@ class PoolBuilder:
         coordination += key_blocks(
             self._jobs.specs(), s.idempotency_store, self.telemetry.metrics.watch_blocked
         )
-        prefetch = s.prefetch_for(ordered=info.message_ordering)
-        middleware = self._middleware(timers, concurrency, coordination, prefetch)
+        limits = PoolLimits(
+            s.max_outstanding, s.prefetch_for(ordered=info.message_ordering), s.max_bytes
+        )
+        middleware = self._middleware(timers, concurrency, coordination, limits)
         _check_options(self._jobs, middleware, self._limiters)
         acks = Acknowledger(clients.subscriber, self.subscription)
         leaser = Leaser(
@@ -159,7 +161,6 @@ class PoolBuilder:
             loop=loop,
             renewer=Renewer(clients.publisher, info.topic, info.name, info.max_delivery_attempts),
         )
-        limits = PoolLimits(s.max_outstanding, prefetch, s.max_bytes)
         sequencer = (
             Sequencer(limits.max_held // c.ORDERED_KEY_SHARE_OF_HOLD)
             if info.message_ordering
@@ -198,7 +199,7 @@ class PoolBuilder:
         timers: Timers,
         concurrency: Concurrency | None,
         coordination: list[Middleware],
-        prefetch: int,
+        limits: PoolLimits,
     ) -> list[Middleware]:
         idempotency = None
         store = self._store
@@ -209,10 +210,10 @@ class PoolBuilder:
                 raise ConfigError(f"idempotency_store: {exc}") from None
         if store is not None:
             # A completion's message stays held until it is recorded: a batch that waits for
-            # more may hold half the prefetch, so the pool can still pull before it runs dry.
+            # more may hold what the pool spares beyond its low-water mark, no more.
             idempotency = Idempotency(
                 store, self.worker_id, timers, ttl=self.settings.claim_ttl,
-                write_batch=max(1, prefetch // 2),
+                write_batch=max(1, limits.low_water),
             )  # fmt: skip
             for periodics in (mw for mw in coordination if isinstance(mw, Periodics)):
                 periodics.run_state = store.run_state

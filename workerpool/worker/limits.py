@@ -25,6 +25,12 @@ class PoolLimits:
     def max_held(self) -> int:
         return self.max_outstanding + self.prefetch
 
+    @property
+    def low_water(self) -> int:
+        """This few messages waiting to start: the pool pulls now. What it holds beyond that
+        it can spare (completions that wait to share a write, say)."""
+        return self.prefetch // 2
+
 
 @dataclass(frozen=True)
 class DrainReport:

@@ -90,7 +90,7 @@ class Pool:
         self._tickets = itertools.count()
         self._launching = threading.local()  # see ``_launch``
         self._unstarted = 0  # admitted, and not yet running or given back (``_startable``)
-        self._low = limits.prefetch // 2  # this few waiting to start: pull now
+        self._low = limits.low_water
         self._most = self._sequencer.per_key or limits.max_held  # a pull's most: a key's share
         self._batch = max(1, min(limits.max_held // 2, self._most))  # else pull this much
         # One lock, entered as itself (a Condition's __enter__ is one more Python call), two
