@@ -406,7 +406,9 @@ def rate_limits(ctx: Context) -> None:
         f"N = 50 runs no-op jobs limited to R/s (burst 1) for about {plan.rate_seconds:g} s of "
         "backlog. The limiter alone: 16 threads take tokens as fast as it allows "
         "(bench/ratelimit_accuracy.py). Achieved = (events - 1) / (last - first); busiest "
-        "100 ms window of starts (grants) against its share R / 10.",
+        "100 ms window of starts (grants) against its share R / 10. CPU: the consumer "
+        "process's user + system seconds from its first job to its last, per job."
+        + (f" `@{ctx.baseline}`: through the pool of that revision." if ctx.baseline else ""),
     )
     for declared in plan.rates:
         achieved = table.row(f"{declared:g}/s through the pool: achieved / declared", "", "")
@@ -415,23 +417,28 @@ def rate_limits(ctx: Context) -> None:
             "starts",
             "",
         )
+        cpu = table.row(f"{declared:g}/s through the pool: CPU per job", "ms", "lower")
         alone = table.row(f"{declared:g}/s limiter alone: achieved / declared", "", "")
         alone_busiest = table.row(f"{declared:g}/s limiter alone: busiest 100 ms", "grants", "")
         count = int(declared * plan.rate_seconds) + 1
-        for run in range(plan.runs):
+        for run, impl in rotations(ctx.with_baseline(("workerpool",)), plan.runs):
             with ctx.bench.resources("rl") as res:
                 ctx.bench.publish(res, count)
                 report = Consumer(
-                    ctx.bench, "workerpool", res, n=50, expect=count, intervals=True,
+                    ctx.bench, impl, res, n=50, expect=count, intervals=True,
                     rate_limit=f"{declared:g}/s:1",
                 ).wait(plan.rate_seconds * 3 + 60)  # fmt: skip
-            if ctx.complete(report, f"rate {declared:g}/s run {run + 1}", (achieved, burst)):
+            if ctx.complete(
+                report, f"rate {declared:g}/s {impl} run {run + 1}", (achieved, burst, cpu)
+            ):
                 starts = sorted(begin for _, begin in report["starts"])
-                achieved.add("workerpool", (len(starts) - 1) / (starts[-1] - starts[0]) / declared)
-                burst.add("workerpool", busiest(starts, 0.1))
-            measured = measure(declared, plan.rate_seconds, 16)
-            alone.add("workerpool", measured["achieved_ratio"])
-            alone_busiest.add("workerpool", measured["busiest_100ms"])
+                achieved.add(impl, (len(starts) - 1) / (starts[-1] - starts[0]) / declared)
+                burst.add(impl, busiest(starts, 0.1))
+                cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / count * 1000)
+            if impl == "workerpool":  # the limiter of this revision, in this process
+                measured = measure(declared, plan.rate_seconds, 16)
+                alone.add(impl, measured["achieved_ratio"])
+                alone_busiest.add(impl, measured["busiest_100ms"])
         ctx.log(f"rate {declared:g}/s: {achieved.median('workerpool')}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from itertools import pairwise
@@ -95,21 +96,51 @@ def test_slots_that_fell_due_in_a_stall_are_used_no_faster_than_the_rate(burst: 
     # When their process is stopped for 2 s and all of them wake together after it
     clock.now += 2.0
     woke = clock.now
-    asks = [(woke, False)] * 10  # (when, asking again)
+    asks: list[tuple[float, float | None]] = [(woke, None)] * 10  # (when, the time given)
     used: list[float] = []
     asked = 0
     while asks:
         asked += 1
-        clock.now, again = asks.pop(asks.index(min(asks)))
-        wait = bucket.depart(again=again)
+        clock.now, turn = asks.pop(asks.index(min(asks, key=lambda ask: ask[0])))
+        wait, turn = bucket.depart(turn=turn)
         if wait > 0:
-            asks.append((clock.now + wait, True))  # held back: asks again when told
+            asks.append((clock.now + wait, turn))  # held back: asks again when told
         else:
             used.append(clock.now - woke)
     # Then the burst goes at once and the rest one 1/16 s apart, as if they had just queued;
-    # each held back was given a turn of its own, so it asked only once more
+    # each held back was given a time of its own, so it asked only once more
     assert used == [0.0] * burst + [(i + 1) / 16 for i in range(10 - burst)]
     assert asked == 10 + (10 - burst)
+
+
+def test_waiters_woken_late_by_the_scheduler_each_wait_once_for_the_time_they_are_given() -> None:
+    # Given 40 waiters with slots on a 16/s bucket, each woken up to a third of a slot late
+    # (a busy process: its threads wait for the GIL), every time it wakes
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, 1), clock=clock)
+    jitter = random.Random(7)
+    step = 1 / 16
+    asks: list[tuple[float, float | None]] = [
+        (clock.now + bucket.reserve() + jitter.uniform(0, step / 3), None) for _ in range(40)
+    ]
+    used: list[float] = []
+    asked = 0
+    while asks:
+        asked += 1
+        clock.now, turn = asks.pop(asks.index(min(asks, key=lambda ask: ask[0])))
+        wait, turn = bucket.depart(turn=turn)
+        if wait > 0:
+            asks.append((clock.now + wait + jitter.uniform(0, step / 3), turn))
+        else:
+            used.append(clock.now)
+    # Then each asks at most once more, at the time it was given (held back waiters that
+    # learned only how long the last use left them raced for every use after it), and the uses
+    # keep the rate: no two closer than a slot less the lateness, none more than the rate
+    print(f"asked {asked} times for 40 uses")
+    assert asked <= 2 * 40
+    gaps = [later - earlier for earlier, later in pairwise(sorted(used))]
+    assert min(gaps) >= step * 2 / 3 - 1e-9
+    assert used[-1] - used[0] >= step * 39 - step / 3
 
 
 def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:
@@ -121,6 +152,35 @@ def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:
     assert waits == pytest.approx([3.0 + (i + 1) / 50 for i in range(50)])
     clock.now += 5.0
     assert bucket.reserve() < 0.5
+
+
+def test_a_waiter_stopped_past_its_time_of_use_is_given_one_after_those_given_meanwhile() -> None:
+    # Given a waiter held back on a 16/s bucket with a time of use of its own
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, 1), clock=clock)
+    assert bucket.depart() == (0.0, None)
+    _, turn = bucket.depart()
+    # When its process is stopped for 2 s, and another waiter goes first as they wake
+    clock.now += 2.0
+    assert bucket.depart() == (0.0, None)
+    # Then it does not go with it, at its stale time: it waits a token's time after it
+    wait, _ = bucket.depart(turn=turn)
+    assert wait == 1 / 16
+
+
+def test_a_time_of_use_given_before_a_retry_after_block_waits_out_the_block() -> None:
+    # Given a waiter held back on a 16/s bucket with a time of use of its own
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, 1), clock=clock)
+    assert bucket.depart() == (0.0, None)
+    wait, turn = bucket.depart()
+    assert wait == 1 / 16 and turn is not None
+    # When the upstream answers "too many requests, retry after 3 s" before that time comes
+    bucket.throttled(retry_after=3.0)
+    clock.now += wait
+    # Then at its time it does not go: it is given one after the block
+    wait, later = bucket.depart(turn=turn)
+    assert wait >= 3.0 - 1 / 16 and later is not None and later >= clock.now + wait - 1e-9
 
 
 def test_waiting_gives_up_when_the_pool_drains() -> None:

@@ -26,9 +26,10 @@ class RateLimiters(ABC):
         """Take ``tokens`` of ``name`` now; return the seconds to wait before using them."""
 
     @abstractmethod
-    def depart(self, name: str, tokens: float, again: bool) -> float:
-        """A waiter's slot for ``tokens`` of ``name`` came: 0.0 if they may be used now (they
-        are counted as used), else the seconds to wait before asking ``again``."""
+    def depart(self, name: str, tokens: float, turn: float | None) -> tuple[float, float | None]:
+        """A waiter's slot for ``tokens`` of ``name`` came: ``(0.0, None)`` if they may be used
+        now (they are counted as used), else the seconds to wait and the time of use given
+        to it, which it passes back as ``turn`` once woken (see ``TokenBucket.depart``)."""
 
     @abstractmethod
     def refund(self, name: str, tokens: float) -> None:
@@ -63,15 +64,14 @@ class RateLimiters(ABC):
     def _waits(self, name: str, tokens: float) -> Iterator[float]:
         """The waits before ``tokens`` of ``name`` may be used: the reservation's, then, if
         the waiter woke too soon after another use (its process was starved or stopped, and
-        overdue waiters woke together), each wait the uses so far ask for."""
-        wait, again = self.reserve(name, tokens), False
+        overdue waiters woke together), the wait for the time of use it is given."""
+        wait, turn = self.reserve(name, tokens), None
         while True:
             if wait > 0:
                 yield wait
-            wait = self.depart(name, tokens, again)
+            wait, turn = self.depart(name, tokens, turn)
             if wait <= 0:
                 return
-            again = True
 
     @abstractmethod
     def throttled(self, name: str, retry_after: float | None = None) -> None:
@@ -100,8 +100,8 @@ class LocalLimiters(RateLimiters):
     def reserve(self, name: str, tokens: float) -> float:
         return self.bucket(name).reserve(tokens)
 
-    def depart(self, name: str, tokens: float, again: bool) -> float:
-        return self.bucket(name).depart(tokens, again=again)
+    def depart(self, name: str, tokens: float, turn: float | None) -> tuple[float, float | None]:
+        return self.bucket(name).depart(tokens, turn)
 
     def refund(self, name: str, tokens: float) -> None:
         self.bucket(name).refund(tokens)
