@@ -405,8 +405,9 @@ def rate_limits(ctx: Context) -> None:
         f"workerpool only (the others have no rate limiter). Through the pool: a worker with "
         f"N = 50 runs no-op jobs limited to R/s (burst 1) for about {plan.rate_seconds:g} s of "
         "backlog. The limiter alone: 16 threads take tokens as fast as it allows "
-        "(bench/ratelimit_accuracy.py). Achieved = (events - 1) / (last - first); busiest "
-        "100 ms window of starts (grants) against its share R / 10. CPU: the consumer "
+        "(bench/ratelimit_accuracy.py, which also reports its busiest window). Achieved = "
+        "(events - 1) / (last - first); busiest 100 ms window of starts against its share "
+        "R / 10. CPU: the consumer "
         "process's user + system seconds from its first job to its last, per job."
         + (f" `@{ctx.baseline}`: through the pool of that revision." if ctx.baseline else ""),
     )
@@ -419,7 +420,6 @@ def rate_limits(ctx: Context) -> None:
         )
         cpu = table.row(f"{declared:g}/s through the pool: CPU per job", "ms", "lower")
         alone = table.row(f"{declared:g}/s limiter alone: achieved / declared", "", "")
-        alone_busiest = table.row(f"{declared:g}/s limiter alone: busiest 100 ms", "grants", "")
         count = int(declared * plan.rate_seconds) + 1
         for run, impl in rotations(ctx.with_baseline(("workerpool",)), plan.runs):
             with ctx.bench.resources("rl") as res:
@@ -438,7 +438,6 @@ def rate_limits(ctx: Context) -> None:
             if impl == "workerpool":  # the limiter of this revision, in this process
                 measured = measure(declared, plan.rate_seconds, 16)
                 alone.add(impl, measured["achieved_ratio"])
-                alone_busiest.add(impl, measured["busiest_100ms"])
         ctx.log(f"rate {declared:g}/s: {achieved.median('workerpool')}")
 
 
