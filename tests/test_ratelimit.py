@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from itertools import pairwise
 
 import pytest
@@ -96,20 +97,10 @@ def test_slots_that_fell_due_in_a_stall_are_used_no_faster_than_the_rate(burst: 
     # When their process is stopped for 2 s and all of them wake together after it
     clock.now += 2.0
     woke = clock.now
-    asks: list[tuple[float, float | None]] = [(woke, None)] * 10  # (when, the time given)
-    used: list[float] = []
-    asked = 0
-    while asks:
-        asked += 1
-        clock.now, turn = asks.pop(asks.index(min(asks, key=lambda ask: ask[0])))
-        wait, turn = bucket.depart(turn=turn)
-        if wait > 0:
-            asks.append((clock.now + wait, turn))  # held back: asks again when told
-        else:
-            used.append(clock.now - woke)
+    used, asked = _uses(bucket, clock, [woke] * 10)
     # Then the burst goes at once and the rest one 1/16 s apart, as if they had just queued;
     # each held back was given a time of its own, so it asked only once more
-    assert used == [0.0] * burst + [(i + 1) / 16 for i in range(10 - burst)]
+    assert [at - woke for at in used] == [0.0] * burst + [(i + 1) / 16 for i in range(10 - burst)]
     assert asked == 10 + (10 - burst)
 
 
@@ -120,19 +111,8 @@ def test_waiters_woken_late_by_the_scheduler_each_wait_once_for_the_time_they_ar
     bucket = TokenBucket(RateSpec(16.0, 1), clock=clock)
     jitter = random.Random(7)
     step = 1 / 16
-    asks: list[tuple[float, float | None]] = [
-        (clock.now + bucket.reserve() + jitter.uniform(0, step / 3), None) for _ in range(40)
-    ]
-    used: list[float] = []
-    asked = 0
-    while asks:
-        asked += 1
-        clock.now, turn = asks.pop(asks.index(min(asks, key=lambda ask: ask[0])))
-        wait, turn = bucket.depart(turn=turn)
-        if wait > 0:
-            asks.append((clock.now + wait + jitter.uniform(0, step / 3), turn))
-        else:
-            used.append(clock.now)
+    slots = [clock.now + bucket.reserve() for _ in range(40)]
+    used, asked = _uses(bucket, clock, slots, late=lambda: jitter.uniform(0, step / 3))
     # Then each asks at most once more, at the time it was given (held back waiters that
     # learned only how long the last use left them raced for every use after it), and the uses
     # keep the rate: no two closer than a slot less the lateness, none more than the rate
@@ -141,6 +121,28 @@ def test_waiters_woken_late_by_the_scheduler_each_wait_once_for_the_time_they_ar
     gaps = [later - earlier for earlier, later in pairwise(sorted(used))]
     assert min(gaps) >= step * 2 / 3 - 1e-9
     assert used[-1] - used[0] >= step * 39 - step / 3
+
+
+def _uses(
+    bucket: TokenBucket,
+    clock: FakeClock,
+    wakes: list[float],
+    late: Callable[[], float] = lambda: 0.0,
+) -> tuple[list[float], int]:
+    """Waiters that wake at ``wakes`` (and ``late()`` after every time they are told to) ask
+    ``bucket.depart`` until they may go, earliest first: when each went, and how many asks."""
+    asks: list[tuple[float, float | None]] = [(at + late(), None) for at in wakes]
+    used: list[float] = []
+    asked = 0
+    while asks:
+        asked += 1
+        clock.now, turn = asks.pop(asks.index(min(asks, key=lambda ask: ask[0])))
+        wait, turn = bucket.depart(turn=turn)
+        if wait > 0:
+            asks.append((clock.now + wait + late(), turn))  # held back: asks again when told
+        else:
+            used.append(clock.now)
+    return used, asked
 
 
 def test_retry_after_blocks_then_releases_waiters_at_the_rate() -> None:
