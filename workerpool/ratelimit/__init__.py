@@ -6,7 +6,7 @@ A limiter is a named token bucket (``NAME = RATE/s`` with a burst). Jobs take on
 Limits are per process: to hold a global limit across R replicas, declare RATE / R on each.
 """
 
-from workerpool.ratelimit.bucket import RateSpec, TokenBucket, parse_rate
+from workerpool.ratelimit.bucket import RateSpec, TokenBucket, Turn, parse_rate
 from workerpool.ratelimit.limiters import LocalLimiters, RateLimiters
 
-__all__ = ["LocalLimiters", "RateLimiters", "RateSpec", "TokenBucket", "parse_rate"]
+__all__ = ["LocalLimiters", "RateLimiters", "RateSpec", "TokenBucket", "Turn", "parse_rate"]

@@ -11,21 +11,21 @@ decrease, down to a floor) and then grows back by a tenth of the declared rate p
 A slot says when to wake, not that the tokens may be used then: a process that is starved or
 stopped wakes its waiters late and together, and the slots that fell due meanwhile would
 reach the upstream at once. So ``depart(n)`` is asked at the moment of use and holds the uses
-themselves to the rate and burst (the same bucket, over the times requests really leave). A
-waiter it holds back is given a time of use of its own, after those already given, and goes
-then without asking again. Times given out are never raced for: when held-back waiters only
-learned how long the last use left them to wait, every one of them woke for every use and all
-but one waited again (measured: 25 waits and 0.7 ms of CPU per token for 100 threads at
-2,000/s, which got 1,930/s). A waiter woken later than its time goes if it is late by no more
-than ``_LATE`` or half a token's time: a thread of a busy process often wakes a millisecond
-late, and one that then had to ask for a new time left its old one unused (a pool limited to
-2,000/s ran 1,630-1,700/s). Uses may so bunch by that much; a waiter later still (a stall)
-asks again, for a time after those given meanwhile.
+themselves to the rate and burst (the same bucket, over the times requests really leave).
+A waiter it holds back is given a time of use of its own, after those already given, and
+goes then without asking again: held-back waiters that learned only how long the last use
+left them to wait all woke for every use, and all but one waited again (measured: 25 waits
+and 0.7 ms of CPU per token for 100 threads at 2,000/s). A thread of a busy process often
+wakes a little late; one late by up to ``_LATE`` (or half a token's time) still goes, so uses
+may come that much closer together than the rate. One later still (a stall, or an event loop
+or a GIL too busy to wake it in time) goes if the uses so far leave room; else it waits until
+the last use leaves some, and asks again (the first such waiter back then goes). A time given
+out that nobody used is so never waited for: waiters that asked for a new time after all the
+others given kept a third of the rate when every wake was late (a simulation, 1,000/s).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 import time
@@ -58,6 +58,15 @@ def parse_rate(text: str) -> RateSpec:
     return RateSpec(rate, burst)
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What a waiter held back by ``TokenBucket.depart`` passes back when it asks again."""
+
+    at: float  # when to ask
+    throttles: int  # the bucket's count of throttles when it was given
+    given: bool = True  # a time of use counted for it; else only when the room comes
+
+
 class TokenBucket:
     def __init__(
         self,
@@ -79,10 +88,12 @@ class TokenBucket:
         # reservation (or the end of a Retry-After block); none builds up while waiters queue.
         self._tokens = float(spec.burst)
         self._free = now
-        # The uses, as the slots are counted but over the times waiters really go (or were
-        # told to): when the next may happen by the rate, less the burst's allowance.
-        self._gone = now
-        self._unblocked = now  # the end of the last Retry-After block: no use before it
+        # The uses, as the slots are counted but over the times waiters really go: when the
+        # next may happen by the rate (less the burst's allowance); and the same, counting the
+        # times given to waiters held back as well.
+        self._went = now
+        self._given = now
+        self._throttles = 0  # a time given before the last throttle is not kept
 
     @property
     def rate(self) -> float:
@@ -125,27 +136,41 @@ class TokenBucket:
             self._free = max(self._free, now) + short / self._rate
             return self._free - now
 
-    def depart(self, tokens: float = 1.0, turn: float | None = None) -> tuple[float, float | None]:
+    def depart(self, tokens: float = 1.0, *, turn: Turn | None = None) -> tuple[float, Turn | None]:
         """A waiter whose slot came is about to use ``tokens``: ``(0.0, None)`` if it may now
-        (they are counted as used), else the seconds to wait and the time of use it is given,
-        counted as used then. Woken for that time, it passes it back as ``turn``: it goes,
-        unless it woke later than ``_LATE`` or half a token's time after it, or a Retry-After
-        block began over it; then it is given a time after those given meanwhile."""
+        (they are counted as used), else the seconds to wait and what to pass back as
+        ``turn`` when it asks again then. A time of use given to it is kept if it asks no
+        more than ``_LATE`` or half a token's time after it, and no throttle came between."""
         self._check(tokens)
         with self._lock:
             now = self._clock()
             self._advance(now)
             step = tokens / self._rate
-            late = now - turn if turn is not None else math.inf
-            if late <= max(step / 2, _LATE) and now >= self._unblocked:
-                return 0.0, None
             allowance = (self.spec.burst - tokens) / self._rate
-            at = max(now, self._gone - allowance)
-            self._gone = max(self._gone, at) + step
-            return (0.0, None) if at <= now else (at - now, at)
+            if turn is not None and turn.given and turn.throttles == self._throttles:
+                if now < turn.at:
+                    return turn.at - now, turn  # woken early
+                if now - turn.at <= max(step / 2, _LATE):
+                    return self._go(now, step)
+            if now >= max(self._went, self._given) - allowance:
+                self._given = max(self._given, now) + step
+                return self._go(now, step)
+            if turn is not None:  # late for the time it was given, or woken for the room
+                if now >= self._went - allowance:
+                    return self._go(now, step)
+                room = self._went - allowance
+                return room - now, Turn(room, self._throttles, given=False)
+            at = max(now, self._given - allowance, self._went - allowance)
+            self._given = max(self._given, at) + step
+            return at - now, Turn(at, self._throttles)
+
+    def _go(self, now: float, step: float) -> tuple[float, None]:
+        self._went = max(self._went, now) + step
+        return 0.0, None
 
     def refund(self, tokens: float = 1.0) -> None:
-        """Give back a reservation that was not used (the waiter gave up)."""
+        """Give back a reservation that was not used (the waiter gave up). A time of use
+        ``depart`` gave it is not given back: nobody waits for an unused one."""
         with self._lock:
             now = self._clock()
             self._advance(now)
@@ -166,5 +191,6 @@ class TokenBucket:
             empty = now + (retry_after or 0.0)
             self._tokens = 0.0
             self._free = max(self._free, empty)
-            self._gone = max(self._gone, empty + self.spec.burst / self._rate)
-            self._unblocked = max(self._unblocked, empty)
+            self._went = max(self._went, empty + self.spec.burst / self._rate)
+            self._given = max(self._given, self._went)
+            self._throttles += 1

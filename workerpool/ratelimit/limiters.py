@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from workerpool.ratelimit.bucket import RateSpec, TokenBucket
+from workerpool.ratelimit.bucket import RateSpec, TokenBucket, Turn
 
 if TYPE_CHECKING:
     from workerpool.flag import Flag
@@ -26,10 +26,10 @@ class RateLimiters(ABC):
         """Take ``tokens`` of ``name`` now; return the seconds to wait before using them."""
 
     @abstractmethod
-    def depart(self, name: str, tokens: float, turn: float | None) -> tuple[float, float | None]:
+    def depart(self, name: str, tokens: float, turn: Turn | None) -> tuple[float, Turn | None]:
         """A waiter's slot for ``tokens`` of ``name`` came: ``(0.0, None)`` if they may be used
-        now (they are counted as used), else the seconds to wait and the time of use given
-        to it, which it passes back as ``turn`` once woken (see ``TokenBucket.depart``)."""
+        now (they are counted as used), else the seconds to wait and what it passes back as
+        ``turn`` when it asks again then (see ``TokenBucket.depart``)."""
 
     @abstractmethod
     def refund(self, name: str, tokens: float) -> None:
@@ -100,8 +100,8 @@ class LocalLimiters(RateLimiters):
     def reserve(self, name: str, tokens: float) -> float:
         return self.bucket(name).reserve(tokens)
 
-    def depart(self, name: str, tokens: float, turn: float | None) -> tuple[float, float | None]:
-        return self.bucket(name).depart(tokens, turn)
+    def depart(self, name: str, tokens: float, turn: Turn | None) -> tuple[float, Turn | None]:
+        return self.bucket(name).depart(tokens, turn=turn)
 
     def refund(self, name: str, tokens: float) -> None:
         self.bucket(name).refund(tokens)
