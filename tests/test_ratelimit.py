@@ -116,7 +116,6 @@ def test_waiters_woken_late_by_the_scheduler_each_wait_once_for_the_time_they_ar
     # Then each asks at most once more, at the time it was given (held back waiters that
     # learned only how long the last use left them raced for every use after it), and the uses
     # keep the rate: no two closer than a slot less the lateness, none more than the rate
-    print(f"asked {asked} times for 40 uses")
     assert asked <= 2 * 40
     gaps = [later - earlier for earlier, later in pairwise(sorted(used))]
     assert min(gaps) >= step * 2 / 3 - 1e-9
@@ -159,6 +158,7 @@ def _uses_from(
         if clock.now < until:
             wait = bucket.reserve()
             asks.append((clock.now + wait + (late() if wait > 0 else 0.0), None))
+    assert not asks, "the waiters were still asking"
     return used, asked
 
 
@@ -176,7 +176,6 @@ def test_waiters_always_woken_later_than_the_times_they_are_given_keep_the_rate(
     # over and over (waiters that lost the time they were given and asked for one after every
     # other given kept 0.33 of the rate with 760 asks a use)
     achieved = (len(used) - 1) / (used[-1] - used[0]) / 1000
-    print(f"achieved {achieved:.3f} of the rate, {asked / len(used):.1f} asks a use")
     assert 0.8 <= achieved <= 1.0 + 1e-9
     assert asked / len(used) <= 20
 
@@ -223,6 +222,64 @@ def test_times_of_use_given_before_a_throttle_are_used_at_the_halved_rate() -> N
     # 1/10 s apart, not 1/16 s apart at the times given before it
     gaps = [later - earlier for earlier, later in pairwise(used)]
     assert min(gaps) >= 1 / 10
+
+
+def test_new_waiters_after_a_throttle_are_given_times_a_token_apart_at_the_new_rate() -> None:
+    # Given a 16/s bucket with a burst of 3, throttled to 8/s
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, 3), clock=clock)
+    bucket.throttled()
+    # When four waiters ask together
+    waits = [bucket.depart()[0] for _ in range(4)]
+    # Then each is given a time 1/8 s after the one before, none the same
+    assert [later - earlier for earlier, later in pairwise(waits)] == [1 / 8] * 3
+
+
+def test_a_waiter_woken_early_waits_the_rest_of_its_time() -> None:
+    clock = FakeClock(1000.0)
+    bucket = TokenBucket(RateSpec(16.0, 1), clock=clock)
+    bucket.depart()
+    wait, turn = bucket.depart()
+    clock.now += wait - 0.001
+    rest, again = bucket.depart(turn=turn)
+    assert rest == pytest.approx(0.001) and again == turn
+
+
+@pytest.mark.parametrize(("late", "kept"), [(0.0015, True), (0.003, False)])
+def test_a_time_of_use_at_1000_per_second_is_kept_2_ms_not_3(late: float, kept: bool) -> None:
+    # Given a 1,000/s bucket whose first waiter goes, and A, B and C given the next times
+    clock = FakeClock(1000.0)
+    start = clock.now
+    bucket = TokenBucket(RateSpec(1000.0, 1), clock=clock)
+    bucket.depart()
+    a, b, c = (bucket.depart()[1] for _ in range(3))
+    # When B asks on time, C half a millisecond late, and A ``late`` after its time
+    asks = sorted([(0.002, b), (0.0035, c), (0.001 + late, a)], key=lambda ask: ask[0])
+    answers = {}
+    for when, turn in asks:
+        clock.now = start + when
+        answers[when] = bucket.depart(turn=turn)
+    # Then A goes at once 1.5 ms late, though B went half a millisecond before; 3 ms late,
+    # just after C went, it waits for the room C left
+    wait, _ = answers[0.001 + late]
+    assert (wait == 0.0) is kept
+
+
+def test_a_waiter_late_for_its_time_leaves_the_room_it_took_to_the_next() -> None:
+    # Given a 16/s bucket whose first waiter goes and two more are given the next two times
+    clock = FakeClock(1000.0)
+    start = clock.now
+    bucket = TokenBucket(RateSpec(16.0, 1), clock=clock)
+    bucket.depart()
+    (_, first), (_, second) = bucket.depart(), bucket.depart()
+    # When the first wakes 40 ms late, past what it may be late by, and goes on the room left
+    clock.now = start + 1 / 16 + 0.04
+    assert bucket.depart(turn=first) == (0.0, None)
+    went = clock.now
+    # Then the second, on time, does not go 22.5 ms after it: it waits for the room
+    clock.now = start + 2 / 16
+    wait, _ = bucket.depart(turn=second)
+    assert clock.now + wait >= went + 1 / 16 - 1e-9
 
 
 def test_a_time_of_use_given_before_a_retry_after_block_waits_out_the_block() -> None:

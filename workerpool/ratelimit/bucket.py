@@ -19,9 +19,11 @@ and 0.7 ms of CPU per token for 100 threads at 2,000/s). A thread of a busy proc
 wakes a little late; one late by up to ``_LATE`` (or half a token's time) still goes, so uses
 may come that much closer together than the rate. One later still (a stall, or an event loop
 or a GIL too busy to wake it in time) goes if the uses so far leave room; else it waits until
-the last use leaves some, and asks again (the first such waiter back then goes). A time given
-out that nobody used is so never waited for: waiters that asked for a new time after all the
-others given kept a third of the rate when every wake was late (a simulation, 1,000/s).
+the last use leaves some, and asks again (the first such waiter back then goes). It is not
+given a new time after all those given: waiters so placed behind times nobody used kept a
+third of the rate when every wake was late (a simulation, 1,000/s). Unused times still delay
+new waiters, a token's time each, until the bucket is idle. A waiter that lost its time
+loses every tie to one that kept its own, so under mixed lateness a few wait longer.
 """
 
 from __future__ import annotations
@@ -150,7 +152,10 @@ class TokenBucket:
             if turn is not None and turn.given and turn.throttles == self._throttles:
                 if now < turn.at:
                     return turn.at - now, turn  # woken early
-                if now - turn.at <= max(step / 2, _LATE):
+                # Kept if it is not late, and no late waiter took its room meanwhile (one that
+                # lost its time goes when the real uses leave room, and counts no time given).
+                late = max(step / 2, _LATE)
+                if now - turn.at <= late and now >= self._went - allowance - late:
                     return self._go(now, step)
             if now >= max(self._went, self._given) - allowance:
                 self._given = max(self._given, now) + step
@@ -170,7 +175,7 @@ class TokenBucket:
 
     def refund(self, tokens: float = 1.0) -> None:
         """Give back a reservation that was not used (the waiter gave up). A time of use
-        ``depart`` gave it is not given back: nobody waits for an unused one."""
+        ``depart`` gave it is not given back: new waiters come a token's time later."""
         with self._lock:
             now = self._clock()
             self._advance(now)

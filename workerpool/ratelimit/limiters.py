@@ -64,7 +64,8 @@ class RateLimiters(ABC):
     def _waits(self, name: str, tokens: float) -> Iterator[float]:
         """The waits before ``tokens`` of ``name`` may be used: the reservation's, then, if
         the waiter woke too soon after another use (its process was starved or stopped, and
-        overdue waiters woke together), the wait for the time of use it is given."""
+        overdue waiters woke together), the waits for the time of use it is given, or for
+        the room the uses so far leave."""
         wait, turn = self.reserve(name, tokens), None
         while True:
             if wait > 0:
