@@ -407,8 +407,8 @@ def rate_limits(ctx: Context) -> None:
         "backlog. The limiter alone: 16 threads take tokens as fast as it allows "
         "(bench/ratelimit_accuracy.py, which also reports its busiest window). Achieved = "
         "(events - 1) / (last - first); busiest 100 ms window of starts against its share "
-        "R / 10. CPU: the consumer "
-        "process's user + system seconds from its first job to its last, per job."
+        "R / 10. CPU: the consumer process's user + system seconds from its first job to its "
+        "last, per job."
         + (f" `@{ctx.baseline}`: through the pool of that revision." if ctx.baseline else ""),
     )
     for declared in plan.rates:
