@@ -197,6 +197,11 @@ def rate(report: dict[str, Any]) -> float:
     return float(report["finished"]) / float(report["last_end"] - report["first_start"])
 
 
+def cpu_per_job_ms(report: dict[str, Any], jobs: int) -> float:
+    """The consumer's CPU from its first job to its last, in ms a job (s per 1,000 jobs)."""
+    return float(report["cpu_done"] - report["cpu_first"]) / jobs * 1000
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. Throughput
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +229,7 @@ def throughput(ctx: Context) -> None:
                 )
             if not ctx.complete(report, f"throughput N={n} {impl} run {run + 1}", rows):
                 continue
-            cpu = (report["cpu_done"] - report["cpu_first"]) / count * 1000
+            cpu = cpu_per_job_ms(report, count)
             values = (rate(report), cpu, report["max_rss_kib"] / 1024)
             for row, value in zip(rows, values, strict=True):
                 row.add(impl, value)
@@ -434,7 +439,7 @@ def rate_limits(ctx: Context) -> None:
                 starts = sorted(begin for _, begin in report["starts"])
                 achieved.add(impl, (len(starts) - 1) / (starts[-1] - starts[0]) / declared)
                 burst.add(impl, busiest(starts, 0.1))
-                cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / count * 1000)
+                cpu.add(impl, cpu_per_job_ms(report, count))
             if impl == "workerpool":  # the limiter of this revision, in this process
                 measured = measure(declared, plan.rate_seconds, 16)
                 alone.add(impl, measured["achieved_ratio"])
@@ -517,7 +522,7 @@ def parts(ctx: Context) -> None:
             rows = (cpu, *threads.values(), *([slices] if slices is not None else []))
             if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", rows):
                 continue
-            cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / backlog * 1000)
+            cpu.add(impl, cpu_per_job_ms(report, backlog))
             if mean is not None:
                 mean.add(impl, busy(report, n))
             if threads and report["thread_cpu"]:
@@ -570,7 +575,7 @@ def cost(ctx: Context) -> None:
             if not ctx.complete(report, f"cost {kind} {impl} run {run + 1}", (rate_row, cpu)):
                 continue
             rate_row.add(impl, rate(report))
-            cpu.add(impl, (report["cpu_done"] - report["cpu_first"]) / plan.cost_count * 1000)
+            cpu.add(impl, cpu_per_job_ms(report, plan.cost_count))
             if not ledger:
                 rss.add(impl, report["max_rss_kib"] / 1024)
             ctx.log(f"cost {kind} {impl}: {cpu.values[impl][-1]:.3f} s CPU per 1,000")
