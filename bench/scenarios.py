@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.consumer import ASYNC_IMPLS
 from bench.harness import Bench, Collector, Consumer
@@ -484,15 +484,11 @@ def parts(ctx: Context) -> None:
             f"A backlog of {backlog:,} {kind}, with nothing on (bare), one part of the default "
             "middleware on (the SQLite store; tracing sampled off and metrics; the job log "
             "lines), or all of them (workerpool). CPU: user + system seconds of the consumer "
-            "process from its first job to its last, per job."
-            + (
-                ""
-                if seconds
-                else " By thread: the kernel's count of the CPU of the threads that carry a job"
-                " over the same span (each row a median of its own; the other threads take a"
-                " few microseconds a job each), and how many times slot threads were put on a"
-                " CPU, per job. Throughput: the cost table's."
-            )
+            "process from its first job to its last, per job. By thread: the kernel's count of "
+            "the CPU of the threads that carry a job over the same span (each row a median of "
+            "its own; the other threads take a few microseconds a job each), and how many times "
+            "slot threads were put on a CPU, per job."
+            + ("" if seconds else " Throughput: the cost table's.")
             + (
                 f" `@{ctx.baseline}`: the same, by the workerpool of that revision."
                 if ctx.baseline
@@ -504,31 +500,29 @@ def parts(ctx: Context) -> None:
         mean = (
             table.row("mean running / N while the backlog lasts", "", "higher") if seconds else None
         )
-        # No-op jobs: the CPU by thread, and how often the slot threads were put on a CPU (a
-        # run whose slot threads wake for every few jobs costs two to three times one whose
-        # threads take job after job).
-        threads = (
-            {group: table.row(f"CPU per job, {group}", "us", "lower") for group in THREAD_GROUPS}
-            if not seconds
-            else {}
-        )
-        slices = table.row("slot threads put on a CPU, per job", "", "lower") if threads else None
+        # The CPU by thread, and how often the slot threads were put on a CPU: a no-op run
+        # whose slot threads wake for every few jobs costs two to three times one whose threads
+        # take job after job, and a job that waits is woken at least twice.
+        threads = {
+            group: table.row(f"CPU per job, {group}", "us", "lower") for group in THREAD_GROUPS
+        }
+        slices = table.row("slot threads put on a CPU, per job", "", "lower")
         for run, impl in rotations(ctx.with_baseline(PART_IMPLS), ctx.plan.runs):
             with ctx.bench.resources(f"pt{n}") as res:
                 ctx.bench.publish(res, backlog)
                 report = Consumer(
                     ctx.bench, impl, res, n=n, expect=backlog, seconds=seconds, sample_ms=10
                 ).wait(_timeout(backlog, seconds, n))
-            rows = (cpu, *threads.values(), *([slices] if slices is not None else []))
+            rows = (cpu, *threads.values(), slices)
             if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", rows):
                 continue
             cpu.add(impl, cpu_per_job_ms(report, backlog))
             if mean is not None:
                 mean.add(impl, busy(report, n))
-            if threads and report["thread_cpu"]:
+            if report["thread_cpu"]:
                 for group, seconds_per_job in per_thread(report, "thread_cpu", backlog).items():
                     threads[group].add(impl, seconds_per_job * 1e6)
-            if slices is not None and report["thread_slices"]:
+            if report["thread_slices"]:
                 slot_slices = per_thread(report, "thread_slices", backlog)
                 slices.add(impl, slot_slices.get("slot threads", 0.0))
             ctx.log(f"parts N={n} {impl}: {cpu.values[impl][-1]:.3f} ms CPU per job")
@@ -540,17 +534,31 @@ def parts(ctx: Context) -> None:
 
 COST_N = 100
 ASYNC_N = 64
-# The jobs of the cost scenario: no-op, and one that does Python work of its own (holds the GIL).
-COST_KINDS = {"no-op jobs": False, "GIL-holding jobs": True}
+
+
+class JobKind(NamedTuple):
+    ledger: bool  # appends a JSON line through ``open()`` as it starts and ends (holds the GIL)
+    seconds: float  # sleeps this long, as a job waiting on I/O does
+
+
+# The jobs of the cost scenario: no-op, one that does Python work of its own (holds the GIL),
+# and one that waits 50 ms, as most real jobs wait on I/O (its slot thread sleeps and wakes).
+NO_OP = "no-op jobs"  # the kind whose peak RSS is reported
+COST_KINDS = {
+    NO_OP: JobKind(ledger=False, seconds=0.0),
+    "GIL-holding jobs": JobKind(ledger=True, seconds=0.0),
+    "50 ms jobs": JobKind(ledger=False, seconds=0.05),
+}
 
 
 def cost(ctx: Context) -> None:
     plan = ctx.plan
     table = ctx.table(
         f"7. Cost per job, N = {COST_N}",
-        f"A backlog of {plan.cost_count:,} jobs of each kind: no-op jobs, and GIL-holding jobs "
+        f"A backlog of {plan.cost_count:,} jobs of each kind: no-op jobs, GIL-holding jobs "
         "that append a JSON line to a file of their own through `open()` as they start and as "
-        "they end (Python work of their own, as a real job does). workerpool as a user runs "
+        "they end (Python work of their own, as a real job does), and jobs that sleep 50 ms "
+        "(as one waiting on I/O does). workerpool as a user runs "
         "it: its SQLite store on disk, metrics on, a JSON log line per job written to a file. "
         "CPU: the consumer process's user + system seconds from its first job to its last, "
         "per 1,000 jobs. RSS: the process's peak (VmHWM), no-op jobs.",
@@ -562,21 +570,22 @@ def cost(ctx: Context) -> None:
         )
         for kind in COST_KINDS
     }
-    rss = table.row("peak RSS, no-op jobs", "MiB", "lower")
+    rss = table.row(f"peak RSS, {NO_OP}", "MiB", "lower")
     impls = ctx.with_baseline(("workerpool", "plain", "aio"))
-    for kind, ledger in COST_KINDS.items():
+    for kind, job in COST_KINDS.items():
         cpu, rate_row = rows[kind]
         for run, impl in rotations(impls, plan.runs):
             with ctx.bench.resources("cost") as res:
                 ctx.bench.publish(res, plan.cost_count)
                 report = Consumer(
-                    ctx.bench, impl, res, n=COST_N, expect=plan.cost_count, ledger=ledger
-                ).wait(_timeout(plan.cost_count, 0.0, COST_N))
+                    ctx.bench, impl, res, n=COST_N, expect=plan.cost_count, seconds=job.seconds,
+                    ledger=job.ledger,
+                ).wait(_timeout(plan.cost_count, job.seconds, COST_N))  # fmt: skip
             if not ctx.complete(report, f"cost {kind} {impl} run {run + 1}", (rate_row, cpu)):
                 continue
             rate_row.add(impl, rate(report))
             cpu.add(impl, cpu_per_job_ms(report, plan.cost_count))
-            if not ledger:
+            if kind == NO_OP:
                 rss.add(impl, report["max_rss_kib"] / 1024)
             ctx.log(f"cost {kind} {impl}: {cpu.values[impl][-1]:.3f} s CPU per 1,000")
     busy_async(ctx)
