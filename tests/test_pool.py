@@ -21,7 +21,7 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
-from workerpool.worker.outcome import Interrupted
+from workerpool.worker.outcome import Deferred, Interrupted, Outcome
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
@@ -30,19 +30,22 @@ from workerpool.worker.watched import Watched
 
 
 class _Gate:
-    """A job that records how many run at once and waits until it is let go."""
+    """A job that records how many run at once, and on which threads, and waits until it is
+    let go."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running = 0
         self.peak = 0
         self.started = 0
+        self.threads: set[int] = set()
         self.release = threading.Event()
 
     def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None:
         with self.lock:
             self.running += 1
             self.started += 1
+            self.threads.add(threading.get_ident())
             self.peak = max(self.peak, self.running)
         self.release.wait(10)
         with self.lock:
@@ -101,6 +104,25 @@ def test_a_pool_with_enough_waiting_pulls_only_once_half_its_hold_is_free() -> N
         # When 3 wait, Then the 1 free place is not: a pull waits for half the hold (3)
         pool.admit(_deliveries(1, start=4))
         assert pool.wait_for_room(0) == 0
+    finally:
+        gate.release.set()
+        pool.join(time.monotonic() + 5)
+
+
+def test_a_backlog_runs_on_n_threads_each_taking_the_next_message_as_its_run_ends() -> None:
+    # Given a pool of 2 slots and a prefetch of 4 (6 slot threads), both slots busy and 4
+    # messages waiting to start
+    pool, gate, acks, _ = _pool(2, 4)
+    try:
+        pool.admit(_deliveries(6))
+        assert wait_for(lambda: gate.running == 2, timeout=10, interval=0.005)
+        # Then the waiting ones wait for a permit in the queue, not each on a thread of its own
+        assert pool._starting == set()
+        # When the runs end one after another
+        gate.release.set()
+        assert wait_for(lambda: len(acks.acked) == 6, timeout=10, interval=0.005)
+        # Then every run was carried by the 2 threads that took the first two
+        assert len(gate.threads) == 2
     finally:
         gate.release.set()
         pool.join(time.monotonic() + 5)
@@ -239,6 +261,45 @@ def test_a_run_waiting_without_its_permit_lets_another_run_within_the_prefetch()
         assert waiting.put_down[1:] == [True, False]
     finally:
         waiting.go.set()
+        gate.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+class _GivesUpWithoutPermit(Middleware):
+    """Runs of job ids starting with "quit" put their permit down and end there, deferred
+    (as a run does that gives up waiting for a concurrency slot)."""
+
+    def before(self, run: Run) -> Outcome | None:
+        if run.job.job_id.startswith("quit"):
+            assert run.permit.put_down()
+            return Deferred("gave up", 0.0)
+        return None
+
+
+def test_runs_that_end_waiting_without_their_permit_leave_n_threads_taking_messages() -> None:
+    # Given 1 slot, a prefetch of 2, and 3 runs that put their permit down and end there
+    jobs, gate, acks, leases = Registry(), _Gate(), FakeAcks(), FakeLeaser()
+    jobs.job("t.gate")(gate)
+    processor = Processor(
+        jobs, acks, leases, FakeDeadLetters(), [_GivesUpWithoutPermit()], ProcessorSettings()
+    )
+    pool = Pool(processor, leases, PoolLimits(1, 2))
+    pool.start()
+    try:
+        pool.admit([
+            make_delivery(b"{}", {"job": "t.gate", "job_id": f"quit-{i}"}, message_id=f"q{i}")
+            for i in range(3)
+        ])  # fmt: skip
+        assert wait_for(lambda: len(acks.modacked) == 3, timeout=10, interval=0.005)
+        # When a backlog comes
+        pool.admit(_deliveries(3))
+        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
+        # Then one thread takes messages, as before: the others wait in the queue
+        assert pool._starting == set()
+        gate.release.set()
+        assert wait_for(lambda: len(acks.acked) == 3, timeout=10, interval=0.005)
+        assert len(gate.threads) == 1
+    finally:
         gate.release.set()
         assert pool.join(time.monotonic() + 5)
 
