@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
 from workerpool.worker.outcome import Deferred, Interrupted, Outcome
 from workerpool.worker.pool import Pool
-from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers
 from workerpool.worker.watched import Watched
@@ -301,6 +302,135 @@ def test_runs_that_end_waiting_without_their_permit_leave_n_threads_taking_messa
         assert len(gate.threads) == 1
     finally:
         gate.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+class _Scripted:
+    """A processor whose runs do what their test says, by message id: ``process`` calls
+    ``runs[message_id](permit, resume)``, which returns how far the thread carried it."""
+
+    def __init__(self, runs: dict[str, Callable[[Any, Any], Ending]]) -> None:
+        self.runs = runs
+        self.ahead: set[str] = set()  # message ids made ready ahead (async, see ``pool``)
+        self.draining = threading.Event()
+
+    def admitted(self, deliveries: list[Delivery]) -> None:
+        pass
+
+    def give_back(self, deliveries: list[Delivery]) -> int:
+        return len(deliveries)
+
+    def starts_ahead(self, delivery: Delivery) -> bool:
+        return delivery.message_id in self.ahead
+
+    def process(self, delivery: Delivery, permit: Any, left: Any, resume: Any) -> Ending:
+        return self.runs[delivery.message_id](permit, resume)
+
+
+def _on_a_thread(when: threading.Event, call: Callable[[], None]) -> None:
+    """``call()`` once ``when`` is set, on a thread of its own (an event loop's, as it were)."""
+    threading.Thread(target=lambda: (when.wait(10), call()), daemon=True).start()
+
+
+def test_a_drain_refusing_a_parked_run_its_permit_leaves_a_thread_to_carry_async_ends() -> None:
+    # Given 1 slot and a prefetch of 2: a sync run waiting without its permit, an async run
+    # holding the permit, and an async run made ready ahead
+    granted, a_ends, b_rest, b_go = (threading.Event() for _ in range(4))
+    ended: list[str] = []
+
+    def parked(permit: Any, resume: Any) -> Ending:
+        assert permit.put_down()
+        granted.wait(10)
+        assert not permit.pick_up()  # the drain came first
+        return Ending.SETTLED
+
+    def holds_the_permit(permit: Any, resume: Any) -> Ending:
+        _on_a_thread(a_ends, lambda: resume(lambda: ended.append("a") or Ending.SETTLED))
+        return Ending.CARRIED
+
+    def ready_ahead(permit: Any, resume: Any) -> Ending:
+        def rest() -> Ending:
+            b_rest.set()
+            b_go.wait(10)
+            return Ending.SETTLED
+
+        permit.start_when_held(lambda started: resume(rest))
+        return Ending.CARRIED
+
+    processor = _Scripted({"s": parked, "a": holds_the_permit, "b": ready_ahead})
+    processor.ahead = {"b"}
+    leases = FakeLeaser()
+    pool = Pool(processor, leases, PoolLimits(1, 2))  # type: ignore[arg-type]
+    pool.start()
+    try:
+        pool.admit([make_delivery(b"{}", {}, message_id="s")])
+        assert wait_for(lambda: pool._parked == 1, timeout=10, interval=0.005)
+        pool.admit([make_delivery(b"{}", {}, message_id="a")])
+        assert wait_for(lambda: pool.running == 1, timeout=10, interval=0.005)
+        pool.admit([make_delivery(b"{}", {}, message_id="b")])
+        assert wait_for(lambda: len(pool._ready) == 1, timeout=10, interval=0.005)
+        granted.set()  # the parked run waits for the permit the async run holds
+        assert wait_for(lambda: len(pool._waiters) == 1, timeout=10, interval=0.005)
+        # When a drain refuses the ready run (its rest is carried) and the parked one
+        pool.stop_starting()
+        assert b_rest.wait(10)
+        pool.quiet()
+        b_go.set()
+        time.sleep(0.1)  # both threads come to rest: one waits for a message, one for a turn
+        # Then the async run that held the permit is still carried on when it ends
+        a_ends.set()
+        assert pool.wait_idle(time.monotonic() + 5)
+        assert ended == ["a"]
+    finally:
+        granted.set()
+        a_ends.set()
+        b_go.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+def test_an_async_end_blocked_on_its_record_holds_up_no_run_that_took_its_permit() -> None:
+    # Given 1 slot and a prefetch of 2: an async run holding the permit, whose end blocks
+    # (a slow dead-letter record), and an async run made ready ahead, which takes the permit
+    f_ends, r_ends, record_go, recording = (threading.Event() for _ in range(4))
+    ended: list[str] = []
+
+    def fails(permit: Any, resume: Any) -> Ending:
+        def rest() -> Ending:
+            recording.set()
+            record_go.wait(10)
+            ended.append("f")
+            return Ending.SETTLED
+
+        _on_a_thread(f_ends, lambda: resume(rest))
+        return Ending.CARRIED
+
+    def ready_ahead(permit: Any, resume: Any) -> Ending:
+        def start(started: bool) -> None:
+            _on_a_thread(r_ends, lambda: resume(lambda: ended.append("r") or Ending.SETTLED))
+
+        permit.start_when_held(start)
+        return Ending.CARRIED
+
+    processor = _Scripted({"f": fails, "r": ready_ahead})
+    processor.ahead = {"r"}
+    pool = Pool(processor, FakeLeaser(), PoolLimits(1, 2))  # type: ignore[arg-type]
+    pool.start()
+    try:
+        pool.admit([make_delivery(b"{}", {}, message_id="f")])
+        assert wait_for(lambda: pool.running == 1, timeout=10, interval=0.005)
+        pool.admit([make_delivery(b"{}", {}, message_id="r")])
+        assert wait_for(lambda: len(pool._ready) == 1, timeout=10, interval=0.005)
+        # When the first ends and its end blocks, and the one that took its permit ends
+        f_ends.set()
+        assert recording.wait(10)
+        r_ends.set()
+        # Then the second's end is carried on meanwhile: its permit is free again
+        assert wait_for(lambda: ended == ["r"] and pool.running == 0, timeout=5, interval=0.005)
+    finally:
+        record_go.set()
+        f_ends.set()
+        r_ends.set()
+        pool.quiet()
         assert pool.join(time.monotonic() + 5)
 
 
