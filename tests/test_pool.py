@@ -434,6 +434,49 @@ def test_an_async_end_blocked_on_its_record_holds_up_no_run_that_took_its_permit
         assert pool.join(time.monotonic() + 5)
 
 
+def test_a_run_picking_its_permit_up_again_is_not_passed_over_by_the_messages_after_it() -> None:
+    # Given 1 slot, a prefetch of 3: a run waiting for its concurrency slot without its
+    # permit, and a backlog of three, the first of which runs until let go
+    granted, first_go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def parked(permit: Any, resume: Any) -> Ending:
+        assert permit.put_down()
+        granted.wait(10)
+        assert permit.pick_up()
+        order.append("s")
+        return Ending.SETTLED
+
+    def backlog(name: str) -> Callable[[Any, Any], Ending]:
+        def run(permit: Any, resume: Any) -> Ending:
+            order.append(name)
+            if name == "x1":
+                first_go.wait(10)
+            return Ending.SETTLED
+
+        return run
+
+    processor = _Scripted({"s": parked, **{f"x{i}": backlog(f"x{i}") for i in (1, 2, 3)}})
+    pool = Pool(processor, FakeLeaser(), PoolLimits(1, 3))  # type: ignore[arg-type]
+    pool.start()
+    try:
+        pool.admit([make_delivery(b"{}", {}, message_id="s")])
+        assert wait_for(lambda: pool._parked == 1, timeout=10, interval=0.005)
+        pool.admit([make_delivery(b"{}", {}, message_id=f"x{i}") for i in (1, 2, 3)])
+        assert wait_for(lambda: order == ["x1"], timeout=10, interval=0.005)
+        # When its slot is granted, it waits for the permit the first holds, and that one ends
+        granted.set()
+        assert wait_for(lambda: len(pool._waiters) == 1, timeout=10, interval=0.005)
+        first_go.set()
+        # Then it runs next: the thread that freed the permit does not take it for the next
+        assert wait_for(lambda: len(order) == 4, timeout=10, interval=0.005)
+        assert order == ["x1", "s", "x2", "x3"]
+    finally:
+        granted.set()
+        first_go.set()
+        assert pool.join(time.monotonic() + 5)
+
+
 class _SlowDeadLetters(FakeDeadLetters):
     """A dead-letter topic whose publish waits until ``go`` is set."""
 
