@@ -23,6 +23,7 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
 from workerpool.worker.outcome import Deferred, Interrupted, Outcome
+from workerpool.worker.permits import Starter
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.run import Run
@@ -836,20 +837,16 @@ def test_a_long_line_of_ready_runs_handed_back_meanwhile_ends_without_nesting() 
 
 
 def test_a_start_that_raises_does_not_stop_the_starts_queued_after_it() -> None:
-    # Given a pool, and two runs granted a permit at once, the first of whose start raises
-    pool, _, _, loop = _async_pool(1, 1)
+    # Given two runs granted a permit at once, the first of whose start raises
     started: list[bool] = []
 
     def broken(granted: bool) -> None:
         raise RuntimeError("a bug")
 
-    try:
-        # When both are launched on one thread
-        pool._launch([broken, started.append])
-        # Then the second still starts
-        assert started == [True]
-    finally:
-        _close(pool, loop)
+    # When both are launched on one thread
+    Starter("pool").launch([broken, started.append])
+    # Then the second still starts
+    assert started == [True]
 
 
 def test_a_watched_condition_wakes_whoever_waits_and_nobody_else() -> None:

@@ -2,13 +2,20 @@
 
 A permit is none yet, held (its run may run), parked (its run waits without it), or ahead (an
 async run made ready without one, counted with the parked). ``state`` and ``ticket`` (when a
-run made ready ahead came) are guarded by the pool's lock.
+run made ready ahead came) are guarded by the pool's lock. Free permits go to runs in the
+order their tickets came (``came_before``); those made ready ahead are started by a
+``Starter``, on the thread that freed the permit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 # How a run made ready ahead starts once granted a permit (True), or ends unstarted (False).
 Start = Callable[[bool], None]
@@ -42,3 +49,42 @@ class SlotPermit:
 
     def start_when_held(self, start: Start) -> None:
         self._permits.start_when_held(self, start)
+
+
+def came_before(ticket: int, waiting: Iterable[int]) -> int:
+    """How many of the ``waiting`` tickets, in the order they came, came before ``ticket``."""
+    before = 0
+    for other in waiting:
+        if other >= ticket:
+            break
+        before += 1
+    return before
+
+
+class Starter:
+    """Starts runs granted a permit, one after another on the calling thread. A start that
+    ends at once (its message was handed back while it waited) frees its permit for the next
+    ready run: that one is queued here, not started inside it, so a long line of such runs
+    never nests."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queued = threading.local()
+
+    def launch(self, starts: list[Start]) -> None:
+        if not starts:
+            return
+        queued: collections.deque[Start] | None = getattr(self._queued, "starts", None)
+        if queued is not None:
+            queued.extend(starts)  # a start below launches it when this one returns
+            return
+        self._queued.starts = queued = collections.deque(starts)
+        try:
+            while queued:
+                start = queued.popleft()
+                try:
+                    start(True)
+                except Exception:  # a bug; the runs queued after it must still start
+                    log.exception("%s: starting a run made ready ahead failed", self._name)
+        finally:
+            self._queued.starts = None

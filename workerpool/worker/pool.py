@@ -13,16 +13,10 @@ startable messages run low pulls at once, so no slot waits for a pull it could h
 A message runs only while its slot thread holds one of N permits. There is a thread per
 message held (N + prefetch), so a run that must wait before its handler starts (for a
 concurrency slot, say) can put its permit down, letting another message run meanwhile: up to
-``prefetch`` runs wait so, counted against the prefetch, never against N. But about N
-threads take messages at a time, each with a turn (``_take_turn``): a thread that waits for a
-permit (its run's, or a fresh message's), or carries the rest of an async run whose permit has
-gone to another, lets another thread take its turn meanwhile, and takes one again after (it
-may hold one over N while it runs: it gives it up before its next message). Were every thread
-to take messages, the prefetched ones would each wait on a thread of their own for a permit,
-and every sync run would cost two more wake-ups: its thread's, woken to take it, and woken
-again for a permit. With turns, a sync run's thread takes the next message with the permit it
-freed, unless a run waits for one (then the message waits in line behind it). Measured at
-N = 64 with 50 ms jobs: slot threads were put on a CPU 7.6 times a run, against 3.1.
+``prefetch`` runs wait so, counted against the prefetch, never against N. But only about N
+threads take messages at a time (``turns``): the prefetched messages wait in the queue, and a
+sync run's thread takes the next one with the permit it freed, unless a run waits for one
+(then the message waits in line behind it).
 
 A message whose run has ended but whose success is still being recorded (the idempotency
 store's completion, off the slot thread) has given its permit back but is still held until it
@@ -59,8 +53,18 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.interfaces import Leases
 from workerpool.worker.limits import PoolLimits
 from workerpool.worker.ordering import Place, Sequencer, Unordered
-from workerpool.worker.permits import AHEAD, HELD, NONE, PARKED, SlotPermit, Start
+from workerpool.worker.permits import (
+    AHEAD,
+    HELD,
+    NONE,
+    PARKED,
+    SlotPermit,
+    Start,
+    Starter,
+    came_before,
+)
 from workerpool.worker.processor import Ending, Processor
+from workerpool.worker.turns import Turns
 from workerpool.worker.watched import Watched
 
 log = logging.getLogger(__name__)
@@ -99,7 +103,7 @@ class Pool:
         self._ready: collections.deque[tuple[SlotPermit, Start]] = collections.deque()
         self._waiters: dict[SlotPermit, int] = {}
         self._tickets = itertools.count()
-        self._launching = threading.local()  # see ``_launch``
+        self._starter = Starter(name)
         self._unstarted = 0  # admitted, and not yet running or given back (``_startable``)
         self._low = limits.low_water
         self._most = self._sequencer.per_key or limits.max_held  # a pull's most: a key's share
@@ -112,11 +116,7 @@ class Pool:
         self._permits = threading.Condition(lock)
         self._quiet = threading.Event()
         self._threads: list[threading.Thread] = []
-        # Threads with a turn to take messages (see the module), and whether this one has one.
-        self._takers = 0
-        self._turn = threading.local()
-        self._turns = threading.Condition(lock)
-        self._joining = False  # every thread goes on to its end
+        self._turns = Turns(lock, limits.max_outstanding)
 
     @property
     def running(self) -> int:
@@ -194,11 +194,7 @@ class Pool:
     def _slot(self) -> None:
         permit = SlotPermit(self)
         while True:
-            # (Read without the lock, then under it: a stale count only delays a give-up.)
-            if not self._has_turn() or self._takers > self.limits.max_outstanding:
-                with self._lock:
-                    self._leave_turn()
-                    self._take_turn()
+            self._turns.before_taking()
             item = self._waiting.get()
             if item is None:
                 return
@@ -238,30 +234,6 @@ class Pool:
                 self._end_run(permit, delivery, settled=ending is Ending.SETTLED)
         return ending
 
-    def _has_turn(self) -> bool:
-        return bool(getattr(self._turn, "held", False))
-
-    def _take_turn(self) -> None:
-        """(Under the lock.) Wait for a turn to take messages, one of N, unless this thread
-        has one."""
-        while self._takers >= self.limits.max_outstanding and not self._joining:
-            self._turns.wait()
-        self._take_turn_now()
-
-    def _take_turn_now(self) -> None:
-        """(Under the lock.) A turn for this thread, over N if need be, unless it has one."""
-        if not self._has_turn():
-            self._turn.held = True
-            self._takers += 1
-
-    def _leave_turn(self) -> None:
-        """(Under the lock.) This thread's turn, if it has one, goes to another."""
-        if self._has_turn():
-            self._turn.held = False
-            self._takers -= 1
-            if self._takers < self.limits.max_outstanding:
-                self._turns.notify()
-
     def _end_run(self, permit: SlotPermit, delivery: Delivery, *, settled: bool) -> None:
         if settled:
             self._leases.remove(delivery)
@@ -270,12 +242,12 @@ class Pool:
             # One round trip of the lock, not two, for most messages.
             after = self._unhold(delivery) if settled else []
             self._cond.notify_all()
-        self._launch(starts)
+        self._starter.launch(starts)
         self._give_back_after(after)
 
     def _let_go(self, permit: SlotPermit) -> list[Start]:
         """(Under the lock.) The run is done with ``permit``, whatever its state; what to
-        start with a permit it freed (outside the lock, ``_launch``)."""
+        start with a permit it freed (outside the lock, ``Starter``)."""
         starts = []
         if permit.state is HELD:
             starts = self._free_permit()
@@ -302,12 +274,7 @@ class Pool:
         starts = []
         while self._free and self._ready and not self._quiet.is_set():
             ahead, start = self._ready[0]
-            older = 0
-            for ticket in self._waiters.values():  # in the order they came
-                if ticket > ahead.ticket or older >= self._free:
-                    break
-                older += 1
-            if older >= self._free:
+            if came_before(ahead.ticket, self._waiters.values()) >= self._free:
                 break
             self._ready.popleft()
             self._free -= 1
@@ -315,28 +282,6 @@ class Pool:
             ahead.state = HELD
             starts.append(start)
         return starts
-
-    def _launch(self, starts: list[Start]) -> None:
-        """Start runs granted a permit, one after another on this thread. A start that ends
-        at once (its message was handed back while it waited) frees its permit for the next
-        ready run: that one is queued here, not started inside it, so a long line of such
-        runs never nests."""
-        if not starts:
-            return
-        queued: collections.deque[Start] | None = getattr(self._launching, "queue", None)
-        if queued is not None:
-            queued.extend(starts)  # a start below launches it when this one returns
-            return
-        self._launching.queue = queued = collections.deque(starts)
-        try:
-            while queued:
-                start = queued.popleft()
-                try:
-                    start(True)
-                except Exception:  # a bug; the runs queued after it must still start
-                    log.exception("%s: starting a run made ready ahead failed", self.name)
-        finally:
-            self._launching.queue = None
 
     def _go_ahead(self, permit: SlotPermit) -> bool:
         """Make an async run ready ahead, without a permit, if every permit is taken. (Its
@@ -364,7 +309,7 @@ class Pool:
                     self._let_go(permit)
         if granted is not None:
             start(granted)
-        self._launch(starts)
+        self._starter.launch(starts)
 
     def _resume(self, permit: SlotPermit, delivery: Delivery, rest: Callable[[], Ending]) -> None:
         """(From the event loop's thread, or wherever a run that was ready ahead was refused.)
@@ -375,7 +320,7 @@ class Pool:
         if self._ready:  # (read without the lock: else the rest lets the permit go, as ever)
             with self._lock:
                 starts = self._let_go(permit)
-            self._launch(starts)
+            self._starter.launch(starts)
         self._resumed.append((permit, delivery, rest))
         if not self._resume_pending:
             self._resume_pending = True
@@ -391,11 +336,8 @@ class Pool:
                 permit, delivery, rest = self._resumed.popleft()
             except IndexError:
                 return
-            if permit.state is NONE and self._has_turn():
-                # Its permit went to another run (made ready ahead, say), which a thread with
-                # a turn must carry on when it ends, though this rest may block.
-                with self._lock:
-                    self._leave_turn()
+            if permit.state is NONE:  # it went to another run, carried on as it ends by a
+                self._turns.give_up()  # thread with a turn, though this rest may block
             self._carry(permit, delivery, rest)
 
     def _left(self, delivery: Delivery) -> None:
@@ -436,8 +378,8 @@ class Pool:
             permit.state = PARKED
             starts = self._free_permit()
             self._cond.notify_all()
-            self._leave_turn()  # its run waits: another thread runs a message on the permit
-        self._launch(starts)
+            self._turns.leave()  # its run waits: another thread runs a message on the permit
+        self._starter.launch(starts)
         return True
 
     def _wait_for_permit(self, permit: SlotPermit, delivery: Delivery) -> bool:
@@ -467,34 +409,24 @@ class Pool:
         """False once the pool is quiet: nothing that has not started starts any more. The
         wait is in line with the runs made ready ahead (``_dispatch``); the thread's turn goes
         to another meanwhile. Granted, the thread has a turn, over N if need be."""
-        # In line: a free permit may be for one waiting, woken for it. (A thread whose run
-        # freed a permit takes its next message at once: it would pass over them for good.)
+        # In line: a free permit may be one's that waits, woken for it (else passed over).
         if self._free <= len(self._waiters) and not self._quiet.is_set():
             ticket = self._waiters[permit] = next(self._tickets)
-            self._leave_turn()
+            line = self._waiters.values()  # (a view: it follows the dict)
+            self._turns.leave()
             try:
-                while self._older_waiters(ticket) >= self._free and not self._quiet.is_set():
+                while came_before(ticket, line) >= self._free and not self._quiet.is_set():
                     self._permits.wait()
             finally:
                 del self._waiters[permit]
         if self._quiet.is_set():
             return False
-        self._take_turn_now()
+        self._turns.take_now()
         if permit.state is PARKED:
             self._parked -= 1
         self._free -= 1
         permit.state = HELD
         return True
-
-    def _older_waiters(self, ticket: int) -> int:
-        """(Under the lock.) How many wait for a permit ahead of ``ticket`` (they came first:
-        ``_waiters`` keeps the order they came in, as the condition wakes them)."""
-        older = 0
-        for other in self._waiters.values():
-            if other >= ticket:
-                return older
-            older += 1
-        return older
 
     def stop_starting(self) -> int:
         """Admit nothing more and start nothing more; tell running jobs we are draining.
@@ -553,8 +485,7 @@ class Pool:
         """Stop the slots; wait for them until the monotonic ``deadline`` (a handler that
         ignores ``ctx.cancelled`` keeps its slot thread; it is a daemon). True if all ended."""
         with self._lock:
-            self._joining = True
-            self._turns.notify_all()
+            self._turns.open()
         for _ in self._threads:
             self._waiting.put(None)
         for thread in self._threads:
