@@ -23,7 +23,7 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
 from workerpool.worker.outcome import Deferred, Interrupted, Outcome
-from workerpool.worker.permits import Starter
+from workerpool.worker.permits import HELD, PARKED, SlotPermit, Starter
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.run import Run
@@ -476,6 +476,44 @@ def test_a_run_picking_its_permit_up_again_is_not_passed_over_by_the_messages_af
         granted.set()
         first_go.set()
         assert pool.join(time.monotonic() + 5)
+
+
+def test_a_free_permit_reaches_the_first_in_line_though_the_wake_ups_came_out_of_order() -> None:
+    # Given 1 slot held by a run, an async run made ready ahead (the oldest ticket), and two
+    # parked runs waiting in line for the permit after it
+    processor = _Scripted({})
+    pool = Pool(processor, FakeLeaser(), PoolLimits(1, 4))  # type: ignore[arg-type]
+    running, ahead = SlotPermit(pool), SlotPermit(pool)
+    running.state, pool._free = HELD, 0
+    assert pool._go_ahead(ahead)
+    granted: list[str] = []
+
+    def parked(name: str) -> None:
+        permit = SlotPermit(pool)
+        with pool._lock:
+            permit.state = PARKED
+            pool._parked += 1
+        if pool.pick_up(permit):
+            granted.append(name)
+
+    for count, name in enumerate(("first", "second"), start=1):
+        threading.Thread(target=parked, args=(name,), daemon=True).start()
+        assert wait_for(lambda n=count: len(pool._waiters) == n, timeout=10, interval=0.005)
+    try:
+        # When the running one ends, and the ready run takes the permit before the first in
+        # line wakes for it (that one waits again, now behind the second to be woken)
+        with pool._lock:
+            pool._let_go(running)
+            pool._ready.append((ahead, lambda started: None))
+            assert pool._dispatch() and ahead.state == HELD
+        assert wait_for(lambda: len(pool._permits._waiters) == 2, timeout=10, interval=0.005)
+        # And the ready run ends
+        with pool._lock:
+            pool._let_go(ahead)
+        # Then the first in line gets the permit
+        assert wait_for(lambda: granted == ["first"], timeout=5, interval=0.005)
+    finally:
+        pool.quiet()
 
 
 class _SlowDeadLetters(FakeDeadLetters):

@@ -2,9 +2,10 @@
 
 A permit is none yet, held (its run may run), parked (its run waits without it), or ahead (an
 async run made ready without one, counted with the parked). ``state`` and ``ticket`` (when a
-run made ready ahead came) are guarded by the pool's lock. Free permits go to runs in the
-order their tickets came (``came_before``); those made ready ahead are started by a
-``Starter``, on the thread that freed the permit.
+run made ready ahead came) are guarded by the pool's lock. Threads waiting for a permit get
+free ones in the order they came, and a run made ready ahead takes one unless threads that
+came before it wait (``came_before``); those runs are started by a ``Starter``, on the thread
+that granted the permit.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,10 @@ class SlotPermit:
         self._permits.start_when_held(self, start)
 
 
-def came_before(ticket: int, waiting: Iterable[int]) -> int:
+def came_before(ticket: int, waiting: Mapping[SlotPermit, int]) -> int:
     """How many of the ``waiting`` tickets, in the order they came, came before ``ticket``."""
     before = 0
-    for other in waiting:
+    for other in waiting.values():
         if other >= ticket:
             break
         before += 1

@@ -14,9 +14,8 @@ A message runs only while its slot thread holds one of N permits. There is a thr
 message held (N + prefetch), so a run that must wait before its handler starts (for a
 concurrency slot, say) can put its permit down, letting another message run meanwhile: up to
 ``prefetch`` runs wait so, counted against the prefetch, never against N. But only about N
-threads take messages at a time (``turns``): the prefetched messages wait in the queue, and a
-sync run's thread takes the next one with the permit it freed, unless a run waits for one
-(then the message waits in line behind it).
+threads take messages at a time (``turns``): the prefetched ones wait in the queue, and a sync
+run's thread takes the next with the permit it freed, unless a run waits in line for one.
 
 A message whose run has ended but whose success is still being recorded (the idempotency
 store's completion, off the slot thread) has given its permit back but is still held until it
@@ -108,9 +107,10 @@ class Pool:
         self._low = limits.low_water
         self._most = self._sequencer.per_key or limits.max_held  # a pull's most: a key's share
         self._batch = max(1, min(limits.max_held // 2, self._most))  # else pull this much
-        # One lock, entered as itself (a Condition's __enter__ is one more Python call), two
+        # One lock, entered as itself (a Condition's __enter__ is one more Python call), and
         # conditions: the puller and ``wait_idle`` watch the hold; slot threads wait for a
-        # permit, one woken per freed permit (each woken for nothing is a GIL hand-off).
+        # permit, one woken per freed permit (each woken for nothing is a GIL hand-off), and
+        # for a turn (``Turns``).
         self._lock = lock = threading.Lock()
         self._cond = Watched(lock)
         self._permits = threading.Condition(lock)
@@ -274,7 +274,7 @@ class Pool:
         starts = []
         while self._free and self._ready and not self._quiet.is_set():
             ahead, start = self._ready[0]
-            if came_before(ahead.ticket, self._waiters.values()) >= self._free:
+            if came_before(ahead.ticket, self._waiters) >= self._free:
                 break
             self._ready.popleft()
             self._free -= 1
@@ -407,16 +407,16 @@ class Pool:
 
     def _pick_up_locked(self, permit: SlotPermit) -> bool:
         """False once the pool is quiet: nothing that has not started starts any more. The
-        wait is in line with the runs made ready ahead (``_dispatch``); the thread's turn goes
-        to another meanwhile. Granted, the thread has a turn, over N if need be."""
-        # In line: a free permit may be one's that waits, woken for it (else passed over).
+        wait is in line (a free permit may be a waiter's, woken for it; see ``_dispatch``), its
+        turn given to another thread meanwhile; granted, the thread has one, over N or not."""
         if self._free <= len(self._waiters) and not self._quiet.is_set():
             ticket = self._waiters[permit] = next(self._tickets)
-            line = self._waiters.values()  # (a view: it follows the dict)
             self._turns.leave()
             try:
-                while came_before(ticket, line) >= self._free and not self._quiet.is_set():
+                while came_before(ticket, self._waiters) >= self._free and not self._quiet.is_set():
                     self._permits.wait()
+                    if self._free and came_before(ticket, self._waiters) >= self._free:
+                        self._permits.notify()  # woken for one ahead of it: pass it on
             finally:
                 del self._waiters[permit]
         if self._quiet.is_set():

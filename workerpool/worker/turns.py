@@ -12,7 +12,7 @@ run's thread then takes the next message with the permit it freed. Measured at N
 50 ms jobs: slot threads were put on a CPU 7.6 times a run, against 3.1 with turns.
 
 Each thread knows whether it has a turn, so taking or leaving one twice changes nothing.
-All but ``before_taking`` and ``give_up`` run under the pool's lock.
+``take``, ``take_now``, ``leave`` and ``open`` run under the pool's lock.
 """
 
 from __future__ import annotations
