@@ -54,11 +54,13 @@ class _Gate:
             self.running -= 1
 
 
-def _pool(n: int, prefetch: int) -> tuple[Pool, _Gate, FakeAcks, Processor]:
+def _pool(
+    n: int, prefetch: int, middleware: tuple[Middleware, ...] = ()
+) -> tuple[Pool, _Gate, FakeAcks, Processor]:
     jobs, gate, acks = Registry(), _Gate(), FakeAcks()
     jobs.job("t.gate")(gate)
     leases = FakeLeaser()
-    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), middleware, ProcessorSettings())
     pool = Pool(processor, leases, PoolLimits(n, prefetch))
     pool.start()
     return pool, gate, acks, processor
@@ -116,18 +118,26 @@ def test_a_backlog_runs_on_n_threads_each_taking_the_next_message_as_its_run_end
     # messages waiting to start
     pool, gate, acks, _ = _pool(2, 4)
     try:
-        pool.admit(_deliveries(6))
-        assert wait_for(lambda: gate.running == 2, timeout=10, interval=0.005)
-        # Then the waiting ones wait for a permit in the queue, not each on a thread of its own
-        assert pool._starting == set()
-        # When the runs end one after another
-        gate.release.set()
-        assert wait_for(lambda: len(acks.acked) == 6, timeout=10, interval=0.005)
-        # Then every run was carried by the 2 threads that took the first two
-        assert len(gate.threads) == 2
+        # Then they wait for a permit in the queue, and 2 threads carry every run
+        _a_backlog_runs_on_n_threads(pool, gate, acks, n=2, count=6)
     finally:
         gate.release.set()
         pool.join(time.monotonic() + 5)
+
+
+def _a_backlog_runs_on_n_threads(
+    pool: Pool, gate: _Gate, acks: FakeAcks, *, n: int, count: int
+) -> None:
+    """A backlog of ``count`` gate jobs with ``n`` slots: those beyond the slots wait for a
+    permit in the queue, not each on a thread of its own, and, let go one after another, every
+    run is carried by the ``n`` threads that took the first ``n``."""
+    acked = len(acks.acked)
+    pool.admit(_deliveries(count))
+    assert wait_for(lambda: gate.running == n, timeout=10, interval=0.005)
+    assert pool._starting == set()
+    gate.release.set()
+    assert wait_for(lambda: len(acks.acked) == acked + count, timeout=10, interval=0.005)
+    assert len(gate.threads) == n
 
 
 def test_quiet_gives_back_what_has_not_started_and_lets_the_rest_finish() -> None:
@@ -280,27 +290,15 @@ class _GivesUpWithoutPermit(Middleware):
 
 def test_runs_that_end_waiting_without_their_permit_leave_n_threads_taking_messages() -> None:
     # Given 1 slot, a prefetch of 2, and 3 runs that put their permit down and end there
-    jobs, gate, acks, leases = Registry(), _Gate(), FakeAcks(), FakeLeaser()
-    jobs.job("t.gate")(gate)
-    processor = Processor(
-        jobs, acks, leases, FakeDeadLetters(), [_GivesUpWithoutPermit()], ProcessorSettings()
-    )
-    pool = Pool(processor, leases, PoolLimits(1, 2))
-    pool.start()
+    pool, gate, acks, _ = _pool(1, 2, middleware=(_GivesUpWithoutPermit(),))
     try:
         pool.admit([
             make_delivery(b"{}", {"job": "t.gate", "job_id": f"quit-{i}"}, message_id=f"q{i}")
             for i in range(3)
         ])  # fmt: skip
         assert wait_for(lambda: len(acks.modacked) == 3, timeout=10, interval=0.005)
-        # When a backlog comes
-        pool.admit(_deliveries(3))
-        assert wait_for(lambda: gate.running == 1, timeout=10, interval=0.005)
-        # Then one thread takes messages, as before: the others wait in the queue
-        assert pool._starting == set()
-        gate.release.set()
-        assert wait_for(lambda: len(acks.acked) == 3, timeout=10, interval=0.005)
-        assert len(gate.threads) == 1
+        # When a backlog comes, Then one thread takes messages, as before
+        _a_backlog_runs_on_n_threads(pool, gate, acks, n=1, count=3)
     finally:
         gate.release.set()
         assert pool.join(time.monotonic() + 5)
