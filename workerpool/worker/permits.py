@@ -1,11 +1,12 @@
 """A slot thread's permit to run (``run.Permit``), and its states; the pool keeps the count.
 
 A permit is none yet, held (its run may run), parked (its run waits without it), or ahead (an
-async run made ready without one, counted with the parked). ``state`` and ``ticket`` (when a
-run made ready ahead came) are guarded by the pool's lock. Threads waiting for a permit get
-free ones in the order they came, and a run made ready ahead takes one unless threads that
-came before it wait (``came_before``); those runs are started by a ``Starter``, on the thread
-that granted the permit.
+async run made ready without one, in the pool's line of ready runs). ``state`` and ``ticket``
+(when a run made ready ahead came) change under the pool's lock, but for a permit's first
+step to ahead, which no other thread sees yet (``Pool._go_ahead``). Threads waiting for a
+permit get free ones in the order they came, and a run made ready ahead takes one unless
+threads that came before it wait (``came_before``); such runs are started by a ``Starter``,
+on the thread that granted the permit (or their own, when one was free at once).
 """
 
 from __future__ import annotations
