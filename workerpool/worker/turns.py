@@ -38,9 +38,10 @@ class Turns:
                 self.take()
 
     def give_up(self) -> None:
-        """``leave``, taking the lock."""
-        with self._free:
-            self.leave()
+        """``leave``, taking the lock only if this thread has a turn to give."""
+        if self.has():
+            with self._free:
+                self.leave()
 
     def has(self) -> bool:
         """Whether this thread has a turn."""
