@@ -885,24 +885,89 @@ def test_a_start_that_raises_does_not_stop_the_starts_queued_after_it() -> None:
     assert started == [True]
 
 
-def test_a_watched_condition_wakes_whoever_waits_and_nobody_else() -> None:
+def test_a_watched_condition_wakes_a_waiter_only_at_the_hold_it_looks_at() -> None:
     lock = threading.Lock()
     watched = Watched(lock)
     with lock:
         watched.notify_all()  # nobody waits: nothing to wake, nothing kept for later
+        watched.held(0)
     woken: list[bool] = []
 
     def waiter() -> None:
         with lock:
-            woken.append(watched.wait(60))
+            woken.append(watched.wait(60, look_at=3))
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    while True:  # until the waiter waits (it holds the lock until then)
-        with lock:
-            if watched._waiting:
-                watched.notify_all()
-                break
-        time.sleep(0.001)
+    assert wait_for(lambda: watched.waiting == 1, timeout=10, interval=0.001)
+    with lock:
+        # A hold above what the waiter looks at wakes nobody (notified, it would have left
+        # the condition's waiters at once, though it cannot run before the lock is let go)
+        watched.held(4)
+        assert len(watched._cond._waiters) == 1  # type: ignore[attr-defined]
+        # At it, the waiter is woken
+        watched.held(3)
+        assert len(watched._cond._waiters) == 0  # type: ignore[attr-defined]
     thread.join()
-    assert woken == [True]
+    assert woken == [True] and watched.waiting == 0
+    # And a change other than the hold's wakes a waiter whatever it looks at
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert wait_for(lambda: watched.waiting == 1, timeout=10, interval=0.001)
+    with lock:
+        watched.notify_all()
+    thread.join()
+    assert woken == [True, True]
+
+
+class _EachLetGo:
+    """A job that waits until its own job id is let go."""
+
+    def __init__(self) -> None:
+        self.running: set[str] = set()
+        self._go: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def _event(self, job_id: str) -> threading.Event:
+        with self._lock:
+            return self._go.setdefault(job_id, threading.Event())
+
+    def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None:
+        with self._lock:
+            self.running.add(ctx.job_id)
+        self._event(ctx.job_id).wait(30)
+        with self._lock:
+            self.running.discard(ctx.job_id)
+
+    def let_go(self, job_id: str) -> None:
+        self._event(job_id).set()
+
+
+@pytest.mark.parametrize("bound", ["hold", "bytes"])
+def test_a_waiting_puller_is_woken_once_runs_ending_leave_it_room_to_pull(bound: str) -> None:
+    # Given a pool of 2 slots and a prefetch of 4 (held at most 6), its puller waiting: full,
+    # 2 running and 4 waiting to start (it pulls once only 2 wait), or 1 running whose
+    # message holds more bytes than the pool may
+    jobs, acks, leases = Registry(), FakeAcks(), FakeLeaser()
+    each = _EachLetGo()
+    jobs.job("t.gate")(each)
+    processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
+    pool = Pool(processor, leases, PoolLimits(2, 4, max_bytes=1 if bound == "bytes" else 10**9))
+    pool.start()
+    pulled: list[int] = []
+    try:
+        pool.admit(_deliveries(6 if bound == "hold" else 1))
+        running = {"j0", "j1"} if bound == "hold" else {"j0"}
+        assert wait_for(lambda: each.running == running, timeout=10, interval=0.005)
+        puller = threading.Thread(target=lambda: pulled.append(pool.wait_for_room(60)))
+        puller.start()
+        assert wait_for(lambda: pool._cond.waiting == 1, timeout=10, interval=0.001)
+        # When runs end, Then the puller is woken and pulls (a wake-up missed: not for 60 s)
+        for job_id in ("j0", "j1") if bound == "hold" else ("j0",):
+            each.let_go(job_id)
+        puller.join(30)
+        assert pulled == ([2] if bound == "hold" else [6])
+    finally:
+        for i in range(6):
+            each.let_go(f"j{i}")
+        pool.join(time.monotonic() + 5)

@@ -109,8 +109,7 @@ class Pool:
         self._batch = max(1, min(limits.max_held // 2, self._most))  # else pull this much
         # One lock, entered as itself (a Condition's __enter__ is one more Python call), and
         # conditions: the puller and ``wait_idle`` watch the hold; slot threads wait for a
-        # permit, one woken per freed permit (each woken for nothing is a GIL hand-off), and
-        # for a turn (``Turns``).
+        # permit, one woken per freed permit, and for a turn (``Turns``).
         self._lock = lock = threading.Lock()
         self._cond = Watched(lock)
         self._permits = threading.Condition(lock)
@@ -141,20 +140,22 @@ class Pool:
     def wait_for_room(self, timeout: float, *, startable: bool = False) -> int:
         """How many messages may be pulled now (0 after ``timeout`` or once quiet); with
         ``startable``, only as many as could start at once (a run waiting without its permit
-        does not count)."""
+        does not count). It waits for the hold to fall to ``look_at``: room for a pull."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while not self._quiet.is_set():
-                room = self.limits.max_held - self._held
+                cap = self.limits.max_held  # the hold's bound, or what may start at once
                 if startable:
-                    room = min(room, self.limits.max_outstanding - self._held + self._parked)
-                wanted = room >= self._batch or self._startable() <= self._low
-                if room > 0 and wanted and self._held_bytes < self.limits.max_bytes:
-                    return min(room, self._most)
+                    cap = min(cap, self.limits.max_outstanding + self._parked)
+                look_at = cap - (1 if self._startable() <= self._low else self._batch)
+                if self._held_bytes >= self.limits.max_bytes:
+                    look_at = self.limits.max_held  # any fall lets bytes go: look at each
+                elif self._held <= look_at:
+                    return min(cap - self._held, self._most)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self._cond.wait(remaining)
+                self._cond.wait(remaining, look_at=look_at)
         return 0
 
     def admit(self, deliveries: list[Delivery]) -> None:
@@ -239,9 +240,8 @@ class Pool:
             self._leases.remove(delivery)
         with self._lock:
             starts = self._let_go(permit)
-            # One round trip of the lock, not two, for most messages.
-            after = self._unhold(delivery) if settled else []
-            self._cond.notify_all()
+            after = self._unhold(delivery) if settled else []  # one round trip of the lock
+            self._cond.held(self._held)
         self._starter.launch(starts)
         self._give_back_after(after)
 
@@ -263,7 +263,7 @@ class Pool:
         launched outside the lock), or else to a waiting thread."""
         self._free += 1
         starts = self._dispatch()
-        if self._free:
+        if self._free and self._waiters:  # (every thread waiting for one is in line)
             self._permits.notify()
         return starts
 
@@ -345,7 +345,7 @@ class Pool:
         self._leases.remove(delivery)
         with self._lock:
             after = self._unhold(delivery)
-            self._cond.notify_all()
+            self._cond.held(self._held)
         self._give_back_after(after)
 
     def _unhold(self, delivery: Delivery) -> list[Delivery]:

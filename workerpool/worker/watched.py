@@ -1,32 +1,53 @@
-"""A condition whose ``notify_all`` costs nothing while nobody waits.
+"""A condition on a pool's hold that wakes its waiters only when they want to look.
 
-The pool wakes the puller (and a drain's ``wait_idle``) at every job's end, twice a job,
-though they wait only now and then: ``threading.Condition.notify_all`` checks that its lock is
-held and looks at its waiters in three Python calls even then. This one counts its waiters
-and notifies only if there are any. Both are done under the lock, so none is missed.
+The pool's hold falls at every job's end, and the puller waits on it most of the time (until
+half the hold is free), but each notify of a waiting thread wakes it: with no-op jobs at N =
+100 the puller was woken twice a job, to find it still had too little room and wait again
+(``threading.Condition.notify_all`` also checks its lock and looks at its waiters in three
+Python calls even with nobody waiting). So a waiter says at what hold it wants to look again
+(``look_at``: it has room enough for a pull once the hold is that low), and a fall of the hold
+wakes the waiters only at or below the highest of those. Other changes (a run parked, the
+pool quiet) wake them whatever the hold. Every call is made under the pool's lock, so no
+wake-up is missed.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 
 class Watched:
-    __slots__ = ("_cond", "_waiting")
+    __slots__ = ("_cond", "_look_at", "_looks")
 
     def __init__(self, lock: threading.Lock) -> None:
         self._cond = threading.Condition(lock)
-        self._waiting = 0
+        self._looks: list[float] = []  # each waiter's look_at
+        self._look_at = -math.inf  # the highest of them: none, nobody is woken
 
-    def wait(self, timeout: float) -> bool:
-        """(Under the lock.) Wait until notified (True) or ``timeout`` passes (False)."""
-        self._waiting += 1
+    def wait(self, timeout: float, *, look_at: float = math.inf) -> bool:
+        """(Under the lock.) Wait until notified (True) or ``timeout`` passes (False); by a
+        fall of the hold, only once it is at most ``look_at`` (default: at every change)."""
+        self._looks.append(look_at)
+        self._look_at = max(self._looks)
         try:
             return self._cond.wait(timeout)
         finally:
-            self._waiting -= 1
+            self._looks.remove(look_at)
+            self._look_at = max(self._looks, default=-math.inf)
+
+    @property
+    def waiting(self) -> int:
+        """(Under the lock.) How many threads wait."""
+        return len(self._looks)
+
+    def held(self, hold: int) -> None:
+        """(Under the lock.) The hold is now ``hold`` (or the runs changed, the hold not):
+        wake the waiters if one wants to look at it."""
+        if hold <= self._look_at:
+            self._cond.notify_all()
 
     def notify_all(self) -> None:
-        """(Under the lock.) Wake every waiter, if any."""
-        if self._waiting:
+        """(Under the lock.) Wake every waiter, if any, whatever the hold."""
+        if self._looks:
             self._cond.notify_all()
