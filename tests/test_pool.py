@@ -943,30 +943,36 @@ class _EachLetGo:
         self._event(job_id).set()
 
 
-@pytest.mark.parametrize("bound", ["hold", "bytes"])
+@pytest.mark.parametrize("bound", ["hold", "no prefetch", "bytes"])
 def test_a_waiting_puller_is_woken_once_runs_ending_leave_it_room_to_pull(bound: str) -> None:
-    # Given a pool of 2 slots and a prefetch of 4 (held at most 6), its puller waiting: full,
-    # 2 running and 4 waiting to start (it pulls once only 2 wait), or 1 running whose
-    # message holds more bytes than the pool may
+    # Given a pool, its puller waiting: of 2 slots and a prefetch of 4, full, 2 running and 4
+    # waiting to start (it pulls once only 2 wait); of 4 slots and no prefetch, 4 running (it
+    # pulls for each that ends); or of 2 and 4, 1 running whose message holds more bytes than
+    # the pool may (it pulls once that is let go)
+    limits, admitted, ended, room = {
+        "hold": (PoolLimits(2, 4), 6, ("j0", "j1"), 2),
+        "no prefetch": (PoolLimits(4, 0), 4, ("j0",), 1),
+        "bytes": (PoolLimits(2, 4, max_bytes=1), 1, ("j0",), 6),
+    }[bound]
     jobs, acks, leases = Registry(), FakeAcks(), FakeLeaser()
     each = _EachLetGo()
     jobs.job("t.gate")(each)
     processor = Processor(jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings())
-    pool = Pool(processor, leases, PoolLimits(2, 4, max_bytes=1 if bound == "bytes" else 10**9))
+    pool = Pool(processor, leases, limits)
     pool.start()
     pulled: list[int] = []
     try:
-        pool.admit(_deliveries(6 if bound == "hold" else 1))
-        running = {"j0", "j1"} if bound == "hold" else {"j0"}
+        pool.admit(_deliveries(admitted))
+        running = {f"j{i}" for i in range(min(admitted, limits.max_outstanding))}
         assert wait_for(lambda: each.running == running, timeout=10, interval=0.005)
         puller = threading.Thread(target=lambda: pulled.append(pool.wait_for_room(60)))
         puller.start()
         assert wait_for(lambda: pool._cond.waiting == 1, timeout=10, interval=0.001)
         # When runs end, Then the puller is woken and pulls (a wake-up missed: not for 60 s)
-        for job_id in ("j0", "j1") if bound == "hold" else ("j0",):
+        for job_id in ended:
             each.let_go(job_id)
         puller.join(30)
-        assert pulled == ([2] if bound == "hold" else [6])
+        assert pulled == [room]
     finally:
         for i in range(6):
             each.let_go(f"j{i}")

@@ -148,9 +148,8 @@ class Pool:
                 if startable:
                     cap = min(cap, self.limits.max_outstanding + self._parked)
                 look_at = cap - (1 if self._startable() <= self._low else self._batch)
-                if self._held_bytes >= self.limits.max_bytes:
-                    look_at = self.limits.max_held  # any fall lets bytes go: look at each
-                elif self._held <= look_at:
+                # (Bytes are let go only as the hold falls: a fall to look_at is seen.)
+                if self._held <= look_at and self._held_bytes < self.limits.max_bytes:
                     return min(cap - self._held, self._most)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

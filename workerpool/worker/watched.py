@@ -5,10 +5,10 @@ half the hold is free), but each notify of a waiting thread wakes it: with no-op
 100 the puller was woken twice a job, to find it still had too little room and wait again
 (``threading.Condition.notify_all`` also checks its lock and looks at its waiters in three
 Python calls even with nobody waiting). So a waiter says at what hold it wants to look again
-(``look_at``: it has room enough for a pull once the hold is that low), and a fall of the hold
-wakes the waiters only at or below the highest of those. Other changes (a run parked, the
-pool quiet) wake them whatever the hold. Every call is made under the pool's lock, so no
-wake-up is missed.
+(``look_at``: the puller's is the hold that leaves it room for a pull), and a fall of the hold
+wakes the waiters only at or below the highest of those. Other changes (few messages left to
+start, a run parked, the pool quiet) wake them whatever the hold. Every call is made under the
+pool's lock, so no wake-up is missed.
 """
 
 from __future__ import annotations
