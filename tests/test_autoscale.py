@@ -3,10 +3,12 @@ scale-in drains, and the loop's decisions, with in-memory heartbeats and fakes."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -225,6 +227,63 @@ def test_the_process_actuator_starts_replicas_and_drains_starting_ones_then_the_
     finally:
         actuator.close(timeout=10)
     assert actuator.current() == 0
+
+
+@pytest.mark.slow  # 10-20 s: 36 replicas, each two interpreters, beside busy gRPC calls
+def test_replicas_started_beside_busy_grpc_channels_all_start_and_die_with_their_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given gRPC calls going on in this process, as the autoscaler's probe makes them (here to
+    # a port where nothing listens)
+    from google.cloud import pubsub_v1
+
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:9")
+    client = pubsub_v1.SubscriberClient()
+    busy = threading.Event()
+
+    def call() -> None:
+        while not busy.is_set():
+            with contextlib.suppress(Exception):
+                client.pull(request={"subscription": SUB, "max_messages": 1}, timeout=0.1)
+
+    callers = [threading.Thread(target=call) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    try:
+        # When replicas are started, 3 at a time (36 in all), each from a thread that ends once
+        # they run the command
+        replicas = [p for _ in range(12) for p in _three_started_by_a_thread(sleeper)]
+        # Then every one ran it (none was aborted: started from a fork that ran gRPC's fork
+        # handlers, 13 % of them were), and got SIGTERM as its thread ended
+        assert [p.wait(30) for p in replicas] == [-signal.SIGTERM] * 36
+    finally:
+        busy.set()
+        for caller in callers:
+            caller.join(10)
+        client.close()
+
+
+def _three_started_by_a_thread(argv: list[str]) -> list[subprocess.Popen[bytes]]:
+    """Three replicas running ``argv``, started by a thread that ends once they run it."""
+    actuator, end = ProcessActuator([], command=argv), threading.Event()
+    starter = threading.Thread(target=lambda: (actuator.scale(3, []), end.wait(30)))
+    starter.start()
+    assert wait_for(lambda: len(actuator._serving) == 3, timeout=10, interval=0.001)
+    started = actuator._serving
+    assert wait_for(lambda: all(_runs(p, argv) for p in started), timeout=10, interval=0.005)
+    end.set()
+    starter.join()
+    return started
+
+
+def _runs(process: subprocess.Popen[bytes], argv: list[str]) -> bool:
+    """Whether ``process`` has exec'd ``argv`` (False once it has exited)."""
+    try:
+        with open(f"/proc/{process.pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().split(b"\0")[:-1] == [a.encode() for a in argv]
+    except OSError:
+        return False
 
 
 class FakeActuator(Actuator):
