@@ -264,16 +264,32 @@ def test_replicas_started_beside_busy_grpc_channels_all_start_and_die_with_their
         client.close()
 
 
+def test_a_replica_whose_starting_thread_has_ended_before_it_asks_for_the_signal_stops() -> None:
+    # Given replicas started by a thread that ends at once, before they can ask for the
+    # parent-death signal
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    actuator = ProcessActuator([], command=sleeper)
+    starter = threading.Thread(target=actuator.scale, args=(3, []))
+    starter.start()
+    starter.join()
+    # Then none of them runs on for good: each stops itself (1), or got the signal (-15)
+    codes = [p.wait(30) for p in actuator._serving]
+    assert len(codes) == 3 and set(codes) <= {1, -signal.SIGTERM}
+
+
 def _three_started_by_a_thread(argv: list[str]) -> list[subprocess.Popen[bytes]]:
     """Three replicas running ``argv``, started by a thread that ends once they run it."""
     actuator, end = ProcessActuator([], command=argv), threading.Event()
     starter = threading.Thread(target=lambda: (actuator.scale(3, []), end.wait(30)))
     starter.start()
-    assert wait_for(lambda: len(actuator._serving) == 3, timeout=10, interval=0.001)
-    started = actuator._serving
-    assert wait_for(lambda: all(_runs(p, argv) for p in started), timeout=10, interval=0.005)
-    end.set()
-    starter.join()
+    try:
+        assert wait_for(lambda: len(actuator._serving) == 3, timeout=10, interval=0.001)
+        started = actuator._serving
+        running = wait_for(lambda: all(_runs(p, argv) for p in started), timeout=10)
+        assert running, [(p.pid, p.poll()) for p in started]  # (an aborted one: -6)
+    finally:
+        end.set()
+        starter.join()
     return started
 
 

@@ -47,27 +47,37 @@ BACKOFF_FIRST, BACKOFF_MOST = 1.0, 60.0
 
 # What a replica's first interpreter runs, on Linux: it asks for the parent-death signal and
 # then becomes the worker (exec keeps the signal and the pid). Set in the parent between fork
-# and exec (a ``preexec_fn``), it made ``subprocess`` fork rather than spawn, and the child
-# then ran gRPC's fork handlers: beside busy gRPC channels (the autoscaler's probe) they
-# aborted 175 of 1,377 replicas as they started (SIGABRT, measured). Asked for after the
-# thread that started it has ended, the signal never comes: that is checked after asking.
+# and exec (a ``preexec_fn``), it made ``subprocess`` use fork rather than vfork, so the child
+# ran gRPC's fork handlers: beside busy gRPC channels (the autoscaler's probe) they aborted 175
+# of 1,377 replicas as they started (SIGABRT, measured). vfork runs none: the Popen call must
+# keep to what vfork allows (no preexec_fn, user or group). Asked for after the thread that
+# started it has ended, the signal never comes: that is checked after asking (where /proc
+# shows threads). Python ignores SIGPIPE and SIGXFSZ at start: the worker gets them as the
+# parent's subprocess would have passed them, at their default.
 _DIE_WITH_PARENT = """\
 import ctypes, os, signal, sys
 ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 parent, thread = sys.argv[1:3]
-if os.getppid() != int(parent) or not os.path.exists(f"/proc/{parent}/task/{thread}"):
+threads = f"/proc/{parent}/task"
+if os.getppid() != int(parent) or (
+    os.path.isdir(threads) and not os.path.exists(f"{threads}/{thread}")
+):
+    sys.stderr.write("replica not started: the thread that started it has ended\\n")
     os._exit(1)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 os.execvp(sys.argv[3], sys.argv[3:])
 """
 
 
 def _dying_with_this_thread(argv: Sequence[str]) -> list[str]:
     """``argv``, run so that it gets SIGTERM when the thread that starts it ends (as it is,
-    off Linux)."""
+    off Linux). The first interpreter is isolated (``-I -S``): nothing in the working
+    directory or the environment can shadow what it imports, and it starts sooner."""
     if not sys.platform.startswith("linux"):
         return list(argv)
     here = [str(os.getpid()), str(threading.get_native_id())]
-    return [sys.executable, "-c", _DIE_WITH_PARENT, *here, *argv]
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, *here, *argv]
 
 
 class ProcessActuator(Actuator):
