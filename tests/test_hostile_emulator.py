@@ -160,6 +160,10 @@ class RssSampler:
         """The median RSS (kB) of the samples taken while ``low`` to ``high`` messages had
         been settled (a median: a big message's buffers come and go)."""
         window = sorted(kb for _, n, kb in self.samples if low <= n <= high)
+        if not window:  # a burst settled them all between two samples: the two around it
+            before = [kb for _, n, kb in self.samples if n < low][-1:]
+            after = [kb for _, n, kb in self.samples if n > high][:1]
+            window = sorted(before + after)
         return window[len(window) // 2]
 
 
