@@ -43,12 +43,12 @@ import collections
 import functools
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.handoff import Handoff
 from workerpool.worker.interfaces import Leases
 from workerpool.worker.limits import PoolLimits
 from workerpool.worker.ordering import Place, Sequencer, Unordered
@@ -85,9 +85,8 @@ class Pool:
         self._processor = processor
         self._leases = leases
         self._sequencer = sequencer or Unordered()
-        # Admitted messages, a slot thread's wake-up to carry on async runs (``_RESUME``),
-        # and, at the end, one None per slot thread.
-        self._waiting: queue.SimpleQueue[Delivery | _Resume | None] = queue.SimpleQueue()
+        # Admitted messages, and a slot thread's wake-up to carry on async runs (``_RESUME``).
+        self._waiting: Handoff[Delivery | _Resume] = Handoff(name)
         self._resumed: collections.deque[tuple[SlotPermit, Delivery, Callable[[], Ending]]] = (
             collections.deque()
         )
@@ -130,6 +129,7 @@ class Pool:
         return self._quiet.is_set()
 
     def start(self) -> None:
+        self._waiting.start()
         self._threads = [
             threading.Thread(target=self._slot, name=f"{self.name}-slot-{i}", daemon=True)
             for i in range(self.limits.max_held)
@@ -184,8 +184,7 @@ class Pool:
                 self._leases.add(accepted)
         if accepted:
             self._processor.admitted(accepted)
-            for delivery in startable:
-                self._waiting.put(delivery)
+            self._waiting.put_many(startable)
         if released:
             # Beyond the bound or their key's share, or draining: another worker may have them.
             self._processor.give_back(released)
@@ -446,14 +445,10 @@ class Pool:
         released_ready = self.stop_starting()
         waiting: list[Delivery] = []
         resumes = 0
-        while True:
-            try:
-                item = self._waiting.get_nowait()
-            except queue.Empty:
-                break
+        for item in self._waiting.take_all():
             if isinstance(item, _Resume):
                 resumes += 1
-            elif item is not None:
+            else:
                 waiting.append(item)
         for _ in range(resumes):  # async runs that ended still need a slot thread
             self._waiting.put(_RESUME)
@@ -485,8 +480,7 @@ class Pool:
         ignores ``ctx.cancelled`` keeps its slot thread; it is a daemon). True if all ended."""
         with self._lock:
             self._turns.open()
-        for _ in self._threads:
-            self._waiting.put(None)
+        self._waiting.close()
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)

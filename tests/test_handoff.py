@@ -1,0 +1,126 @@
+"""The slot threads' queue: items taken once each, in order, by as few threads as keep up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from tests.support import wait_for
+from workerpool.worker.handoff import Handoff
+
+
+def _takers(
+    handoff: Handoff[int], count: int, run: Callable[[int], None]
+) -> tuple[list[threading.Thread], list[tuple[int, int]]]:
+    """``count`` threads taking items and running each through ``run`` until the queue
+    closes; what each took, in the order taken."""
+    taken: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        while (item := handoff.get()) is not None:
+            with lock:
+                taken.append((threading.get_ident(), item))
+            run(item)
+
+    threads = [threading.Thread(target=take, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, taken
+
+
+def _spin(seconds: float) -> None:
+    """Hold the GIL but for the interpreter's forced switches, as a run doing Python work."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _closed(handoff: Handoff[int], threads: list[threading.Thread]) -> None:
+    handoff.close()
+    for thread in threads:
+        thread.join(5)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+def test_items_are_taken_once_each_in_order_and_close_lets_what_is_queued_be_taken() -> None:
+    handoff: Handoff[int] = Handoff("t")
+    handoff.start()
+    handoff.put_many(range(100))
+    handoff.put(100)
+    threads, taken = _takers(handoff, 4, lambda item: None)
+    assert wait_for(lambda: len(taken) == 101, timeout=5)
+    handoff.put_many(range(101, 200))
+    _closed(handoff, threads)
+    assert sorted(item for _, item in taken) == list(range(200))
+    for thread in {thread for thread, _ in taken}:  # oldest first
+        mine = [item for taker, item in taken if taker == thread]
+        assert mine == sorted(mine)
+
+
+def test_take_all_empties_the_queue_at_once() -> None:
+    handoff: Handoff[int] = Handoff("t")
+    handoff.put_many([1, 2, 3])
+    assert handoff.take_all() == [1, 2, 3]
+    assert handoff.take_all() == []
+    handoff.close()
+    assert handoff.get() is None
+
+
+def test_a_backlog_of_short_runs_is_taken_by_the_thread_already_taking_it() -> None:
+    # queue.SimpleQueue wakes another waiting thread each time one takes an item and more
+    # are left: here every one of the 16 would take some. (The queue standing still is not
+    # looked at here.)
+    handoff: Handoff[int] = Handoff("t", still=60)
+    handoff.start()
+    threads, taken = _takers(handoff, 16, lambda item: _spin(0.00005))
+    assert wait_for(lambda: handoff.idle == 16, timeout=5)
+    for batch in range(1, 11):
+        handoff.put_many(range((batch - 1) * 100, batch * 100))
+        assert wait_for(lambda end=batch * 100: len(taken) == end, timeout=10)
+    _closed(handoff, threads)
+    assert len(Counter(thread for thread, _ in taken)) <= 2
+
+
+def test_items_queued_behind_runs_waiting_on_io_each_get_a_thread_at_once() -> None:
+    # Only the watch wakes them: a put wakes one thread, which takes the first item and
+    # waits. Each run waits until all eight run together. (The queue standing still is not
+    # looked at here.)
+    handoff: Handoff[int] = Handoff("t", still=60)
+    handoff.start()
+    together = threading.Barrier(8)
+    passed: list[int] = []
+
+    def run(item: int) -> None:
+        together.wait(10)
+        passed.append(item)
+
+    threads, _ = _takers(handoff, 8, run)
+    handoff.put_many(range(8))
+    assert wait_for(lambda: len(passed) == 8, timeout=5)
+    assert not together.broken
+    _closed(handoff, threads)
+
+
+def test_items_queued_behind_runs_holding_the_gil_get_threads() -> None:
+    # A put wakes one thread, which takes the first item; the process is busy, so the queue
+    # standing still is what wakes threads for the others. The first two runs spin until
+    # the third has started.
+    handoff: Handoff[int] = Handoff("t")
+    handoff.start()
+    third_started = threading.Event()
+
+    def run(item: int) -> None:
+        if item == 2:
+            third_started.set()
+            return
+        deadline = time.monotonic() + 10
+        while not third_started.is_set() and time.monotonic() < deadline:
+            _spin(0.001)
+
+    threads, _ = _takers(handoff, 3, run)
+    handoff.put_many(range(3))
+    assert third_started.wait(5)
+    _closed(handoff, threads)
