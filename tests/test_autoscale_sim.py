@@ -19,6 +19,9 @@ from workerpool.autoscale.policy import Policy
 
 SETUP = Setup()
 TRACES = {"month-end": month_end, "steady": steady, "diurnal": diurnal}
+# A day of jobs takes seconds to simulate for each policy: its cases run in the full suite,
+# not the unit tier.
+TRACE_NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "diurnal" else n for n in TRACES]
 
 
 @dataclass
@@ -136,7 +139,7 @@ BOTH = pytest.mark.parametrize("policy", [DEFAULT, NO_WINDOW], ids=["90s", "0s"]
 
 
 @BOTH
-@pytest.mark.parametrize("name", list(TRACES))
+@pytest.mark.parametrize("name", TRACE_NAMES)
 def test_our_scale_in_kills_no_job(name: str, policy: Policy) -> None:
     assert _ours(name, policy).killed == 0 and _ours(name, policy).unfinished == 0
 
@@ -148,7 +151,7 @@ def test_the_keda_like_scale_in_kills_runs_on_the_steady_trace() -> None:
 
 @BOTH
 @pytest.mark.parametrize("monitoring", [True, False], ids=["monitoring", "no-monitoring"])
-@pytest.mark.parametrize("name", list(TRACES))
+@pytest.mark.parametrize("name", TRACE_NAMES)
 def test_idle_periods_cost_nothing(name: str, monitoring: bool, policy: Policy) -> None:
     # A Cloud Monitoring point counts only what the fleet has not taken since it was taken
     assert _ours(name, policy, monitoring).idle_cost == 0
@@ -162,7 +165,7 @@ def test_month_end_p95_wait_is_within_a_cold_start_and_30_s(policy: Policy) -> N
     assert _ours("month-end", policy).peak == SETUP.max_replicas
 
 
-@pytest.mark.parametrize("name", list(TRACES))
+@pytest.mark.parametrize("name", TRACE_NAMES)
 def test_a_probe_delivers_a_message_once_per_wake_up(name: str) -> None:
     # Not once per round while the replicas it woke start (10 times in a 10 s cold start)
     assert _ours(name).most_probed == 1
