@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
+
 from tests.support import wait_for
+from workerpool.worker import handoff as handoff_module
 from workerpool.worker.handoff import Handoff
 
 
@@ -43,6 +47,26 @@ def _closed(handoff: Handoff[int], threads: list[threading.Thread]) -> None:
     for thread in threads:
         thread.join(5)
     assert not any(thread.is_alive() for thread in threads)
+
+
+def _all_run_together(count: int) -> None:
+    """``count`` items put at once, each run waiting until all of them run together: the
+    put wakes one thread, which takes the first item and waits, so only the watch can wake
+    the others (the queue standing still is not looked at here)."""
+    handoff: Handoff[int] = Handoff("t", still=60)
+    handoff.start()
+    together = threading.Barrier(count)
+    passed: list[int] = []
+
+    def run(item: int) -> None:
+        together.wait(10)
+        passed.append(item)
+
+    threads, _ = _takers(handoff, count, run)
+    handoff.put_many(range(count))
+    assert wait_for(lambda: len(passed) == count, timeout=5)
+    assert not together.broken
+    _closed(handoff, threads)
 
 
 def test_items_are_taken_once_each_in_order_and_close_lets_what_is_queued_be_taken() -> None:
@@ -85,23 +109,7 @@ def test_a_backlog_of_short_runs_is_taken_by_the_thread_already_taking_it() -> N
 
 
 def test_items_queued_behind_runs_waiting_on_io_each_get_a_thread_at_once() -> None:
-    # Only the watch wakes them: a put wakes one thread, which takes the first item and
-    # waits. Each run waits until all eight run together. (The queue standing still is not
-    # looked at here.)
-    handoff: Handoff[int] = Handoff("t", still=60)
-    handoff.start()
-    together = threading.Barrier(8)
-    passed: list[int] = []
-
-    def run(item: int) -> None:
-        together.wait(10)
-        passed.append(item)
-
-    threads, _ = _takers(handoff, 8, run)
-    handoff.put_many(range(8))
-    assert wait_for(lambda: len(passed) == 8, timeout=5)
-    assert not together.broken
-    _closed(handoff, threads)
+    _all_run_together(8)
 
 
 def test_items_queued_behind_runs_holding_the_gil_get_threads() -> None:
@@ -124,3 +132,23 @@ def test_items_queued_behind_runs_holding_the_gil_get_threads() -> None:
     handoff.put_many(range(3))
     assert third_started.wait(5)
     _closed(handoff, threads)
+
+
+def test_the_watch_survives_an_error_and_goes_on_looking(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its first reading of the CPU clock raises: the watch must still wake the threads the
+    # runs waiting on I/O need (only it wakes them here).
+    calls = 0
+
+    def process_time() -> float:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug")
+        return time.process_time()
+
+    clock = types.SimpleNamespace(
+        monotonic=time.monotonic, process_time=process_time, sleep=time.sleep
+    )
+    monkeypatch.setattr(handoff_module, "time", clock)
+    _all_run_together(4)
+    assert calls > 1

@@ -28,6 +28,7 @@ signal's) would leave the thread counted as waiting.
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import threading
 import time
@@ -35,6 +36,8 @@ from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # How often the watch looks while items and waiting threads are both there.
 TICK = 0.001
@@ -128,6 +131,14 @@ class Handoff(Generic[T]):
             self._idle.pop().release()
 
     def _watch_loop(self) -> None:
+        while not self._closed:
+            try:
+                self._look_until_closed()
+            except Exception:  # a bug: without the watch, items may wait behind held runs
+                log.exception("%s failed; it looks again", self._watch.name)
+                time.sleep(self._tick)
+
+    def _look_until_closed(self) -> None:
         with self._mutex:
             while not self._closed:
                 # Threads to wake while the queue stands still: twice as many each time.
