@@ -441,3 +441,25 @@ def test_a_mixed_fleet_keeps_the_limit_and_one_record_gets_every_slot_once_the_s
             turn(replica, 16)
         now[0] += 0.5
     assert [held[r] for r in unsplit] == [10, 10]
+
+
+def test_replicas_keeping_one_record_get_their_due_within_fifths_of_a_period() -> None:
+    # Given a key of 20 in 2 shards (a rebalance period of 10 s), a busy replica on each
+    # holding 10 (all of it), and a replica keeping the key as one record (a rolling
+    # deploy) that wants 16 and finds nothing
+    key = Pair(20)
+    busy_split(key)
+    assert key.unsplit("whole-1", 0, 16) == 0
+    # When a replica of a shard that wants more than it holds tries a fifth of a period on
+    key.now += 2.5
+    assert key.balance(key.first, 10, 16) is False
+    # Then the shards' targets drop to leave the other replica its max-min fair due (20
+    # among three that want 16: 7, 7 and 6): they keep what their runs use until those end
+    grants = [key.grant(r, 10, 16) for r in (key.first, key.second)]
+    assert [(g.granted, g.target) for g in grants] == [(10, 7), (10, 7)]
+    assert [key.round(r, 7, 16) for r in (key.first, key.second)] == [7, 7]
+    # And the next try, a fifth of a period on, counts the shards for what they hold: the
+    # replica keeping one record gets its due without waiting a period
+    key.now += 2.5
+    key.balance(key.second, 7, 16)
+    assert key.unsplit("whole-1", 0, 16) == 6

@@ -397,9 +397,12 @@ def test_a_rolling_deploy_of_split_and_one_record_workers_keeps_the_limit_exact(
         f"one-record runs ran"
     )
     # Then never more than 20 ran at once across both kinds (the jobs' own ledger), and the
-    # 20 were reached; every job ran once. (How the jobs split between the kinds is not
-    # judged: the emulator hands a shared backlog to whichever pulls first, and slots a
-    # shard's shares gave back count in the key's record until the next rebalance.)
+    # 20 were reached; the slots were kept busy while the backlog lasted (a kind whose
+    # replicas find nothing free is given its due within fifths of a rebalance period, not
+    # a whole one); every job ran once. (How the jobs split between the kinds is not judged:
+    # the emulator hands a shared backlog to whichever pulls first, and slots a shard's
+    # shares gave back count in the key's record until the next rebalance.)
     assert peak == LIMIT
+    assert busy / LIMIT >= 0.7
     assert sorted(r["job_id"] for r in done) == sorted(job_id for job_id, _ in jobs)
     assert codes == [0, 0, 0, 0]

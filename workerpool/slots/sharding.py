@@ -186,16 +186,18 @@ def _shards_room(table: Table, limit: int, now: float) -> int:
 
 def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation[_Claim]:
     """Step 1, by a replica of ``shard`` whose runs ``want`` so many slots: a rebalance is due
-    a period after the last, or a fifth of one where the shard's fair part, with that want,
-    is more than it counts for (demand came to it since, as replicas started or a backlog
-    moved): it then waits seconds, not a whole period, for slots idle elsewhere."""
+    a period after the last, or a fifth of one where demand came since (as replicas started
+    or a backlog moved): to this shard (its fair part, with that want, is more than it counts
+    for), or to replicas not splitting the key (the shards count for more than their due
+    leaves). Slots idle in one place then reach demand in another within seconds, not a
+    whole period."""
 
     def mutation(table: Table | None, now: float) -> tuple[_Claim, Table | None]:
         table = table or Table()
         parts, room = shard_parts(table, now), _shards_room(table, limit, now)
         wants = {name: part.want for name, part in parts.items()}
         counted = {name: part.granted for name, part in parts.items()}
-        late = behind(room, counted, wants, shard, want)
+        late = behind(room, counted, wants, shard, want) or sum(counted.values()) > room
         if now < table.rebalanced + (period / EARLY if late else period):
             return _Claim(False), None
         shards = tuple(int(name[len(_PART) :]) for name in parts)
