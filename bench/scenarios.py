@@ -455,13 +455,15 @@ PART_IMPLS = (
 )  # fmt: skip
 
 
-# Where a no-op job's CPU goes in a workerpool process: the threads that carry a job, by the
-# name the consumer reports them under (``consumer.thread_times``). The rest (the log writer,
-# acks, gRPC's, the timers, the main thread) is a few microseconds a job each.
+# Where a no-op job's CPU goes in a workerpool process: the threads that carry a job, and the
+# watch of the slot threads' queue, which wakes them, by the name the consumer reports them
+# under (``consumer.thread_times``). The rest (the log writer, acks, gRPC's, the timers, the
+# main thread) is a few microseconds a job each.
 THREAD_GROUPS = {
     "slot threads": "-slot",
     "puller": "workerpool-puller",
     "completions": "workerpool-completions",
+    "queue's watch": "-handoff",
 }
 
 
@@ -487,7 +489,7 @@ def parts(ctx: Context) -> None:
             "process from its first job to its last, per job. By thread: the kernel's count of "
             "the CPU of the threads that carry a job over the same span (each row a median of "
             "its own; the other threads take a few microseconds a job each), and how many times "
-            "slot threads were put on a CPU, per job."
+            "slot threads and the watch that wakes them were put on a CPU, per job."
             + ("" if seconds else " Throughput: the cost table's.")
             + (
                 f" `@{ctx.baseline}`: the same, by the workerpool of that revision."
@@ -507,13 +509,14 @@ def parts(ctx: Context) -> None:
             group: table.row(f"CPU per job, {group}", "us", "lower") for group in THREAD_GROUPS
         }
         slices = table.row("slot threads put on a CPU, per job", "", "lower")
+        watch_slices = table.row("the queue's watch put on a CPU, per job", "", "lower")
         for run, impl in rotations(ctx.with_baseline(PART_IMPLS), ctx.plan.runs):
             with ctx.bench.resources(f"pt{n}") as res:
                 ctx.bench.publish(res, backlog)
                 report = Consumer(
                     ctx.bench, impl, res, n=n, expect=backlog, seconds=seconds, sample_ms=10
                 ).wait(_timeout(backlog, seconds, n))
-            rows = (cpu, *threads.values(), slices)
+            rows = (cpu, *threads.values(), slices, watch_slices)
             if not ctx.complete(report, f"parts N={n} {impl} run {run + 1}", rows):
                 continue
             cpu.add(impl, cpu_per_job_ms(report, backlog))
@@ -523,8 +526,10 @@ def parts(ctx: Context) -> None:
                 for group, seconds_per_job in per_thread(report, "thread_cpu", backlog).items():
                     threads[group].add(impl, seconds_per_job * 1e6)
             if report["thread_slices"]:
-                slot_slices = per_thread(report, "thread_slices", backlog)
-                slices.add(impl, slot_slices.get("slot threads", 0.0))
+                slices_by_group = per_thread(report, "thread_slices", backlog)
+                slices.add(impl, slices_by_group.get("slot threads", 0.0))
+                if "queue's watch" in slices_by_group:  # (a revision before it has none)
+                    watch_slices.add(impl, slices_by_group["queue's watch"])
             ctx.log(f"parts N={n} {impl}: {cpu.values[impl][-1]:.3f} ms CPU per job")
 
 
