@@ -450,7 +450,8 @@ def test_replicas_keeping_one_record_get_their_due_within_fifths_of_a_period() -
     key = Pair(20)
     busy_split(key)
     assert key.unsplit("whole-1", 0, 16) == 0
-    # When a replica of a shard that wants more than it holds tries a fifth of a period on
+    # When a replica of a shard that wants more than it holds tries 2.5 s on (a fifth of a
+    # period, and the jitter of its tries)
     key.now += 2.5
     assert key.balance(key.first, 10, 16) is False
     # Then the shards' targets drop to leave the other replica its max-min fair due (20
@@ -458,8 +459,27 @@ def test_replicas_keeping_one_record_get_their_due_within_fifths_of_a_period() -
     grants = [key.grant(r, 10, 16) for r in (key.first, key.second)]
     assert [(g.granted, g.target) for g in grants] == [(10, 7), (10, 7)]
     assert [key.round(r, 7, 16) for r in (key.first, key.second)] == [7, 7]
-    # And the next try, a fifth of a period on, counts the shards for what they hold: the
+    # And the next try, 2.5 s on, counts the shards for what they hold: the
     # replica keeping one record gets its due without waiting a period
     key.now += 2.5
     key.balance(key.second, 7, 16)
     assert key.unsplit("whole-1", 0, 16) == 6
+
+
+def test_shards_counting_nothing_are_not_rebalanced_early_for_replicas_over_their_due() -> None:
+    # Given a key of 20 in 2 shards held whole by two replicas keeping it as one record (16
+    # and 4, both wanting 16: the first holds more than its due), and a replica of a shard
+    # that wants 16, whose first rebalance gave the shards nothing
+    key = Pair(20)
+    assert key.unsplit("whole-1", 0, 16) == 16
+    assert key.unsplit("whole-2", 0, 16) == 4
+    assert key.round(key.first, 0, 16) == 0
+    key.balance(key.first, 0, 16)
+    first = key.store.record(KEY).rebalanced
+    # When it tries again 2.5 s on (a fifth of a period, and the jitter), and again
+    for _ in range(2):
+        key.now += 2.5
+        key.balance(key.first, 0, 16)
+    # Then no rebalance ran: the shards count for nothing, and no rebalance could lower them
+    assert key.store.record(KEY).rebalanced == first
+    assert key.round(key.first, 0, 16) == 0

@@ -63,7 +63,8 @@ from workerpool.stores import StoreError
 log = logging.getLogger(__name__)
 
 _PART = SHARD_MARK
-# A shard behind its fair part may be rebalanced this many times a period.
+# A key whose demand moved since its last rebalance (a shard behind its fair part, or the
+# replicas not splitting it short of their due) may be rebalanced this many times a period.
 EARLY = 5
 
 
@@ -190,14 +191,16 @@ def _claiming(limit: int, period: float, shard: str, want: int) -> TableMutation
     or a backlog moved): to this shard (its fair part, with that want, is more than it counts
     for), or to replicas not splitting the key (the shards count for more than their due
     leaves). Slots idle in one place then reach demand in another within seconds, not a
-    whole period."""
+    whole period, once a replica of a shard wants more than it holds (only those try
+    early: ``Sharding.keep_balanced``). Where the others hold more than their due, the room
+    left is below 0, and a rebalance could not lower the shards below nothing."""
 
     def mutation(table: Table | None, now: float) -> tuple[_Claim, Table | None]:
         table = table or Table()
         parts, room = shard_parts(table, now), _shards_room(table, limit, now)
         wants = {name: part.want for name, part in parts.items()}
         counted = {name: part.granted for name, part in parts.items()}
-        late = behind(room, counted, wants, shard, want) or sum(counted.values()) > room
+        late = behind(room, counted, wants, shard, want) or sum(counted.values()) > max(room, 0)
         if now < table.rebalanced + (period / EARLY if late else period):
             return _Claim(False), None
         shards = tuple(int(name[len(_PART) :]) for name in parts)
