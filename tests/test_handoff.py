@@ -96,7 +96,9 @@ def test_take_all_empties_the_queue_at_once() -> None:
 def test_a_backlog_of_short_runs_is_taken_by_the_thread_already_taking_it() -> None:
     # queue.SimpleQueue wakes another waiting thread each time one takes an item and more
     # are left: here every one of the 16 would take some. (The queue standing still is not
-    # looked at here.)
+    # looked at here. On a machine busy with other processes, the taker may be given no CPU
+    # for a tick while the watch runs: the process looks idle, and the watch wakes a thread
+    # or two more. Under the suite's load 3 threads took 900, 58 and 42 of the 1,000.)
     handoff: Handoff[int] = Handoff("t", still=60)
     handoff.start()
     threads, taken = _takers(handoff, 16, lambda item: _spin(0.00005))
@@ -105,7 +107,8 @@ def test_a_backlog_of_short_runs_is_taken_by_the_thread_already_taking_it() -> N
         handoff.put_many(range((batch - 1) * 100, batch * 100))
         assert wait_for(lambda end=batch * 100: len(taken) == end, timeout=10)
     _closed(handoff, threads)
-    assert len(Counter(thread for thread, _ in taken)) <= 2
+    takers = Counter(thread for thread, _ in taken)
+    assert len(takers) <= 4 and max(takers.values()) >= 800, takers
 
 
 def test_items_queued_behind_runs_waiting_on_io_each_get_a_thread_at_once() -> None:
