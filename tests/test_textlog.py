@@ -203,3 +203,21 @@ def test_json_lines_never_load_the_text_path() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_line_made_by_its_caller_is_printed_as_it_is_between_records() -> None:
+    # Given the console handler
+    stream = io.StringIO()
+    handler = ConsoleHandler(stream)
+    # When a line made by its caller comes between two records
+    handler.handle(_record("before"))
+    handler.emit_line(lambda: "made [bold]as is[/bold]")
+    handler.handle(_record("after"))
+    handler.close()
+    # Then it is printed in its turn, as it is (not read as markup)
+    lines = stream.getvalue().splitlines()
+    assert [line.split("  ")[-1].strip() for line in lines] == [
+        "before",
+        "made [bold]as is[/bold]",
+        "after",
+    ]

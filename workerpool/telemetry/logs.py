@@ -27,7 +27,13 @@ from opentelemetry.trace import SpanContext
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
-from workerpool.telemetry.handler import SPAN_CONTEXT, BackgroundHandler, install, record_fields
+from workerpool.telemetry.handler import (
+    SPAN_CONTEXT,
+    BackgroundHandler,
+    install,
+    installed_handler,
+    record_fields,
+)
 from workerpool.worker.text import safe_text
 
 ENV_LOG_FORMAT = "WORKERPOOL_LOG_FORMAT"
@@ -99,7 +105,11 @@ _OWN_KEYS = frozenset(
 
 
 def _span_context(record: logging.LogRecord) -> SpanContext | None:
-    named = getattr(record, SPAN_CONTEXT, None)
+    return traced(getattr(record, SPAN_CONTEXT, None))
+
+
+def traced(named: SpanContext | None) -> SpanContext | None:
+    """The span a line belongs to: ``named``, else the current one; None if not valid."""
     context = named if named is not None else trace.get_current_span().get_span_context()
     return context if context.is_valid else None
 
@@ -122,13 +132,22 @@ class CloudLoggingFormatter(logging.Formatter):
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:
             message += "\n" + record.exc_text
-        fields = record_fields(record)
-        span = _span_context(record)
-        parts = [
-            _site(record.levelno, record.levelname, record.name, record.pathname, record.lineno,
-                  record.funcName),
-            f'"message": {encode_basestring(message)}, "time": "{self._time(record.created)}"',
-        ]  # fmt: skip
+        site = call_site(record.levelno, record.levelname, record.name, record.pathname,
+                         record.lineno, record.funcName)  # fmt: skip
+        return self.line(site, message, record.created, record_fields(record),
+                         _span_context(record))  # fmt: skip
+
+    def line(
+        self,
+        site: str,
+        message: str,
+        created: float,
+        fields: dict[str, Any],
+        span: SpanContext | None,
+    ) -> str:
+        """The line of a record: ``site`` as ``call_site`` encodes it, ``created`` its time
+        (``time.time()``), ``fields`` its structured fields, ``span`` its valid span or None."""
+        parts = [site, f'"message": {encode_basestring(message)}, "time": "{self._time(created)}"']
         if fields:
             parts.append(_encode_object(fields)[1:-1])
         if span is not None:
@@ -158,7 +177,9 @@ class CloudLoggingFormatter(logging.Formatter):
 
 
 @functools.lru_cache(maxsize=1024)
-def _site(levelno: int, levelname: str, name: str, pathname: str, line: int, function: str) -> str:
+def call_site(
+    levelno: int, levelname: str, name: str, pathname: str, line: int, function: str
+) -> str:
     """The encoded parts of a line that are the same for every line of one call site."""
     return _encode_object(
         {
@@ -180,3 +201,37 @@ def _trace(span: SpanContext) -> str:
         f'"{c.LOG_TRACE}": {encode_basestring(trace_id)}, "{c.LOG_SPAN_ID}": '
         f'"{span.span_id:016x}", "{c.LOG_TRACE_SAMPLED}": {sampled}'
     )
+
+
+# The logging module's own dispatch of a record, as it was when this module was imported.
+_DISPATCH = (logging.Logger.handle, logging.Logger.callHandlers)
+
+
+def json_lines_alone(
+    logger: logging.Logger, level: int
+) -> tuple[BackgroundHandler, CloudLoggingFormatter] | None:
+    """The installed JSON lines handler and its formatter, where a record ``logger`` logs at
+    ``level`` (one it is enabled for) reaches that handler alone, unchanged on its way: no
+    filter, no other handler, no record factory, logger class or dispatch of the
+    application's (an error tracker's, say). There a caller may hand the handler a line to
+    format without making its record (``BackgroundHandler.emit_line``); None otherwise."""
+    handler = installed_handler()
+    formatter = None if handler is None else handler.formatter
+    if (
+        type(handler) is not BackgroundHandler
+        or type(formatter) is not CloudLoggingFormatter
+        or level < handler.level
+        or handler.filters
+        or logger.filters
+        or logger.disabled
+        or type(logger) is not logging.Logger
+        or (logging.Logger.handle, logging.Logger.callHandlers) != _DISPATCH
+        or logging.getLogRecordFactory() is not logging.LogRecord
+    ):
+        return None
+    reached: list[logging.Handler] = []
+    current: logging.Logger | None = logger
+    while current is not None:
+        reached += current.handlers
+        current = current.parent if current.propagate else None
+    return (handler, formatter) if reached == [handler] else None

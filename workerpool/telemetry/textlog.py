@@ -23,6 +23,7 @@ from workerpool import constants as c
 from workerpool.constants import Label
 from workerpool.telemetry.handler import (
     BackgroundHandler,
+    Line,
     formatted,
     installed_handler,
     record_fields,
@@ -131,10 +132,15 @@ class ConsoleHandler(BackgroundHandler):
         self._formatter = TextFormatter()
         self.setFormatter(self._formatter)
 
-    def _write_lines(self, records: list[logging.LogRecord]) -> None:
-        lines = formatted(records, self._formatter.text, self.handleError)
+    def _write_lines(self, records: list[Line]) -> None:
+        lines = formatted(records, self._text, self.failed)
         if lines:
             self.console.print(Text("\n").join(lines))
+
+    def _text(self, line: Line) -> Text:
+        if isinstance(line, logging.LogRecord):
+            return self._formatter.text(line)
+        return Text(line())  # made by its caller: shown as it is
 
 
 def live_console() -> Console | None:

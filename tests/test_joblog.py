@@ -1,0 +1,204 @@
+"""Job end lines: made on the log handler's thread without a record where that record would
+reach the JSON lines handler alone, and through ``logging`` wherever anything else would see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags
+
+from workerpool.constants import Label
+from workerpool.telemetry.joblog import JobLog
+from workerpool.telemetry.logs import json_lines_alone, setup_logging
+from workerpool.worker.run import Run, Settled
+
+_JOBS = logging.getLogger("workerpool.jobs")
+_TRACED = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, False, TraceFlags(1))
+
+
+@dataclass
+class _Ran:
+    """What an end line reads of a run."""
+
+    span: Span
+    started_at: float
+
+
+def _events() -> list[Settled]:
+    ran = cast(Run, _Ran(NonRecordingSpan(_TRACED), time.monotonic() - 0.25))
+    untraced = cast(Run, _Ran(trace.INVALID_SPAN, time.monotonic()))
+    return [
+        Settled(Label.DONE, "t.ok", "id-1", "m-1", 1, ran),
+        Settled(Label.DEAD_LETTERED, "t.bad", "id-2", "m-2", 5, untraced, "ValueError"),
+        Settled(Label.DEFERRED, "t.wait", "id-3", "m-3", 4, ran, renewed=True),
+        # a message that never ran, whose job name and id came from a hostile payload
+        Settled(Label.DEAD_LETTERED, '"q\\\ud800', "\n}{", "m-4", 1, None, "BadJson"),
+        Settled(Label.RETRIED, "", "", "m-5", 2, untraced),
+    ]
+
+
+@contextlib.contextmanager
+def _worker_logging() -> Iterator[io.StringIO]:
+    """The worker's JSON lines handler, alone on the root logger meanwhile (pytest's own
+    capture handlers taken off and put back)."""
+    root = logging.getLogger()
+    others, level = list(root.handlers), root.level
+    for other in others:
+        root.removeHandler(other)
+    stream = io.StringIO()
+    handler = setup_logging(stream=stream, json_lines=True)
+    try:
+        yield stream
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        for other in others:
+            root.addHandler(other)
+        root.setLevel(level)
+
+
+def _log(events: list[Settled], stream: io.StringIO) -> list[dict[str, Any]]:
+    job_log = JobLog()
+    written = len(stream.getvalue().splitlines())
+    for event in events:
+        job_log.settled(event)
+    handler = logging.getLogger().handlers[0]
+    handler.flush()
+    return [json.loads(line) for line in stream.getvalue().splitlines()[written:]]
+
+
+def test_end_lines_made_without_a_record_read_as_those_made_with_one() -> None:
+    events = _events()
+    with _worker_logging() as stream:
+        # Given the worker's JSON lines handler alone, so end lines are made without a record
+        assert json_lines_alone(_JOBS, logging.INFO) is not None
+        # When the end lines of runs, failures and messages that never ran are logged,
+        # within a span of the settling thread's own
+        before = time.time()
+        with trace.use_span(NonRecordingSpan(_TRACED)):
+            made = _log(events, stream)
+        after = time.time()
+        # and the same again through logging (a filter on the logger, passing everything)
+        _JOBS.addFilter(lambda record: True)
+        try:
+            assert json_lines_alone(_JOBS, logging.INFO) is None
+            with trace.use_span(NonRecordingSpan(_TRACED)):
+                recorded = _log(events, stream)
+        finally:
+            _JOBS.filters.clear()
+        text = stream.getvalue()
+    # Then the lines are the same but for their time, which is when each was logged
+    assert len(made) == len(events)
+    times = [line.pop("time") for line in made]
+    for line in recorded:
+        line.pop("time")
+    assert made == recorded
+    logged = [datetime.fromisoformat(text).timestamp() for text in times]
+    assert before <= logged[0] and logged == sorted(logged) and logged[-1] <= after
+    # and they say what each event was: a failure as a warning, the trace of its run (or, for
+    # a message that never ran, the settling thread's), the hostile text escaped
+    assert [line["severity"] for line in made] == ["INFO", "WARNING", "INFO", "WARNING", "WARNING"]
+    assert made[0]["duration"] >= 0.25 and made[0]["message"].startswith("job t.ok done in 0.2")
+    assert made[1]["error_type"] == "ValueError" and made[2]["renewed"] is True
+    assert (made[3]["job"], made[3]["job_id"]) == (events[3].job, events[3].job_id)
+    text.encode()  # (a lone surrogate is written escaped: every line encodes)
+    assert made[3]["duration"] is None and made[4]["message"] == "job ? retried in 0.000s"
+    spans = [line.get("logging.googleapis.com/spanId") for line in made]
+    assert spans == ["b7ad6b7169203331", None, "b7ad6b7169203331", "b7ad6b7169203331", None]
+
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _on_jobs_logger(keep: _Keep) -> Callable[[], None]:
+    _JOBS.addHandler(keep)
+    return lambda: _JOBS.removeHandler(keep)
+
+
+def _on_root(keep: _Keep) -> Callable[[], None]:
+    logging.getLogger().addHandler(keep)
+    return lambda: logging.getLogger().removeHandler(keep)
+
+
+def _filter_on_the_handler(keep: _Keep) -> Callable[[], None]:
+    handler = logging.getLogger().handlers[0]
+
+    def filtered(record: logging.LogRecord) -> bool:
+        keep.records.append(record)
+        return True
+
+    handler.addFilter(filtered)
+    return lambda: handler.removeFilter(filtered)
+
+
+def _record_factory(keep: _Keep) -> Callable[[], None]:
+    factory = logging.getLogRecordFactory()
+
+    def making(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        keep.records.append(record)
+        return record
+
+    logging.setLogRecordFactory(making)
+    return lambda: logging.setLogRecordFactory(factory)
+
+
+def _dispatch_patched(keep: _Keep) -> Callable[[], None]:
+    # as an error tracker's logging integration does
+    original = logging.Logger.callHandlers
+
+    def call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
+        keep.records.append(record)
+        original(self, record)
+
+    logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
+    return lambda: setattr(logging.Logger, "callHandlers", original)
+
+
+@pytest.mark.parametrize(
+    "watch",
+    [_on_jobs_logger, _on_root, _filter_on_the_handler, _record_factory, _dispatch_patched],
+)
+def test_end_lines_go_through_logging_wherever_anything_else_would_see_them(
+    watch: Callable[[_Keep], Callable[[], None]],
+) -> None:
+    keep = _Keep()
+    with _worker_logging() as stream:
+        # Given something of the application's that sees the records of end lines
+        unwatch = watch(keep)
+        try:
+            # When end lines are logged
+            lines = _log(_events(), stream)
+        finally:
+            unwatch()
+    # Then it saw each one's record, and the JSON lines handler still wrote each line
+    assert [r.getMessage().split()[1] for r in keep.records] == ["t.ok", "t.bad", "t.wait",
+                                                                 '"q\\\ud800', "?"]  # fmt: skip
+    assert [line["job_id"] for line in lines] == ["id-1", "id-2", "id-3", "\n}{", ""]
+
+
+def test_end_lines_of_a_level_the_handler_drops_are_not_made() -> None:
+    with _worker_logging() as stream:
+        # Given a handler that writes warnings and above
+        logging.getLogger().handlers[0].setLevel(logging.WARNING)
+        # When end lines of both levels are logged
+        lines = _log(_events(), stream)
+    # Then only the failures' were written
+    assert [line["outcome"] for line in lines] == ["dead_lettered", "dead_lettered", "retried"]
