@@ -5,13 +5,15 @@ reach the JSON lines handler alone, and through ``logging`` wherever anything el
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -19,11 +21,14 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags
 
 from workerpool.constants import Label
+from workerpool.telemetry import joblog
+from workerpool.telemetry.handler import BackgroundHandler
 from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.logs import json_lines_alone, setup_logging
 from workerpool.worker.run import Run, Settled
 
 _JOBS = logging.getLogger("workerpool.jobs")
+_LOGGED_AT = 1_790_000_000.123456
 _TRACED = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, False, TraceFlags(1))
 
 
@@ -68,6 +73,14 @@ def _worker_logging() -> Iterator[io.StringIO]:
         root.setLevel(level)
 
 
+def _no_record(*args: object) -> logging.LogRecord:
+    raise AssertionError("an end line's record was made")
+
+
+def _passes(record: logging.LogRecord) -> bool:
+    return True
+
+
 def _log(events: list[Settled], stream: io.StringIO) -> list[dict[str, Any]]:
     job_log = JobLog()
     written = len(stream.getvalue().splitlines())
@@ -78,34 +91,37 @@ def _log(events: list[Settled], stream: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stream.getvalue().splitlines()[written:]]
 
 
-def test_end_lines_made_without_a_record_read_as_those_made_with_one() -> None:
+def test_end_lines_made_without_a_record_read_as_those_made_with_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     events = _events()
     with _worker_logging() as stream:
         # Given the worker's JSON lines handler alone, so end lines are made without a record
+        # (one made would fail), at a time the settling thread reads
         assert json_lines_alone(_JOBS, logging.INFO) is not None
-        # When the end lines of runs, failures and messages that never ran are logged,
-        # within a span of the settling thread's own
-        before = time.time()
-        with trace.use_span(NonRecordingSpan(_TRACED)):
-            made = _log(events, stream)
-        after = time.time()
+        with monkeypatch.context() as patched:
+            patched.setattr(joblog, "_record", _no_record)
+            patched.setattr(joblog, "time", SimpleNamespace(time=lambda: _LOGGED_AT))
+            # When the end lines of runs, failures and messages that never ran are logged,
+            # within a span of the settling thread's own
+            with trace.use_span(NonRecordingSpan(_TRACED)):
+                made = _log(events, stream)
         # and the same again through logging (a filter on the logger, passing everything)
-        _JOBS.addFilter(lambda record: True)
+        _JOBS.addFilter(_passes)
         try:
             assert json_lines_alone(_JOBS, logging.INFO) is None
             with trace.use_span(NonRecordingSpan(_TRACED)):
                 recorded = _log(events, stream)
         finally:
-            _JOBS.filters.clear()
+            _JOBS.removeFilter(_passes)
         text = stream.getvalue()
     # Then the lines are the same but for their time, which is when each was logged
     assert len(made) == len(events)
-    times = [line.pop("time") for line in made]
+    times = {line.pop("time") for line in made}
     for line in recorded:
         line.pop("time")
     assert made == recorded
-    logged = [datetime.fromisoformat(text).timestamp() for text in times]
-    assert before <= logged[0] and logged == sorted(logged) and logged[-1] <= after
+    assert times == {datetime.fromtimestamp(_LOGGED_AT, UTC).isoformat(timespec="microseconds")}
     # and they say what each event was: a failure as a warning, the trace of its run (or, for
     # a message that never ran, the settling thread's), the hostile text escaped
     assert [line["severity"] for line in made] == ["INFO", "WARNING", "INFO", "WARNING", "WARNING"]
@@ -172,9 +188,27 @@ def _dispatch_patched(keep: _Keep) -> Callable[[], None]:
     return lambda: setattr(logging.Logger, "callHandlers", original)
 
 
+def _dispatch_patched_on_the_logger(keep: _Keep) -> Callable[[], None]:
+    original = _JOBS.handle
+
+    def handle(record: logging.LogRecord) -> None:
+        keep.records.append(record)
+        original(record)
+
+    _JOBS.handle = handle  # type: ignore[method-assign]
+    return lambda: delattr(_JOBS, "handle")
+
+
 @pytest.mark.parametrize(
     "watch",
-    [_on_jobs_logger, _on_root, _filter_on_the_handler, _record_factory, _dispatch_patched],
+    [
+        _on_jobs_logger,
+        _on_root,
+        _filter_on_the_handler,
+        _record_factory,
+        _dispatch_patched,
+        _dispatch_patched_on_the_logger,
+    ],
 )
 def test_end_lines_go_through_logging_wherever_anything_else_would_see_them(
     watch: Callable[[_Keep], Callable[[], None]],
@@ -202,3 +236,25 @@ def test_end_lines_of_a_level_the_handler_drops_are_not_made() -> None:
         lines = _log(_events(), stream)
     # Then only the failures' were written
     assert [line["outcome"] for line in lines] == ["dead_lettered", "dead_lettered", "retried"]
+
+
+def test_a_line_that_cannot_be_made_is_reported_by_its_maker_never_what_it_holds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a line whose making fails, holding something private
+    def fails(secret: str) -> str:
+        raise ValueError("no line")
+
+    with _worker_logging() as stream:
+        handler = logging.getLogger().handlers[0]
+        assert isinstance(handler, BackgroundHandler)
+        # When it is written, then a good line
+        handler.emit_line(functools.partial(fails, "someone@example.com"))
+        handler.emit_line(lambda: '{"message": "after"}')
+        handler.flush()
+        written = stream.getvalue()
+    # Then the error names the maker, not what it holds, and the next line is still written
+    reported = capsys.readouterr().err
+    assert "ValueError: no line" in reported and "a line made by" in reported
+    assert "fails" in reported and "someone@example.com" not in reported
+    assert written == '{"message": "after"}\n'

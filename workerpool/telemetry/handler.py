@@ -130,28 +130,31 @@ class BackgroundHandler(logging.Handler):
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            records = [item for item in batch if not isinstance(item, threading.Event)]
-            if records:
+            lines = [item for item in batch if not isinstance(item, threading.Event)]
+            if lines:
                 try:
-                    self._write_lines(records)
+                    self._write_lines(lines)
                 except Exception:  # a closed or broken stream: logging must never stop the worker
-                    self.failed(records[-1])
+                    self.failed(lines[-1])
             for item in batch:
                 if isinstance(item, threading.Event):
                     item.set()
 
-    def _write_lines(self, records: list[Line]) -> None:
-        lines = formatted(records, self._format, self.failed)
-        self.stream.write("".join(line + "\n" for line in lines))
+    def _write_lines(self, lines: list[Line]) -> None:
+        texts = formatted(lines, self._format, self.failed)
+        self.stream.write("".join(text + "\n" for text in texts))
         self.stream.flush()
 
     def _format(self, line: Line) -> str:
         return self.format(line) if isinstance(line, logging.LogRecord) else line()
 
     def failed(self, line: Line) -> None:
-        """``handleError`` for a line that could not be made or written."""
+        """``handleError`` for a line that could not be made or written. A line's maker is
+        named, never shown: what it holds (a job's run) may hold a payload."""
         if not isinstance(line, logging.LogRecord):
-            line = logging.makeLogRecord({"msg": f"a line made by {line!r}"})
+            maker = getattr(line, "func", line)
+            name = getattr(maker, "__qualname__", type(maker).__qualname__)
+            line = logging.makeLogRecord({"msg": "a line made by %s", "args": (name,)})
         self.handleError(line)
 
 
@@ -162,18 +165,18 @@ _Text = TypeVar("_Text")
 
 
 def formatted(
-    records: list[Line],
+    lines: list[Line],
     format: Callable[[Line], _Text],
     failed: Callable[[Line], None],
 ) -> list[_Text]:
-    """Each record's line; one that cannot be formatted is told to ``failed`` and left out."""
-    lines = []
-    for record in records:
+    """Each line's text; one that cannot be made is told to ``failed`` and left out."""
+    texts = []
+    for line in lines:
         try:
-            lines.append(format(record))
+            texts.append(format(line))
         except Exception:
-            failed(record)
-    return lines
+            failed(line)
+    return texts
 
 
 _PLAIN = logging.Formatter()

@@ -203,8 +203,27 @@ def _trace(span: SpanContext) -> str:
     )
 
 
-# The logging module's own dispatch of a record, as it was when this module was imported.
-_DISPATCH = (logging.Logger.handle, logging.Logger.callHandlers)
+# The last of the methods a record is passed on by (``_dispatched_by_logging``) found on
+# ``logging.Logger`` to be the logging module's own.
+_own_dispatch: tuple[object, ...] = ()
+
+
+def _dispatched_by_logging(logger: logging.Logger) -> bool:
+    """Whether a record of ``logger`` (a ``logging.Logger``) is passed on by the logging
+    module's own ``handle``, ``callHandlers`` and ``filter``: none replaced on the class (an
+    error tracker's logging integration wraps ``callHandlers``, say), whenever that was done,
+    before this module was imported too, nor on the logger itself."""
+    global _own_dispatch
+    own = vars(logger)
+    if "handle" in own or "callHandlers" in own or "filter" in own:
+        return False
+    methods = (logging.Logger.handle, logging.Logger.callHandlers, logging.Logger.filter)
+    if methods == _own_dispatch:
+        return True
+    if any(getattr(method, "__module__", None) != "logging" for method in methods):
+        return False
+    _own_dispatch = methods
+    return True
 
 
 def json_lines_alone(
@@ -213,7 +232,7 @@ def json_lines_alone(
     """The installed JSON lines handler and its formatter, where a record ``logger`` logs at
     ``level`` (one it is enabled for) reaches that handler alone, unchanged on its way: no
     filter, no other handler, no record factory, logger class or dispatch of the
-    application's (an error tracker's, say). There a caller may hand the handler a line to
+    application's (``_dispatched_by_logging``). There a caller may hand the handler a line to
     format without making its record (``BackgroundHandler.emit_line``); None otherwise."""
     handler = installed_handler()
     formatter = None if handler is None else handler.formatter
@@ -225,7 +244,7 @@ def json_lines_alone(
         or logger.filters
         or logger.disabled
         or type(logger) is not logging.Logger
-        or (logging.Logger.handle, logging.Logger.callHandlers) != _DISPATCH
+        or not _dispatched_by_logging(logger)
         or logging.getLogRecordFactory() is not logging.LogRecord
     ):
         return None

@@ -132,10 +132,10 @@ class ConsoleHandler(BackgroundHandler):
         self._formatter = TextFormatter()
         self.setFormatter(self._formatter)
 
-    def _write_lines(self, records: list[Line]) -> None:
-        lines = formatted(records, self._text, self.failed)
-        if lines:
-            self.console.print(Text("\n").join(lines))
+    def _write_lines(self, lines: list[Line]) -> None:
+        texts = formatted(lines, self._text, self.failed)
+        if texts:
+            self.console.print(Text("\n").join(texts))
 
     def _text(self, line: Line) -> Text:
         if isinstance(line, logging.LogRecord):
