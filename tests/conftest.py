@@ -13,6 +13,7 @@ import fcntl
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             or "_emulator" in item.path.stem  # starts an emulator process of its own
         ):
             item.add_marker(pytest.mark.emulator)
+    _alone_first(items)
+
+
+def _alone_first(items: list[pytest.Item]) -> None:
+    """Under -n 3, an ``alone`` test waits for the tests under way on the other processes to
+    end, tens of seconds each time, while the machine runs below its cores. So the files with
+    such tests come first, and their ``alone`` tests first in each: the processes start on
+    them together, and they wait mostly for each other. The other files follow by how many
+    tests they have, most first, as pytest-xdist orders them by itself (which the README's
+    command turns off, ``--no-loadscope-reorder``, for this order to hold)."""
+    alone_files = {item.path for item in items if item.get_closest_marker("alone")}
+    per_file = Counter(item.path for item in items)
+    items.sort(
+        key=lambda item: (
+            item.path not in alone_files,
+            -per_file[item.path],
+            str(item.path),
+            item.get_closest_marker("alone") is None,
+        )
+    )
 
 
 @pytest.fixture(autouse=True)
