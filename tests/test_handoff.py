@@ -155,3 +155,36 @@ def test_the_watch_survives_an_error_and_goes_on_looking(monkeypatch: pytest.Mon
     monkeypatch.setattr(handoff_module, "time", clock)
     _all_run_together(4)
     assert calls > 1
+
+
+def test_a_watch_failing_at_every_look_pauses_twice_as_long_each_time_up_to_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a watch whose every look raises (its CPU clock, here), but its 20th, which looks
+    # for two seconds (of its monotonic clock) first
+    pauses: list[float] = []
+    looks = 0
+    now = 0.0
+    handoff: Handoff[int] = Handoff("t")
+
+    def process_time() -> float:
+        nonlocal looks, now
+        looks += 1
+        if looks == 20:
+            now += 2.0
+        raise RuntimeError("a bug")
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 23:
+            handoff.close()
+
+    clock = types.SimpleNamespace(monotonic=lambda: now, process_time=process_time, sleep=sleep)
+    monkeypatch.setattr(handoff_module, "time", clock)
+    # When it runs until it has paused 23 times
+    handoff.start()
+    handoff._watch.join(5)
+    # Then each pause doubled the last, from a tick, none over a second; and after the look
+    # that went on for a while, they started from a tick again
+    doubling = [min(handoff_module.TICK * 2**i, 1.0) for i in range(19)]
+    assert pauses == doubling + doubling[:4]

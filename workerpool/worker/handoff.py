@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # How often the watch looks while items and waiting threads are both there.
 TICK = 0.001
+# The longest the watch pauses after failing again and again (a bug): each pause doubles,
+# from a tick, so that one raising at every look writes a few lines a second, not a thousand.
+_MOST_PAUSE = 1.0
 
 
 class Handoff(Generic[T]):
@@ -131,12 +134,17 @@ class Handoff(Generic[T]):
             self._idle.pop().release()
 
     def _watch_loop(self) -> None:
+        pause = self._tick
         while not self._closed:
+            looked_since = time.monotonic()
             try:
                 self._look_until_closed()
             except Exception:  # a bug: without the watch, items may wait behind held runs
-                log.exception("%s failed; it looks again", self._watch.name)
-                time.sleep(self._tick)
+                if time.monotonic() - looked_since > _MOST_PAUSE:
+                    pause = self._tick  # it had looked well for a while: not failing again
+                log.exception("%s failed; it looks again in %g s", self._watch.name, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, _MOST_PAUSE)
 
     def _look_until_closed(self) -> None:
         with self._mutex:
