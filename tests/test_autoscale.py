@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from tests.fakes import FakeClock, make_beat
 from tests.support import wait_for
+from workerpool.autoscale import process
 from workerpool.autoscale.actuator import Actuator, Beat, least_busy
 from workerpool.autoscale.controller import Autoscaler
 from workerpool.autoscale.policy import Policy
@@ -275,6 +277,44 @@ def test_a_replica_whose_starting_thread_has_ended_before_it_asks_for_the_signal
     # Then none of them runs on for good: each stops itself (1), or got the signal (-15)
     codes = [p.wait(30) for p in actuator._serving]
     assert len(codes) == 3 and set(codes) <= {1, -signal.SIGTERM}
+
+
+def test_a_replica_whose_command_cannot_run_exits_127_with_one_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # Given a worker command that does not exist
+    actuator = ProcessActuator([], command=["/nonexistent/workerpool-worker", "run"])
+    # When a replica is started
+    actuator.scale(1, [])
+    # Then it exits 127, as a shell's would, saying why in one line (not a traceback)
+    assert [p.wait(30) for p in actuator._serving] == [127]
+    assert capfd.readouterr().err.splitlines() == [
+        "replica not started: /nonexistent/workerpool-worker: No such file or directory"
+    ]
+
+
+def test_a_replica_refused_the_parent_death_signal_starts_all_the_same_and_says_so() -> None:
+    # Given a replica's first interpreter whose prctl is refused (as a seccomp filter would)
+    refused = (
+        "import ctypes\n"
+        "class _Refusing:\n"
+        "    def prctl(self, *args): return -1\n"
+        "ctypes.CDLL = lambda *args, **kwargs: _Refusing()\n"
+        "ctypes.get_errno = lambda: 1\n"
+    )
+    here = [str(os.getpid()), str(threading.get_native_id())]
+    worker = [sys.executable, "-c", "print('worked')"]
+    # When it starts the worker
+    started = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", refused + process._DIE_WITH_PARENT, *here, *worker],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    # Then the worker ran, and the replica said it has no parent-death signal
+    assert (started.returncode, started.stdout) == (0, "worked\n")
+    assert started.stderr.splitlines() == [
+        "replica started without the parent-death signal (Operation not permitted): it "
+        "outlives the autoscaler if that crashes"
+    ]
 
 
 def _three_started_by_a_thread(argv: list[str]) -> list[subprocess.Popen[bytes]]:

@@ -53,10 +53,15 @@ BACKOFF_FIRST, BACKOFF_MOST = 1.0, 60.0
 # keep to what vfork allows (no preexec_fn, user or group). Asked for after the thread that
 # started it has ended, the signal never comes: that is checked after asking (where /proc
 # shows threads). Python ignores SIGPIPE and SIGXFSZ at start: the worker gets them as the
-# parent's subprocess would have passed them, at their default.
+# parent's subprocess would have passed them, at their default. Where the signal is refused
+# (a sandbox's seccomp filter, say) the replica starts all the same, saying so: the
+# autoscaler drains its replicas as it stops, and the signal is for its crash. A command that
+# cannot be run exits 127 with one line, as a shell's would, not with a traceback.
 _DIE_WITH_PARENT = """\
 import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM)) != 0:  # PR_SET_PDEATHSIG
+    sys.stderr.write("replica started without the parent-death signal (%s): it outlives the "
+                     "autoscaler if that crashes\\n" % os.strerror(ctypes.get_errno()))
 parent, thread = sys.argv[1:3]
 threads = f"/proc/{parent}/task"
 if os.getppid() != int(parent) or (
@@ -66,7 +71,11 @@ if os.getppid() != int(parent) or (
     os._exit(1)
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-os.execvp(sys.argv[3], sys.argv[3:])
+try:
+    os.execvp(sys.argv[3], sys.argv[3:])
+except OSError as exc:
+    sys.stderr.write("replica not started: %s: %s\\n" % (sys.argv[3], exc.strerror))
+    os._exit(127)
 """
 
 
