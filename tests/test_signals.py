@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -38,3 +39,42 @@ def test_a_signal_that_comes_while_the_main_thread_holds_an_events_lock_still_st
     )
     # Then the first sets stop and the second hurry, and nothing hangs
     assert done.returncode == 0, done.stderr
+
+
+# Run in a process of its own: it installs the command's handlers.
+_FORKED_FROM_A_SLOT_THREAD = textwrap.dedent(
+    """
+    import os, signal, threading, time
+    from workerpool.worker.signals import Signals
+
+    Signals().install()
+    forked = []
+
+    def fork() -> None:  # as a job forks (a multiprocessing pool), on a slot thread
+        pid = os.fork()
+        if pid == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+            os._exit(0)
+        forked.append(pid)
+
+    thread = threading.Thread(target=fork)
+    thread.start()
+    thread.join()
+    _, status = os.waitpid(forked[0], 0)
+    print(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_child_forked_without_exec_ends_on_sigterm() -> None:
+    # Given the command's handlers, when a thread forks a child that gets SIGTERM
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED_FROM_A_SLOT_THREAD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Then the child ended by it, as Python's default would have it (not 30 s later)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(-signal.SIGTERM)]

@@ -22,6 +22,8 @@ import time
 from types import FrameType
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+# Python's own handling of those.
+_DEFAULTS = ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler))
 
 
 class Signals:
@@ -53,8 +55,8 @@ class Signals:
 
     def restore(self) -> None:
         """Python's default handling again; a signal recorded meanwhile acts now."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum, default in _DEFAULTS:
+            signal.signal(signum, default)
         if self.first:
             signal.raise_signal(self.first)
 
@@ -69,6 +71,18 @@ class Signals:
             self._arrived.get()
             (self.hurry if self.stop.is_set() else self.stop).set()
 
+
+def _defaults_in_a_forked_child() -> None:
+    """A child forked without exec (a job's ``multiprocessing`` pool, say) has no watcher
+    thread: a signal its handlers record there never acts. A pool's ``terminate()``, which
+    sends its busy workers SIGTERM, waited for good. Such a child gets Python's defaults."""
+    for signum, default in _DEFAULTS:
+        if isinstance(getattr(signal.getsignal(signum), "__self__", None), Signals):
+            signal.signal(signum, default)
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which never forks)
+    os.register_at_fork(after_in_child=_defaults_in_a_forked_child)
 
 _held: Signals | None = None
 
