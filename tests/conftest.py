@@ -54,14 +54,18 @@ def _alone_first(items: list[pytest.Item]) -> None:
     """Under -n 3, an ``alone`` test waits for the tests under way on the other processes to
     end, tens of seconds each time, while the machine runs below its cores. So the files with
     such tests come first, and their ``alone`` tests first in each: the processes start on
-    them together, and they wait mostly for each other. The other files follow by how many
-    tests they have, most first, as pytest-xdist orders them by itself (which the README's
+    them together, and they wait mostly for each other. The other files follow, those with
+    emulator tests (seconds to minutes each) before the unit ones, so that the run does not
+    end on one process working through a long file alone; each group by how many tests its
+    files have, most first, as pytest-xdist orders them by itself (which the README's
     command turns off, ``--no-loadscope-reorder``, for this order to hold)."""
     alone_files = {item.path for item in items if item.get_closest_marker("alone")}
+    emulator_files = {item.path for item in items if item.get_closest_marker("emulator")}
     per_file = Counter(item.path for item in items)
     items.sort(
         key=lambda item: (
             item.path not in alone_files,
+            item.path not in emulator_files,
             -per_file[item.path],
             str(item.path),
             item.get_closest_marker("alone") is None,
