@@ -28,15 +28,17 @@ _SIGNAL_WHILE_THE_LOCK_IS_HELD = textwrap.dedent(
 )
 
 
+def _run(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a Python of its own, its output read back."""
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+
+
 def test_a_signal_that_comes_while_the_main_thread_holds_an_events_lock_still_stops() -> None:
     # Given a process whose main thread holds the lock of the Event a signal sets (as
     # Event.wait does each time round), when SIGTERM then SIGINT come at that instant
-    done = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_WHILE_THE_LOCK_IS_HELD],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    done = _run(_SIGNAL_WHILE_THE_LOCK_IS_HELD)
     # Then the first sets stop and the second hurry, and nothing hangs
     assert done.returncode == 0, done.stderr
 
@@ -69,12 +71,7 @@ _FORKED_FROM_A_SLOT_THREAD = textwrap.dedent(
 
 def test_a_child_forked_without_exec_ends_on_sigterm() -> None:
     # Given the command's handlers, when a thread forks a child that gets SIGTERM
-    done = subprocess.run(
-        [sys.executable, "-c", _FORKED_FROM_A_SLOT_THREAD],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run(_FORKED_FROM_A_SLOT_THREAD)
     # Then the child ended by it, as Python's default would have it (not 30 s later)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(-signal.SIGTERM)]
