@@ -60,7 +60,13 @@ def _alone_first(items: list[pytest.Item]) -> None:
     files have, most first, as pytest-xdist orders them by itself (which the README's
     command turns off, ``--no-loadscope-reorder``, for this order to hold)."""
     alone_files = {item.path for item in items if item.get_closest_marker("alone")}
-    emulator_files = {item.path for item in items if item.get_closest_marker("emulator")}
+    # (The plugin marks its own fixtures' users after this hook: those are read here too.)
+    emulator_files = {
+        item.path
+        for item in items
+        if item.get_closest_marker("emulator")
+        or "pubsub_emulator" in getattr(item, "fixturenames", ())
+    }
     per_file = Counter(item.path for item in items)
     items.sort(
         key=lambda item: (

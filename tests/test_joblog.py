@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags
 
 from workerpool.constants import Label
+from workerpool.telemetry import handler as handler_module
 from workerpool.telemetry import joblog
 from workerpool.telemetry.handler import BackgroundHandler
 from workerpool.telemetry.joblog import JobLog
@@ -29,6 +30,8 @@ from workerpool.worker.run import Run, Settled
 
 _JOBS = logging.getLogger("workerpool.jobs")
 _LOGGED_AT = 1_790_000_000.123456
+# What ``setup_logging`` turns off for every record of the process.
+_RECORD_FLAGS = ("logThreads", "logProcesses", "logMultiprocessing")
 _TRACED = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, False, TraceFlags(1))
 
 
@@ -59,6 +62,8 @@ def _worker_logging() -> Iterator[io.StringIO]:
     capture handlers taken off and put back)."""
     root = logging.getLogger()
     others, level = list(root.handlers), root.level
+    flags = {name: getattr(logging, name) for name in _RECORD_FLAGS}
+    installed = handler_module.installed_handler()
     for other in others:
         root.removeHandler(other)
     stream = io.StringIO()
@@ -71,6 +76,9 @@ def _worker_logging() -> Iterator[io.StringIO]:
         for other in others:
             root.addHandler(other)
         root.setLevel(level)
+        for name, value in flags.items():
+            setattr(logging, name, value)
+        handler_module._installed = installed
 
 
 def _no_record(*args: object) -> logging.LogRecord:
@@ -188,6 +196,19 @@ def _dispatch_patched(keep: _Keep) -> Callable[[], None]:
     return lambda: setattr(logging.Logger, "callHandlers", original)
 
 
+def _dispatch_wrapped_passing_for_loggings(keep: _Keep) -> Callable[[], None]:
+    # a wrapper that copies the name and module of what it wraps
+    original = logging.Logger.callHandlers
+
+    @functools.wraps(original)
+    def call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
+        keep.records.append(record)
+        original(self, record)
+
+    logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
+    return lambda: setattr(logging.Logger, "callHandlers", original)
+
+
 def _dispatch_patched_on_the_logger(keep: _Keep) -> Callable[[], None]:
     original = _JOBS.handle
 
@@ -207,6 +228,7 @@ def _dispatch_patched_on_the_logger(keep: _Keep) -> Callable[[], None]:
         _filter_on_the_handler,
         _record_factory,
         _dispatch_patched,
+        _dispatch_wrapped_passing_for_loggings,
         _dispatch_patched_on_the_logger,
     ],
 )

@@ -28,10 +28,10 @@ _SIGNAL_WHILE_THE_LOCK_IS_HELD = textwrap.dedent(
 )
 
 
-def _run(script: str) -> subprocess.CompletedProcess[str]:
-    """``script`` run by a Python of its own, its output read back."""
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a Python of its own with ``args``, its output read back."""
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -43,13 +43,16 @@ def test_a_signal_that_comes_while_the_main_thread_holds_an_events_lock_still_st
     assert done.returncode == 0, done.stderr
 
 
-# Run in a process of its own: it installs the command's handlers.
+# Run in a process of its own: it installs the command's handlers (or, with an argument, a
+# SIGTERM handler of its own, which exits 3).
 _FORKED_FROM_A_SLOT_THREAD = textwrap.dedent(
     """
-    import os, signal, threading, time
+    import os, signal, sys, threading, time
     from workerpool.worker.signals import Signals
 
     Signals().install()
+    if sys.argv[1:]:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(3))
     forked = []
 
     def fork() -> None:  # as a job forks (a multiprocessing pool), on a slot thread
@@ -75,3 +78,12 @@ def test_a_child_forked_without_exec_ends_on_sigterm() -> None:
     # Then the child ended by it, as Python's default would have it (not 30 s later)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(-signal.SIGTERM)]
+
+
+def test_a_childs_own_handler_is_left_to_it() -> None:
+    # Given a SIGTERM handler of the application's own, when a thread forks a child that
+    # gets SIGTERM
+    done = _run(_FORKED_FROM_A_SLOT_THREAD, "own handler")
+    # Then the child's handler, inherited, still handled it
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3"]

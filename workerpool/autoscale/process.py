@@ -56,7 +56,7 @@ BACKOFF_FIRST, BACKOFF_MOST = 1.0, 60.0
 # parent's subprocess would have passed them, at their default. Where the signal is refused
 # (a sandbox's seccomp filter, say) the replica starts all the same, saying so: the
 # autoscaler drains its replicas as it stops, and the signal is for its crash. A command that
-# cannot be run exits 127 with one line, as a shell's would, not with a traceback.
+# cannot be run exits 127 with one line, as a shell's not found does, not with a traceback.
 _DIE_WITH_PARENT = """\
 import ctypes, os, signal, sys
 if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM)) != 0:  # PR_SET_PDEATHSIG

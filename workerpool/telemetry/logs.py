@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from json.encoder import encode_basestring
+from types import FunctionType
 from typing import Any, TextIO
 
 from opentelemetry import trace
@@ -211,19 +212,30 @@ _own_dispatch: tuple[object, ...] = ()
 def _dispatched_by_logging(logger: logging.Logger) -> bool:
     """Whether a record of ``logger`` (a ``logging.Logger``) is passed on by the logging
     module's own ``handle``, ``callHandlers`` and ``filter``: none replaced on the class (an
-    error tracker's logging integration wraps ``callHandlers``, say), whenever that was done,
-    before this module was imported too, nor on the logger itself."""
+    error tracker's or an APM agent's logging integration wraps ``callHandlers``, say),
+    whenever that was done, before this module was imported too, nor on the logger itself.
+    A method is the module's own if it is a plain function of its globals: a wrapper may
+    copy its name and module (``functools.wraps``) or pass for it (``wrapt``), not that."""
     global _own_dispatch
     own = vars(logger)
     if "handle" in own or "callHandlers" in own or "filter" in own:
         return False
-    methods = (logging.Logger.handle, logging.Logger.callHandlers, logging.Logger.filter)
-    if methods == _own_dispatch:
+    handle, call, filter_ = (
+        logging.Logger.handle,
+        logging.Logger.callHandlers,
+        logging.Logger.filter,
+    )
+    known = _own_dispatch
+    if known and handle is known[0] and call is known[1] and filter_ is known[2]:
         return True
-    if any(getattr(method, "__module__", None) != "logging" for method in methods):
+    if not (_of_logging(handle) and _of_logging(call) and _of_logging(filter_)):
         return False
-    _own_dispatch = methods
+    _own_dispatch = (handle, call, filter_)
     return True
+
+
+def _of_logging(method: object) -> bool:
+    return type(method) is FunctionType and method.__globals__ is vars(logging)
 
 
 def json_lines_alone(

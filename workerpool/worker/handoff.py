@@ -144,7 +144,7 @@ class Handoff(Generic[T]):
                     pause = self._tick  # it had looked well for a while: not failing again
                 log.exception("%s failed; it looks again in %g s", self._watch.name, pause)
                 time.sleep(pause)
-                pause = min(2 * pause, _MOST_PAUSE)
+                pause = min(2 * pause, max(_MOST_PAUSE, self._tick))
 
     def _look_until_closed(self) -> None:
         with self._mutex:
