@@ -184,28 +184,17 @@ def _record_factory(keep: _Keep) -> Callable[[], None]:
     return lambda: logging.setLogRecordFactory(factory)
 
 
-def _dispatch_patched(keep: _Keep) -> Callable[[], None]:
-    # as an error tracker's logging integration does
+def _dispatch_patched(keep: _Keep, *, passing: bool = False) -> Callable[[], None]:
+    """``Logger.callHandlers`` wrapped as an error tracker's logging integration does; if
+    ``passing``, by a wrapper that copies the name and module of what it wraps."""
     original = logging.Logger.callHandlers
 
     def call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
         keep.records.append(record)
         original(self, record)
 
-    logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
-    return lambda: setattr(logging.Logger, "callHandlers", original)
-
-
-def _dispatch_wrapped_passing_for_loggings(keep: _Keep) -> Callable[[], None]:
-    # a wrapper that copies the name and module of what it wraps
-    original = logging.Logger.callHandlers
-
-    @functools.wraps(original)
-    def call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
-        keep.records.append(record)
-        original(self, record)
-
-    logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
+    wrapper = functools.wraps(original)(call_handlers) if passing else call_handlers
+    logging.Logger.callHandlers = wrapper  # type: ignore[method-assign]
     return lambda: setattr(logging.Logger, "callHandlers", original)
 
 
@@ -228,7 +217,7 @@ def _dispatch_patched_on_the_logger(keep: _Keep) -> Callable[[], None]:
         _filter_on_the_handler,
         _record_factory,
         _dispatch_patched,
-        _dispatch_wrapped_passing_for_loggings,
+        functools.partial(_dispatch_patched, passing=True),
         _dispatch_patched_on_the_logger,
     ],
 )
