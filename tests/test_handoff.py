@@ -188,3 +188,60 @@ def test_a_watch_failing_at_every_look_pauses_twice_as_long_each_time_up_to_a_se
     # that went on for a while, they started from a tick again
     doubling = [min(handoff_module.TICK * 2**i, 1.0) for i in range(19)]
     assert pauses == doubling + doubling[:4]
+
+
+def test_items_behind_a_run_given_no_cpu_do_not_each_get_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given runs that wait, the process idle meanwhile, but whose thread the OS says is
+    # runnable (as one is while other processes have the machine's cores)
+    looked = 0
+    given_no_cpu = True
+
+    def runnable(thread: int) -> bool:
+        nonlocal looked
+        looked += 1
+        return given_no_cpu
+
+    monkeypatch.setattr(handoff_module, "runnable", runnable)
+    handoff: Handoff[int] = Handoff("t", still=60)  # (the queue standing still is not looked at)
+    handoff.start()
+    release = threading.Event()
+    started: list[int] = []
+
+    def run(item: int) -> None:
+        started.append(item)
+        release.wait(10)
+
+    threads, _ = _takers(handoff, 4, run)
+    assert wait_for(lambda: handoff.idle == 4, timeout=5)
+    # When four items are put at once
+    handoff.put_many(range(4))
+    # Then while that thread is runnable, the watch looks and wakes no thread per item
+    assert wait_for(lambda: looked >= 20, timeout=10)
+    assert started == [0]
+    # and once it is not (it waits on I/O), each item gets a thread
+    given_no_cpu = False
+    assert wait_for(lambda: len(started) == 4, timeout=5)
+    release.set()
+    _closed(handoff, threads)
+
+
+def test_a_thread_runnable_is_told_from_one_waiting() -> None:
+    # Given a thread waiting on an event, and this one, running
+    waiting_id: list[int] = []
+    go = threading.Event()
+
+    def wait() -> None:
+        waiting_id.append(threading.get_native_id())
+        go.wait(10)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert wait_for(lambda: bool(waiting_id), timeout=5)
+    # Then the OS says this one runs and the other does not; one that is gone does not either
+    assert handoff_module.runnable(threading.get_native_id())
+    assert wait_for(lambda: not handoff_module.runnable(waiting_id[0]), timeout=5)
+    go.set()
+    waiter.join(5)
+    assert not handoff_module.runnable(waiting_id[0])
