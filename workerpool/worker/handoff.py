@@ -23,7 +23,7 @@ long too, and waking more threads for it holds it up more. Time the process was 
 (another process's turn, a container's CPU limit) counts as neither. On a machine whose cores
 are busy with other processes, the watch may be given a CPU in time while the thread running
 the last item is not: read from the process's CPU alone, no-op runs beside the emulator
-looked like runs waiting on I/O, and up to 112 threads were woken for them in 5 of 11 bench
+looked like runs waiting on I/O, and up to 112 threads were woken for them in 6 of 11 bench
 runs (measured), which then took items in turn.
 
 ``get`` is for threads other than the main one: an exception raised while it waits (a
