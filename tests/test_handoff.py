@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -244,4 +245,6 @@ def test_a_thread_runnable_is_told_from_one_waiting() -> None:
     assert wait_for(lambda: not handoff_module.runnable(waiting_id[0]), timeout=5)
     go.set()
     waiter.join(5)
+    # (join returns as the thread lets its Python state go, an instant before it exits)
+    assert wait_for(lambda: not os.path.exists(f"/proc/self/task/{waiting_id[0]}"), timeout=5)
     assert not handoff_module.runnable(waiting_id[0])
