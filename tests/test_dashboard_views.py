@@ -170,6 +170,29 @@ def test_actions_need_the_csrf_token_a_confirmation_and_a_post(client: TestClien
     assert client.get("/dead-letters/apply").status_code == 405
 
 
+def test_a_csrf_token_of_any_characters_is_refused_not_an_error(client: TestClient) -> None:
+    client.get("/keys")  # the cookie
+    form = {"action": "replay", "scope": "selected", "id": "m-1", "csrf_token": "\u00e9"}
+    assert client.post("/dead-letters/confirm", data=form).status_code == 403
+    asked = {"page": "running", "action": "cancel", "one": "run-1", "csrf_token": "\u00e9"}
+    assert client.post("/control/confirm", data=asked).status_code == 403
+
+
+def test_without_credentials_the_dead_letters_page_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_credentials() -> None:
+        raise ConfigError("no Google Cloud credentials found")
+
+    monkeypatch.setattr("workerpool.dashboard.app.connect", no_credentials)
+    settings = Settings(project="p", subscription="jobs", idempotency_store="none")
+    app = create_app(settings, dead_letter_subscription="dlq-sub")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        page = client.get("/dead-letters")
+    assert page.status_code == 200
+    assert "cannot read: no Google Cloud credentials found" in page.text
+
+
 def test_the_running_page_shows_each_run_and_its_cancel_asks_for_a_confirmation(
     client: TestClient,
 ) -> None:

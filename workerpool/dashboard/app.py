@@ -29,6 +29,7 @@ from workerpool.dashboard.letters import ACTIONS, DeadLetters, Selection
 from workerpool.dashboard.reading import LIMIT, Fleet
 from workerpool.dashboard.stores import Openers
 from workerpool.dashboard.templating import environment
+from workerpool.errors import ConfigError
 from workerpool.periodic import Marks
 from workerpool.pubsub import Clients, connect, subscription_path
 from workerpool.stores import StoreError
@@ -45,7 +46,7 @@ PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
     "autoscaler": ("Autoscaler", lambda f: {"decisions": f.decisions()}),
 }
 # What a page shows instead when a store or Pub/Sub cannot be read: why, in one line.
-_UNREADABLE = (StoreError, gexc.GoogleAPICallError)
+_UNREADABLE = (StoreError, gexc.GoogleAPICallError, ConfigError)  # (no credentials found)
 
 
 class Dashboard:

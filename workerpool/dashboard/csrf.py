@@ -28,7 +28,7 @@ def remember(response: Response, value: str) -> None:
 def allowed(request: Request, sent: str) -> bool:
     """The form's token matches the cookie, and the request comes from this origin."""
     kept = request.cookies.get(COOKIE, "")
-    if not kept or not hmac.compare_digest(kept, sent):
+    if not kept or not hmac.compare_digest(kept.encode(), sent.encode()):  # str: ASCII only
         return False
     origin = request.headers.get("origin")
     return origin is None or urlsplit(origin).netloc == request.headers.get("host", "")

@@ -158,6 +158,8 @@ def _text(data: bytes) -> str:
         return data[:PREVIEW].decode(errors="replace") + "... (cut: the payload is longer)"
     text = data.decode(errors="replace")
     try:
-        return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except ValueError:
+        shown = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    except (ValueError, RecursionError):  # any publisher's bytes: nested past the limit too
         return text
+    # A lone surrogate escaped in valid JSON ("\ud800") decodes to text no page can encode.
+    return shown.encode(errors="replace").decode()
