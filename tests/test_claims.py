@@ -20,7 +20,6 @@ from google.api_core import exceptions as gexc
 from tests.faults.store import FaultyStore
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
-from workerpool.context import Flag
 from workerpool.idempotency import Claimed, Done, HeldElsewhere, MemoryStore, StoreUnavailable
 from workerpool.idempotency.completions import Completions
 from workerpool.idempotency.middleware import Idempotency
@@ -29,6 +28,7 @@ from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.keeper import LeaseKeeper
 from workerpool.worker.limits import PoolLimits
+from workerpool.worker.middleware import TimeLimit
 from workerpool.worker.outcome import Outcome
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
@@ -533,6 +533,43 @@ def test_a_pulls_job_ids_are_claimed_at_once_and_acked_only_once_their_completio
         worker.close()
 
 
+def test_a_run_past_its_timeout_that_succeeds_waits_out_a_store_outage_and_is_acked(
+    timers: Timers,
+) -> None:
+    # Given a job whose handler goes on past its timeout and then succeeds, and a store that
+    # cannot record completions for now
+    jobs, ended = Registry(), threading.Event()
+
+    @jobs.job("t.late", timeout=0.05)
+    def late(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ctx.timed_out.wait(10)  # its work ignores the cancel that comes with the timeout
+        ended.set()
+
+    store = FaultyStore(MemoryStore())
+    store.fail("complete", StoreUnavailable("down"))
+    acks, leases = FakeAcks(), FakeLeaser()
+    idempotency = Idempotency(store, OWNER, timers, ttl=5.0)
+    processor = Processor(
+        jobs, acks, leases, FakeDeadLetters(), [TimeLimit(timers), idempotency],
+        ProcessorSettings(Backoff(1.0, 10.0)),
+    )  # fmt: skip
+    idempotency.start()
+    try:
+        # When it runs, and the store answers again after refusing its completion once
+        processor.process(make_delivery(b"{}", {"job": "t.late", "job_id": "j"}, message_id="m"))
+        assert ended.is_set()
+        assert wait_for(lambda: store.calls["complete"] >= 1, timeout=10, interval=0.005)
+        store.heal()
+        # Then its success is recorded and its message acked: it does not run again
+        assert wait_for(lambda: acks.acked == ["ack-m"], timeout=10, interval=0.005)
+        assert acks.modacked == []
+        assert isinstance(store.inner.claim("j", "w2", "m2", TTL), Done)
+        assert processor.stats == {"done": 1}
+    finally:
+        store.heal()
+        idempotency.close(timeout=5)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_bug_letting_recorded_claims_go_still_settles_and_frees_their_job_ids(
     timers: Timers, monkeypatch: pytest.MonkeyPatch
@@ -679,7 +716,7 @@ def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled
         MemoryStore(), OWNER, patience=5, let_go=let_go, lapsed=lambda held: False
     )
     for job_id in "ab":
-        completions.add(job_id, f"m-{job_id}", Flag(), f"lease-{job_id}", then(job_id))
+        completions.add(job_id, f"m-{job_id}", lambda: False, f"lease-{job_id}", then(job_id))
     # When the thread records them (both queued before it starts: one batch)
     completions.start()
     assert wait_for(lambda: len(events) == 3, timeout=10)
@@ -718,7 +755,7 @@ def test_completions_that_trickle_in_share_one_write() -> None:
     try:
         # When ten completions come one by one, 10 ms apart (jobs that end one after another)
         for i in range(10):
-            completions.add(f"j{i}", f"m{i}", Flag(), f"j{i}",
+            completions.add(f"j{i}", f"m{i}", lambda: False, f"j{i}",
                             lambda outcome, i=i: answered.append(f"j{i}"))  # fmt: skip
             time.sleep(0.01)
         # Then all ten are recorded in one write, and each is answered once
@@ -740,11 +777,11 @@ def test_a_completion_something_waits_for_is_recorded_without_lingering(
     answered = threading.Event()
     try:
         if first_lingers:
-            completions.add("early", "m-early", Flag(), "early", lambda outcome: None)
+            completions.add("early", "m-early", lambda: False, "early", lambda outcome: None)
             assert wait_for(lambda: completions._queue.empty(), timeout=10)  # lingering now
         # When a completion comes that something waits for (an exactly-once ack, the next
         # message of its ordering key)
-        completions.add("j", "m", Flag(), "j", lambda outcome: answered.set(), awaited=True)
+        completions.add("j", "m", lambda: False, "j", lambda outcome: answered.set(), awaited=True)
         # Then it is recorded and answered without that wait, with any that lingered
         assert answered.wait(10)
         assert store.batches == [2 if first_lingers else 1]
@@ -761,7 +798,7 @@ def test_enough_completions_are_written_without_waiting_out_the_linger(enough: i
     try:
         # When that many come, the first alone, then the rest while it lingers
         for i in range(enough):
-            completions.add(f"j{i}", f"m{i}", Flag(), f"j{i}",
+            completions.add(f"j{i}", f"m{i}", lambda: False, f"j{i}",
                             lambda outcome, i=i: answered.append(f"j{i}"))  # fmt: skip
             if i == 0:
                 assert wait_for(lambda: completions._queue.empty(), timeout=10)
@@ -777,7 +814,7 @@ def test_closing_ends_a_batch_that_lingers_and_records_it() -> None:
     outcomes: list[Outcome] = []
     store = _CountingStore()
     completions = _lingering(store, enough=20, linger=60.0)
-    completions.add("j", "m", Flag(), "j", outcomes.append)
+    completions.add("j", "m", lambda: False, "j", outcomes.append)
     assert wait_for(lambda: completions._queue.empty(), timeout=10)  # taken: lingering now
     # When the worker stops
     completions.close(5)
@@ -799,7 +836,7 @@ def test_every_completion_added_while_the_recorder_closes_is_answered_once() -> 
         go.wait()
         for i in range(300):
             job_id = f"{thread}-{i}"
-            completions.add(job_id, f"m-{job_id}", Flag(), job_id,
+            completions.add(job_id, f"m-{job_id}", lambda: False, job_id,
                             lambda outcome, job_id=job_id: answered.append(job_id))  # fmt: skip
 
     adders = [threading.Thread(target=add_many, args=(t,)) for t in range(6)]

@@ -118,7 +118,7 @@ def test_a_completion_whose_claim_lapsed_before_its_batch_is_not_recorded() -> N
     )
     for job_id in ("kept", "lapsed"):
         answer = functools.partial(answers.__setitem__, job_id)
-        completions.add(job_id, f"m-{job_id}", Flag(), job_id, answer)
+        completions.add(job_id, f"m-{job_id}", lambda: False, job_id, answer)
     # When the recorder sends its batch
     completions.start()
     try:

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from workerpool.context import Flag
 from workerpool.idempotency.base import IdempotencyStore, StoreError, StoreUnavailable
 from workerpool.worker.outcome import (
     LAPSED_COME_BACK,
@@ -57,7 +56,10 @@ class _Completion(Generic[L]):
     job_id: str
     message_id: str
     give_up_at: float  # monotonic: past it, an unavailable store is not waited for any more
-    cancelled: Flag  # the run's: once set, it is not waited for any more either
+    # Whether its message was handed back (a drain's deadline, a lost claim): then it is not
+    # waited for any more either. Not the run's ``cancelled``: a run past its timeout that
+    # succeeded all the same did its work, and giving up would run it again.
+    handed_back: Callable[[], bool]
     held: L
     then: Callable[[Outcome], None]
     awaited: bool  # something waits for the answer: no lingering for others
@@ -102,7 +104,7 @@ class Completions(Generic[L]):
         self,
         job_id: str,
         message_id: str,
-        cancelled: Flag,
+        handed_back: Callable[[], bool],
         held: L,
         then: Callable[[Outcome], None],
         *,
@@ -112,8 +114,9 @@ class Completions(Generic[L]):
         (or at once on the caller's, once stopped), after ``held`` is let go. ``awaited``:
         something waits for that, so its batch is recorded without lingering."""
         completion = _Completion(
-            job_id, message_id, time.monotonic() + self._patience, cancelled, held, then, awaited
-        )
+            job_id, message_id, time.monotonic() + self._patience, handed_back, held, then,
+            awaited,
+        )  # fmt: skip
         with self._closing:  # else queued after the thread's last look, never answered
             stopping = self._stopping.is_set()
             if not stopping:
@@ -224,12 +227,13 @@ class Completions(Generic[L]):
     def _still_waiting(
         self, pending: list[_Completion[L]], exc: StoreUnavailable
     ) -> list[_Completion[L]]:
-        """Give up on those past their patience, or whose run was cancelled; the rest wait."""
+        """Give up on those past their patience, or whose message was handed back; the rest
+        wait."""
         now = time.monotonic()
         waiting: list[_Completion[L]] = []
         given_up: list[_Completion[L]] = []
         for c in pending:
-            (waiting if now < c.give_up_at and not c.cancelled.is_set() else given_up).append(c)
+            (waiting if now < c.give_up_at and not c.handed_back() else given_up).append(c)
         if given_up:
             self._not_recorded(given_up, exc)
         return waiting

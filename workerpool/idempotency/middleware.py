@@ -263,7 +263,10 @@ class Idempotency(Middleware):
         )
 
     def _completion(self, run: Run, key: _Key, held: Held[_Key]) -> Recording:
-        return functools.partial(self._completions.add, key[0], key[1], run.ctx.cancelled, held)
+        delivery = run.delivery
+        return functools.partial(
+            self._completions.add, key[0], key[1], lambda: delivery.settled, held
+        )
 
     def _recorded(self, held: list[Held[_Key]]) -> None:
         """Completions answered: renewed, and busy here, until now (nobody may start their job
