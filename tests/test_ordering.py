@@ -183,6 +183,44 @@ def test_a_pool_gives_back_a_failed_message_and_the_later_ones_of_its_key_unrun(
     assert pool.held == 0
 
 
+def test_a_keyed_message_given_back_for_the_holds_bytes_sends_its_keys_later_ones_back_too() -> (
+    None
+):
+    # Given an ordered pool bounded at 600 bytes, running key a's first message until told
+    ran, go = [], threading.Event()
+    jobs, acks, leases = Registry(), FakeAcks(), FakeLeaser()
+
+    @jobs.job("t.step")
+    def step(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if ctx.job_id == "a-0":
+            go.wait(10)
+        ran.append(ctx.job_id)
+
+    processor = Processor(
+        jobs, acks, leases, FakeDeadLetters(), (), ProcessorSettings(ordered=True)
+    )
+    pool = Pool(processor, leases, PoolLimits(4, 8, max_bytes=600), sequencer=Sequencer(6))
+    pool.start()
+    large = make_delivery(b'{"pad": "' + b"x" * 700 + b'"}', {"job": "t.step", "job_id": "x-0"})
+    try:
+        # When one pull brings a-0, a large message of another key, and a-1, which no longer
+        # fits the hold's bytes and goes back
+        pool.admit([_keyed("a", 0), large, _keyed("a", 1)])
+        assert wait_for(lambda: ran == ["x-0"], timeout=10, interval=0.005)
+        assert [ack_id for ack_id, _ in acks.modacked] == ["ack-a-1"]
+        # ... and a-2 comes while a-1 is out (the large one done: there is room again)
+        pool.admit([_keyed("a", 2)])
+        # Then a-2 goes back at once too: it never runs before a-1
+        assert [ack_id for ack_id, _ in acks.modacked] == ["ack-a-1", "ack-a-2"]
+        go.set()
+        assert wait_for(lambda: pool.held == 0, timeout=10, interval=0.005)
+    finally:
+        go.set()
+        pool.quiet()
+    assert ran == ["x-0", "a-0"]
+    assert "ack-a-2" not in acks.acked
+
+
 class _FailingPublisher:
     """Publishes nothing: each future fails, as the client's do for a key it stopped."""
 

@@ -11,7 +11,8 @@ would otherwise fill the hold while the slots it leaves idle wait for other keys
 that can no longer be pulled. The pool pulls no more than ``per_key`` at once, and Pub/Sub
 holds a key back while any of its messages is outstanding (measured on the emulator), so a
 key does not come beyond its share; if one does, the excess is given back at once (``BACK``),
-and so is every later one of its key while the key is here, so none is run before it.
+and so is every later one of its key while the key is here, so none is run before it. The
+same holds for one the pool gives back because its hold is full (``refused``).
 
 A message given back (a retry, a deferral, a drain, a lost claim) takes every later message of
 its key held here with it, so no later message is ever acked before it. They go back by a
@@ -60,6 +61,12 @@ class Sequencer:
         self.waiting += 1
         return Place.WAIT
 
+    def refused(self, delivery: Delivery) -> None:
+        """``delivery`` was given back before it was placed (the hold is full): as for one
+        beyond its key's share, every later one of its key goes back while the key is here."""
+        if delivery.ordering_key in self._keys:
+            self._full.add(delivery.ordering_key)
+
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
         """``delivery`` (started) settled: the next of its key to start, if it was acked, or
         every later one of its key held here, to give back with it."""
@@ -92,6 +99,9 @@ class Unordered:
 
     def place(self, delivery: Delivery) -> Place:
         return Place.START
+
+    def refused(self, delivery: Delivery) -> None:
+        pass
 
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
         return None, []

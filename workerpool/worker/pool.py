@@ -169,6 +169,8 @@ class Pool:
                     and (self._held_bytes < self.limits.max_bytes or self._held == 0)
                 )
                 place = self._sequencer.place(delivery) if fits else Place.BACK
+                if not fits:
+                    self._sequencer.refused(delivery)
                 if place is Place.BACK:
                     released.append(delivery)
                     continue
