@@ -373,6 +373,38 @@ def test_a_job_not_due_yet_is_scheduled_and_acked_instead_of_run() -> None:
     )
 
 
+def test_a_fired_copy_that_finds_a_worker_a_little_behind_comes_back_not_lost() -> None:
+    # Given a delayed job scheduled, and due now by the clock of the firer, which claims it
+    clock = FakeClock(NOW.timestamp())
+    store = MemorySchedule()
+    firer = Firer(store, TOPIC, Publisher(), clock=clock)
+    due_text = not_before_text(timedelta(seconds=90), NOW)
+    delays = Delays(TOPIC, store, firer, clock=clock)
+    assert through(delays, _run({c.ATTR_NOT_BEFORE: due_text}), lambda run: Succeeded()) == (
+        Scheduled(due_text)
+    )
+    [claimed], _ = store.claim_due(TOPIC, NOW.timestamp() + 90.02, 30.0, 10)
+    # When its fired copy reaches a worker whose clock is 0.3 s behind, before the firer
+    # removes the entry
+    behind = FakeClock(NOW.timestamp() + 89.7)
+    late_worker = Delays(TOPIC, store, Firer(store, TOPIC, Publisher(), clock=behind), clock=behind)
+    outcome = through(late_worker, _run({c.ATTR_NOT_BEFORE: due_text}), lambda run: Succeeded())
+    store.fired(TOPIC, [claimed.job_id])
+    # Then that copy is not acked as scheduled (nothing would be left to run): it comes back
+    # when due
+    assert isinstance(outcome, Deferred)
+    assert outcome.delay == pytest.approx(0.3)
+    assert store.entries() == []
+    # And a second delivery of a job due later than an entry's claim could last is still
+    # acked as scheduled once: its entry is there, not yet fired
+    later = not_before_text(timedelta(hours=1), NOW)
+    for _ in range(2):
+        assert through(delays, _run({c.ATTR_NOT_BEFORE: later}), lambda run: Succeeded()) == (
+            Scheduled(later)
+        )
+    assert len(store.entries()) == 1
+
+
 def test_a_delayed_job_without_a_job_id_is_published_again_as_the_same_job() -> None:
     # Given a message that goes by its message id (no job_id attribute), not due yet
     store = MemorySchedule()

@@ -160,9 +160,15 @@ class Delays(Middleware):
             attributes[c.ATTR_ORDERING_KEY] = delivery.ordering_key
         entry = Entry(self._topic, run.job.job_id, due, delivery.data, attributes)
         try:
-            self._schedule.add(entry)
+            added = self._schedule.add(entry)
         except StoreError as exc:
             return Unavailable(f"schedule: {exc}")
+        if not added and wait < _CLAIM_LEASE:
+            # Its entry is there already and falls due so soon that it may be being fired:
+            # this may be the fired copy, come to a worker whose clock is a little behind the
+            # firer's. Acked, it would leave nothing to run once the firer removes the entry;
+            # it comes back when due instead (its job id runs once either way).
+            return Deferred(f"not before {text}", wait)
         self._firer.expect(due)
         return Scheduled(text)
 
