@@ -63,6 +63,11 @@ def test_children_that_finish_before_the_commit_never_complete_the_batch(
     # The commit, once every child is published, finds nothing pending: it completes it
     completion = store.commit("b1")
     assert completion is not None and completion.batch.finalized_by == LAST_CHILD
+    # A commit again gets it again until it is handed over (its publisher may have died
+    # before it could be), and then nothing
+    again = store.commit("b1")
+    assert again is not None and again.payload() == completion.payload()
+    store.sent("b1")
     assert store.commit("b1") is None
 
 
@@ -215,12 +220,14 @@ def test_a_completion_never_handed_over_is_handed_over_by_whoever_touches_the_ba
     store.record("b1", job_ids[0], True)
     finalized = store.record("b1", job_ids[1], True)
     assert finalized is not None
-    # When a worker starts, the last child is redelivered, or the deadline comes: each gets it
+    # When a worker starts, the last child is redelivered, the deadline comes, or the
+    # publisher commits again: each gets it
     [swept] = make_store().unsent()
     redelivered = make_store().record("b1", job_ids[1], True)
     other_child = make_store().record("b1", job_ids[0], True)
     expired = make_store().expire("b1")
-    for got in (swept, redelivered, other_child, expired):
+    committed_again = make_store().commit("b1")  # its publisher trying again
+    for got in (swept, redelivered, other_child, expired, committed_again):
         assert got is not None and got.job_id == "batch:b1:complete"
         assert got.payload() == finalized.payload()
     # Then once it is handed over, nobody gets it again, and the schedule holds it once

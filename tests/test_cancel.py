@@ -111,10 +111,13 @@ def test_the_command_says_one_line_a_job_id_and_refuses_a_store_without_cancels(
     first = CliRunner().invoke(main, ["cancel", "a", "b", "--idempotency-store", store])
     again = CliRunner().invoke(main, ["cancel", "a", "--reason", "x", "--idempotency-store", store])
     refused = CliRunner().invoke(main, ["cancel", "a", "--idempotency-store", "none"])
+    unseen = CliRunner().invoke(main, ["cancel", "a", "--idempotency-store", "memory://"])
     # Then each job id gets one line, exit 0; a store that keeps none is one line, exit 2
     assert (first.exit_code, first.output) == (0, "a: cancelled\nb: cancelled\n")
     assert again.exit_code == 0 and again.output.startswith("a: already cancelled at ")
     assert refused.exit_code == 2 and "keeps no cancels" in refused.output
+    # ... and one no worker sees (the command's own memory) too: never "cancelled"
+    assert unseen.exit_code == 2 and "no other process can see its cancels" in unseen.output
 
 
 def test_a_cancelled_message_is_acked_with_its_own_label_and_no_failure_record() -> None:

@@ -92,10 +92,10 @@ def test_bad_input_is_refused(call: object, says: str) -> None:
         call(_control(MemoryMarks()))  # type: ignore[operator]
 
 
-def _cli(tmp_path: Path, *args: str) -> Result:
+def _cli(tmp_path: Path, *args: str, store: str = "") -> Result:
     config = tmp_path / "workerpool.toml"
     config.write_text(CONFIG)
-    store = f"sqlite:///{tmp_path}/fleet.db"
+    store = store or f"sqlite:///{tmp_path}/fleet.db"
     return CliRunner().invoke(main, [*args, "--config", str(config), "--idempotency-store", store])
 
 
@@ -118,6 +118,17 @@ def test_the_commands_on_a_shared_store(tmp_path: Path) -> None:
     assert listed[2].startswith("nightly  demo.echo  cron '0 2 * * *'  Asia/Tokyo  next ")
     assert listed[2].endswith("last never  paused") and "not published yet" in listed[1]
     assert _cli(tmp_path, "schedule", "resume", "nightly").output == "nightly: resumed\n"
+
+
+@pytest.mark.parametrize("command", ["pause", "resume", "trigger"])
+def test_a_store_no_worker_sees_is_refused_not_written(tmp_path: Path, command: str) -> None:
+    # memory:// is the command's own: what it wrote there no worker would ever see
+    result = _cli(tmp_path, "schedule", command, "hourly", store="memory://")
+    assert result.exit_code == 2
+    assert result.output == (
+        "workerpool: error: idempotency_store memory://: no other process can see its ticks "
+        "and pauses\n"
+    )
 
 
 @pytest.mark.parametrize("command", ["pause", "resume", "trigger", "backfill"])

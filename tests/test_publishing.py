@@ -4,11 +4,13 @@ takes (a publisher that records stands in for Pub/Sub; tests/test_cli.py publish
 from __future__ import annotations
 
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import workerpool
+from workerpool.batches import SqliteBatches
 from workerpool.errors import ConfigError
 from workerpool.publishing import JobMessage, read_jsonl
 
@@ -16,6 +18,9 @@ from workerpool.publishing import JobMessage, read_jsonl
 class _Publisher:
     def __init__(self) -> None:
         self.published: list[dict[str, str]] = []
+
+    def get_topic(self, request: dict[str, str], timeout: float) -> object:
+        return request  # every topic is there
 
     def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
         self.published.append(attributes)
@@ -96,3 +101,31 @@ def test_a_batch_refuses_a_completion_job_that_is_not_a_string() -> None:
             store="memory://",
             publisher=_Publisher(),
         )
+
+
+def test_a_batch_in_a_store_no_worker_sees_is_refused() -> None:
+    publisher = _Publisher()
+    with pytest.raises(ConfigError, match="memory://: no other process can see its batches"):
+        workerpool.publish_batch(
+            "projects/p/topics/t", [JobMessage("a", {}, "1")], on_complete="done",
+            store="memory://", publisher=publisher,
+        )  # fmt: skip
+    assert publisher.published == []
+
+
+def test_a_batch_id_too_long_for_its_deadline_job_records_and_publishes_nothing(
+    tmp_path: Path,
+) -> None:
+    # Given a batch id its children could carry, but not its deadline job's id
+    publisher, batch_id = _Publisher(), "b" * 1010
+    # When the batch is published, Then it is refused in one line
+    with pytest.raises(ConfigError, match="batch_id: job_id is 1025 bytes; Pub/Sub takes 1024"):
+        workerpool.publish_batch(
+            "projects/p/topics/t", [JobMessage("a", {}, "1")], on_complete="done",
+            batch_id=batch_id, store=f"sqlite:///{tmp_path / 'fleet.db'}", publisher=publisher,
+        )  # fmt: skip
+    # ... having published and recorded nothing (no batch left "publishing" for good)
+    assert publisher.published == []
+    batches = SqliteBatches(tmp_path / "fleet.db")
+    assert batches.get(batch_id) is None
+    batches.close()

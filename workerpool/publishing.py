@@ -191,14 +191,17 @@ def publish_batch(
     file, ``WORKERPOOL_IDEMPOTENCY_STORE``). The batch opens only once every child is
     published, so children that finish fast cannot complete it early; a publisher that dies
     mid-way leaves it to its deadline. Raises ``ConfigError``, having published and recorded
-    nothing, for a missing topic (``publisher`` answers ``get_topic`` as well as ``publish``)
-    and for a ``batch_id`` that names another batch (other children, topic or
-    ``on_complete``); the same batch again is accepted and changes nothing."""
+    nothing, for a missing topic (``publisher`` answers ``get_topic`` as well as ``publish``),
+    a store no worker sees (``memory://``), a ``batch_id`` too long for Pub/Sub, and one that
+    names another batch (other children, topic or ``on_complete``); the same batch again is
+    accepted and changes nothing, and hands over its completion if it is final and that was
+    never done."""
     from workerpool.batches import batch_opener
     from workerpool.batches.store import DEADLINE_JOB, deadline_job_id, deliver
     from workerpool.config import load_settings
     from workerpool.pubsub import require_topic
     from workerpool.schedule import schedule_opener
+    from workerpool.stores import require_shared
 
     topic = topic_of(topic, project)
     children = list(jobs)
@@ -215,10 +218,22 @@ def publish_batch(
     open_batches, open_schedule = batch_opener(url), schedule_opener(url)
     if open_batches is None or open_schedule is None:
         raise ConfigError(f"idempotency_store {url}: keeps no batches (use SQLite or Firestore)")
+    require_shared(url, "batches")
     batch_id = batch_id or uuid.uuid4().hex
     due = now + deadline
     publisher = publisher or _publisher()
     require_topic(publisher, topic)  # before the batch is recorded: none is left half-made
+    try:  # made before the batch is recorded: a batch id too long for them records nothing
+        net = JobMessage(
+            DEADLINE_JOB, {"batch_id": batch_id}, deadline_job_id(batch_id),
+            not_before=net_due,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(f"batch_id: {exc}") from None
+    stamped = [
+        dataclasses.replace(m, attributes={**(m.attributes or {}), c.ATTR_BATCH_ID: batch_id})
+        for m in children
+    ]
     batches, schedule = open_batches(), open_schedule()
     try:
         trace: dict[str, str] = {}
@@ -227,14 +242,6 @@ def publish_batch(
             batch_id, topic, on_complete, [m.job_id for m in children], due.timestamp(),
             trace=trace.get(c.ATTR_TRACEPARENT, ""),
         )  # fmt: skip
-        net = JobMessage(
-            DEADLINE_JOB, {"batch_id": batch_id}, deadline_job_id(batch_id),
-            not_before=net_due,
-        )  # fmt: skip
-        stamped = [
-            dataclasses.replace(m, attributes={**(m.attributes or {}), c.ATTR_BATCH_ID: batch_id})
-            for m in children
-        ]
         for _ in publish_many(publisher, topic, [net, *stamped]):
             pass
         deliver(batches.commit(batch_id), batches, schedule)

@@ -233,17 +233,24 @@ class BatchStore(ABC):
         """Every child is published: the batch may complete from now on (at once if none is
         pending any more). KeyError for an unknown batch."""
 
-        def commit(tx: Transaction) -> bool:
+        def commit(tx: Transaction) -> Completion | bool:
             batch = tx.batch(batch_id)
             if batch is None:
                 raise KeyError(batch_id)
-            if not batch.committed and not batch.finalized_by:
+            if batch.finalized_by:
+                # The call that finalized it (this one's first try, say) may have died before
+                # handing its completion over: hand it over now.
+                return self._unsent(tx, batch) or False
+            if not batch.committed:
                 tx.put_batch(replace(batch, committed=True))
             # Committed already (a publisher trying again) still checks: the first may
             # have died before its check.
-            return not batch.finalized_by
+            return True
 
-        return self._complete_if_done(batch_id) if self._atomic(commit) else None
+        committed = self._atomic(commit)
+        if isinstance(committed, Completion):
+            return committed
+        return self._complete_if_done(batch_id) if committed else None
 
     def record(
         self, batch_id: str, job_id: str, succeeded: bool, *, cancelled: bool = False

@@ -15,6 +15,7 @@ from workerpool.control.opening import cancel_opener
 from workerpool.control.store import SEEN_WITHIN, Cancel
 from workerpool.errors import ConfigError
 from workerpool.idempotency import store_opener
+from workerpool.stores import require_shared
 
 State = Literal["cancelled", "already_cancelled", "finished"]
 
@@ -63,6 +64,7 @@ def cancel(
         raise ConfigError(f"idempotency_store: {exc}") from None
     if open_cancels is None or open_claims is None:
         raise ConfigError(f"idempotency_store {url}: keeps no cancels")
+    require_shared(url, "cancels")
     claims = open_claims()
     try:
         cancels = open_cancels()

@@ -24,7 +24,7 @@ from workerpool.periodic.marks import MISSED, PUBLISHED, REQUESTED, SKIPPED, Mar
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic, with_jobs
 from workerpool.registry import Registry
 from workerpool.schedule.when import parse_rfc3339
-from workerpool.stores import StoreError
+from workerpool.stores import StoreError, require_shared
 
 if TYPE_CHECKING:  # (the config imports the periodic package)
     from workerpool.config import Settings
@@ -147,6 +147,7 @@ def operating(settings: Settings, jobs: Registry) -> Iterator[Control]:
     open_marks = marks_opener(settings.idempotency_store)
     if open_marks is None:
         raise ConfigError(f"idempotency_store {settings.idempotency_store}: keeps no ticks")
+    require_shared(settings.idempotency_store, "ticks and pauses")
     schedules = declared(settings.schedules, jobs)
     try:
         marks = open_marks()

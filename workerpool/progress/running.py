@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from workerpool.errors import ConfigError
 from workerpool.progress import job_state_opener
 from workerpool.progress.store import Report
-from workerpool.stores import Location, StoreError
+from workerpool.stores import StoreError, require_shared
 
 _HEADER = ("JOB", "JOB ID", "REPLICA", "STARTED (UTC)", "PROGRESS", "NOTE")
 
@@ -19,8 +19,9 @@ def running_now(url: str) -> list[str]:
     a URL that keeps no progress, or a store that cannot be read."""
     try:
         opener = job_state_opener(url)
-        if opener is None or Location.parse(url).kind == "memory":
-            raise ConfigError(f"idempotency_store {url}: no other process can see its progress")
+        if opener is None:
+            raise ConfigError(f"idempotency_store {url}: keeps no progress")
+        require_shared(url, "progress")
         store = opener()
         try:
             reports = store.running(time.time())

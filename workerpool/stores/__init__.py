@@ -63,6 +63,16 @@ class Location:
         raise ValueError(f"unsupported store URL {url!r}: {EXPECTED_URL}")
 
 
+def require_shared(url: str, what: str) -> None:
+    """ConfigError unless another process sees ``what`` written to the store ``url`` names:
+    ``memory://`` is the writing process's alone, and a command writing there would report
+    what no worker ever sees. (Check ``url`` with ``opener`` first.)"""
+    if Location.parse(url).kind == "memory":
+        from workerpool.errors import ConfigError  # (errors imports nothing of the stores)
+
+        raise ConfigError(f"idempotency_store {url}: no other process can see its {what}")
+
+
 S = TypeVar("S")
 
 
