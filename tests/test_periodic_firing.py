@@ -19,6 +19,7 @@ from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks,
 from workerpool.periodic.firing import Periodics
 from workerpool.periodic.marks import (
     BUFFERED,
+    MISSED,
     PUBLISHED,
     REQUESTED,
     SKIPPED,
@@ -28,6 +29,7 @@ from workerpool.periodic.marks import (
 from workerpool.stores import StoreError
 
 HOUR = 3600.0
+DAY = 24 * HOUR
 NOW = 1_800_000_000.0  # on the hour
 # How often the firers look at a clock the test moves by hand (a real one: each second).
 POLL = 0.05
@@ -81,6 +83,9 @@ def hourly(catch_up: str = "latest", window: float = 10 * HOUR) -> Periodic:
 
 def job_id(tick: float) -> str:
     return hourly().job_id(tick)
+
+
+job_id_of = job_id  # (in tests whose run_state names its argument job_id)
 
 
 def test_one_mark_per_tick_and_one_take_over(marks: Marks) -> None:
@@ -350,6 +355,154 @@ def test_the_firing_thread_survives_a_store_that_fails_and_a_bug() -> None:
         firer.close(5)
     # Then the first two were lost to the failures and the thread went on to fire the third
     assert publisher.job_ids() == [every.job_id(NOW + 3)]
+
+
+class _Unreachable(MemoryMarks):
+    """Marks whose ``method`` raises StoreError until ``failures`` calls have."""
+
+    def __init__(self, method: str, failures: int) -> None:
+        super().__init__()
+        self.method, self.failures = method, failures
+
+    def _reach(self, method: str) -> None:
+        if method == self.method and self.failures:
+            self.failures -= 1
+            raise StoreError("store down")
+
+    def mark_many(self, ticks: Sequence[tuple[str, float]], now: float) -> list[bool]:
+        self._reach("mark_many")
+        return super().mark_many(ticks, now)
+
+    def latest(self, schedule: str) -> tuple[float, int] | None:
+        self._reach("latest")
+        return super().latest(schedule)
+
+
+def test_a_tick_the_store_could_not_mark_is_fired_once_it_can() -> None:
+    # Given ticks every second and a store that cannot be reached for the first three looks
+    publisher, clock = Publisher(), _Clock(NOW)
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1))
+    marks = _Unreachable("mark_many", 3)
+    firer = Periodics([every], marks, "t", publisher, clock=clock, poll=POLL)
+    firer.start()
+    try:
+        # When a tick comes due while it is out of reach, and the store answers again
+        clock.now += 1
+        assert wait_for(lambda: publisher.job_ids() == [every.job_id(NOW + 1)], timeout=10)
+    finally:
+        firer.close(5)
+    # Then that tick was fired once, on a later look: no worker fired it meanwhile
+    assert marks.failures == 0 and marks.latest("s") == (NOW + 1, PUBLISHED)
+
+
+def test_a_catch_up_the_store_could_not_read_is_made_once_it_can() -> None:
+    # Given the tick 5 hours ago fired, the fleet down since, and a store whose first read of
+    # the last tick fails
+    marks = _Unreachable("latest", 1)
+    MemoryMarks.mark(marks, "h", NOW - 5 * HOUR, NOW - 5 * HOUR)
+    MemoryMarks.published(marks, "h", NOW - 5 * HOUR, 0)
+    publisher, clock = Publisher(), _Clock(NOW + 60)
+    firer = Periodics([hourly("all")], marks, "t", publisher, clock=clock, poll=POLL)
+    # When a worker starts, then an hour passes
+    firer.start()
+    try:
+        assert wait_for(lambda: len(publisher.job_ids()) == 5, timeout=10)
+        clock.now += HOUR
+        assert wait_for(lambda: len(publisher.job_ids()) == 6, timeout=10)
+    finally:
+        firer.close(5)
+    # Then every missed tick was caught up once the store answered, before the next tick
+    assert publisher.job_ids() == [job_id(NOW + h * HOUR) for h in range(-4, 2)]
+
+
+@pytest.mark.parametrize(
+    ("catch_up", "expected", "counted"),
+    [("all", [-1, 0], {"fired": 2}), ("latest", [0], {"fired": 1, "missed": 1}),
+     ("none", [], {"missed": 2})],
+)  # fmt: skip
+def test_a_worker_suspended_for_days_looks_back_as_a_restart_would_not_tick_by_tick(
+    catch_up: str, expected: list[int], counted: dict[str, int]
+) -> None:
+    # Given a worker firing an hourly schedule (a window of 2 hours)
+    marks, publisher, counts = MemoryMarks(), Publisher(), Counted()
+    clock = _Clock(NOW - 2 * DAY + 1)
+    schedule = hourly(catch_up, window=2 * HOUR)
+    firer = Periodics([schedule], marks, "t", publisher, clock=clock, poll=POLL, on_ticks=counts)
+    firer.start()
+    try:
+        clock.now += HOUR
+        assert wait_for(lambda: marks.latest("h") == (NOW - 2 * DAY + HOUR, PUBLISHED), 10)
+        # When it is suspended for two days, its clock stepping forward by that much
+        clock.now = NOW + 60
+        assert wait_for(lambda: sum(counts.totals().values()) >= 1 + sum(counted.values()), 10)
+    finally:
+        firer.close(5)
+    # Then it applies its catch_up policy to what it missed within the window, as a restart
+    # would: not the 47 ticks one by one
+    assert publisher.job_ids()[1:] == [job_id(NOW + h * HOUR) for h in expected]
+    assert counts.totals() == {**counted, "fired": 1 + counted.get("fired", 0)}
+
+
+def test_a_mark_left_before_its_overlap_was_decided_is_decided_again_when_taken_over() -> None:
+    # Given overlap "skip" and the previous tick's job still running; a worker marked the
+    # tick on the hour and died before it decided to skip it; and another tick whose marker
+    # died after publishing it (its job is claimed), before recording it published
+    marks = MemoryMarks()
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    marks.mark("h", NOW, NOW + 0.1)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "none",
+                        10 * HOUR, "skip")  # fmt: skip
+    publisher, counts = Publisher(), Counted()
+    firer = Periodics([schedule], marks, "t", publisher, clock=lambda: NOW + 10, poll=POLL,
+                      on_ticks=counts)  # fmt: skip
+    firer.run_state = lambda job_id: "running" if job_id == job_id_of(NOW - HOUR) else "unclaimed"
+    # When another worker takes the mark over
+    firer.start()
+    try:
+        assert wait_for(lambda: not marks.unpublished(NOW + 100), timeout=10)
+    finally:
+        firer.close(5)
+    # Then it skips the tick, as its marker would have: it never runs beside the previous one
+    assert publisher.job_ids() == []
+    assert counts.totals() == {"skipped": 1}
+    assert marks.last_run("h", NOW + 1) == Mark("h", NOW - HOUR, NOW - HOUR)
+
+
+def test_a_mark_whose_job_was_claimed_is_recorded_published_not_published_again() -> None:
+    marks = MemoryMarks()
+    marks.mark("h", NOW, NOW + 0.1)  # its marker published it, then died
+    publisher = Publisher()
+    firer = Periodics([hourly("none")], marks, "t", publisher, clock=lambda: NOW + 10, poll=POLL)
+    firer.run_state = lambda job_id: "running" if job_id == job_id_of(NOW) else "unclaimed"
+    firer.start()
+    try:
+        assert wait_for(lambda: not marks.unpublished(NOW + 100), timeout=10)
+    finally:
+        firer.close(5)
+    assert publisher.job_ids() == [] and marks.latest("h") == (NOW, PUBLISHED)
+
+
+def test_a_tick_catch_up_none_left_out_is_never_published_by_whoever_takes_it_over() -> None:
+    # Given the fleet down for 5 hours, catch_up "none", and the worker that marked the
+    # latest missed tick (to count what was missed) killed before it set it missed
+    marks = MemoryMarks()
+    marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
+    marks.published("h", NOW - 5 * HOUR, 0)
+    dying = Periodics([hourly("none")], marks, "t", Publisher(), clock=lambda: NOW + 60)
+    dying._settle = lambda ticks, state: None  # type: ignore[method-assign]  # killed here
+    dying._look_back(hourly("none"), None, NOW + 60)
+    assert marks.latest("h") == (NOW, UNPUBLISHED)
+    # When another worker starts and takes its mark over
+    publisher = Publisher()
+    firer = Periodics([hourly("none")], marks, "t", publisher, clock=lambda: NOW + 70, poll=POLL)
+    firer.start()
+    try:
+        assert wait_for(lambda: marks.latest("h") == (NOW, MISSED), timeout=10)
+    finally:
+        firer.close(5)
+    # Then it sets it missed and publishes nothing
+    assert publisher.job_ids() == []
 
 
 def test_pauses_and_the_latest_mark_are_shared(opened: Callable[[], Marks], marks: Marks) -> None:

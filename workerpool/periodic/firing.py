@@ -21,7 +21,13 @@ On start a worker looks back for ticks missed while the whole fleet was down, fr
 tick marked (none marked yet: nothing is missed) but no further than ``catch_up_window``:
 ``catch_up`` "all" fires each, "latest" the last one, "none" none. The worker that marks the
 latest of them counts the ticks left out as missed (with "none", it marks it missed: only
-ticks older than ``take_over_after``, which a running fleet would have marked).
+ticks older than ``take_over_after``, which a running fleet would have marked; marked at
+``LEFT_OUT``, so that a worker taking the mark over sets it missed too). A worker held up for
+longer than ``take_over_after`` (suspended, its clock stepped) looks back the same way when it
+wakes. A look-back or a tick the store could not take is tried again at each look.
+
+A worker that takes over a mark its marker left decides on it again: the overlap policy, and
+whether its job was claimed already (published: recorded as such).
 
 A paused schedule fires nothing (each worker reads the pauses when a tick is due), and the
 ticks that fell while it was paused are never caught up: a worker looks back no further than
@@ -42,6 +48,7 @@ from typing import Any
 from workerpool.options import SCHEDULE
 from workerpool.periodic.marks import (
     BUFFERED,
+    LEFT_OUT,
     MISSED,
     PUBLISHED,
     REQUESTED,
@@ -122,33 +129,69 @@ class Periodics(Middleware):
         self._marks.close()
 
     def _run(self) -> None:
-        now = self._clock()
-        due = {name: s.ticks.after(now) for name, s in self._schedules.items()}
-        self._guarded(partial(self._catch_up, now))
+        started = self._clock()
+        due = {name: s.ticks.after(started) for name, s in self._schedules.items()}
+        # The look-backs still to make, by schedule: the ticks missed after ``since`` (None:
+        # the last one the fleet marked) up to ``until``, which catch_up decides about. One
+        # at the start; one again for a worker held up far longer than a take-over (it was
+        # suspended, or its clock stepped forward), which looks back as a worker just started
+        # would, not tick by tick. Until its look-back is made a schedule fires nothing else:
+        # a tick it fired would move the last one marked, where the look-back starts.
+        behind: dict[str, tuple[float | None, float]] = dict.fromkeys(
+            self._schedules, (None, started)
+        )
+        retry: list[Due] = []  # ticks the store could not mark: tried again at each look
         while not self._stop.is_set():
             now = self._clock()
-            if min(due.values()) <= now:
+            if behind or retry or min(due.values()) <= now:
                 self._guarded(self._read_pauses)
-            burst: list[Due] = []
             for name, schedule in self._schedules.items():
-                while due[name] <= now:  # (a worker that was held up fires each tick it missed)
+                if due[name] < now - self._take_over_after:
+                    # (``between`` takes the ticks after ``since``: due[name] is one of them)
+                    behind[name] = (behind[name][0] if name in behind else due[name] - 1.0, now)
+                    due[name] = schedule.ticks.after(now)
+            for name, (since, until) in list(behind.items()):
+                if not self._guarded(partial(self._look_back, self._schedules[name], since, until)):
+                    del behind[name]
+            burst, retry = retry, []
+            for name, schedule in self._schedules.items():
+                while name not in behind and due[name] <= now:  # (held up a little: each tick)
                     if not self._paused(name):
                         burst.append((schedule, due[name]))
                     due[name] = schedule.ticks.after(due[name])
             for start in range(0, len(burst), _BURST):
-                self._guarded(partial(self._fire, burst[start : start + _BURST]))
+                part = burst[start : start + _BURST]
+                if self._guarded(partial(self._fire, part)):
+                    retry += self._still_to_fire(part, now)
             self._guarded(partial(self._take_over, now))
             # Awake at the next tick, and at least every poll (a second) to take over lost
-            # publishes and to see a clock that moved.
-            self._stop.wait(max(0.0, min(min(due.values()) - self._clock(), self._poll)))
+            # publishes, to try again what the store did not take and to see a clock that moved.
+            soonest = min((due[name] for name in due if name not in behind), default=now)
+            self._stop.wait(max(0.0, min(soonest - self._clock(), self._poll)))
 
-    def _guarded(self, step: Callable[[], object]) -> None:
+    def _guarded(self, step: Callable[[], object]) -> bool:
+        """Run ``step``: True if the store was not reached, and it is to be tried again (a
+        bug is logged, and not tried again: it would fail the same way)."""
         try:
             step()
-        except StoreError as exc:  # another worker may fire it; else it is missed
-            log.warning("periodic schedules: store not reached (%s)", exc)
+        except StoreError as exc:
+            log.warning("periodic schedules: store not reached (%s); trying again", exc)
+            return True
         except Exception:  # a bug: keep firing the others
             log.exception("periodic schedules: firing failed")
+        return False
+
+    def _still_to_fire(self, ticks: Sequence[Due], now: float) -> list[Due]:
+        """Those of ``ticks`` the store could not mark that are still within their catch-up
+        window: another worker may have fired them, which marking them again finds."""
+        kept = []
+        for schedule, tick in ticks:
+            if now - tick <= schedule.catch_up_window:
+                kept.append((schedule, tick))
+            else:
+                log.warning("periodic %s: tick %s missed: the store was not reached within the "
+                            "catch-up window", schedule.name, _iso(tick))  # fmt: skip
+        return kept
 
     def _read_pauses(self) -> None:
         self._pauses = self._marks.pauses()
@@ -157,16 +200,18 @@ class Periodics(Middleware):
         pause = self._pauses.get(name)
         return pause is not None and pause.paused
 
-    def _catch_up(self, now: float) -> None:
+    def _look_back(self, schedule: Periodic, since: float | None, until: float) -> None:
+        """Fire what catch_up keeps of the ticks missed after ``since`` (None: the last the
+        fleet marked; none marked yet: nothing is missed) up to ``until``."""
         self._read_pauses()
-        for schedule in self._schedules.values():
-            last = self._marks.last(schedule.name)
-            if last is None or self._paused(schedule.name):
-                continue
-            pause = self._pauses.get(schedule.name)
-            start = max(last, now - schedule.catch_up_window, pause.since if pause else last)
-            end = now - self._take_over_after if schedule.catch_up == "none" else now
-            self._catch_up_ticks(schedule, schedule.ticks.between(start, end, MAX_CATCH_UP))
+        if since is None:
+            since = self._marks.last(schedule.name)
+        if since is None or self._paused(schedule.name):
+            return
+        pause = self._pauses.get(schedule.name)
+        start = max(since, until - schedule.catch_up_window, pause.since if pause else since)
+        end = until - self._take_over_after if schedule.catch_up == "none" else until
+        self._catch_up_ticks(schedule, schedule.ticks.between(start, end, MAX_CATCH_UP))
 
     def _catch_up_ticks(self, schedule: Periodic, missed: list[float]) -> None:
         """Fire what catch_up keeps of the ``missed`` ticks; the worker that marks the latest
@@ -177,7 +222,7 @@ class Periodics(Middleware):
         if kept:
             won = self._fire([(schedule, tick) for tick in kept])[-1]
         else:
-            won = self._marks.mark(schedule.name, missed[-1], self._clock())
+            won = self._marks.mark(schedule.name, missed[-1], LEFT_OUT)
             if won:
                 self._settle([(schedule, missed[-1])], MISSED)
         if won and len(missed) > len(kept):
@@ -191,24 +236,30 @@ class Periodics(Middleware):
         the worker that marked it."""
         marked_at = self._clock()
         won = self._marks.mark_many([(s.name, tick) for s, tick in burst], marked_at)
-        publish: list[Due] = []
-        for (schedule, tick), marked in zip(burst, won, strict=True):
-            if not marked:
-                continue
-            blocked = self._blocked(schedule, tick)
-            if blocked is None:
-                publish.append((schedule, tick))
-            elif blocked == "runs" and schedule.overlap == "buffer_one":
-                log.info("periodic %s: tick %s waits for the previous one to end",
-                         schedule.name, tick)  # fmt: skip
-                self._marks.take_over(Mark(schedule.name, tick, marked_at), BUFFERED)
-            else:
-                log.info("periodic %s: tick %s skipped: the previous one %s", schedule.name,
-                         tick, "still runs" if blocked == "runs" else "waits already")  # fmt: skip
-                self._settle([(schedule, tick)], SKIPPED)
-                self._on_ticks(schedule.name, "skipped", 1)
+        publish = [
+            (schedule, tick)
+            for (schedule, tick), marked in zip(burst, won, strict=True)
+            if marked and self._may_publish(schedule, tick, marked_at)
+        ]
         self._publish(publish, late=True)
         return won
+
+    def _may_publish(self, schedule: Periodic, tick: float, marked_at: float) -> bool:
+        """The overlap policy, applied to a tick this worker marked at ``marked_at``: whether
+        to publish it now; else it is left waiting for the previous run, or skipped."""
+        blocked = self._blocked(schedule, tick)
+        if blocked is None:
+            return True
+        if blocked == "runs" and schedule.overlap == "buffer_one":
+            log.info("periodic %s: tick %s waits for the previous one to end",
+                     schedule.name, tick)  # fmt: skip
+            self._marks.take_over(Mark(schedule.name, tick, marked_at), BUFFERED)
+        else:
+            log.info("periodic %s: tick %s skipped: the previous one %s", schedule.name,
+                     tick, "still runs" if blocked == "runs" else "waits already")  # fmt: skip
+            self._settle([(schedule, tick)], SKIPPED)
+            self._on_ticks(schedule.name, "skipped", 1)
+        return False
 
     def _settle(self, ticks: Sequence[Due], state: int) -> None:
         forget: dict[str, float] = {}
@@ -259,12 +310,30 @@ class Periodics(Middleware):
             schedule = self._schedules.get(mark.schedule)
             if schedule is None or self._still_blocked(schedule, mark):
                 continue
-            if self._marks.take_over(mark, now):
-                left = _LEFT.get(mark.marked_at, "another worker left")
-                log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
-                taken.append(((schedule, mark.tick), mark.marked_at != REQUESTED))
+            if not self._marks.take_over(mark, now):
+                continue
+            due = (schedule, mark.tick)
+            if mark.marked_at == LEFT_OUT:  # its marker died before saying it was missed
+                self._settle([due], MISSED)
+                continue
+            left = _LEFT.get(mark.marked_at)
+            if left is None:
+                # A worker's, which died (or met a store error) before it published the tick,
+                # or before it recorded that the tick waits or is skipped: decided again here.
+                if self._published_already(schedule, mark.tick):
+                    self._settle([due], PUBLISHED)
+                    continue
+                if not self._may_publish(schedule, mark.tick, now):
+                    continue
+                left = "another worker left"
+            log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
+            taken.append((due, mark.marked_at != REQUESTED))
         self._publish([due for due, late in taken if late], late=True)
         self._publish([due for due, late in taken if not late], late=False)
+
+    def _published_already(self, schedule: Periodic, tick: float) -> bool:
+        """Whether the tick's job was claimed: its marker published it before it died."""
+        return self.run_state is not None and self.run_state(schedule.job_id(tick)) != "unclaimed"
 
     def _publish(self, ticks: Sequence[Due], *, late: bool) -> None:
         """Publish the ticks' jobs all at once, wait for their message ids, and mark those
@@ -310,4 +379,8 @@ class Periodics(Middleware):
 
 
 def _named(mark: Mark) -> tuple[str, str]:
-    return mark.schedule, datetime.fromtimestamp(mark.tick, UTC).isoformat()
+    return mark.schedule, _iso(mark.tick)
+
+
+def _iso(tick: float) -> str:
+    return datetime.fromtimestamp(tick, UTC).isoformat()

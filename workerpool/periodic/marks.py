@@ -25,6 +25,9 @@ REQUESTED = 0.0
 # The time a tick waiting for the previous run to end is marked at (overlap "buffer_one"):
 # before REQUESTED, so told apart; taken over once that run ends.
 BUFFERED = -1.0
+# The time the latest tick catch_up "none" left out is marked at: a worker that takes it over
+# (its marker died before setting it MISSED) sets it MISSED, never publishes it.
+LEFT_OUT = -2.0
 
 
 @dataclass(frozen=True)
