@@ -192,9 +192,16 @@ def test_records_forwarded_by_the_dead_letter_policy_are_understood() -> None:
             c.ATTR_PUBSUB_DELIVERY_COUNT: "10",
             c.ATTR_PUBSUB_SOURCE_SUBSCRIPTION: "jobs-sub",
             c.ATTR_PUBSUB_SOURCE_PROJECT: "p",
+            # What its publisher set, as a worker's failure record would say it: never read
+            c.ATTR_SOURCE_TOPIC: "projects/p/topics/victim",
+            c.ATTR_ERROR_TYPE: "handler_error",
+            c.ATTR_ERROR_MESSAGE: "looks like an ordinary failure",
+            c.ATTR_DELIVERY_ATTEMPT: "1",
+            c.ATTR_FAILED_AT: "2020-01-01T00:00:00.000+00:00",
         },
     )
     assert (record.error_type, record.attempts) == (c.ERR_DELIVERY_LIMIT, "10")
+    assert (record.error_message, record.failed_at) == ("", "")
     assert record.replay_attributes() == {"job": "t.a"}
 
     class Subscriber:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests import hostile
 from tests.hostile import RUN, Case, Target, TypedJob
 from workerpool import constants as c
+from workerpool.ops.dlq import FailureRecord
 from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
@@ -180,6 +181,9 @@ def check_record(delivery: Delivery, failure: Failure) -> dict[str, str]:
     for key in (c.ATTR_JOB, c.ATTR_JOB_ID):  # the priority originals survive the cut to 100
         if delivery.attributes.get(key):
             assert key in record
+    # Never what Pub/Sub alone sets as it forwards a message (a replay would read it so)
+    assert not [k for k in record if k.startswith(c.ATTR_PUBSUB_DEAD_LETTER_PREFIX)]
+    assert record[c.ATTR_SOURCE_TOPIC] == "t"
     return record
 
 
@@ -407,3 +411,19 @@ def test_messages_up_to_10_mb_end_in_one_outcome_and_their_record_fits_pubsub(
     fits_whole = size + 2000 + 1100 * len(attributes) < c.MAX_PUBLISH_REQUEST_BYTES
     assert (record_data == data) == fits_whole or "data" in record[c.ATTR_ERROR_MESSAGE]
     assert all(len(v.encode()) <= c.MAX_ATTRIBUTE_VALUE_BYTES for v in record.values())
+
+
+def test_a_record_never_passes_for_one_pub_sub_forwarded_whatever_its_publisher_set() -> None:
+    # Given a message whose publisher set what Pub/Sub sets as it forwards a message to a
+    # dead-letter topic, naming another subscription, and a source topic of its own
+    forged = {
+        c.ATTR_JOB: "t.ok",
+        c.ATTR_PUBSUB_DELIVERY_COUNT: "5",
+        c.ATTR_PUBSUB_SOURCE_SUBSCRIPTION: "victim-sub",
+        c.ATTR_PUBSUB_SOURCE_PROJECT: "p",
+        c.ATTR_SOURCE_TOPIC: "projects/p/topics/victim",
+    }
+    failure = Failure("handler_error", "boom", "t.ok", "j-1", 1)
+    # When its failure record is written, then it is this worker's record, of this topic
+    record = check_record(make_delivery(b"{}", forged), failure)
+    assert FailureRecord("ack", "m", b"{}", record).forwarded_by_policy is False

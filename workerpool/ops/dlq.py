@@ -55,9 +55,15 @@ class FailureRecord:
 
     @property
     def forwarded_by_policy(self) -> bool:
-        return c.ATTR_ERROR_TYPE not in self.attributes and (
-            c.ATTR_PUBSUB_DELIVERY_COUNT in self.attributes
-        )
+        """Forwarded by Pub/Sub's dead-letter policy, not written by a worker: the attributes
+        Pub/Sub sets as it forwards (a worker's record never carries them). Its other
+        attributes are its publisher's, any of ours among them included."""
+        return c.ATTR_PUBSUB_DELIVERY_COUNT in self.attributes
+
+    def _written(self, key: str) -> str:
+        """A failure attribute a worker wrote (one forwarded by Pub/Sub has none: those it
+        carries are its publisher's)."""
+        return "" if self.forwarded_by_policy else self.attributes.get(key, "")
 
     @property
     def error_type(self) -> str:
@@ -67,17 +73,17 @@ class FailureRecord:
 
     @property
     def error_message(self) -> str:
-        return self.attributes.get(c.ATTR_ERROR_MESSAGE, "")
+        return self._written(c.ATTR_ERROR_MESSAGE)
 
     @property
     def attempts(self) -> str:
-        return self.attributes.get(c.ATTR_DELIVERY_ATTEMPT) or self.attributes.get(
+        return self._written(c.ATTR_DELIVERY_ATTEMPT) or self.attributes.get(
             c.ATTR_PUBSUB_DELIVERY_COUNT, ""
         )
 
     @property
     def failed_at(self) -> str:
-        failed = self.attributes.get(c.ATTR_FAILED_AT, "")
+        failed = self._written(c.ATTR_FAILED_AT)
         if not failed and self.publish_time is not None:
             failed = self.publish_time.isoformat(timespec="milliseconds")
         return failed
@@ -269,10 +275,14 @@ class Replayer:
             yield Replayed(record, "replayed", topic)
 
     def source_topic(self, record: FailureRecord) -> str:
-        topic = record.attributes.get(c.ATTR_SOURCE_TOPIC, "")
+        """The topic a record came from: the one its worker wrote, or for one Pub/Sub
+        forwarded, the topic of the subscription Pub/Sub names (never a ``source_topic``
+        its publisher set: the replay would go wherever that says)."""
+        if not record.forwarded_by_policy:
+            return record.attributes.get(c.ATTR_SOURCE_TOPIC, "")
         source = record.attributes.get(c.ATTR_PUBSUB_SOURCE_SUBSCRIPTION, "")
-        if topic or not source:
-            return topic
+        if not source:
+            return ""
         path = subscription_path(record.attributes.get(c.ATTR_PUBSUB_SOURCE_PROJECT, ""), source)
         if path not in self._topics:
             try:

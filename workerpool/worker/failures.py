@@ -51,8 +51,15 @@ def failure_attributes(
     }
     added = {k: truncate_utf8(v) for k, v in added.items() if v}
     room = c.MAX_ATTRIBUTES - len(added)
+    # (Pub/Sub sets CloudPubSubDeadLetter* only as it forwards a message to a dead-letter
+    # topic: from a publisher, they would pass this record for one forwarded by Pub/Sub,
+    # whose replay goes to the topic they name.)
     originals = sorted(
-        (k for k in delivery.attributes if k not in added),
+        (
+            k
+            for k in delivery.attributes
+            if k not in added and not k.startswith(c.ATTR_PUBSUB_DEAD_LETTER_PREFIX)
+        ),
         key=lambda k: (k not in _PRIORITY, k),
     )
     kept = {k: delivery.attributes[k] for k in originals[:room]}
