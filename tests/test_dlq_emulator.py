@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from click.testing import CliRunner
@@ -21,7 +22,9 @@ from workerpool.ops.dlq import FailureRecord, Replayer, peek
 from workerpool.registry import Registry
 from workerpool.slots import SqliteSlots
 from workerpool.telemetry import Telemetry
+from workerpool.testing.fakes import make_delivery
 from workerpool.testing.pubsub import PubSubResources
+from workerpool.worker.failures import Failure, failure_attributes, fit_record
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -210,6 +213,49 @@ def test_records_forwarded_by_the_dead_letter_policy_are_understood() -> None:
             return type("Sub", (), {"topic": "projects/p/topics/jobs"})()
 
     assert Replayer(Subscriber(), None, "dlq").source_topic(record) == "projects/p/topics/jobs"
+
+
+def test_a_record_whose_data_was_cut_is_kept_not_replayed_in_part() -> None:
+    # Given a failure record of a payload too large to fit beside its failure attributes
+    data = b'{"rows": "' + b"x" * (c.MAX_PUBLISH_REQUEST_BYTES - 100) + b'"}'
+    delivery = make_delivery(data, {"job": "t.a", "job_id": "big-1"})
+    failure = Failure("handler_error", "boom", "t.a", "big-1", 5)
+    attributes = failure_attributes(
+        delivery, failure, subscription="s", topic="projects/p/topics/t", worker="w"
+    )
+    cut, record = fit_record("projects/p/topics/dlq", data, attributes)
+    assert len(cut) < len(data) and record[c.ATTR_DATA_CUT] == str(len(data))
+
+    class Subscriber:
+        def __init__(self) -> None:
+            self.acked: list[str] = []
+
+        def pull(self, request: dict[str, Any], timeout: float) -> Any:
+            message = SimpleNamespace(message_id="m1", data=cut, attributes=record,
+                                      publish_time=None)  # fmt: skip
+            received = [SimpleNamespace(ack_id="a1", message=message)] if not self.acked else []
+            self.acked.append("pulled")
+            return SimpleNamespace(received_messages=received)
+
+        def acknowledge(self, request: dict[str, Any]) -> None:
+            self.acked.extend(request["ack_ids"])
+
+        def modify_ack_deadline(self, request: dict[str, Any]) -> None:
+            pass
+
+    class Publisher:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def publish(self, topic: str, data: bytes, **attributes: str) -> Any:
+            self.sent.append(data)
+            raise AssertionError("a part of the payload was published")
+
+    subscriber, publisher = Subscriber(), Publisher()
+    # When it is replayed, Then it is refused, saying why, and kept: nothing is published
+    [replayed] = Replayer(subscriber, publisher, "dlq").replay()
+    assert replayed.status == "failed" and "its data was cut" in replayed.detail
+    assert publisher.sent == [] and "a1" not in subscriber.acked
 
 
 def test_status_shows_settings_and_says_monitoring_is_unavailable_on_the_emulator(

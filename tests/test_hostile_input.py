@@ -410,6 +410,8 @@ def test_messages_up_to_10_mb_end_in_one_outcome_and_their_record_fits_pubsub(
     assert record[c.ATTR_ERROR_TYPE] == expected and record[c.ATTR_JOB_ID] == "big"
     fits_whole = size + 2000 + 1100 * len(attributes) < c.MAX_PUBLISH_REQUEST_BYTES
     assert (record_data == data) == fits_whole or "data" in record[c.ATTR_ERROR_MESSAGE]
+    # A record whose data was cut says how long it was (a replay must not send the part)
+    assert record.get(c.ATTR_DATA_CUT) == (None if record_data == data else str(len(data)))
     assert all(len(v.encode()) <= c.MAX_ATTRIBUTE_VALUE_BYTES for v in record.values())
 
 

@@ -31,6 +31,8 @@ ATTR_SOURCE_SUBSCRIPTION: Final = "source_subscription"
 ATTR_SOURCE_TOPIC: Final = "source_topic"
 ATTR_WORKER: Final = "worker"
 ATTR_FAILED_AT: Final = "failed_at"
+# The length of the original data, on a record whose data was cut to fit a publish request.
+ATTR_DATA_CUT: Final = "data_cut_from"
 FAILURE_ATTRIBUTES: Final = (
     ATTR_ERROR_TYPE,
     ATTR_ERROR_MESSAGE,
@@ -39,6 +41,7 @@ FAILURE_ATTRIBUTES: Final = (
     ATTR_SOURCE_TOPIC,
     ATTR_WORKER,
     ATTR_FAILED_AT,
+    ATTR_DATA_CUT,
 )
 
 # error_type values for input that never reaches a handler.

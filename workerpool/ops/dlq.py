@@ -254,6 +254,12 @@ class Replayer:
             if not topic:
                 puller.hold(record)
                 yield Replayed(record, "failed", detail="no source_topic to replay to")
+            elif c.ATTR_DATA_CUT in record.attributes and not record.forwarded_by_policy:
+                puller.hold(record)  # the record is all that is left of the job: kept
+                yield Replayed(record, "failed", detail=(
+                    f"its data was cut to fit the record ({len(record.data)} of "
+                    f"{record.attributes[c.ATTR_DATA_CUT]} bytes): not replayed"
+                ))  # fmt: skip
             elif dry_run:
                 puller.hold(record)
                 yield Replayed(record, "would_replay", topic)

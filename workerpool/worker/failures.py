@@ -89,7 +89,8 @@ def fit_record(
     added; refused, its record would never be written and the message never acked. If the
     data fits beside the failure and priority attributes, other original attributes are left
     out (last in key order first, as the 100-attribute limit drops them); else the data is cut
-    and every attribute kept. The error message says what was left out.
+    and every attribute kept, and ``ATTR_DATA_CUT`` says how long it was (such a record cannot
+    be replayed). The error message says what was left out.
     """
     if publish_request_size(topic, data, attributes) <= limit:
         return data, attributes
@@ -104,9 +105,10 @@ def fit_record(
             del record[droppable[dropped]]
             dropped += 1
     cut = data  # else the data must be cut anyway: keep every attribute
-    excess = publish_request_size(topic, data, record) - limit
+    marked = {**record, c.ATTR_DATA_CUT: str(len(data))}
+    excess = publish_request_size(topic, data, marked) - limit
     if excess > 0:
-        cut = data[: max(0, len(data) - excess)]
+        cut, record = data[: max(0, len(data) - excess)], marked
     record[c.ATTR_ERROR_MESSAGE] = (
         f"{message} [cut to fit one publish request: {dropped} original attributes dropped,"
         f" data {len(data)} -> {len(cut)} bytes]"
