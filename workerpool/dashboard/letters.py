@@ -90,10 +90,10 @@ class DeadLetters:
 
     def _read(self) -> list[FailureRecord]:
         self.read_so_far = 0
-        records = peek(
-            self._clients().subscriber, self.subscription, limit=SCAN, progress=self._progress
-        )
-        return [preview(record) for record in records]
+        return peek(
+            self._clients().subscriber, self.subscription, limit=SCAN, progress=self._progress,
+            keep=preview,
+        )  # fmt: skip
 
     def _progress(self, count: int) -> None:
         self.read_so_far = count

@@ -169,9 +169,12 @@ def peek(
     job: str | None = None,
     match: Match | None = None,
     progress: Callable[[int], None] | None = None,
+    keep: Callable[[FailureRecord], FailureRecord] = lambda record: record,
 ) -> list[FailureRecord]:
     """Up to ``limit`` records (of ``job`` only, and that ``match``, if given), left on the
-    subscription; ``progress`` is told how many it has after each pull."""
+    subscription; ``progress`` is told how many it has after each pull. Each is kept as
+    ``keep`` makes it, as it is pulled (a reader that keeps a part of each never holds the
+    whole of them all)."""
     puller = _Puller(subscriber, subscription)
     records: list[FailureRecord] = []
     try:
@@ -182,7 +185,7 @@ def peek(
             for record in batch:
                 puller.hold(record)
                 if _wanted(record, job, match) and len(records) < limit:
-                    records.append(record)
+                    records.append(keep(record))
             if progress is not None:
                 progress(len(records))
     finally:
