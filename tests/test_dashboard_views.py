@@ -212,6 +212,22 @@ def test_the_running_page_shows_each_run_and_its_cancel_asks_for_a_confirmation(
     assert client.post("/control/confirm", data=two).status_code == 400
 
 
+def test_the_running_page_counts_every_run_and_says_when_it_shows_only_the_oldest() -> None:
+    # Given 250 runs in the fleet
+    now, progress = time.time(), MemoryJobState()
+    progress.report([
+        Report(f"r/run-{i:03d}", "j.export", f"run-{i:03d}", "r", now - 500 + i, None, None, "",
+               now, now + 30)
+        for i in range(250)
+    ])  # fmt: skip
+    settings = Settings(project="p", subscription="jobs", idempotency_store="none")
+    app = create_app(settings, openers=Openers(progress=lambda: progress), token=TOKEN)
+    page = TestClient(app).get("/running?fragment=1").text
+    # Then the page counts all 250 and says it lists the 100 oldest
+    assert "250 job(s) running; the 100 oldest shown." in page
+    assert page.count("<tr data-job-id=") == 100 and 'data-job-id="run-000"' in page
+
+
 def chart_series(svg: str) -> list[list[int]]:
     """The figures of each series of a chart the dashboard drew, in order (pygal writes
     each bar's value in a <desc class="value">)."""

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # Each read page: its title and what its template gets (read in a worker thread).
 PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
     "overview": ("Overview", lambda f: {"replicas": f.replicas(), "backlog": f.backlog()}),
-    "running": ("Running", lambda f: {"running": f.running()}),
+    "running": ("Running", lambda f: f.running()),
     "keys": ("Keys", lambda f: {"keys": f.keys()}),
     "batches": ("Batches", lambda f: {"batches": f.batches()}),
     "schedules": ("Schedules", lambda f: {"delayed": f.delayed(), "periodic": f.periodic()}),

@@ -124,11 +124,12 @@ class Fleet:
                 return {}
             return {sub: store.decisions(sub)[:LIMIT] for sub in self.subscriptions()}
 
-    def running(self) -> list[Report]:
+    def running(self) -> dict[str, list[Report] | int]:
         """The jobs running in the fleet, from the progress their runs write (a run shows
-        once it has run about a second), oldest first."""
+        once it has run about a second): the ``LIMIT`` oldest, and how many run."""
         with opened(self._openers.progress) as store:
-            return [] if store is None else store.running(self._clock())[:LIMIT]
+            runs = [] if store is None else store.running(self._clock())
+        return {"running": runs[:LIMIT], "running_total": len(runs)}
 
     def keys(self) -> list[KeyState]:
         if not self.settings.concurrency:
