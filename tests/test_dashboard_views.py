@@ -136,6 +136,21 @@ def test_the_keys_page_shows_a_split_key_once_with_its_shards_and_their_shares()
     assert shards == [("0", "10", "3", "w1", "3", "3"), ("1", "10", "4", "w4", "4", "4")]
 
 
+def test_the_keys_page_shows_a_patterns_first_keys_and_how_many_more_there_are() -> None:
+    # Given "tenant:*" with 150 keys ever used (their records stay once let go)
+    slots = MemorySlots()
+    for i in range(150):
+        slots.acquire(f"tenant:{i:03d}", "w1", 1, 30.0)
+        slots.release(f"tenant:{i:03d}", "w1", held_for=1.0, limit=1, ttl=30.0)
+    settings = Settings(project="p", subscription="jobs", concurrency={"tenant:*": 1})
+    app = create_app(settings, openers=Openers(slots=lambda: slots), token=TOKEN)
+    # When the Keys page is read, Then it shows the first 100 and says 50 more are not shown
+    keys = TestClient(app).get("/keys?fragment=1").text
+    assert len(re.findall(r'<tr data-key="', keys)) == 100
+    assert '<tr data-key="tenant:099">' in keys and "tenant:100" not in keys
+    assert "tenant:*: 50 more key(s), not shown (the first 100 in key order are)" in keys
+
+
 def test_the_autoscaler_page_shows_its_decisions_newest_first_as_text(
     client: TestClient,
 ) -> None:

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 PAGES: dict[str, tuple[str, Callable[[Fleet], dict[str, Any]]]] = {
     "overview": ("Overview", lambda f: {"replicas": f.replicas(), "backlog": f.backlog()}),
     "running": ("Running", lambda f: f.running()),
-    "keys": ("Keys", lambda f: {"keys": f.keys()}),
+    "keys": ("Keys", lambda f: {"keys": f.keys(), "limit": LIMIT}),
     "batches": ("Batches", lambda f: {"batches": f.batches()}),
     "schedules": ("Schedules", lambda f: {"delayed": f.delayed(), "periodic": f.periodic()}),
     "autoscaler": ("Autoscaler", lambda f: {"decisions": f.decisions()}),

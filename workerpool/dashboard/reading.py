@@ -138,8 +138,9 @@ class Fleet:
             if store is None:
                 return []
             return key_states(
-                store, self.settings.concurrency, self._clock(), self.settings.concurrency_shards
-            )
+                store, self.settings.concurrency, self._clock(), self.settings.concurrency_shards,
+                most=LIMIT,
+            )  # fmt: skip
 
     def batches(self) -> list[BatchRow]:
         with opened(self._openers.batches) as store:

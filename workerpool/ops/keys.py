@@ -42,20 +42,30 @@ class KeyState:
     in_use: bool = True  # False: a pattern none of whose keys has a record
     shares: Shares = ()  # a key leased in bulk: each replica's share in the key's own record
     shards: tuple[ShardState, ...] = ()  # a key split into shards: each shard, by index
+    # A pattern's row that stands for this many more of its keys, not read (``most``)
+    not_shown: int = 0
 
 
 def key_states(
-    store: SlotStore, limits: Mapping[str, int], now: float, shards: Mapping[str, int] | None = None
+    store: SlotStore,
+    limits: Mapping[str, int],
+    now: float,
+    shards: Mapping[str, int] | None = None,
+    *,
+    most: int | None = None,
 ) -> list[KeyState]:
     """Each declared key's state, by declaration; a pattern ("partner:*") gives every key of
-    it that has a record. ``shards``: how many shards each split entry declares."""
+    it that has a record, or the first ``most`` of them in key order and a row saying how many
+    more there are (its keys come from jobs' payloads, and their records stay: any number).
+    ``shards``: how many shards each split entry declares."""
     states = []
     for declared, limit in sorted(limits.items()):
         count = (shards or {}).get(declared, 1)
         keys = _keys(store, declared[:-1], count) if declared.endswith("*") else [declared]
         if not keys:
             states.append(KeyState(declared, limit, in_use=False))
-        for key in keys:
+        not_shown = 0 if most is None else max(0, len(keys) - most)
+        for key in keys[: len(keys) - not_shown]:
             table = store.table(key)
             holders = tuple(
                 Holder(holder, lease.token, now - lease.since)
@@ -67,6 +77,8 @@ def key_states(
                 KeyState(key, limit, holders, len(table.waiters), len(table.booked), table.hold,
                          shares=shares, shards=_shards(store, key, table, count, now))
             )  # fmt: skip
+        if not_shown:
+            states.append(KeyState(declared, limit, in_use=False, not_shown=not_shown))
     return states
 
 
