@@ -39,6 +39,7 @@ from workerpool.testing.emulator import free_port
 from workerpool.testing.fakes import make_delivery
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.envelope import Job
+from workerpool.worker.failures import publish_request_size
 from workerpool.worker.outcome import (
     Ack,
     Deferred,
@@ -328,6 +329,56 @@ def test_an_entry_not_published_is_fired_again_once_its_claim_lapses() -> None:
     assert store.claim_due(TOPIC, clock() + 10, lease=30, limit=10)[0] == []  # still claimed
     firer._publish(store.claim_due(TOPIC, clock() + 31, lease=30, limit=10)[0])
     assert [job_id for job_id, _ in publisher.published] == ["a"] and store.entries() == []
+
+
+class _Refusing(Publisher):
+    """Raises at once for ``refused`` (a client closed, a message too large), every time."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def publish(
+        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+    ) -> Future[str]:
+        if attributes[c.ATTR_JOB_ID] == self.refused:
+            raise ValueError("refused by the client")
+        return super().publish(topic, data, ordering_key, **attributes)
+
+
+def test_an_entry_the_client_refuses_at_once_holds_up_none_claimed_with_it() -> None:
+    # Given three entries due, the oldest of which the client refuses as it is sent
+    clock = FakeClock(100.0)
+    store, publisher = MemorySchedule(), _Refusing("a")
+    for job_id in ("a", "b", "c"):
+        store.add(_entry(job_id, 100.0))
+    firer = Firer(store, TOPIC, publisher, clock=clock)
+    # When they are claimed and published together
+    firer._publish(store.claim_due(TOPIC, clock(), lease=30, limit=10)[0])
+    # Then the other two are out and removed; the refused one stays, for its claim to lapse
+    assert [job_id for job_id, _ in publisher.published] == ["b", "c"]
+    assert [e.job_id for e in store.entries()] == ["a"]
+
+
+def test_a_delayed_message_whose_copy_would_not_fit_a_publish_is_refused_not_scheduled() -> None:
+    # Given a message near Pub/Sub's limit without a job id, not due yet: its copy for the
+    # schedule carries its job id written out, which takes it past a publish request's bound
+    store = MemorySchedule()
+    delays = Delays(TOPIC, store, Firer(store, TOPIC, Publisher()))
+    ahead = not_before_text(timedelta(seconds=90))
+    attributes = {c.ATTR_JOB: "t.job", c.ATTR_NOT_BEFORE: ahead}
+    data = b'{"x": "' + b"y" * (c.MAX_PUBLISH_REQUEST_BYTES - 150) + b'"}'
+    data += b" " * (c.MAX_PUBLISH_REQUEST_BYTES - publish_request_size(TOPIC, data, attributes))
+    assert publish_request_size(TOPIC, data, attributes) == c.MAX_PUBLISH_REQUEST_BYTES
+    delivery = make_delivery(data, attributes, message_id="m-1234567890")
+    job = Job(JobSpec("t.job", lambda ctx, payload: None), "m-1234567890", {}, "m-1234567890",
+              1, None, attributes)  # fmt: skip
+    ctx = JobContext("t.job", job.job_id, job.message_id, 1, None, Flag())
+    run = Run(job, ctx, delivery, lambda r, o: True)
+    # When it comes, Then it is refused (its failure record follows), and nothing is kept
+    outcome = through(delays, run, lambda run: Succeeded())
+    assert isinstance(outcome, Rejected) and outcome.error_type == c.ERR_OVERSIZE
+    assert store.entries() == []
 
 
 def _run(attributes: dict[str, str]) -> Run:

@@ -23,11 +23,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from workerpool import constants as c
+from workerpool.constants import MAX_PUBLISH_REQUEST_BYTES
 from workerpool.publishing import confirmed, send
 from workerpool.schedule.store import Entry, ScheduleStore
 from workerpool.schedule.when import parse_not_before
 from workerpool.stores import StoreError
 from workerpool.worker.envelope import copy_attributes
+from workerpool.worker.failures import publish_request_size
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.outcome import Deferred, Outcome, Rejected, Scheduled, Unavailable
 from workerpool.worker.run import Run
@@ -106,12 +108,16 @@ class Firer:
         for entry in entries:
             attributes = dict(entry.attributes)
             key = attributes.pop(c.ATTR_ORDERING_KEY, "")
-            futures.append(
-                (entry, key, send(self._publisher, self._topic, entry.data, attributes, key))
-            )
+            try:
+                future = send(self._publisher, self._topic, entry.data, attributes, key)
+            except Exception as exc:  # (a client closed, say): as a failed future, its own
+                future = exc  # alone: the entries after it in the claim still go out
+            futures.append((entry, key, future))
         published = []
         for entry, key, future in futures:
             try:
+                if isinstance(future, Exception):
+                    raise future
                 confirmed(self._publisher, self._topic, key, future, _PUBLISH_TIMEOUT)
                 published.append(entry.job_id)
             except Exception as exc:  # its claim lapses and it is fired again
@@ -158,6 +164,11 @@ class Delays(Middleware):
         attributes = copy_attributes(delivery)
         if delivery.ordering_key:  # published again with it (``Firer``)
             attributes[c.ATTR_ORDERING_KEY] = delivery.ordering_key
+        if publish_request_size(self._topic, delivery.data, attributes) > MAX_PUBLISH_REQUEST_BYTES:
+            # Its copy, its job id written out, would never be published: refused now, while
+            # the message itself can still become its failure record.
+            return Rejected(c.ERR_OVERSIZE, "its copy for the schedule, with its job id, is "
+                            "larger than a publish request may be")  # fmt: skip
         entry = Entry(self._topic, run.job.job_id, due, delivery.data, attributes)
         try:
             added = self._schedule.add(entry)
