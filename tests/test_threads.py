@@ -70,6 +70,39 @@ def test_the_ack_thread_survives_a_failed_request_and_sends_the_next(error: Exce
         assert acks.close(timeout=5)
 
 
+class _HangingAcks(_FlakyClient):
+    """acknowledge hangs until ``release`` is set (a stalled call); modify_ack_deadline
+    answers at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acking, self.release = threading.Event(), threading.Event()
+
+    def acknowledge(self, request: Any, **options: Any) -> None:
+        self.acking.set()
+        self.release.wait(30)
+        super().acknowledge(request, **options)
+
+
+def test_lease_extensions_go_out_while_an_ack_request_hangs() -> None:
+    # Given an acknowledger whose ack request hangs (its retries of timeouts take 41 s)
+    client = _HangingAcks()
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    acks.start()
+    try:
+        acks.ack("done")
+        assert client.acking.wait(10)
+        # When a running message's lease is extended meanwhile
+        acks.extend([make_delivery(b"{}", {}, message_id="long")], 30)
+        # Then the extension goes out while the ack still hangs: the lease does not lapse
+        assert wait_for(lambda: client.modacked == ["ack-long"], timeout=10)
+        assert client.acked == [] and not client.release.is_set()
+    finally:
+        client.release.set()
+        assert acks.close(timeout=5)
+    assert client.acked == ["done"]
+
+
 def test_the_ack_thread_survives_a_bug_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given an acknowledger whose batch handling breaks once
     client = _FlakyClient()
