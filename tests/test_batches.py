@@ -7,8 +7,10 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,11 +18,12 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
+from workerpool.batches import firestore as firestore_batches
 from workerpool.batches.firestore import FirestoreBatches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, deliver
 from workerpool.schedule import MemorySchedule
 from workerpool.stores import StoreUnavailable
-from workerpool.testing.emulator import free_port
+from workerpool.testing.emulator import LocalEmulator, free_port
 
 TOPIC = "projects/p/topics/t"
 StoreFactory = Callable[[], BatchStore]
@@ -208,6 +211,40 @@ def test_a_batch_id_is_one_set_of_children_open_or_final(make_store: StoreFactor
     assert store.record("b1", "tue-1", True) is None
 
 
+def test_children_left_by_a_creation_that_failed_part_way_never_pass_for_the_batch(
+    firestore_emulator: LocalEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given Firestore, which writes a batch's children apart from its record, and a publisher
+    # whose creation of b1 wrote its children's ledger and then failed
+    monkeypatch.setenv(firestore_emulator.env_var, firestore_emulator.host)
+    collection = f"test-{uuid.uuid4().hex[:12]}"
+    first, second = (FirestoreBatches(FIRESTORE_PROJECT, collection) for _ in range(2))
+    written = firestore_batches._Docs.add_children
+
+    def fails_after_writing(self: Any, batch_id: str, job_ids: Sequence[str]) -> None:
+        written(self, batch_id, job_ids)
+        raise StoreUnavailable("the commit timed out")
+
+    mine, theirs = ["a1", "a2", "a3", "a4"], ["b20", "b21", "b24", "b6"]
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(firestore_batches._Docs, "add_children", fails_after_writing)
+            with pytest.raises(StoreUnavailable):
+                first.create("b1", TOPIC, "reports.done", mine, 9e9)
+        # ... and another publisher creating b1 with as many other children
+        second.create("b1", TOPIC, "reports.done", theirs, 9e9)
+        second.commit("b1")
+        # When the first tries again, Then it is refused: its children found in the ledger do
+        # not make it the same batch (counted, they would complete b1 before its own ran)
+        with pytest.raises(ValueError, match=r"batch b1 exists already \(open\)"):
+            first.create("b1", TOPIC, "reports.done", mine, 9e9)
+        # And the same batch again is still accepted
+        second.create("b1", TOPIC, "reports.done", list(reversed(theirs)), 9e9)
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_completion_never_handed_over_is_handed_over_by_whoever_touches_the_batch_next(
     make_store: StoreFactory,
 ) -> None:
@@ -319,7 +356,10 @@ def test_a_store_file_from_before_batches_kept_their_trace_opens_and_keeps_it(
     first.create("new", "t", "j.done", ["a"], 9e9, trace=traceparent)
     # Then both read both: the old one without a trace, the new one with it
     old_batch, new_batch = second.get("old"), second.get("new")
-    assert old_batch is not None and old_batch.trace == ""
+    assert old_batch is not None and (old_batch.trace, old_batch.children_digest) == ("", "")
     assert new_batch is not None and new_batch.trace == traceparent
+    # ... and the old one, kept without the digest of its children, still refuses others
+    with pytest.raises(ValueError, match="exists already"):
+        first.create("old", "t", "j.done", ["not-its-child"], 9e9)
     first.close()
     second.close()

@@ -14,7 +14,9 @@ sent. Finalizing writes the record and closes every tally in one commit, precond
 all of them as read, so no child's outcome lands between the counts and the completion.
 
 A batch is created children first, in commits of 500 (not atomic: they count for nothing
-until their tallies exist), then the record and its tallies in one commit.
+until their tallies exist), then the record and its tallies in one commit. A creation that
+failed part-way leaves its children in the ledger: a second creation of the id is the same
+batch by the digest of its children the record keeps, never by finding them there.
 """
 
 from __future__ import annotations

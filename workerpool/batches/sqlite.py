@@ -27,7 +27,8 @@ _SCHEMA = (
         failed INTEGER NOT NULL,
         finalized_by TEXT NOT NULL,
         completion_sent INTEGER NOT NULL,
-        trace TEXT NOT NULL DEFAULT ''
+        trace TEXT NOT NULL DEFAULT '',
+        children_digest TEXT NOT NULL DEFAULT ''
     )
     """,
     """
@@ -42,15 +43,16 @@ _SCHEMA = (
 )
 _COLUMNS = (
     "batch_id, topic, on_complete, total, deadline, committed, done, failed, finalized_by, "
-    "completion_sent, trace"
+    "completion_sent, trace, children_digest"
 )
 
 
 def _batch(row: Any) -> Batch:
-    batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent, trace = row
+    batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent, *rest = row
+    trace, digest = rest
     return Batch(
         batch_id, topic, on_complete, total, deadline, bool(committed), done, failed, by,
-        bool(sent), trace,
+        bool(sent), trace, digest,
     )  # fmt: skip
 
 
@@ -66,11 +68,12 @@ class _Tables:
 
     def put_batch(self, batch: Batch) -> None:
         self._conn.execute(
-            f"INSERT OR REPLACE INTO batches ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO batches ({_COLUMNS}) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 batch.batch_id, batch.topic, batch.on_complete, batch.total, batch.deadline,
                 int(batch.committed), batch.done, batch.failed, batch.finalized_by,
-                int(batch.completion_sent), batch.trace,
+                int(batch.completion_sent), batch.trace, batch.children_digest,
             ),
         )  # fmt: skip
 
@@ -133,8 +136,9 @@ class _Tables:
 def _create(conn: sqlite3.Connection) -> None:
     for statement in _SCHEMA:
         conn.execute(statement)
-    # A store file written before batches kept their publisher's trace.
+    # A store file written before batches kept their publisher's trace, or their digest.
     add_column(conn, "batches", "trace", "TEXT NOT NULL DEFAULT ''")
+    add_column(conn, "batches", "children_digest", "TEXT NOT NULL DEFAULT ''")
 
 
 class SqliteBatches(BatchStore):
