@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from tests.support import split_key_in_use
 from workerpool.batches import MemoryBatches
 from workerpool.config import Settings
+from workerpool.dashboard import app as dashboard_app
 from workerpool.dashboard import create_app
 from workerpool.dashboard.chart import NOT_COUNTED
 from workerpool.dashboard.command import parse_bind
@@ -241,6 +243,17 @@ def test_the_running_page_counts_every_run_and_says_when_it_shows_only_the_oldes
     # Then the page counts all 250 and says it lists the 100 oldest
     assert "250 job(s) running; the 100 oldest shown." in page
     assert page.count("<tr data-job-id=") == 100 and 'data-job-id="run-000"' in page
+
+
+def test_an_actions_audit_line_names_the_address_it_came_from_beside_what_iap_claims() -> None:
+    def who(headers: list[tuple[bytes, bytes]]) -> str:
+        scope = {"type": "http", "headers": headers, "client": ("10.0.0.7", 5123)}
+        return dashboard_app._who(Request(scope))
+
+    # Any client can send the header where no IAP stands in front: the address is said too
+    claimed = [(b"x-goog-authenticated-user-email", b"accounts.google.com:alice@example.com")]
+    assert who(claimed) == "accounts.google.com:alice@example.com (IAP header) at 10.0.0.7"
+    assert who([]) == "10.0.0.7"
 
 
 def chart_series(svg: str) -> list[list[int]]:

@@ -233,11 +233,12 @@ class Dashboard:
 
 
 def _who(request: Request) -> str:
-    """Who asked for an action, for its audit line: the user IAP vouches for, else the
-    client's address."""
-    return request.headers.get("x-goog-authenticated-user-email") or (
-        request.client.host if request.client else "unknown"
-    )
+    """Who asked for an action, for its audit line: the client's address, and the user the
+    IAP header names, if any. The header is a claim any client can make where no IAP stands
+    in front: the address the request came from is always said beside it."""
+    address = request.client.host if request.client else "unknown"
+    user = request.headers.get("x-goog-authenticated-user-email")
+    return f"{user} (IAP header) at {address}" if user else address
 
 
 async def _read(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
