@@ -103,6 +103,43 @@ def test_lease_extensions_go_out_while_an_ack_request_hangs() -> None:
     assert client.acked == ["done"]
 
 
+class _RetriedExtension(_FlakyClient):
+    """The first extension times out once the test says so (``go``), and is retried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extending, self.go = threading.Event(), threading.Event()
+        self.deadlines: list[tuple[str, int]] = []
+
+    def modify_ack_deadline(self, request: Any, **options: Any) -> None:
+        if request.ack_deadline_seconds == 60 and not self.extending.is_set():
+            self.extending.set()
+            self.go.wait(30)
+            raise gexc.DeadlineExceeded("slow")
+        self.deadlines.extend((a, request.ack_deadline_seconds) for a in request.ack_ids)
+
+
+def test_a_nack_sent_while_an_extension_is_retried_stays_the_last_word() -> None:
+    # Given an extension of a running message whose first try is slow and then times out
+    client = _RetriedExtension()
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    acks.start()
+    delivery = make_delivery(b"{}", {}, message_id="x")
+    try:
+        acks.extend([delivery], 60)
+        assert client.extending.wait(10)
+        # When its run fails meanwhile, and its message is nacked
+        assert delivery.take()
+        acks.modack([delivery.ack_id], 0)
+        client.go.set()
+        assert acks.flush(timeout=10)
+    finally:
+        client.go.set()
+        acks.close(timeout=5)
+    # Then the nack went out after the extension: the message comes back, not re-leased
+    assert client.deadlines[-1] == ("ack-x", 0)
+
+
 def test_the_ack_thread_survives_a_bug_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given an acknowledger whose batch handling breaks once
     client = _FlakyClient()

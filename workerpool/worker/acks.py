@@ -4,10 +4,11 @@ Handlers finish on many threads; sending one RPC per message caps throughput, so
 queue here and go out in batches every few milliseconds. ``flush`` is what drain waits on to
 be sure every outcome reached Pub/Sub before the process exits.
 
-Lease extensions go out on a thread of their own: behind an ack request that retries its
-timeouts (four of 10 s), they waited 41 s, and leases of 30 s lapsed under running jobs
-(measured with a client whose acknowledge hung). An extension of a message settled
-meanwhile is dropped as it is sent, so it does not undo its nack.
+Acks go out on one thread, and every change of an ack deadline (lease extensions, nacks,
+deferrals) in order on another: behind an ack request that retries its timeouts (four of
+10 s), extensions waited 41 s, and leases of 30 s lapsed under running jobs (measured with a
+client whose acknowledge hung). A nack is sent after any extension queued before it, and an
+extension of a message settled meanwhile is dropped, so an extension never undoes a nack.
 
 On an exactly-once subscription an ack can fail (the ack id expired, the message went to
 another worker); ``ack(confirm=True)`` returns a future that says whether it took.
@@ -60,21 +61,26 @@ class Acknowledger:
         self._client = client
         self._subscription = subscription
         self._interval = interval
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self._extensions: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._acks: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._deadlines: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
-        # False while requests fail (Pub/Sub unreachable, a bug here): /healthz turns 503.
-        self.healthy = True
+        # The threads whose requests fail (Pub/Sub unreachable, a bug here), by name.
+        self._failing: set[str] = set()
+
+    @property
+    def healthy(self) -> bool:
+        """False while either thread's requests fail: /healthz turns 503."""
+        return not self._failing
 
     def start(self) -> None:
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=name, daemon=True)
             for q, name in (
-                (self._queue, "workerpool-acks"),
-                (self._extensions, "workerpool-leases"),
+                (self._acks, "workerpool-acks"),
+                (self._deadlines, "workerpool-leases"),
             )
         ]
         for thread in self._threads:
@@ -83,24 +89,24 @@ class Acknowledger:
     def ack(self, ack_id: str, *, confirm: bool = False) -> Future[bool] | None:
         """Queue an ack; with ``confirm``, return a future: True once Pub/Sub accepted it."""
         future: Future[bool] | None = Future() if confirm else None
-        self._put([(("ack", 0), ack_id, None, future)])
+        self._put([(("ack", 0), ack_id, None, future)], self._acks)
         return future
 
     def modack(self, ack_ids: list[str], seconds: float) -> None:
         """Set the ack deadline of ``ack_ids``; 0 releases them for immediate redelivery."""
         key = ("modack", _deadline(seconds))
-        self._put([(key, ack_id, None, None) for ack_id in ack_ids])
+        self._put([(key, ack_id, None, None) for ack_id in ack_ids], self._deadlines)
 
     def extend(self, deliveries: list[Delivery], seconds: float) -> None:
         """Extend leases, skipping at send time any delivery settled meanwhile."""
         key = ("extend", _deadline(seconds))
-        self._put([(key, d.ack_id, d, None) for d in deliveries], self._extensions)
+        self._put([(key, d.ack_id, d, None) for d in deliveries], self._deadlines)
 
-    def _put(self, items: list[_Item], to: queue.SimpleQueue[_Item | None] | None = None) -> None:
+    def _put(self, items: list[_Item], to: queue.SimpleQueue[_Item | None]) -> None:
         with self._idle:
             self._pending += len(items)
         for item in items:
-            (to or self._queue).put(item)
+            to.put(item)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued request has been sent (or given up on)."""
@@ -118,8 +124,8 @@ class Acknowledger:
         deadline = time.monotonic() + timeout
         flushed = self.flush(timeout)
         self._closing.set()  # retries stop waiting between attempts
-        self._queue.put(None)
-        self._extensions.put(None)
+        self._acks.put(None)
+        self._deadlines.put(None)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return flushed
@@ -132,11 +138,12 @@ class Acknowledger:
             time.sleep(self._interval)  # let concurrent outcomes join this batch
             batch, stop = self._collect(first, requests)
             try:
-                for key, entries in batch.items():
-                    self._send(key, entries)
-            except Exception:  # a bug here must not stop every later ack
+                # Extensions first: a nack in the same batch must be the last word.
+                for key in sorted(batch, key=lambda k: k[0] != "extend"):
+                    self._send(key, batch[key])
+            except Exception:  # a bug here must not stop every later request
                 log.exception("sending a batch of acks failed")
-                self.healthy = False
+                self._failing.add(threading.current_thread().name)
                 self._resolve(batch, {})
             if stop:
                 return
@@ -207,7 +214,7 @@ class Acknowledger:
             except Exception as exc:  # PermissionDenied, a closed channel: retrying won't help
                 return self._gave_up(key, pending, exc, took)
             else:
-                self.healthy = True
+                self._failing.discard(threading.current_thread().name)
                 took.update((a, True) for a in pending)
                 return took
             self._closing.wait(0.1 * 2**attempt)
@@ -219,7 +226,7 @@ class Acknowledger:
         # Lost requests are safe: an unacked message is redelivered after its deadline.
         reason = f"{type(exc).__name__}: {exc}" if exc else "transient failures"
         log.warning("%s of %d messages failed: %s", key[0], len(pending), reason)
-        self.healthy = False
+        self._failing.add(threading.current_thread().name)
         took.update((a, False) for a in pending)
         return took
 
