@@ -362,12 +362,14 @@ class _Unreachable(MemoryMarks):
 
     def __init__(self, method: str, failures: int) -> None:
         super().__init__()
-        self.method, self.failures = method, failures
+        self.method, self.failures, self.calls = method, failures, 0
 
     def _reach(self, method: str) -> None:
-        if method == self.method and self.failures:
-            self.failures -= 1
-            raise StoreError("store down")
+        if method == self.method:
+            self.calls += 1
+            if self.failures:
+                self.failures -= 1
+                raise StoreError("store down")
 
     def mark_many(self, ticks: Sequence[tuple[str, float]], now: float) -> list[bool]:
         self._reach("mark_many")
@@ -441,6 +443,87 @@ def test_a_worker_suspended_for_days_looks_back_as_a_restart_would_not_tick_by_t
     # would: not the 47 ticks one by one
     assert publisher.job_ids()[1:] == [job_id(NOW + h * HOUR) for h in expected]
     assert counts.totals() == {**counted, "fired": 1 + counted.get("fired", 0)}
+
+
+class _Waits(threading.Event):
+    """A stop event that records each wait of the firing thread, and ends the thread after
+    ``looks`` of them (each returns at once)."""
+
+    def __init__(self, looks: int) -> None:
+        super().__init__()
+        self.looks, self.timeouts = looks, list[float | None]()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        if len(self.timeouts) >= self.looks:
+            self.set()
+        return self.is_set()
+
+
+def test_while_the_store_cannot_answer_the_look_back_the_thread_waits_a_poll_each_look() -> None:
+    # Given a store out of reach from the start, and a worker that looks every second
+    marks = _Unreachable("latest", 1_000_000)
+    firer = Periodics([hourly()], marks, "t", Publisher(), clock=_Clock(NOW + 60), poll=1.0)
+    firer._stop = waits = _Waits(looks=5)
+    # When it tries its start-up look-back, again and again
+    firer.start()
+    firer.close(5)
+    # Then between two tries it waits a whole poll: it does not spin
+    assert waits.timeouts == [1.0] * 5
+
+
+def test_a_pass_slowed_by_the_store_fires_the_tick_that_fell_meanwhile_late_not_missed() -> None:
+    # Given catch_up "none", the tick an hour ago fired, and a store call that takes 8 s
+    # just as the tick on the hour falls
+    clock = _Clock(NOW - 1.0)
+
+    class SlowOnce(MemoryMarks):
+        slow = True
+
+        def unpublished(self, marked_before: float) -> list[Mark]:
+            if self.slow and clock.now >= NOW - 1.0:
+                self.slow = False
+                clock.now += 8.0
+            return super().unpublished(marked_before)
+
+    marks, publisher, counts = SlowOnce(), Publisher(), Counted()
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    firer = Periodics([hourly("none")], marks, "t", publisher, clock=clock, poll=POLL,
+                      on_ticks=counts)  # fmt: skip
+    # When the worker runs through it
+    firer.start()
+    try:
+        assert wait_for(lambda: marks.latest("h") == (NOW, PUBLISHED), timeout=10)
+    finally:
+        firer.close(5)
+    # Then the tick was fired, 8 s late: a slow pass is no downtime of the worker
+    assert publisher.job_ids() == [job_id(NOW)] and counts.totals() == {"fired": 1}
+
+
+def test_ticks_the_store_could_not_mark_in_an_outage_are_caught_up_by_the_policy() -> None:
+    # Given a 1 s schedule with catch_up "latest", and a store that fails fast for 100 s
+    clock = _Clock(NOW + 0.5)
+    marks, publisher, counts = _Unreachable("mark_many", 0), Publisher(), Counted()
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="latest")
+    firer = Periodics([every], marks, "t", publisher, clock=clock, poll=POLL, on_ticks=counts)
+    firer.start()
+    try:
+        marks.failures = 1_000_000
+        for _ in range(100):
+            clock.now += 1
+            calls = marks.calls
+            assert wait_for(lambda calls=calls: marks.calls > calls, timeout=10)
+        # When it answers again
+        marks.failures = 0
+        assert wait_for(lambda: publisher.job_ids(), timeout=10)
+        assert wait_for(lambda: "missed" in counts.totals(), timeout=10)
+    finally:
+        firer.close(5)
+    # Then the latest tick is fired and the others counted missed, as after a downtime: not
+    # 100 ticks at once
+    assert publisher.job_ids() == [every.job_id(NOW + 100)]
+    assert counts.totals() == {"fired": 1, "missed": 99}
 
 
 def test_a_mark_left_before_its_overlap_was_decided_is_decided_again_when_taken_over() -> None:

@@ -22,9 +22,10 @@ tick marked (none marked yet: nothing is missed) but no further than ``catch_up_
 ``catch_up`` "all" fires each, "latest" the last one, "none" none. The worker that marks the
 latest of them counts the ticks left out as missed (with "none", it marks it missed: only
 ticks older than ``take_over_after``, which a running fleet would have marked; marked at
-``LEFT_OUT``, so that a worker taking the mark over sets it missed too). A worker held up for
-longer than ``take_over_after`` (suspended, its clock stepped) looks back the same way when it
-wakes. A look-back or a tick the store could not take is tried again at each look.
+``LEFT_OUT``, so that a worker taking the mark over sets it missed too). Ticks the store could
+not mark are looked back for the same way once it answers, and so are the ticks a worker whose
+wait overran by more than ``take_over_after`` (suspended, its clock stepped) slept through. A
+look-back the store did not answer is tried again at each look.
 
 A worker that takes over a mark its marker left decides on it again: the overlap policy, and
 whether its job was claimed already (published: recorded as such).
@@ -38,6 +39,7 @@ marks left for the next worker to take over.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -131,43 +133,60 @@ class Periodics(Middleware):
     def _run(self) -> None:
         started = self._clock()
         due = {name: s.ticks.after(started) for name, s in self._schedules.items()}
-        # The look-backs still to make, by schedule: the ticks missed after ``since`` (None:
-        # the last one the fleet marked) up to ``until``, which catch_up decides about. One
-        # at the start; one again for a worker held up far longer than a take-over (it was
-        # suspended, or its clock stepped forward), which looks back as a worker just started
-        # would, not tick by tick. Until its look-back is made a schedule fires nothing else:
-        # a tick it fired would move the last one marked, where the look-back starts.
-        behind: dict[str, tuple[float | None, float]] = dict.fromkeys(
-            self._schedules, (None, started)
-        )
-        retry: list[Due] = []  # ticks the store could not mark: tried again at each look
+        # The look-backs still to make, by schedule: the ticks missed after ``since`` (and
+        # after the last one the fleet marked; since None: from that one), which catch_up
+        # decides about. One at the start; one for the ticks the store could not mark (it was
+        # out of reach: the fleet missed them as it would while down); and one for a worker
+        # whose wait overran by more than a take-over (it was suspended, or its clock stepped
+        # forward), which looks back as a worker just started would, not tick by tick. Until
+        # its look-back is made, a schedule fires nothing else, and the look-back reaches
+        # up to the last look: a tick fired meanwhile would move the last one marked.
+        behind: dict[str, float | None] = dict.fromkeys(self._schedules)
+        wake_at = started
         while not self._stop.is_set():
             now = self._clock()
-            if behind or retry or min(due.values()) <= now:
+            if behind or min(due.values()) <= now:
                 self._guarded(self._read_pauses)
-            for name, schedule in self._schedules.items():
-                if due[name] < now - self._take_over_after:
-                    # (``between`` takes the ticks after ``since``: due[name] is one of them)
-                    behind[name] = (behind[name][0] if name in behind else due[name] - 1.0, now)
-                    due[name] = schedule.ticks.after(now)
-            for name, (since, until) in list(behind.items()):
-                if not self._guarded(partial(self._look_back, self._schedules[name], since, until)):
+            self._fall_behind(due, behind, now, overslept=now - wake_at > self._take_over_after)
+            for name, since in list(behind.items()):
+                if not self._guarded(partial(self._look_back, self._schedules[name], since, now)):
                     del behind[name]
-            burst, retry = retry, []
-            for name, schedule in self._schedules.items():
-                while name not in behind and due[name] <= now:  # (held up a little: each tick)
-                    if not self._paused(name):
-                        burst.append((schedule, due[name]))
-                    due[name] = schedule.ticks.after(due[name])
-            for start in range(0, len(burst), _BURST):
-                part = burst[start : start + _BURST]
-                if self._guarded(partial(self._fire, part)):
-                    retry += self._still_to_fire(part, now)
+            self._fire_due(due, behind, now)
             self._guarded(partial(self._take_over, now))
             # Awake at the next tick, and at least every poll (a second) to take over lost
-            # publishes, to try again what the store did not take and to see a clock that moved.
-            soonest = min((due[name] for name in due if name not in behind), default=now)
-            self._stop.wait(max(0.0, min(soonest - self._clock(), self._poll)))
+            # publishes, to look back again where the store did not answer, and to see a
+            # clock that moved.
+            soonest = min((due[name] for name in due if name not in behind), default=math.inf)
+            looked = self._clock()
+            wake_at = min(max(soonest, looked), looked + self._poll)
+            self._stop.wait(wake_at - looked)
+
+    def _fall_behind(
+        self, due: dict[str, float], behind: dict[str, float | None], now: float, *,
+        overslept: bool,
+    ) -> None:  # fmt: skip
+        """Schedules that look back (see ``_run``) reach up to ``now``; so does any whose
+        tick fell more than a take-over ago while this worker's wait ``overslept``."""
+        for name, schedule in self._schedules.items():
+            if name in behind or (overslept and due[name] < now - self._take_over_after):
+                # (``between`` takes the ticks after ``since``: due[name] is one of them)
+                behind[name] = behind[name] if name in behind else due[name] - 1.0
+                due[name] = schedule.ticks.after(now)
+
+    def _fire_due(self, due: dict[str, float], behind: dict[str, float | None], now: float) -> None:
+        """Fire the ticks due by ``now`` of the schedules not looking back (a worker held up
+        a little fires each); those the store could not mark are looked back for."""
+        burst: list[Due] = []
+        for name, schedule in self._schedules.items():
+            while name not in behind and due[name] <= now:
+                if not self._paused(name):
+                    burst.append((schedule, due[name]))
+                due[name] = schedule.ticks.after(due[name])
+        for start in range(0, len(burst), _BURST):
+            part = burst[start : start + _BURST]
+            if self._guarded(partial(self._fire, part)):
+                for schedule, tick in part:  # from the earliest of each schedule's ticks
+                    behind.setdefault(schedule.name, tick - 1.0)
 
     def _guarded(self, step: Callable[[], object]) -> bool:
         """Run ``step``: True if the store was not reached, and it is to be tried again (a
@@ -181,18 +200,6 @@ class Periodics(Middleware):
             log.exception("periodic schedules: firing failed")
         return False
 
-    def _still_to_fire(self, ticks: Sequence[Due], now: float) -> list[Due]:
-        """Those of ``ticks`` the store could not mark that are still within their catch-up
-        window: another worker may have fired them, which marking them again finds."""
-        kept = []
-        for schedule, tick in ticks:
-            if now - tick <= schedule.catch_up_window:
-                kept.append((schedule, tick))
-            else:
-                log.warning("periodic %s: tick %s missed: the store was not reached within the "
-                            "catch-up window", schedule.name, _iso(tick))  # fmt: skip
-        return kept
-
     def _read_pauses(self) -> None:
         self._pauses = self._marks.pauses()
 
@@ -201,11 +208,13 @@ class Periodics(Middleware):
         return pause is not None and pause.paused
 
     def _look_back(self, schedule: Periodic, since: float | None, until: float) -> None:
-        """Fire what catch_up keeps of the ticks missed after ``since`` (None: the last the
-        fleet marked; none marked yet: nothing is missed) up to ``until``."""
+        """Fire what catch_up keeps of the ticks missed after ``since`` and after the last
+        one the fleet marked (since None: none marked yet, nothing is missed) up to
+        ``until``. (Pauses are read with it: not knowing them, a paused schedule may not look
+        back.)"""
         self._read_pauses()
-        if since is None:
-            since = self._marks.last(schedule.name)
+        last = self._marks.last(schedule.name)
+        since = last if since is None else max(since, last if last is not None else since)
         if since is None or self._paused(schedule.name):
             return
         pause = self._pauses.get(schedule.name)
@@ -379,8 +388,4 @@ class Periodics(Middleware):
 
 
 def _named(mark: Mark) -> tuple[str, str]:
-    return mark.schedule, _iso(mark.tick)
-
-
-def _iso(tick: float) -> str:
-    return datetime.fromtimestamp(tick, UTC).isoformat()
+    return mark.schedule, datetime.fromtimestamp(mark.tick, UTC).isoformat()
