@@ -30,6 +30,7 @@ from workerpool.worker.failures import (
     DeadLetterPublisher,
     Failure,
     failure_attributes,
+    fit_record,
     publish_request_size,
 )
 from workerpool.worker.processor import Processor, ProcessorSettings
@@ -429,3 +430,32 @@ def test_a_record_never_passes_for_one_pub_sub_forwarded_whatever_its_publisher_
     # When its failure record is written, then it is this worker's record, of this topic
     record = check_record(make_delivery(b"{}", forged), failure)
     assert FailureRecord("ack", "m", b"{}", record).forwarded_by_policy is False
+
+
+@pytest.mark.parametrize("originals", [10, 95])
+def test_a_record_near_the_limit_cuts_its_data_only_when_it_must_and_keeps_100_attributes(
+    originals: int,
+) -> None:
+    # Given messages of many attributes, whose data comes within a few bytes to a few
+    # hundred bytes of a publish request's limit once the failure attributes are added
+    attributes = {f"attribute-{i:03d}": "v" * 20 for i in range(originals)}
+    attributes[c.ATTR_JOB] = "t.item"
+    failure = Failure("handler_error", "boom", "t.item", "j-1", 5)
+    topic = "projects/p/topics/dlq"
+    for short_by in range(0, 3000, 13):
+        data = b"x" * (c.MAX_PUBLISH_REQUEST_BYTES - 2000 - 30 * originals + short_by)
+        record = failure_attributes(
+            make_delivery(data, attributes), failure, subscription="s", topic="t", worker="w"
+        )
+        # When the record is made to fit
+        cut, fitted = fit_record(topic, data, record)
+        # Then it fits, has at most 100 attributes, and its data is cut only where the
+        # failure and priority attributes alone (and room for the note that says what was
+        # left out) leave no room for it, and then says so
+        assert publish_request_size(topic, cut, fitted) <= c.MAX_PUBLISH_REQUEST_BYTES
+        assert len(fitted) <= c.MAX_ATTRIBUTES
+        ours = {k: v for k, v in record.items() if k in (*c.FAILURE_ATTRIBUTES, "job", "job_id")}
+        ours[c.ATTR_ERROR_MESSAGE] += " " * 160
+        must_cut = publish_request_size(topic, data, ours) > c.MAX_PUBLISH_REQUEST_BYTES
+        assert (cut != data) == must_cut, short_by
+        assert (c.ATTR_DATA_CUT in fitted) == (cut != data)
