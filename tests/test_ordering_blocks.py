@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.support import store_handles
-from workerpool import options
+from tests.support import store_handles, wait_for
+from workerpool import JobContext, RetryableError, options
 from workerpool.errors import ConfigError
 from workerpool.idempotency import SqliteStore
 from workerpool.ops.dlq import FailureRecord, Replayed
@@ -25,9 +26,21 @@ from workerpool.ordering import (
 )
 from workerpool.ordering.middleware import KeyBlocks
 from workerpool.ordering.replay import replay_then_unblock
+from workerpool.registry import Registry
 from workerpool.stores import StoreUnavailable
-from workerpool.testing.fakes import slot_run
+from workerpool.testing.fakes import (
+    FakeAcks,
+    FakeDeadLetters,
+    FakeLeaser,
+    make_delivery,
+    slot_run,
+)
+from workerpool.worker.delivery import Delivery
+from workerpool.worker.limits import PoolLimits
+from workerpool.worker.ordering import Sequencer
 from workerpool.worker.outcome import Deferred, Unavailable
+from workerpool.worker.pool import Pool
+from workerpool.worker.processor import Processor, ProcessorSettings
 from workerpool.worker.run import Run
 
 
@@ -54,13 +67,13 @@ def test_a_key_is_blocked_until_unblocked_whoever_opens_the_store(
         # When the worker blocks a key
         worker.block("key-a", "demo.sleep", "job-1")
         # Then the operator sees it, and only it
-        assert operator.blocked("key-a") and not operator.blocked("key-b")
+        assert operator.blocker("key-a") == "job-1" and operator.blocker("key-b") is None
         listed = [(b.key, b.job, b.job_id) for b in operator.all()]
         assert listed == [("key-a", "demo.sleep", "job-1")]
         # And once the operator unblocks it, the worker sees it go on; unblocking it again
         # says it was not blocked
         assert operator.unblock("key-a") and not operator.unblock("key-a")
-        assert not worker.blocked("key-a") and worker.all() == []
+        assert worker.blocker("key-a") is None and worker.all() == []
 
 
 def test_the_sqlite_store_is_shared_by_whoever_opens_the_file(tmp_path: Path) -> None:
@@ -84,7 +97,7 @@ def test_the_option_takes_record_or_block_only() -> None:
 
 
 class _Unreachable(MemoryBlocks):
-    def blocked(self, key: str) -> bool:
+    def blocker(self, key: str) -> str | None:
         raise StoreUnavailable("blocked keys: no answer in 5s")
 
     def all(self) -> list[Block]:
@@ -102,6 +115,9 @@ def test_a_keyed_run_waits_while_its_key_is_blocked_and_when_that_cannot_be_read
     blocks.block("key-a", "demo.sleep", "job-0")
     assert isinstance(KeyBlocks(blocks).before(_keyed_run("key-a")), Deferred)
     assert KeyBlocks(blocks).before(_keyed_run("key-b")) is None
+    # ... but the job that blocked it runs, come back before its failure record went out
+    blocks.block("key-c", "demo.sleep", "job-1")
+    assert KeyBlocks(blocks).before(_keyed_run("key-c")) is None
     # An outage is neither a run out of turn nor a failure of the job: it comes back later
     down = KeyBlocks(_Unreachable()).before(_keyed_run("key-a"))
     assert isinstance(down, Unavailable) and "no answer" in down.reason
@@ -163,3 +179,63 @@ def test_replay_without_the_jobs_failure_record_leaves_the_key_blocked(tmp_path:
     with pytest.raises(ConfigError, match=r"no failure record of job demo.sleep \(job-1\)"):
         replay_then_unblock(url, "key-a", replayer, 5, lambda line: None)
     assert replayer.replayed == [] and len(blocked_lines(url)) == 1
+
+
+class _RefusesWrites(MemoryBlocks):
+    """The first ``failures`` blocks written fail, as a store out of reach."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def block(self, key: str, job: str, job_id: str) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("blocked-keys store: database is locked")
+        super().block(key, job, job_id)
+
+
+def _keyed(key: str, number: int) -> Delivery:
+    delivery = make_delivery(
+        b"{}", {"job": "ledger.apply", "job_id": f"{key}-{number}"}, message_id=f"{key}-{number}"
+    )
+    delivery.ordering_key = key
+    return delivery
+
+
+@pytest.mark.parametrize("failures", [0, 1])
+def test_a_key_is_blocked_before_its_failure_record_and_ack_or_its_message_comes_back(
+    failures: int,
+) -> None:
+    # Given a job that blocks its key once it exhausts its attempts (one here), and a
+    # blocked-keys store whose first write fails (or none)
+    ran: list[str] = []
+    jobs = Registry()
+
+    @jobs.job("ledger.apply", max_attempts=1, ordered_exhausted="block")
+    def apply(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ran.append(ctx.job_id)
+        if ctx.job_id == "acct-0":
+            raise RetryableError("upstream down")
+
+    acks, leases, records = FakeAcks(), FakeLeaser(), FakeDeadLetters()
+    blocks = _RefusesWrites(failures)
+    processor = Processor(jobs, acks, leases, records, [KeyBlocks(blocks, ["ledger.apply"])],
+                          ProcessorSettings(ordered=True))  # fmt: skip
+    pool = Pool(processor, leases, PoolLimits(2, 4), sequencer=Sequencer(3))
+    pool.start()
+    try:
+        # When the key's first job fails for good, with its next one behind it
+        pool.admit([_keyed("acct", 0), _keyed("acct", 1)])
+        assert wait_for(lambda: pool.held == 0, timeout=10, interval=0.005)
+    finally:
+        pool.quiet()
+    # Then the next job never ran. Written, the key is blocked and the failure recorded and
+    # acked; not written, no record went out, and both messages came back, in order
+    assert ran == ["acct-0"]
+    if failures:
+        assert blocks.all() == [] and records.records == [] and acks.acked == []
+        assert [ack_id for ack_id, _ in acks.modacked] == ["ack-acct-0", "ack-acct-1"]
+    else:
+        assert [b.job_id for b in blocks.all()] == ["acct-0"] and len(records.records) == 1
+        assert acks.acked == ["ack-acct-0"]

@@ -40,7 +40,9 @@ class Block:
 class BlockedKeys(Protocol):
     def block(self, key: str, job: str, job_id: str) -> None: ...
 
-    def blocked(self, key: str) -> bool: ...
+    def blocker(self, key: str) -> str | None:
+        """The job id that blocked ``key``; None if it is not blocked."""
+        ...
 
     def unblock(self, key: str) -> bool:
         """False if ``key`` was not blocked."""
@@ -62,8 +64,9 @@ class MemoryBlocks:
         with self._lock:
             self._blocks[key] = Block(key, job, job_id, time.time())
 
-    def blocked(self, key: str) -> bool:
-        return key in self._blocks
+    def blocker(self, key: str) -> str | None:
+        block = self._blocks.get(key)
+        return None if block is None else block.job_id
 
     def unblock(self, key: str) -> bool:
         with self._lock:
@@ -90,8 +93,9 @@ class SqliteBlocks:
             (key, job, job_id, time.time()),
         )
 
-    def blocked(self, key: str) -> bool:
-        return bool(self._read("SELECT 1 FROM ordering_blocks WHERE key = ?", (key,)))
+    def blocker(self, key: str) -> str | None:
+        rows = self._read("SELECT job_id FROM ordering_blocks WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
 
     def unblock(self, key: str) -> bool:
         return self._write("DELETE FROM ordering_blocks WHERE key = ?", (key,)) > 0

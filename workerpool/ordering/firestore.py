@@ -27,8 +27,9 @@ class FirestoreBlocks:
         data = {"kind": _KIND, "key": key, "job": job, "job_id": job_id, "at": time.time()}
         self._docs.put(key, data)
 
-    def blocked(self, key: str) -> bool:
-        return self._docs.get(key) is not None
+    def blocker(self, key: str) -> str | None:
+        data = self._docs.get(key)
+        return None if data is None else str(data["job_id"])
 
     def unblock(self, key: str) -> bool:
         # Two operators unblocking one key at once are both told it was blocked: harmless.

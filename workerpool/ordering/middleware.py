@@ -1,9 +1,13 @@
 """Blocking an ordering key whose job exhausted its attempts, for the jobs that ask for it.
 
-``@job(..., ordered_exhausted="block")``: when such a job's message is recorded as
+``@job(..., ordered_exhausted="block")``: when such a job's message is to be recorded as
 ``attempts_exhausted`` (the failure record, as for any job), its ordering key is blocked in
-the shared store, and every later message of the key is given back unrun (deferred) until
-``workerpool ordering unblock KEY``. The default, ``"record"``, records and goes on.
+the shared store first, and every later message of the key is given back unrun (deferred)
+until ``workerpool ordering unblock KEY``. The default, ``"record"``, records and goes on. The
+block is written before the record is published and the message acked: if it cannot be, the
+message is given back, as when its record cannot be published, and no later message of the
+key runs meanwhile. The message that blocked its key runs again if it comes back (its record
+did not go out), to be recorded then.
 
 The gauge ``workerpool.ordering.keys_blocked`` reads the keys blocked now from the shared
 store, by the job that blocked them, each time a reader collects.
@@ -16,14 +20,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
 from workerpool import constants as c
-from workerpool.constants import Label
 from workerpool.ordering import open_blocked_keys
 from workerpool.ordering.blocks import BlockedKeys, MemoryBlocks
 from workerpool.registry import JobSpec
 from workerpool.stores import StoreError
+from workerpool.worker.delivery import Delivery
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.outcome import Deferred, Outcome, Unavailable
-from workerpool.worker.run import Run, Settled
+from workerpool.worker.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,10 @@ class KeyBlocks(Middleware):
         if not key:
             return None
         try:
-            blocked = self._blocks.blocked(key)
+            blocker = self._blocks.blocker(key)
         except StoreError as exc:  # not known: neither run it out of turn nor count a failure
             return Unavailable(f"blocked ordering keys: {exc}")
-        if blocked:
+        if blocker is not None and blocker != run.job.job_id:
             return Deferred(f"ordering key {key!r} is blocked", BLOCKED_RECHECK_SECONDS)
         return None
 
@@ -75,25 +79,20 @@ class KeyBlocks(Middleware):
     def close(self, timeout: float) -> None:
         self._blocks.close()
 
-    def settled(self, event: Settled) -> None:
-        run = event.run
+    def dead_lettering(self, delivery: Delivery, run: Run | None, error_type: str) -> None:
+        key = delivery.ordering_key
         if (
             run is None
-            or event.label is not Label.DEAD_LETTERED
-            or event.error_type != c.ERR_ATTEMPTS_EXHAUSTED
+            or error_type != c.ERR_ATTEMPTS_EXHAUSTED
             or run.job.spec.options.get(OPTION) != BLOCK
-            or not run.delivery.ordering_key
+            or not key
         ):
             return
-        try:
-            self._blocks.block(run.delivery.ordering_key, event.job, event.job_id)
-        except Exception:  # must not raise: the failure record is published either way
-            log.exception("ordering key %r not blocked", run.delivery.ordering_key)
-            return
+        self._blocks.block(key, run.job.name, run.job.job_id)  # (a StoreError: given back)
         log.warning(
             "ordering key %r blocked: job %s (%s) exhausted its attempts; "
             "`workerpool ordering unblock` lets it go on",
-            run.delivery.ordering_key, event.job, event.job_id,
+            key, run.job.name, run.job.job_id,
         )  # fmt: skip
 
 

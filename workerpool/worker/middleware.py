@@ -19,6 +19,9 @@ it the ``StopIteration`` that ends it), so a middleware uses the one it needs.
 ``admitted`` hears what the pool took in, before any of it starts, so a middleware can prepare
 a pull's messages in one call (the idempotency store claims their job ids).
 ``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
+``dead_lettering`` comes before a message's failure record is published, for what must be
+durable before that record and the message's ack (raising gives the message back instead,
+as a record that cannot be published does).
 ``interrupted`` is called when a run is handed back while its handler still runs (the drain
 deadline, a lost claim), so a middleware can give back what it holds. ``options`` names the
 ``@job`` options a middleware reads: ``@job`` refuses any option no middleware declares
@@ -91,6 +94,10 @@ class Middleware:
 
     def settled(self, event: Settled) -> None:
         """A message left the pool (acked, nacked or recorded). Must be quick, must not raise."""
+
+    def dead_lettering(self, delivery: Delivery, run: Run | None, error_type: str) -> None:
+        """``delivery`` is about to be recorded on the dead-letter topic, for ``error_type``,
+        and acked (``run``: None if it never ran). Raise to give it back instead."""
 
     def interrupted(self, run: Run) -> None:
         """``run`` was handed back while it still ran; its message is being nacked."""

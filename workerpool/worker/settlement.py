@@ -100,6 +100,9 @@ class Settlement:
         self._ordered = ordered
         # Those that hear how each message left: a call a message each, only where it is heard.
         self._hear_settled = [mw for mw in middleware if type(mw).settled is not Middleware.settled]
+        self._before_records = [
+            mw for mw in middleware if type(mw).dead_lettering is not Middleware.dead_lettering
+        ]
         self._counts: Counts[str] = Counts()
         self._unread = Facts(1, 1, backoff)  # what the decision of a success never reads
 
@@ -118,7 +121,7 @@ class Settlement:
                 return
             if isinstance(action, DeadLetter):
                 error_type = action.error_type
-                action = self._record(delivery, action, subject, facts)
+                action = self._record(delivery, action, subject, facts, run)
             if isinstance(action, Renew):  # also a record not published on the last delivery
                 action = self._renewed([(delivery, action)])[0]
                 renewed = isinstance(action, Ack)
@@ -156,13 +159,16 @@ class Settlement:
         ]
 
     def _record(
-        self, delivery: Delivery, action: DeadLetter, subject: Subject, facts: Facts
-    ) -> Ack | Nack | Renew:
+        self, delivery: Delivery, action: DeadLetter, subject: Subject, facts: Facts,
+        run: Run | None,
+    ) -> Ack | Nack | Renew:  # fmt: skip
         record = Failure(
             action.error_type, action.error_message, subject.job_name, subject.job_id,
             subject.attempt,
         )  # fmt: skip
         try:
+            for mw in self._before_records:
+                mw.dead_lettering(delivery, run, action.error_type)
             self._records.publish(delivery, record)
         except Exception as exc:  # any failure to record means we must not ack
             log.error("failure record for %s not published: %s", subject.job_id, exc)
