@@ -437,25 +437,32 @@ def test_a_record_near_the_limit_cuts_its_data_only_when_it_must_and_keeps_100_a
     originals: int,
 ) -> None:
     # Given messages of many attributes, whose data comes within a few bytes to a few
-    # hundred bytes of a publish request's limit once the failure attributes are added
+    # thousand bytes of a publish request's limit once the failure attributes are added, or
+    # over it alone
     attributes = {f"attribute-{i:03d}": "v" * 20 for i in range(originals)}
     attributes[c.ATTR_JOB] = "t.item"
     failure = Failure("handler_error", "boom", "t.item", "j-1", 5)
     topic = "projects/p/topics/dlq"
-    for short_by in range(0, 3000, 13):
-        data = b"x" * (c.MAX_PUBLISH_REQUEST_BYTES - 2000 - 30 * originals + short_by)
+    base = c.MAX_PUBLISH_REQUEST_BYTES - 2000 - 30 * originals
+    for size in [*range(base, base + 3000, 13), c.MAX_PUBLISH_REQUEST_BYTES - 100]:
+        data = b"x" * size
         record = failure_attributes(
             make_delivery(data, attributes), failure, subscription="s", topic="t", worker="w"
         )
         # When the record is made to fit
         cut, fitted = fit_record(topic, data, record)
-        # Then it fits, has at most 100 attributes, and its data is cut only where the
-        # failure and priority attributes alone (and room for the note that says what was
-        # left out) leave no room for it, and then says so
+        # Then it fits, with at most 100 attributes, and says when its data was cut
         assert publish_request_size(topic, cut, fitted) <= c.MAX_PUBLISH_REQUEST_BYTES
         assert len(fitted) <= c.MAX_ATTRIBUTES
-        ours = {k: v for k, v in record.items() if k in (*c.FAILURE_ATTRIBUTES, "job", "job_id")}
-        ours[c.ATTR_ERROR_MESSAGE] += " " * 160
-        must_cut = publish_request_size(topic, data, ours) > c.MAX_PUBLISH_REQUEST_BYTES
-        assert (cut != data) == must_cut, short_by
         assert (c.ATTR_DATA_CUT in fitted) == (cut != data)
+        ours = {k: v for k, v in fitted.items() if k in (*c.FAILURE_ATTRIBUTES, "job", "job_id")}
+        ours.pop(c.ATTR_DATA_CUT, None)
+        if cut != data:
+            # ... cut only where the data whole does not fit even beside our attributes alone
+            assert publish_request_size(topic, data, ours) > c.MAX_PUBLISH_REQUEST_BYTES, size
+            continue
+        # ... and whole, having left out no more original attributes than it had to
+        left_out = sorted(k for k in record if k not in fitted)
+        if left_out:
+            one_back = {**fitted, left_out[0]: record[left_out[0]]}
+            assert publish_request_size(topic, data, one_back) > c.MAX_PUBLISH_REQUEST_BYTES, size

@@ -88,37 +88,45 @@ def fit_record(
     A message that was within Pub/Sub's limit can exceed it once the failure attributes are
     added; refused, its record would never be written and the message never acked. If the
     data fits beside the failure and priority attributes, other original attributes are left
-    out (last in key order first, as the 100-attribute limit drops them); else the data is cut
-    and every attribute kept, and ``ATTR_DATA_CUT`` says how long it was (such a record cannot
-    be replayed). The error message says what was left out.
+    out, as few as need be (last in key order first, as the 100-attribute limit drops them);
+    else the data is cut and every attribute kept (but one, where there are 100), and
+    ``ATTR_DATA_CUT`` says how long it was (such a record cannot be replayed). The error
+    message says what was left out.
     """
     if publish_request_size(topic, data, attributes) <= limit:
         return data, attributes
-    record = dict(attributes)
-    message = truncate_utf8(record.get(c.ATTR_ERROR_MESSAGE, ""), c.MAX_ATTRIBUTE_VALUE_BYTES - 160)
-    record[c.ATTR_ERROR_MESSAGE] = message + " " * 160  # room for the note below
-    ours = {*c.FAILURE_ATTRIBUTES, *_PRIORITY}
-    droppable = sorted((k for k in record if k not in ours), reverse=True)
-    dropped = 0
-    if publish_request_size(topic, data, {k: record[k] for k in record if k in ours}) <= limit:
-        while publish_request_size(topic, data, record) > limit:
-            del record[droppable[dropped]]
-            dropped += 1
-    cut = data  # else the data must be cut anyway: keep every attribute
-    if publish_request_size(topic, data, record) > limit:
-        # Said in an attribute of its own (a replay must not send a part), in place of an
-        # original one where the record has no room for one more.
-        if len(record) >= c.MAX_ATTRIBUTES and dropped < len(droppable):
-            del record[droppable[dropped]]
-            dropped += 1
-        record[c.ATTR_DATA_CUT] = str(len(data))
-        excess = publish_request_size(topic, data, record) - limit
-        cut = data[: max(0, len(data) - excess)]
-    record[c.ATTR_ERROR_MESSAGE] = (
-        f"{message} [cut to fit one publish request: {dropped} original attributes dropped,"
-        f" data {len(data)} -> {len(cut)} bytes]"
+    message = truncate_utf8(
+        attributes.get(c.ATTR_ERROR_MESSAGE, ""), c.MAX_ATTRIBUTE_VALUE_BYTES - 160
     )
-    return cut, record
+    ours = {*c.FAILURE_ATTRIBUTES, *_PRIORITY}
+    droppable = sorted((k for k in attributes if k not in ours), reverse=True)
+
+    def noted(kept: dict[str, str], dropped: int, cut: int) -> dict[str, str]:
+        note = (
+            f" [cut to fit one publish request: {dropped} original attributes dropped,"
+            f" data {len(data)} -> {cut} bytes]"
+        )
+        return {**kept, c.ATTR_ERROR_MESSAGE: message + note}
+
+    record = dict(attributes)
+    for dropped in range(len(droppable) + 1):  # the data whole, if leaving originals out will do
+        if dropped:
+            del record[droppable[dropped - 1]]
+        whole = noted(record, dropped, len(data))
+        if publish_request_size(topic, data, whole) <= limit:
+            return data, whole
+    # Else the data is cut, every original attribute kept: its length said in an attribute
+    # of its own (a replay must not send a part), in place of an original one where the
+    # record has no room for one more.
+    record, dropped = dict(attributes), 0
+    if len(record) >= c.MAX_ATTRIBUTES and droppable:
+        del record[droppable[0]]
+        dropped = 1
+    record[c.ATTR_DATA_CUT] = str(len(data))
+    # (The note is longest with the data's own length: the cut one has no more digits.)
+    excess = publish_request_size(topic, data, noted(record, dropped, len(data))) - limit
+    cut = data[: max(0, len(data) - excess)]
+    return cut, noted(record, dropped, len(cut))
 
 
 class DeadLetterPublisher:
