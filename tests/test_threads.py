@@ -140,6 +140,23 @@ def test_a_nack_sent_while_an_extension_is_retried_stays_the_last_word() -> None
     assert client.deadlines[-1] == ("ack-x", 0)
 
 
+def test_health_follows_the_last_request_whichever_thread_sent_it() -> None:
+    # Given a nack refused once, then only acks (short jobs: nothing else to send)
+    client = _FlakyClient(gexc.PermissionDenied("no"))
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    acks.start()
+    try:
+        acks.modack(["back"], 0)
+        assert acks.flush(timeout=5) and acks.healthy is False
+        # When acks go through again, Then the worker is healthy again (a thread that has
+        # nothing to send keeps no failure of its own for good)
+        done = acks.ack("done", confirm=True)
+        assert done is not None and done.result(timeout=5) is True
+        assert acks.healthy is True
+    finally:
+        acks.close(timeout=5)
+
+
 def test_the_ack_thread_survives_a_bug_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given an acknowledger whose batch handling breaks once
     client = _FlakyClient()

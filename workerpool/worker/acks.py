@@ -1,4 +1,4 @@
-"""Batch acknowledge / modify_ack_deadline requests on one thread.
+"""Batch acknowledge / modify_ack_deadline requests on two threads.
 
 Handlers finish on many threads; sending one RPC per message caps throughput, so requests
 queue here and go out in batches every few milliseconds. ``flush`` is what drain waits on to
@@ -67,13 +67,10 @@ class Acknowledger:
         self._idle = threading.Condition()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
-        # The threads whose requests fail (Pub/Sub unreachable, a bug here), by name.
-        self._failing: set[str] = set()
-
-    @property
-    def healthy(self) -> bool:
-        """False while either thread's requests fail: /healthz turns 503."""
-        return not self._failing
+        # False while requests fail (Pub/Sub unreachable, a bug here): /healthz turns 503.
+        # (The last request's, on either thread: a thread that has nothing to send leaves
+        # it as the other finds it.)
+        self.healthy = True
 
     def start(self) -> None:
         self._threads = [
@@ -143,7 +140,7 @@ class Acknowledger:
                     self._send(key, batch[key])
             except Exception:  # a bug here must not stop every later request
                 log.exception("sending a batch of acks failed")
-                self._failing.add(threading.current_thread().name)
+                self.healthy = False
                 self._resolve(batch, {})
             if stop:
                 return
@@ -214,7 +211,7 @@ class Acknowledger:
             except Exception as exc:  # PermissionDenied, a closed channel: retrying won't help
                 return self._gave_up(key, pending, exc, took)
             else:
-                self._failing.discard(threading.current_thread().name)
+                self.healthy = True
                 took.update((a, True) for a in pending)
                 return took
             self._closing.wait(0.1 * 2**attempt)
@@ -226,7 +223,7 @@ class Acknowledger:
         # Lost requests are safe: an unacked message is redelivered after its deadline.
         reason = f"{type(exc).__name__}: {exc}" if exc else "transient failures"
         log.warning("%s of %d messages failed: %s", key[0], len(pending), reason)
-        self._failing.add(threading.current_thread().name)
+        self.healthy = False
         took.update((a, False) for a in pending)
         return took
 
