@@ -157,6 +157,28 @@ def test_health_follows_the_last_request_whichever_thread_sent_it() -> None:
         acks.close(timeout=5)
 
 
+class _Deadlines(_FlakyClient):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deadlines: list[tuple[str, int]] = []
+
+    def modify_ack_deadline(self, request: Any, **options: Any) -> None:
+        self.deadlines.extend((a, request.ack_deadline_seconds) for a in request.ack_ids)
+
+
+def test_a_delay_under_a_second_is_a_deadline_of_one_second_not_a_redelivery_at_once() -> None:
+    client = _Deadlines()
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    acks.start()
+    try:
+        for ack_id, seconds in (("soon", 0.3), ("now", 0.0), ("later", 4.6)):
+            acks.modack([ack_id], seconds)
+        assert acks.flush(timeout=5)
+    finally:
+        acks.close(timeout=5)
+    assert sorted(client.deadlines) == [("later", 5), ("now", 0), ("soon", 1)]
+
+
 def test_the_ack_thread_survives_a_bug_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given an acknowledger whose batch handling breaks once
     client = _FlakyClient()

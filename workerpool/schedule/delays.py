@@ -178,10 +178,8 @@ class Delays(Middleware):
             # Its entry is there already and falls due so soon that it may be being fired:
             # this may be the fired copy, come to a worker whose clock is a little behind the
             # firer's. Acked, it would leave nothing to run once the firer removes the entry;
-            # it comes back when due instead (its job id runs once either way); not sooner
-            # than a second: an ack deadline is whole seconds, and 0 would be a redelivery
-            # at once, again and again while the entry is fired.
-            return Deferred(f"not before {text}", max(wait, 1.0))
+            # it comes back when due instead (its job id runs once either way).
+            return Deferred(f"not before {text}", wait)
         self._firer.expect(due)
         return Scheduled(text)
 

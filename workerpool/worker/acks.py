@@ -267,4 +267,8 @@ def _ack_id_errors(exc: gexc.GoogleAPICallError) -> dict[str, str]:
 
 
 def _deadline(seconds: float) -> int:
-    return max(0, min(c.MAX_ACK_DEADLINE_SECONDS, round(seconds)))
+    """Whole seconds, as Pub/Sub takes them; a delay under one is one, not 0 (a redelivery at
+    once, again and again while the delay lasts)."""
+    if seconds <= 0:
+        return 0
+    return max(1, min(c.MAX_ACK_DEADLINE_SECONDS, round(seconds)))
