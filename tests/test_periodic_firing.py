@@ -489,8 +489,9 @@ def test_a_pass_slowed_by_the_store_fires_the_tick_that_fell_meanwhile_late_not_
     marks, publisher, counts = SlowOnce(), Publisher(), Counted()
     marks.mark("h", NOW - HOUR, NOW - HOUR)
     marks.published("h", NOW - HOUR, 0)
-    firer = Periodics([hourly("none")], marks, "t", publisher, clock=clock, poll=POLL,
-                      on_ticks=counts)  # fmt: skip
+    # (the call's 8 s pass on the monotonic clock too, as they would)
+    firer = Periodics([hourly("none")], marks, "t", publisher, clock=clock, monotonic=clock,
+                      poll=POLL, on_ticks=counts)  # fmt: skip
     # When the worker runs through it
     firer.start()
     try:
@@ -524,6 +525,83 @@ def test_ticks_the_store_could_not_mark_in_an_outage_are_caught_up_by_the_policy
     # 100 ticks at once
     assert publisher.job_ids() == [every.job_id(NOW + 100)]
     assert counts.totals() == {"fired": 1, "missed": 99}
+
+
+def test_a_tick_the_store_missed_for_a_second_fires_late_even_with_catch_up_none() -> None:
+    # Given catch_up "none", the tick an hour ago fired, and the store failing the mark of
+    # the tick on the hour once
+    clock = _Clock(NOW - 0.5)
+    marks, publisher, counts = _Unreachable("mark_many", 0), Publisher(), Counted()
+    marks.mark("h", NOW - HOUR, NOW - HOUR)
+    marks.published("h", NOW - HOUR, 0)
+    firer = Periodics([hourly("none")], marks, "t", publisher, clock=clock, poll=POLL,
+                      on_ticks=counts)  # fmt: skip
+    firer.start()
+    try:
+        marks.failures, calls = 1, marks.calls
+        clock.now = NOW + 0.1
+        assert wait_for(lambda: marks.calls > calls and not marks.failures, timeout=10)
+        # When it answers a second later
+        clock.now = NOW + 1.1
+        assert wait_for(lambda: publisher.job_ids(), timeout=10)
+    finally:
+        firer.close(5)
+    # Then the tick is fired, a second late: a blip of the store is no downtime of the fleet
+    assert publisher.job_ids() == [job_id(NOW)] and counts.totals() == {"fired": 1}
+
+
+def test_an_operators_run_during_an_outage_hides_none_of_the_ticks_missed_around_it() -> None:
+    # Given catch_up "all", a tick each minute, and the store failing this worker's marks for
+    # ten minutes, while an operator triggers a run (its mark is written by the command)
+    clock = _Clock(NOW - 0.5)
+    marks, publisher = _Unreachable("mark_many", 0), Publisher()
+    minutely = Periodic("m", "demo.echo", Ticks(ZoneInfo("UTC"), every=60), catch_up="all")
+    firer = Periodics([minutely], marks, "t", publisher, clock=clock, poll=POLL)
+    firer.start()
+    try:
+        marks.failures = 1_000_000
+        for step in range(1, 601, 10):
+            clock.now, calls = NOW + step, marks.calls
+            if step == 301:
+                MemoryMarks.mark_many(marks, [("m", NOW + 300.123)], REQUESTED)
+            assert wait_for(lambda calls=calls: marks.calls > calls, timeout=10)
+        # When it answers again
+        marks.failures = 0
+        expected = {minutely.job_id(NOW + 60 * k) for k in range(10)}  # up to NOW + 591
+        assert wait_for(lambda: expected <= set(publisher.job_ids()), timeout=10)
+    finally:
+        firer.close(5)
+    # Then every tick of the ten minutes is fired (caught up), the operator's run besides
+    assert len(publisher.job_ids()) == 11
+
+
+def test_a_clock_stepped_in_the_middle_of_a_pass_is_looked_back_over_not_walked() -> None:
+    # Given a tick each second, catch_up "latest", and the clock stepping an hour forward
+    # during a store call (not a wait)
+    clock = _Clock(NOW + 0.5)
+
+    class StepsOnce(MemoryMarks):
+        step = False
+
+        def unpublished(self, marked_before: float) -> list[Mark]:
+            if self.step:
+                self.step = False
+                clock.now += HOUR
+            return super().unpublished(marked_before)
+
+    marks, publisher, counts = StepsOnce(), Publisher(), Counted()
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="latest")
+    firer = Periodics([every], marks, "t", publisher, clock=clock, poll=POLL, on_ticks=counts)
+    firer.start()
+    try:
+        marks.step = True
+        assert wait_for(lambda: "missed" in counts.totals(), timeout=10)
+    finally:
+        firer.close(5)
+    # Then its catch_up applies (the latest fired, 999 counted missed, as many as a look-back
+    # counts), not 3,600 ticks one by one
+    assert publisher.job_ids() == [every.job_id(NOW + HOUR)]
+    assert counts.totals() == {"fired": 1, "missed": 999}
 
 
 def test_a_mark_left_before_its_overlap_was_decided_is_decided_again_when_taken_over() -> None:

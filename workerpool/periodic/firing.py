@@ -23,8 +23,8 @@ tick marked (none marked yet: nothing is missed) but no further than ``catch_up_
 latest of them counts the ticks left out as missed (with "none", it marks it missed: only
 ticks older than ``take_over_after``, which a running fleet would have marked; marked at
 ``LEFT_OUT``, so that a worker taking the mark over sets it missed too). Ticks the store could
-not mark are looked back for the same way once it answers, and so are the ticks a worker whose
-wait overran by more than ``take_over_after`` (suspended, its clock stepped) slept through. A
+not mark are looked back for the same way once it answers, and so are the ticks a worker held
+up for more than ``take_over_after`` (frozen, suspended, its clock stepped) slept through. A
 look-back the store did not answer is tried again at each look.
 
 A worker that takes over a mark its marker left decides on it again: the overlap policy, and
@@ -100,7 +100,10 @@ class Periodics(Middleware):
         on_late: Callable[[str, float], None] = lambda name, seconds: None,
         on_ticks: Callable[[str, str, int], None] = lambda name, outcome, count: None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` tells the ticks; ``monotonic``, beside it, tells a worker held up (see
+        ``_run``)."""
         self._schedules = {s.name: s for s in schedules}
         self._marks = marks
         self._topic = topic
@@ -110,6 +113,7 @@ class Periodics(Middleware):
         self._on_late = on_late
         self._on_ticks = on_ticks
         self._clock = clock
+        self._monotonic = monotonic
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pauses: dict[str, Pause] = {}  # as last read (kept while the store fails)
@@ -131,23 +135,28 @@ class Periodics(Middleware):
         self._marks.close()
 
     def _run(self) -> None:
-        started = self._clock()
+        started, looked = self._clock(), self._monotonic()
         due = {name: s.ticks.after(started) for name, s in self._schedules.items()}
-        # The look-backs still to make, by schedule: the ticks missed after ``since`` (and
-        # after the last one the fleet marked; since None: from that one), which catch_up
-        # decides about. One at the start; one for the ticks the store could not mark (it was
-        # out of reach: the fleet missed them as it would while down); and one for a worker
-        # whose wait overran by more than a take-over (it was suspended, or its clock stepped
-        # forward), which looks back as a worker just started would, not tick by tick. Until
-        # its look-back is made, a schedule fires nothing else, and the look-back reaches
-        # up to the last look: a tick fired meanwhile would move the last one marked.
+        # The look-backs still to make, by schedule: the ticks missed after ``since`` (None:
+        # the last one the fleet marked), which catch_up decides about. One at the start; one
+        # for the ticks the store could not mark (it was out of reach: the fleet missed them
+        # as it would while down); and one for a worker held up for more than a take-over (a
+        # wait that overran: it was frozen; or its clock moved on by more than the monotonic
+        # one: it was suspended, or its clock stepped), which looks back as a worker just
+        # started would, not tick by tick. A pass slowed by the store is no such thing: the
+        # ticks that fell meanwhile fire late. Until its look-back is made, a schedule fires
+        # nothing else, and the look-back reaches up to the last look: a tick fired
+        # meanwhile would move the last one marked.
         behind: dict[str, float | None] = dict.fromkeys(self._schedules)
-        wake_at = started
+        wake_at, last_look = looked, (started, looked)
         while not self._stop.is_set():
-            now = self._clock()
+            now, looked = self._clock(), self._monotonic()
+            stepped = (now - last_look[0]) - (looked - last_look[1])
+            held_up = max(looked - wake_at, stepped) > self._take_over_after
+            last_look = (now, looked)
             if behind or min(due.values()) <= now:
                 self._guarded(self._read_pauses)
-            self._fall_behind(due, behind, now, overslept=now - wake_at > self._take_over_after)
+            self._fall_behind(due, behind, now, held_up=held_up)
             for name, since in list(behind.items()):
                 if not self._guarded(partial(self._look_back, self._schedules[name], since, now)):
                     del behind[name]
@@ -157,21 +166,24 @@ class Periodics(Middleware):
             # publishes, to look back again where the store did not answer, and to see a
             # clock that moved.
             soonest = min((due[name] for name in due if name not in behind), default=math.inf)
-            looked = self._clock()
-            wake_at = min(max(soonest, looked), looked + self._poll)
-            self._stop.wait(wake_at - looked)
+            wait = min(max(0.0, soonest - self._clock()), self._poll)
+            wake_at = self._monotonic() + wait
+            self._stop.wait(wait)
 
     def _fall_behind(
         self, due: dict[str, float], behind: dict[str, float | None], now: float, *,
-        overslept: bool,
+        held_up: bool,
     ) -> None:  # fmt: skip
         """Schedules that look back (see ``_run``) reach up to ``now``; so does any whose
-        tick fell more than a take-over ago while this worker's wait ``overslept``."""
+        tick fell more than a take-over ago while this worker was ``held_up``."""
         for name, schedule in self._schedules.items():
-            if name in behind or (overslept and due[name] < now - self._take_over_after):
+            if name in behind or (held_up and due[name] < now - self._take_over_after):
                 # (``between`` takes the ticks after ``since``: due[name] is one of them)
-                behind[name] = behind[name] if name in behind else due[name] - 1.0
-                due[name] = schedule.ticks.after(now)
+                since = behind[name] = behind[name] if name in behind else due[name] - 1.0
+                # At the start, ticks a look-back leaves out are the running fleet's to fire;
+                # else they fire late here.
+                resume = now if since is None else self._looked_back_to(schedule, now)
+                due[name] = schedule.ticks.after(resume)
 
     def _fire_due(self, due: dict[str, float], behind: dict[str, float | None], now: float) -> None:
         """Fire the ticks due by ``now`` of the schedules not looking back (a worker held up
@@ -208,19 +220,24 @@ class Periodics(Middleware):
         return pause is not None and pause.paused
 
     def _look_back(self, schedule: Periodic, since: float | None, until: float) -> None:
-        """Fire what catch_up keeps of the ticks missed after ``since`` and after the last
-        one the fleet marked (since None: none marked yet, nothing is missed) up to
-        ``until``. (Pauses are read with it: not knowing them, a paused schedule may not look
-        back.)"""
+        """Fire what catch_up keeps of the ticks missed after ``since`` (None: the last the
+        fleet marked; none marked yet, nothing is missed) up to ``until``. (Pauses are read
+        with it: not knowing them, a paused schedule may not look back.)"""
         self._read_pauses()
-        last = self._marks.last(schedule.name)
-        since = last if since is None else max(since, last if last is not None else since)
+        if since is None:
+            since = self._marks.last(schedule.name)
         if since is None or self._paused(schedule.name):
             return
         pause = self._pauses.get(schedule.name)
         start = max(since, until - schedule.catch_up_window, pause.since if pause else since)
-        end = until - self._take_over_after if schedule.catch_up == "none" else until
+        end = self._looked_back_to(schedule, until)
         self._catch_up_ticks(schedule, schedule.ticks.between(start, end, MAX_CATCH_UP))
+
+    def _looked_back_to(self, schedule: Periodic, until: float) -> float:
+        """Where a look-back up to ``until`` ends, and firing goes on from: with catch_up
+        "none", a take-over before it (the ticks after that may be another worker's to fire
+        now, or fire late here; none of them is missed)."""
+        return until - self._take_over_after if schedule.catch_up == "none" else until
 
     def _catch_up_ticks(self, schedule: Periodic, missed: list[float]) -> None:
         """Fire what catch_up keeps of the ``missed`` ticks; the worker that marks the latest
