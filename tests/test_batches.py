@@ -20,7 +20,7 @@ from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
 from workerpool.batches import firestore as firestore_batches
 from workerpool.batches.firestore import FirestoreBatches
-from workerpool.batches.store import DEADLINE, LAST_CHILD, deliver
+from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deliver
 from workerpool.schedule import MemorySchedule
 from workerpool.stores import StoreUnavailable
 from workerpool.testing.emulator import LocalEmulator, free_port
@@ -186,6 +186,13 @@ def test_a_batch_is_created_once(make_store: StoreFactory) -> None:
     with pytest.raises(KeyError):
         store.commit("no-such-batch")
     assert [b.batch_id for b in store.batches()] == ["b1"]
+
+
+def test_two_lists_of_children_never_pass_for_one_however_their_ids_are_spelt() -> None:
+    # Ids may hold any character: a newline must not make ["a\nb", "c"] the same as
+    # ["a", "b\nc"]
+    assert children_digest(["a\nb", "c"]) != children_digest(["a", "b\nc"])
+    assert children_digest(["a", "b"]) == children_digest(["a", "b"])
 
 
 def test_a_batch_id_is_one_set_of_children_open_or_final(make_store: StoreFactory) -> None:

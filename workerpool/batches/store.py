@@ -60,8 +60,9 @@ class Batch:
 
 
 def children_digest(job_ids: Sequence[str]) -> str:
-    """One digest of a batch's children (``job_ids`` sorted, without repeats)."""
-    return hashlib.sha256("\n".join(job_ids).encode()).hexdigest()
+    """One digest of a batch's children (``job_ids`` sorted, without repeats), each id
+    written apart (JSON), so no two lists of ids share one."""
+    return hashlib.sha256(json.dumps(list(job_ids)).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
