@@ -607,6 +607,33 @@ def test_a_clock_stepped_in_the_middle_of_a_pass_is_looked_back_over_not_walked(
     assert counts.totals() == {"fired": 1, "missed": 999}
 
 
+def test_a_catch_up_of_a_thousand_ticks_is_marked_and_published_in_parts_of_500() -> None:
+    # Given a tick each second last fired 1,000 s ago, catch_up "all"
+    class Counting(MemoryMarks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def mark_many(self, ticks: Sequence[tuple[str, float]], now: float) -> list[bool]:
+            self.sizes.append(len(ticks))
+            return super().mark_many(ticks, now)
+
+    marks, publisher = Counting(), Publisher()
+    marks.mark("s", NOW - 1000, NOW - 1000)
+    marks.published("s", NOW - 1000, 0)
+    marks.sizes.clear()
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="all")
+    firer = Periodics([every], marks, "t", publisher, clock=lambda: NOW + 0.5, poll=POLL)
+    # When a worker starts and catches them up
+    firer.start()
+    try:
+        assert wait_for(lambda: len(publisher.job_ids()) == 1000, timeout=10)
+    finally:
+        firer.close(5)
+    # Then it marked (and so published and recorded) them 500 at a time, as a burst goes
+    assert marks.sizes == [500, 500]
+
+
 def test_a_mark_left_before_its_overlap_was_decided_is_decided_again_when_taken_over() -> None:
     # Given overlap "skip" and the previous tick's job still running; a worker marked the
     # tick on the hour and died before it decided to skip it; and another tick whose marker

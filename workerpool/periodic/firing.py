@@ -246,7 +246,8 @@ class Periodics(Middleware):
             return
         kept = {"all": missed, "latest": missed[-1:], "none": []}[schedule.catch_up]
         if kept:
-            won = self._fire([(schedule, tick) for tick in kept])[-1]
+            for start in range(0, len(kept), _BURST):  # each part recorded well within a take-over
+                won = self._fire([(schedule, tick) for tick in kept[start : start + _BURST]])[-1]
         else:
             won = self._marks.mark(schedule.name, missed[-1], LEFT_OUT)
             if won:
