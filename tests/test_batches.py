@@ -122,6 +122,27 @@ def test_the_last_final_outcome_completes_the_batch_once_whatever_the_deliveries
     assert make_store().expire("b1") is None
 
 
+def test_a_child_this_store_does_not_have_is_not_counted_and_says_so(
+    make_store: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given batch b1 of two children, committed
+    store = make_store()
+    _create(store, 2)
+    store.commit("b1")
+    # When an outcome comes for a batch this store has not, and for a job b1 does not have
+    with caplog.at_level("WARNING", logger="workerpool.batches.store"):
+        assert store.record("b-elsewhere", "child-0", True) is None
+        assert store.record("b1", "stranger", True) is None
+    # Then neither counts, and each says so in one line (its batch would wait for its deadline)
+    batch = store.get("b1")
+    assert batch is not None and (batch.done, batch.pending) == (0, 2)
+    said = [r.getMessage() for r in caplog.records if r.name == "workerpool.batches.store"]
+    assert said == [
+        "batch b-elsewhere has no child child-0 in this store: its outcome is not counted",
+        "batch b1 has no child stranger in this store: its outcome is not counted",
+    ]
+
+
 def test_a_replayed_child_turns_done_while_its_batch_is_open(make_store: StoreFactory) -> None:
     store = make_store()
     _create(store, 2)

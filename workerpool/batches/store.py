@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -27,6 +28,8 @@ from workerpool import constants as c
 from workerpool.schedule.store import Entry, ScheduleStore
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 MAX_FAILED_IDS = 1000  # job ids a completion lists at most
 LAST_CHILD, DEADLINE = "last_child", "deadline"
@@ -281,10 +284,10 @@ class BatchStore(ABC):
         counts."""
         outcome = DONE if succeeded else CANCELLED if cancelled else FAILED
 
-        def write(tx: Transaction) -> Completion | bool:
+        def write(tx: Transaction) -> Completion | bool | None:
             found = tx.child(batch_id, job_id)
             if found is None:
-                return False
+                return None
             before, tally = found
             if tally.final:
                 # The call that finalized it may have died before handing its completion
@@ -298,6 +301,12 @@ class BatchStore(ABC):
             return not tally.pending
 
         written = self._atomic(write)
+        if written is None:
+            # Its batch is in another store (a publisher given another one), or it never had
+            # this child: nothing here can count it, and its batch would wait for its deadline.
+            log.warning("batch %s has no child %s in this store: its outcome is not counted",
+                        batch_id, job_id)  # fmt: skip
+            return None
         if isinstance(written, Completion):
             return written
         return self._complete_if_done(batch_id) if written else None
