@@ -24,11 +24,8 @@ from workerpool.worker.processor import Processor, ProcessorSettings
 
 
 def _keyed(key: str, number: int, job: str = "t.step") -> Delivery:
-    delivery = make_delivery(
-        b"{}", {"job": job, "job_id": f"{key}-{number}"}, message_id=f"{key}-{number}"
-    )
-    delivery.ordering_key = key
-    return delivery
+    job_id = f"{key}-{number}"
+    return make_delivery(b"{}", {"job": job, "job_id": job_id}, message_id=job_id, ordering_key=key)
 
 
 def test_a_key_starts_one_message_and_the_next_only_once_it_is_acked() -> None:

@@ -35,7 +35,6 @@ from workerpool.testing.fakes import (
     make_delivery,
     slot_run,
 )
-from workerpool.worker.delivery import Delivery
 from workerpool.worker.limits import PoolLimits
 from workerpool.worker.ordering import Sequencer
 from workerpool.worker.outcome import Deferred, Unavailable
@@ -195,14 +194,6 @@ class _RefusesWrites(MemoryBlocks):
         super().block(key, job, job_id)
 
 
-def _keyed(key: str, number: int) -> Delivery:
-    delivery = make_delivery(
-        b"{}", {"job": "ledger.apply", "job_id": f"{key}-{number}"}, message_id=f"{key}-{number}"
-    )
-    delivery.ordering_key = key
-    return delivery
-
-
 @pytest.mark.parametrize("failures", [0, 1])
 def test_a_key_is_blocked_before_its_failure_record_and_ack_or_its_message_comes_back(
     failures: int,
@@ -226,7 +217,11 @@ def test_a_key_is_blocked_before_its_failure_record_and_ack_or_its_message_comes
     pool.start()
     try:
         # When the key's first job fails for good, with its next one behind it
-        pool.admit([_keyed("acct", 0), _keyed("acct", 1)])
+        pool.admit([
+            make_delivery(b"{}", {"job": "ledger.apply", "job_id": job_id}, message_id=job_id,
+                          ordering_key="acct")
+            for job_id in ("acct-0", "acct-1")
+        ])  # fmt: skip
         assert wait_for(lambda: pool.held == 0, timeout=10, interval=0.005)
     finally:
         pool.quiet()

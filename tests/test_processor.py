@@ -615,8 +615,7 @@ def test_a_completion_is_awaited_where_the_next_message_of_its_key_waits_for_it(
         jobs, acks, FakeLeaser(), FakeDeadLetters(), [recording],
         ProcessorSettings(BACKOFF, ordered=ordered),
     )  # fmt: skip
-    delivery = make_delivery(b"{}", {"job": "t.ok", "job_id": "j"})
-    delivery.ordering_key = ordering_key
+    delivery = make_delivery(b"{}", {"job": "t.ok", "job_id": "j"}, ordering_key=ordering_key)
     # When a message runs and succeeds
     processor.process(delivery)
     # Then its record is awaited (not left to wait for others to share its write) only where

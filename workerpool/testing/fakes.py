@@ -64,7 +64,12 @@ class FakeDeadLetters:
 
 
 def make_delivery(
-    data: bytes, attributes: dict[str, str], *, message_id: str = "m-1", attempt: int | None = 1
+    data: bytes,
+    attributes: dict[str, str],
+    *,
+    message_id: str = "m-1",
+    attempt: int | None = 1,
+    ordering_key: str = "",
 ) -> Delivery:
     return Delivery(
         ack_id=f"ack-{message_id}",
@@ -73,6 +78,7 @@ def make_delivery(
         attributes=attributes,
         published=time.time(),
         delivery_attempt=attempt,
+        ordering_key=ordering_key,
     )
 
 
