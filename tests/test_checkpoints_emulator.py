@@ -141,11 +141,19 @@ def test_a_job_handed_back_by_a_drain_resumes_from_its_last_checkpoint(fleet: Fl
         workers.append(first)
         assert ledger_events(ledger, "cancelled", first.pid), first.output()
         second = _finish_on_a_second_worker(fleet, workers)
-        # Then the next run starts where the handed-back one stopped: no step done twice
+        # Then the next run starts at the step after the last one checkpointed, which is the
+        # handed-back run's last step or the one after it: a step that ended as the deadline
+        # came has its checkpoint refused (the message was given back), and is done again
         [resumed] = ledger_events(ledger, "resume", second.pid)
-        assert resumed["step"] == resume_at == max(_steps(ledger, first.pid)) + 1
+        last_done = max(_steps(ledger, first.pid))
+        assert resumed["step"] == resume_at
+        assert resume_at in (last_done, last_done + 1)
         steps = _steps(ledger)
-        assert sorted(steps) == list(range(STEPS))
+        twice = [step for step, count in Counter(steps).items() if count > 1]
+        assert sorted(set(steps)) == list(range(STEPS))
+        assert twice in ([], [last_done]), twice
+        if twice:
+            assert "checkpoint after its run was handed back" in first.output()
         assert len(ledger_events(ledger, "done")) == 1
         assert wait_for(lambda: fleet.checkpoint() is None, timeout=10)
-    print(f"\n{fleet.kind}: handed back after step {resume_at - 1}, resumed at {resume_at}")
+    print(f"\n{fleet.kind}: handed back after step {last_done}, resumed at {resume_at}")
