@@ -3,12 +3,15 @@ the fleet's concurrency keys."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -18,7 +21,9 @@ from tests.support import wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
 from workerpool.cli import main
+from workerpool.ops import dlq
 from workerpool.ops.dlq import FailureRecord, Replayer, peek
+from workerpool.pubsub import subscription_path, topic_path
 from workerpool.registry import Registry
 from workerpool.slots import SqliteSlots
 from workerpool.telemetry import Telemetry
@@ -137,26 +142,29 @@ def test_dead_letters_are_listed_replayed_processed_and_gone(
     assert not response.received_messages
 
 
+def _publish_failure(resources: PubSubResources, data: bytes, attributes: dict[str, str]) -> None:
+    """A failure record of a message with ``attributes``, as a worker publishes it."""
+    failure = {
+        c.ATTR_ERROR_TYPE: "permanent_error",
+        c.ATTR_ERROR_MESSAGE: "no",
+        c.ATTR_DELIVERY_ATTEMPT: "1",
+        c.ATTR_SOURCE_SUBSCRIPTION: resources.subscription_path,
+        c.ATTR_SOURCE_TOPIC: resources.topic_path,
+        c.ATTR_WORKER: "w",
+        c.ATTR_FAILED_AT: "2026-11-30T00:00:00.000+00:00",
+    }
+    dlq_topic = topic_path(resources.project, resources.dead_letter_topic)
+    resources.publisher.publish(dlq_topic, data, **attributes, **failure).result(30)
+
+
 def test_replay_strips_failure_attributes_and_honours_limit_and_job(
     pubsub_resources: PubSubResources,
 ) -> None:
     # Given failure records on a dead-letter subscription (published as a worker would)
     pubsub_resources.provision()
-    dlq_topic = f"projects/{pubsub_resources.project}/topics/{pubsub_resources.dead_letter_topic}"
-    failure = {
-        c.ATTR_ERROR_TYPE: "permanent_error",
-        c.ATTR_ERROR_MESSAGE: "no",
-        c.ATTR_DELIVERY_ATTEMPT: "1",
-        c.ATTR_SOURCE_SUBSCRIPTION: pubsub_resources.subscription_path,
-        c.ATTR_SOURCE_TOPIC: pubsub_resources.topic_path,
-        c.ATTR_WORKER: "w",
-        c.ATTR_FAILED_AT: "2026-11-30T00:00:00.000+00:00",
-    }
     for i, job in enumerate(("t.a", "t.b", "t.a", "t.a")):
         attributes = {"job": job, "job_id": f"{job}-{i}", "traceparent": TRACEPARENT, "extra": "x"}
-        pubsub_resources.publisher.publish(dlq_topic, b'{"k": 1}', **attributes, **failure).result(
-            30
-        )
+        _publish_failure(pubsub_resources, b'{"k": 1}', attributes)
     # When two records of t.a are replayed
     replayer = Replayer(
         pubsub_resources.subscriber,
@@ -181,6 +189,70 @@ def test_replay_strips_failure_attributes_and_honours_limit_and_job(
     # And the other two records are still there
     left = peek(pubsub_resources.subscriber, pubsub_resources.dead_letter_subscription_path)
     assert sorted(r.job for r in left) == ["t.a", "t.b"]
+
+
+def test_a_pass_longer_than_the_ack_deadline_ends_and_gives_every_record_back(
+    pubsub_resources: PubSubResources, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given 20 failure records on a dead-letter subscription with a 10 s ack deadline, pulled
+    # one a pull: held ones come back one by one while the pass goes on, as they do in a pass
+    # over the many pulls of a large subscription
+    pubsub_resources.provision()
+    short = subscription_path(pubsub_resources.project, f"{pubsub_resources.dead_letter_topic}-10s")
+    pubsub_resources.subscriber.create_subscription(request={
+        "name": short, "ack_deadline_seconds": 10,
+        "topic": topic_path(pubsub_resources.project, pubsub_resources.dead_letter_topic),
+    })  # fmt: skip
+    for i in range(20):
+        _publish_failure(pubsub_resources, b"{}", {"job": "t.a", "job_id": f"a-{i}"})
+    monkeypatch.setattr(dlq, "_BATCH", 1)
+
+    def slow_and_unwanted(record: FailureRecord) -> bool:
+        time.sleep(0.6)
+        return False
+
+    # When a replay that wants none of them outlasts their ack deadline
+    results: list[Any] = []
+    replayer = Replayer(pubsub_resources.subscriber, pubsub_resources.publisher, short)
+    replay = threading.Thread(
+        target=lambda: results.extend(replayer.replay(match=slow_and_unwanted)), daemon=True
+    )
+    replay.start()
+    replay.join(timeout=60)
+    # Then the pass ends, having replayed nothing, and every record is still there
+    assert not replay.is_alive(), "the pass never ended"
+    assert results == []
+    monkeypatch.undo()
+    assert len(peek(pubsub_resources.subscriber, short)) == 20
+
+
+def test_a_replayed_job_that_fails_again_is_not_replayed_again_in_the_same_pass(
+    pubsub_resources: PubSubResources,
+) -> None:
+    # Given 3 failure records, and workers that fail each replayed job again at once (its new
+    # failure record is on the dead-letter topic before the replay goes on)
+    pubsub_resources.provision()
+    for i in range(3):
+        _publish_failure(pubsub_resources, b"{}", {"job": "t.a", "job_id": f"a-{i}"})
+
+    class FailingAgain:
+        def publish(self, topic: str, data: bytes, **attributes: str) -> Any:
+            future = pubsub_resources.publisher.publish(topic, data, **attributes)
+            future.result(30)
+            _publish_failure(pubsub_resources, data, attributes)
+            return future
+
+    dlq = pubsub_resources.dead_letter_subscription_path
+    # When the records are replayed
+    replayed = Replayer(pubsub_resources.subscriber, FailingAgain(), dlq).replay()
+    results = list(itertools.islice(replayed, 10))
+    # Then each is replayed once, and the new failures are left for the next pass
+    assert sorted((r.status, r.record.job_id) for r in results) == [
+        ("replayed", "a-0"), ("replayed", "a-1"), ("replayed", "a-2"),
+    ]  # fmt: skip
+    left = peek(pubsub_resources.subscriber, dlq)
+    assert sorted(r.job_id for r in left) == ["a-0", "a-1", "a-2"]
+    assert not {r.message_id for r in left} & {r.record.message_id for r in results}
 
 
 def test_records_forwarded_by_the_dead_letter_policy_are_understood() -> None:

@@ -2,7 +2,8 @@
 replay them where they came from.
 
 ``peek`` pulls records and gives them back (``modify_ack_deadline(0)``) without consuming them;
-they are held until the listing ends, so each is seen once. ``replay`` republishes each record
+they are held until the listing ends, so each is seen once. Each call is one pass over the
+records published before it began (see ``_Puller.pull``). ``replay`` republishes each record
 to its ``source_topic`` with the failure attributes stripped (``job``, ``job_id``, the trace
 context and any other original attribute kept) and acks it only once Pub/Sub has confirmed the
 republish; records it skips (``--job``, ``--dry-run``) are given back at the end. ``delete``
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from google.api_core import exceptions as gexc
@@ -113,15 +114,21 @@ def _record(received: Any) -> FailureRecord:
 
 @dataclass
 class _Puller:
-    """Pulls records once each, holding what is not consumed until ``release``."""
+    """Pulls, once each, the records published before it was made (one pass over the
+    subscription), holding what is not consumed until ``release``."""
 
     subscriber: Any
     subscription: str
     held: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
+    began: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     def pull(self, count: int) -> list[FailureRecord] | None:
-        """Records not seen before; None once the subscription has nothing more to give."""
+        """Records not seen before; None once a pull brings none. A pull that brings only
+        records already seen (held ones whose ack deadline passed come back) or published
+        since the pass began (a replayed job failing again) ends the pass: otherwise a pass
+        longer than the subscription's ack deadline would never end, and a replay would replay
+        its own jobs' new failures. A record can so be left for the next pass, never lost."""
         try:
             response = self.subscriber.pull(
                 request={"subscription": self.subscription, "max_messages": count},
@@ -129,17 +136,18 @@ class _Puller:
             )
         except gexc.DeadlineExceeded:
             return None
-        if not response.received_messages:
-            return None
         fresh = []
         for received in response.received_messages:
             record = _record(received)
-            if record.message_id in self.seen:
-                self.hold(record)  # came back while held too long: give it back again
+            if record.message_id in self.seen or self._since_began(record):
+                self.hold(record)
             else:
                 self.seen.add(record.message_id)
                 fresh.append(record)
-        return fresh
+        return fresh or None
+
+    def _since_began(self, record: FailureRecord) -> bool:
+        return record.publish_time is not None and record.publish_time >= self.began
 
     def hold(self, record: FailureRecord) -> None:
         self.held.append(record.ack_id)
