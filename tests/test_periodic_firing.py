@@ -634,6 +634,42 @@ def test_a_catch_up_of_a_thousand_ticks_is_marked_and_published_in_parts_of_500(
     assert marks.sizes == [500, 500]
 
 
+def test_the_confirmations_of_a_catch_up_share_one_timeout_when_pub_sub_does_not_answer() -> None:
+    # Given a tick each second last fired 5 s ago, catch_up "all", and a Pub/Sub that never
+    # confirms a publish (each wait for a confirmation lasts its whole timeout, on a clock
+    # the test moves)
+    monotonic = _Clock(0.0)
+    waits: list[float] = []
+
+    class Unanswered(Future[str]):
+        def result(self, timeout: float | None = None) -> str:
+            assert timeout is not None
+            waits.append(timeout)
+            monotonic.now += timeout
+            raise TimeoutError
+
+    class Unanswering(Publisher):
+        def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
+            super().publish(topic, data, **attributes)
+            return Unanswered()
+
+    marks, publisher = MemoryMarks(), Unanswering()
+    marks.mark("s", NOW - 5, NOW - 5)
+    marks.published("s", NOW - 5, 0)
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="all")
+    firer = Periodics([every], marks, "t", publisher, clock=lambda: NOW + 0.5, poll=POLL,
+                      monotonic=monotonic)  # fmt: skip
+    # When a worker catches them up
+    firer.start()
+    try:
+        assert wait_for(lambda: len(waits) >= 5, timeout=10)
+    finally:
+        firer.close(5)
+    # Then the five confirmations were waited for 30 s in all, not 30 s each
+    assert waits[:5] == [30.0, 0.0, 0.0, 0.0, 0.0]
+    assert sorted(publisher.job_ids()[:5]) == [every.job_id(NOW - s) for s in range(4, -1, -1)]
+
+
 def test_a_mark_left_before_its_overlap_was_decided_is_decided_again_when_taken_over() -> None:
     # Given overlap "skip" and the previous tick's job still running; a worker marked the
     # tick on the hour and died before it decided to skip it; and another tick whose marker

@@ -366,9 +366,11 @@ class Periodics(Middleware):
         """Publish the ticks' jobs all at once, wait for their message ids, and mark those
         published in one transaction; ``late``: their lateness is measured (not for an
         operator's run, which is as late as it was asked). A tick whose publish failed stays
-        unpublished, and is taken over after a while."""
+        unpublished, and is taken over after a while. The confirmations share one timeout: a
+        Pub/Sub that does not answer holds the thread 30 s, not 30 s for each of 500 ticks."""
         sent = [(schedule, tick, self._send(schedule, tick)) for schedule, tick in ticks]
-        out = [(s, tick) for s, tick, future in sent if self._confirmed(s, tick, future)]
+        until = self._monotonic() + _PUBLISH_TIMEOUT
+        out = [(s, tick) for s, tick, future in sent if self._confirmed(s, tick, future, until)]
         for schedule, tick in out:
             if late:
                 self._on_late(schedule.name, self._clock() - tick)
@@ -389,12 +391,14 @@ class Periodics(Middleware):
         except Exception as exc:  # (e.g. a client closed): handled as a failed future is
             return exc
 
-    def _confirmed(self, schedule: Periodic, tick: float, future: Any) -> bool:
-        """Whether the publish ``future`` was confirmed (no ordering key: none to resume)."""
+    def _confirmed(self, schedule: Periodic, tick: float, future: Any, until: float) -> bool:
+        """Whether the publish ``future`` was confirmed by the monotonic ``until`` (no
+        ordering key: none to resume)."""
         try:
             if isinstance(future, Exception):
                 raise future
-            confirmed(self._publisher, self._topic, "", future, _PUBLISH_TIMEOUT)
+            timeout = max(0.0, until - self._monotonic())
+            confirmed(self._publisher, self._topic, "", future, timeout)
         except Exception as exc:  # left unpublished: taken over after a while
             log.warning("periodic %s: tick %s not published yet: %s", schedule.name, tick, exc)
             return False
