@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from workerpool.autoscale.actuator import Beat
@@ -25,6 +27,31 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class Confirmed(Future[str]):
+    """A publish Pub/Sub confirms ``after`` seconds on (never, by default): a wait for it
+    lasts until then or its whole timeout, on ``advance`` (a fake clock's) or asleep;
+    ``waits`` records each wait's timeout."""
+
+    def __init__(
+        self,
+        waits: list[float],
+        advance: Callable[[float], object] = time.sleep,
+        after: float = float("inf"),
+        message_id: str = "m",
+    ) -> None:
+        super().__init__()
+        self._waits, self._advance, self._after, self._id = waits, advance, after, message_id
+
+    def result(self, timeout: float | None = None) -> str:
+        assert timeout is not None, "a wait for a confirmation with no timeout"
+        self._waits.append(timeout)
+        if self._after <= timeout:
+            self._advance(self._after)
+            return self._id
+        self._advance(timeout)
+        raise TimeoutError
 
 
 def make_beat(

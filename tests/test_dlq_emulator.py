@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.fakes import Confirmed
 from tests.support import wait_for
 from workerpool import JobContext, PermanentError, RetryableError
 from workerpool import constants as c
@@ -328,6 +329,48 @@ def test_a_record_whose_data_was_cut_is_kept_not_replayed_in_part() -> None:
     [replayed] = Replayer(subscriber, publisher, "dlq").replay()
     assert replayed.status == "failed" and "its data was cut" in replayed.detail
     assert publisher.sent == [] and "a1" not in subscriber.acked
+
+
+def test_records_pub_sub_does_not_confirm_are_waited_for_one_timeout_in_all_and_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given three failure records, and a Pub/Sub that confirms no republish
+    monkeypatch.setattr(dlq, "_PUBLISH_TIMEOUT", 0.3)
+    waits: list[float] = []
+    attributes = {"job": "t.a", c.ATTR_SOURCE_TOPIC: "projects/p/topics/t"}
+
+    class Subscriber:
+        def __init__(self) -> None:
+            self.acked: list[str] = []
+            self.pulls = 0
+
+        def pull(self, request: dict[str, Any], timeout: float) -> Any:
+            self.pulls += 1
+            received = [
+                SimpleNamespace(ack_id=f"a{i}", message=SimpleNamespace(
+                    message_id=f"m{i}", data=b"{}", attributes=attributes, publish_time=None,
+                ))
+                for i in range(3)
+            ] if self.pulls == 1 else []  # fmt: skip
+            return SimpleNamespace(received_messages=received)
+
+        def acknowledge(self, request: dict[str, Any]) -> None:
+            self.acked.extend(request["ack_ids"])
+
+        def modify_ack_deadline(self, request: dict[str, Any]) -> None:
+            pass
+
+    class Publisher:
+        def publish(self, topic: str, data: bytes, **attributes: str) -> Any:
+            return Confirmed(waits)
+
+    subscriber = Subscriber()
+    # When they are replayed
+    results = list(Replayer(subscriber, Publisher(), "dlq").replay())
+    # Then the first republish is waited for the whole timeout, the others not at all (it is
+    # spent), and all three records are kept
+    assert 0 < waits[0] <= 0.3 and waits[1:] == [0.0, 0.0]
+    assert [r.status for r in results] == ["failed"] * 3 and subscriber.acked == []
 
 
 def test_status_shows_settings_and_says_monitoring_is_unavailable_on_the_emulator(

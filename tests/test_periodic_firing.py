@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
+from tests.fakes import Confirmed, FakeClock
 from tests.support import store_handles, wait_for
 from workerpool.periodic import Mark, Marks, MemoryMarks, Periodic, SqliteMarks, Ticks
 from workerpool.periodic.firing import Periodics
@@ -638,20 +639,12 @@ def test_the_confirmations_of_a_catch_up_share_one_timeout_when_pub_sub_does_not
     # Given a tick each second last fired 5 s ago, catch_up "all", and a Pub/Sub that never
     # confirms a publish (each wait for a confirmation lasts its whole timeout, on a clock
     # the test moves)
-    monotonic = _Clock(0.0)
-    waits: list[float] = []
-
-    class Unanswered(Future[str]):
-        def result(self, timeout: float | None = None) -> str:
-            assert timeout is not None
-            waits.append(timeout)
-            monotonic.now += timeout
-            raise TimeoutError
+    monotonic, waits = FakeClock(0.0), []
 
     class Unanswering(Publisher):
         def publish(self, topic: str, data: bytes, **attributes: str) -> Future[str]:
             super().publish(topic, data, **attributes)
-            return Unanswered()
+            return Confirmed(waits, monotonic.advance)
 
     marks, publisher = MemoryMarks(), Unanswering()
     marks.mark("s", NOW - 5, NOW - 5)

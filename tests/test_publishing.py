@@ -4,15 +4,17 @@ takes (a publisher that records stands in for Pub/Sub; tests/test_cli.py publish
 from __future__ import annotations
 
 from concurrent.futures import Future
+from math import inf
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import workerpool
+from tests.fakes import Confirmed, FakeClock
 from workerpool.batches import SqliteBatches
 from workerpool.errors import ConfigError
-from workerpool.publishing import JobMessage, read_jsonl
+from workerpool.publishing import JobMessage, confirm_all, read_jsonl
 
 
 class _Publisher:
@@ -129,3 +131,23 @@ def test_a_batch_id_too_long_for_its_deadline_job_records_and_publishes_nothing(
     batches = SqliteBatches(tmp_path / "fleet.db")
     assert batches.get(batch_id) is None
     batches.close()
+
+
+def test_confirmations_are_waited_for_until_the_timeout_after_the_last_answer() -> None:
+    # Given publishes Pub/Sub confirms 10 s and 25 s on, one the client refused as it was
+    # sent, two it never confirms, and one confirmed already
+    clock, waits = FakeClock(0.0), []
+
+    def sent(after: float) -> tuple[str, str, Confirmed]:
+        return ("t", "", Confirmed(waits, clock.advance, after, f"m-{after:g}"))
+
+    refused = ValueError("refused by the client")
+    publishes = [sent(10), sent(25), ("t", "", refused), sent(inf), sent(inf), sent(0)]
+    # When they are waited for with a timeout of 30 s
+    results = confirm_all(object(), publishes, 30, monotonic=clock)
+    # Then each answer gives the next wait 30 s again, and once 30 s pass with no answer the
+    # rest are not waited for: 65 s in all, not 30 s for each unanswered one
+    assert waits == [30, 30, 30, 0, 0]
+    assert results[:3] == ["m-10", "m-25", refused] and results[5] == "m-0"
+    assert all(isinstance(result, TimeoutError) for result in results[3:5])
+    assert clock() == 65

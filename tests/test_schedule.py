@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.fakes import FakeClock, through
+from tests.fakes import Confirmed, FakeClock, through
 from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.cli import main
@@ -27,6 +27,7 @@ from workerpool.schedule import (
     MemorySchedule,
     ScheduleStore,
     SqliteSchedule,
+    delays,
     not_before_text,
     parse_not_before,
     schedule_opener,
@@ -358,6 +359,32 @@ def test_an_entry_the_client_refuses_at_once_holds_up_none_claimed_with_it() -> 
     # Then the other two are out and removed; the refused one stays, for its claim to lapse
     assert [job_id for job_id, _ in publisher.published] == ["b", "c"]
     assert [e.job_id for e in store.entries()] == ["a"]
+
+
+def test_entries_pub_sub_does_not_confirm_are_waited_for_one_timeout_in_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given three entries due, and a Pub/Sub that confirms none of them
+    monkeypatch.setattr(delays, "_PUBLISH_TIMEOUT", 0.3)
+    waits: list[float] = []
+
+    class Unanswering(Publisher):
+        def publish(
+            self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+        ) -> Future[str]:
+            return Confirmed(waits)
+
+    clock = FakeClock(100.0)
+    store = MemorySchedule()
+    for job_id in ("a", "b", "c"):
+        store.add(_entry(job_id, 100.0))
+    firer = Firer(store, TOPIC, Unanswering(), clock=clock)
+    # When they are claimed and published together
+    firer._publish(store.claim_due(TOPIC, clock(), lease=30, limit=10)[0])
+    # Then the first is waited for the whole timeout, the others not at all (it is spent),
+    # and all three stay, for their claims to lapse
+    assert 0 < waits[0] <= 0.3 and waits[1:] == [0.0, 0.0]
+    assert sorted(e.job_id for e in store.entries()) == ["a", "b", "c"]
 
 
 def test_a_delayed_message_whose_copy_would_not_fit_a_publish_is_refused_not_scheduled() -> None:

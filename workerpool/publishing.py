@@ -14,8 +14,9 @@ import dataclasses
 import json
 import os
 import threading
+import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -108,6 +109,32 @@ def confirmed(
             ) from None
         raise
     return message_id
+
+
+def confirm_all(
+    publisher: Any,
+    sent: Sequence[tuple[str, str, Any]],
+    timeout: float,
+    *,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> list[str | Exception]:
+    """What each of the publishes ``sent`` brought, its message id or its error; each is
+    ``(topic, ordering key, future)``, or the exception ``send`` raised in the future's place.
+    Each wait lasts until ``timeout`` after the last confirmation: a Pub/Sub that answers no
+    more holds the caller ``timeout`` in all, not ``timeout`` for each message, and one that
+    answers slowly is waited for."""
+    until = monotonic() + timeout
+    results: list[str | Exception] = []
+    for topic, ordering_key, future in sent:
+        try:
+            if isinstance(future, Exception):
+                raise future
+            wait = max(0.0, until - monotonic())
+            results.append(confirmed(publisher, topic, ordering_key, future, wait))
+            until = monotonic() + timeout
+        except Exception as exc:
+            results.append(exc)
+    return results
 
 
 _default_publisher: Any = None

@@ -25,6 +25,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 
 from workerpool import constants as c
+from workerpool.publishing import confirm_all
 from workerpool.pubsub import subscription_path
 
 log = logging.getLogger(__name__)
@@ -277,12 +278,12 @@ class Replayer:
             else:
                 future = self._publisher.publish(topic, record.data, **record.replay_attributes())
                 sent.append((record, topic, future))
-        for record, topic, future in sent:
-            try:
-                future.result(timeout=_PUBLISH_TIMEOUT)
-            except Exception as exc:  # not confirmed: keep the record
+        waits = [(topic, "", future) for _, topic, future in sent]
+        results = confirm_all(self._publisher, waits, _PUBLISH_TIMEOUT)
+        for (record, topic, _), result in zip(sent, results, strict=True):
+            if isinstance(result, Exception):  # not confirmed: keep the record
                 puller.hold(record)
-                yield Replayed(record, "failed", topic, f"publish failed: {exc}")
+                yield Replayed(record, "failed", topic, f"publish failed: {result}")
                 continue
             # Acked only now that the republish is confirmed: a lost ack means a second copy,
             # which the job id's idempotency record turns into a duplicate, never a loss.

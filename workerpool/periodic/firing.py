@@ -60,7 +60,7 @@ from workerpool.periodic.marks import (
     Pause,
 )  # fmt: skip
 from workerpool.periodic.spec import MAX_CATCH_UP, Periodic
-from workerpool.publishing import JobMessage, confirmed, send
+from workerpool.publishing import JobMessage, confirm_all, send
 from workerpool.schedule.when import not_before_text
 from workerpool.stores import StoreError
 from workerpool.worker.middleware import Middleware
@@ -366,11 +366,17 @@ class Periodics(Middleware):
         """Publish the ticks' jobs all at once, wait for their message ids, and mark those
         published in one transaction; ``late``: their lateness is measured (not for an
         operator's run, which is as late as it was asked). A tick whose publish failed stays
-        unpublished, and is taken over after a while. The confirmations share one timeout: a
-        Pub/Sub that does not answer holds the thread 30 s, not 30 s for each of 500 ticks."""
-        sent = [(schedule, tick, self._send(schedule, tick)) for schedule, tick in ticks]
-        until = self._monotonic() + _PUBLISH_TIMEOUT
-        out = [(s, tick) for s, tick, future in sent if self._confirmed(s, tick, future, until)]
+        unpublished, and is taken over after a while (``confirm_all``: a Pub/Sub that does not
+        answer holds the thread 30 s, not 30 s for each of 500 ticks)."""
+        sent = [(self._topic, "", self._send(schedule, tick)) for schedule, tick in ticks]
+        results = confirm_all(self._publisher, sent, _PUBLISH_TIMEOUT, monotonic=self._monotonic)
+        out = []
+        for (schedule, tick), result in zip(ticks, results, strict=True):
+            if isinstance(result, Exception):  # left unpublished: taken over after a while
+                log.warning("periodic %s: tick %s not published yet: %s",
+                            schedule.name, tick, result)  # fmt: skip
+            else:
+                out.append((schedule, tick))
         for schedule, tick in out:
             if late:
                 self._on_late(schedule.name, self._clock() - tick)
@@ -390,19 +396,6 @@ class Periodics(Middleware):
             return send(self._publisher, self._topic, data, attributes, message.ordering_key)
         except Exception as exc:  # (e.g. a client closed): handled as a failed future is
             return exc
-
-    def _confirmed(self, schedule: Periodic, tick: float, future: Any, until: float) -> bool:
-        """Whether the publish ``future`` was confirmed by the monotonic ``until`` (no
-        ordering key: none to resume)."""
-        try:
-            if isinstance(future, Exception):
-                raise future
-            timeout = max(0.0, until - self._monotonic())
-            confirmed(self._publisher, self._topic, "", future, timeout)
-        except Exception as exc:  # left unpublished: taken over after a while
-            log.warning("periodic %s: tick %s not published yet: %s", schedule.name, tick, exc)
-            return False
-        return True
 
     @staticmethod
     def _forget(schedule: Periodic, tick: float) -> float:

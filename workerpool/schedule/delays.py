@@ -24,7 +24,7 @@ from typing import Any
 
 from workerpool import constants as c
 from workerpool.constants import MAX_PUBLISH_REQUEST_BYTES
-from workerpool.publishing import confirmed, send
+from workerpool.publishing import confirm_all, send
 from workerpool.schedule.store import Entry, ScheduleStore
 from workerpool.schedule.when import parse_not_before
 from workerpool.stores import StoreError
@@ -112,16 +112,14 @@ class Firer:
                 future = send(self._publisher, self._topic, entry.data, attributes, key)
             except Exception as exc:  # (a client closed, say): as a failed future, its own
                 future = exc  # alone: the entries after it in the claim still go out
-            futures.append((entry, key, future))
+            futures.append((self._topic, key, future))
         published = []
-        for entry, key, future in futures:
-            try:
-                if isinstance(future, Exception):
-                    raise future
-                confirmed(self._publisher, self._topic, key, future, _PUBLISH_TIMEOUT)
+        results = confirm_all(self._publisher, futures, _PUBLISH_TIMEOUT)
+        for entry, result in zip(entries, results, strict=True):
+            if isinstance(result, Exception):  # its claim lapses and it is fired again
+                log.warning("delayed job %s not published yet: %s", entry.job_id, result)
+            else:
                 published.append(entry.job_id)
-            except Exception as exc:  # its claim lapses and it is fired again
-                log.warning("delayed job %s not published yet: %s", entry.job_id, exc)
         if published:
             self._schedule.fired(self._topic, published)
 
