@@ -19,6 +19,7 @@ from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
 from workerpool.batches import firestore as firestore_batches
+from workerpool.batches import store as batch_store
 from workerpool.batches.firestore import FirestoreBatches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deliver
 from workerpool.schedule import MemorySchedule
@@ -176,6 +177,51 @@ def test_cancelled_children_finalize_the_batch_and_are_counted_apart(
     assert (payload["succeeded"], payload["failed"], payload["cancelled"]) == (1, 1, 2)
     assert payload["failed_job_ids"] == ["child-1"]
     assert sorted(payload["cancelled_job_ids"]) == ["child-2", "child-3"]
+
+
+def test_cancelled_children_are_counted_by_their_tallies_and_listed_never_all_read(
+    make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a completion that lists 2 job ids of a kind at most, and the store's listings
+    # of children watched
+    monkeypatch.setattr(batch_store, "MAX_FAILED_IDS", 2)
+    store = make_store()
+    asked: list[tuple[str, int]] = []
+    atomic = store._atomic
+
+    class Listings:
+        def __init__(self, tx: Any) -> None:
+            self._tx = tx
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._tx, name)
+
+        def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
+            asked.append((outcome, limit))
+            found: list[str] = self._tx.children(batch_id, outcome, limit)
+            return found
+
+    monkeypatch.setattr(store, "_atomic", lambda body: atomic(lambda tx: body(Listings(tx))))
+    # And a committed batch of 7: one done, five cancelled (one of them replayed to done
+    # after), and one cancelled last
+    _create(store, 7)
+    store.commit("b1")
+    store.record("b1", "child-0", True)
+    for i in range(1, 6):
+        assert store.record("b1", f"child-{i}", False, cancelled=True) is None
+    assert store.record("b1", "child-5", True) is None
+    batch = store.get("b1")
+    assert batch is not None and (batch.done, batch.failed, batch.cancelled) == (2, 4, 4)
+    # When the last child is cancelled
+    completion = store.record("b1", "child-6", False, cancelled=True)
+    # Then the completion counts the 5 cancelled from the tallies and lists 2 of them, and
+    # no listing asked for more than 2 children
+    assert completion is not None
+    payload = completion.payload()
+    assert (payload["succeeded"], payload["failed"], payload["cancelled"]) == (2, 0, 5)
+    assert len(payload["cancelled_job_ids"]) == 2
+    assert set(payload["cancelled_job_ids"]) <= {f"child-{i}" for i in (1, 2, 3, 4, 6)}
+    assert asked and max(limit for _, limit in asked) <= 2, asked
 
 
 def test_the_deadline_finalizes_what_is_still_open_and_names_the_pending(
@@ -384,7 +430,8 @@ def test_a_store_file_from_before_batches_kept_their_trace_opens_and_keeps_it(
     first.create("new", "t", "j.done", ["a"], 9e9, trace=traceparent)
     # Then both read both: the old one without a trace, the new one with it
     old_batch, new_batch = second.get("old"), second.get("new")
-    assert old_batch is not None and (old_batch.trace, old_batch.children_digest) == ("", "")
+    assert old_batch is not None
+    assert (old_batch.trace, old_batch.children_digest, old_batch.cancelled) == ("", "", 0)
     assert new_batch is not None and new_batch.trace == traceparent
     # ... and the old one, kept without the digest of its children, still refuses others
     with pytest.raises(ValueError, match="exists already"):

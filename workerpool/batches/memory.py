@@ -33,7 +33,9 @@ class _Tables:
     def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
         self.ledger[batch_id][job_id] = outcome
         batch = self.records[batch_id]
-        self.records[batch_id] = replace(batch, done=tally.done, failed=tally.failed)
+        self.records[batch_id] = replace(
+            batch, done=tally.done, failed=tally.failed, cancelled=tally.cancelled
+        )
 
     def tally(self, batch: Batch) -> Tally:
         return Tally.of(batch)

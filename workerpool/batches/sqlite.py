@@ -28,7 +28,8 @@ _SCHEMA = (
         finalized_by TEXT NOT NULL,
         completion_sent INTEGER NOT NULL,
         trace TEXT NOT NULL DEFAULT '',
-        children_digest TEXT NOT NULL DEFAULT ''
+        children_digest TEXT NOT NULL DEFAULT '',
+        cancelled INTEGER NOT NULL DEFAULT 0
     )
     """,
     """
@@ -43,16 +44,16 @@ _SCHEMA = (
 )
 _COLUMNS = (
     "batch_id, topic, on_complete, total, deadline, committed, done, failed, finalized_by, "
-    "completion_sent, trace, children_digest"
+    "completion_sent, trace, children_digest, cancelled"
 )
 
 
 def _batch(row: Any) -> Batch:
     batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent, *rest = row
-    trace, digest = rest
+    trace, digest, cancelled = rest
     return Batch(
         batch_id, topic, on_complete, total, deadline, bool(committed), done, failed, by,
-        bool(sent), trace, digest,
+        bool(sent), trace, digest, cancelled,
     )  # fmt: skip
 
 
@@ -69,11 +70,11 @@ class _Tables:
     def put_batch(self, batch: Batch) -> None:
         self._conn.execute(
             f"INSERT OR REPLACE INTO batches ({_COLUMNS}) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 batch.batch_id, batch.topic, batch.on_complete, batch.total, batch.deadline,
                 int(batch.committed), batch.done, batch.failed, batch.finalized_by,
-                int(batch.completion_sent), batch.trace, batch.children_digest,
+                int(batch.completion_sent), batch.trace, batch.children_digest, batch.cancelled,
             ),
         )  # fmt: skip
 
@@ -97,8 +98,8 @@ class _Tables:
             (outcome, batch_id, job_id),
         )
         self._conn.execute(
-            "UPDATE batches SET done = ?, failed = ? WHERE batch_id = ?",
-            (tally.done, tally.failed, batch_id),
+            "UPDATE batches SET done = ?, failed = ?, cancelled = ? WHERE batch_id = ?",
+            (tally.done, tally.failed, tally.cancelled, batch_id),
         )
 
     def tally(self, batch: Batch) -> Tally:
@@ -136,9 +137,11 @@ class _Tables:
 def _create(conn: sqlite3.Connection) -> None:
     for statement in _SCHEMA:
         conn.execute(statement)
-    # A store file written before batches kept their publisher's trace, or their digest.
+    # A store file written before batches kept their publisher's trace, their digest, or
+    # their cancelled count.
     add_column(conn, "batches", "trace", "TEXT NOT NULL DEFAULT ''")
     add_column(conn, "batches", "children_digest", "TEXT NOT NULL DEFAULT ''")
+    add_column(conn, "batches", "cancelled", "INTEGER NOT NULL DEFAULT 0")
 
 
 class SqliteBatches(BatchStore):

@@ -51,6 +51,7 @@ class Batch:
     # Which children it has, as one digest (``children_digest``): what makes a second
     # creation of its id the same batch (empty: a record written before it was kept).
     children_digest: str = ""
+    cancelled: int = 0  # of the failed, those cancelled by job id
 
     @property
     def pending(self) -> int:
@@ -77,7 +78,8 @@ class Completion:
     batch: Batch
     failed_job_ids: list[str]
     pending_job_ids: list[str]
-    # Children cancelled by job id (``workerpool cancel``): counted apart from the failed.
+    # Children cancelled by job id (``workerpool cancel``), listed apart from the failed
+    # (``MAX_FAILED_IDS`` at most, as the others; ``batch.cancelled`` counts them).
     cancelled_job_ids: list[str] = field(default_factory=list)
 
     @property
@@ -90,8 +92,8 @@ class Completion:
             "batch_id": batch.batch_id,
             "total": batch.total,
             "succeeded": batch.done,
-            "failed": batch.total - batch.done - len(self.cancelled_job_ids),
-            "cancelled": len(self.cancelled_job_ids),
+            "failed": batch.total - batch.done - batch.cancelled,
+            "cancelled": batch.cancelled,
             "failed_job_ids": self.failed_job_ids[:MAX_FAILED_IDS],
             "pending_job_ids": self.pending_job_ids[:MAX_FAILED_IDS],
             "cancelled_job_ids": self.cancelled_job_ids[:MAX_FAILED_IDS],
@@ -114,14 +116,15 @@ _NOT_DONE = (FAILED, CANCELLED)
 
 @dataclass(frozen=True)
 class Tally:
-    """How many of a group of a batch's children are done and failed (a backend keeps its
-    counts in one record per batch, or spreads them over several), and whether the batch is
-    final (its tallies then take no more outcomes)."""
+    """How many of a group of a batch's children are done and failed, and of the failed how
+    many were cancelled (a backend keeps its counts in one record per batch, or spreads them
+    over several), and whether the batch is final (its tallies then take no more outcomes)."""
 
     total: int
     done: int = 0
     failed: int = 0
     final: bool = False
+    cancelled: int = 0
 
     @property
     def pending(self) -> int:
@@ -130,7 +133,7 @@ class Tally:
     @classmethod
     def of(cls, batch: Batch) -> Tally:
         """The tally of a backend that keeps its counts in the batch record."""
-        return cls(batch.total, batch.done, batch.failed, bool(batch.finalized_by))
+        return cls(batch.total, batch.done, batch.failed, bool(batch.finalized_by), batch.cancelled)
 
     def moved(self, before: str, after: str) -> Tally:
         """The counts once a child goes from ``before`` to ``after``."""
@@ -138,12 +141,13 @@ class Tally:
             self,
             done=self.done + (after == DONE) - (before == DONE),
             failed=self.failed + (after in _NOT_DONE) - (before in _NOT_DONE),
+            cancelled=self.cancelled + (after == CANCELLED) - (before == CANCELLED),
         )
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(
             self.total + other.total, self.done + other.done, self.failed + other.failed,
-            self.final or other.final,
+            self.final or other.final, self.cancelled + other.cancelled,
         )  # fmt: skip
 
 
@@ -374,7 +378,10 @@ class BatchStore(ABC):
 
     def _finalize(self, tx: Transaction, batch: Batch, by: str) -> Completion:
         tally = tx.tally(batch)
-        batch = replace(batch, done=tally.done, failed=tally.failed, finalized_by=by)
+        batch = replace(
+            batch, done=tally.done, failed=tally.failed, cancelled=tally.cancelled,
+            finalized_by=by,
+        )  # fmt: skip
         tx.put_batch(batch)
         return self._built(tx, batch)
 
@@ -384,8 +391,11 @@ class BatchStore(ABC):
         # a query there reads every child).
         failed = tx.children(batch.batch_id, FAILED, MAX_FAILED_IDS) if batch.failed else []
         pending = tx.children(batch.batch_id, PENDING, MAX_FAILED_IDS) if batch.pending else []
-        # All of them (at most the failed count): the completion counts them.
-        cancelled = tx.children(batch.batch_id, CANCELLED, batch.failed) if batch.failed else []
+        # Listed as the failed are, never all read: a batch of 30,000 cancelled children
+        # read them all in one transaction, past its timeout, and never finalized.
+        cancelled = (
+            tx.children(batch.batch_id, CANCELLED, MAX_FAILED_IDS) if batch.cancelled else []
+        )
         return Completion(batch, failed + pending, pending, cancelled)
 
 
@@ -394,7 +404,7 @@ def _counted(tx: Transaction, batch: Batch) -> Batch:
     if batch.finalized_by:
         return batch
     tally = tx.tally(batch)
-    return replace(batch, done=tally.done, failed=tally.failed)
+    return replace(batch, done=tally.done, failed=tally.failed, cancelled=tally.cancelled)
 
 
 # --- Handing a completion over ------------------------------------------------------------
