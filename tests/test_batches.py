@@ -9,12 +9,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
+from tests.fakes import FakeClock
 from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
@@ -27,6 +29,7 @@ from workerpool.stores import StoreUnavailable
 from workerpool.testing.emulator import LocalEmulator, free_port
 
 TOPIC = "projects/p/topics/t"
+DAY = 86400.0
 StoreFactory = Callable[[], BatchStore]
 
 
@@ -295,8 +298,8 @@ def test_children_left_by_a_creation_that_failed_part_way_never_pass_for_the_bat
     first, second = (FirestoreBatches(FIRESTORE_PROJECT, collection) for _ in range(2))
     written = firestore_batches._Docs.add_children
 
-    def fails_after_writing(self: Any, batch_id: str, job_ids: Sequence[str]) -> None:
-        written(self, batch_id, job_ids)
+    def fails_after_writing(self: Any, batch: Any, job_ids: Sequence[str]) -> None:
+        written(self, batch, job_ids)
         raise StoreUnavailable("the commit timed out")
 
     mine, theirs = ["a1", "a2", "a3", "a4"], ["b20", "b21", "b24", "b6"]
@@ -391,6 +394,74 @@ def test_firestore_batches_sit_beside_the_idempotency_collection(
     assert isinstance(store, FirestoreBatches) and store._collection.id == "jobs-batches"
     store.close()
     assert batch_opener("none") is None
+
+
+def _finished(store: BatchStore, batch_id: str, deadline: float, *, sent: bool = True) -> None:
+    """A batch of two children, both done: final, and its completion handed over if ``sent``."""
+    store.create(batch_id, TOPIC, "reports.done", ["a", "b"], deadline)
+    store.commit(batch_id)
+    store.record(batch_id, "a", True)
+    assert store.record(batch_id, "b", True) is not None
+    if sent:
+        store.sent(batch_id)
+
+
+def test_sqlite_deletes_a_batch_kept_a_week_past_its_deadline_once_handed_over(
+    tmp_path: Path,
+) -> None:
+    # Given twelve batches whose deadline passed over a week ago and whose completions were
+    # handed over, one whose completion was not, and one six days past its deadline
+    path, deadline = tmp_path / "b.db", 1_800_000_000.0
+    clock = FakeClock(deadline - 60)
+    first = SqliteBatches(path, clock=clock)
+    for i in range(12):
+        _finished(first, f"old-{i}", deadline)
+    _finished(first, "unsent", deadline, sent=False)
+    _finished(first, "recent", deadline + DAY)
+    first.close()
+    clock.advance(60 + batch_store.KEPT_AFTER_DEADLINE + 1)
+
+    def kept() -> list[str]:
+        with sqlite3.connect(path) as conn:
+            batches = conn.execute("SELECT batch_id FROM batches").fetchall()
+            children = conn.execute("SELECT DISTINCT batch_id FROM batch_children").fetchall()
+        assert sorted(children) == sorted(batches)  # no ledger outlives its record
+        return sorted(batch_id for (batch_id,) in batches)
+
+    # When a worker opens the store, Then it deletes ten of the old ones (a purge holds the
+    # file's lock: it deletes a few at a time)
+    store = SqliteBatches(path, clock=clock)
+    assert len(kept()) == 4 and {"unsent", "recent"} <= set(kept())
+    # ... and the other two a thousand calls later, and never the unsent or the recent one
+    for _ in range(1000):
+        store.get("recent")
+    assert kept() == ["recent", "unsent"]
+    store.close()
+
+
+def test_every_firestore_document_of_a_batch_carries_when_a_ttl_policy_may_delete_it(
+    firestore_emulator: LocalEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch of 40 children (in several tallies) with a deadline
+    monkeypatch.setenv(firestore_emulator.env_var, firestore_emulator.host)
+    store = FirestoreBatches(FIRESTORE_PROJECT, f"test-{uuid.uuid4().hex[:12]}")
+    job_ids, deadline = _create(store, 40), 2_000_000_000.0
+    # When it is committed, a child is recorded and the deadline finalizes it
+    store.commit("b1")
+    store.record("b1", job_ids[0], True)
+    assert store.expire("b1") is not None
+    # Then its record, every child (the one recorded too) and every tally say when: a week
+    # past its deadline
+    record = store._collection.document(firestore_batches._key("b1"))
+    documents = [
+        record.get(),
+        *record.collection("children").stream(),
+        *record.collection("tallies").stream(),
+    ]
+    assert len(documents) > 1 + 40 + 1
+    expected = datetime.fromtimestamp(deadline + batch_store.KEPT_AFTER_DEADLINE, tz=UTC)
+    assert {document.get("expire_at") for document in documents} == {expected}
+    store.close()
 
 
 def test_a_completion_goes_to_the_schedule_due_now_as_its_own_job() -> None:

@@ -13,6 +13,10 @@ record itself is written a handful of times: created, committed, finalized, its 
 sent. Finalizing writes the record and closes every tally in one commit, preconditioned on
 all of them as read, so no child's outcome lands between the counts and the completion.
 
+Every document carries ``expire_at``, ``KEPT_AFTER_DEADLINE`` past its batch's deadline: set a
+TTL policy on that field for the collection groups ``<COLLECTION>-batches``, ``children`` and
+``tallies`` to have Firestore delete them.
+
 A batch is created children first, in commits of 500 (not atomic: they count for nothing
 until their tallies exist), then the record and its tallies in one commit. A creation that
 failed part-way leaves its children in the ledger: a second creation of the id is the same
@@ -25,6 +29,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
+from datetime import UTC, datetime
 from typing import Any
 
 from google.cloud.firestore_v1.base_query import FieldFilter
@@ -42,6 +47,16 @@ def _key(text: str) -> str:
 
 def tally_of(job_id: str) -> int:
     return int(_key(job_id)[:8], 16) % TALLIES
+
+
+def _expire_at(batch: Batch) -> datetime:
+    """When a TTL policy may delete the batch's documents: each carries it from its creation
+    (an outcome's write sets only its own fields)."""
+    return datetime.fromtimestamp(batch.expire_at, tz=UTC)
+
+
+def _tally(data: Data) -> Tally:
+    return Tally(**{f.name: data[f.name] for f in fields(Tally) if f.name in data})
 
 
 class _Docs:
@@ -76,7 +91,10 @@ class _Docs:
     def put_batch(self, batch: Batch) -> None:
         batch_id = batch.batch_id
         # "unsent" is what a worker starting queries for (a single-field index: no setup).
-        record = {**asdict(batch), "tallies": self._tallies[batch_id], "unsent": batch.unsent}
+        record = {
+            **asdict(batch), "tallies": self._tallies[batch_id], "unsent": batch.unsent,
+            "expire_at": _expire_at(batch),
+        }  # fmt: skip
         self._tx.write(self._ref(batch_id), record)
         if batch.finalized_by and batch_id not in self._final:
             # Finalized here: close its tallies, as they were counted (read by tally()).
@@ -105,7 +123,7 @@ class _Docs:
             ]
         )
         # A child without its tally belongs to a batch whose creation has not finished.
-        return None if child is None or tally is None else (child["outcome"], Tally(**tally))
+        return None if child is None or tally is None else (child["outcome"], _tally(tally))
 
     def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
         ref = self._ref(batch_id)
@@ -115,17 +133,21 @@ class _Docs:
 
     def tally(self, batch: Batch) -> Tally:
         found = self._tx.read(self._tally_refs(batch.batch_id))
-        counted = [Tally(**data) for data in found if data is not None]
+        counted = [_tally(data) for data in found if data is not None]
         return sum(counted, Tally(0, final=bool(batch.finalized_by)))
 
-    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
+    def add_children(self, batch: Batch, job_ids: Sequence[str]) -> None:
+        batch_id, expire_at = batch.batch_id, _expire_at(batch)
         children = self._ref(batch_id).collection("children")
-        pending = [(children.document(_key(j)), {"job_id": j, "outcome": PENDING}) for j in job_ids]
+        pending = [
+            (children.document(_key(j)), {"job_id": j, "outcome": PENDING, "expire_at": expire_at})
+            for j in job_ids
+        ]
         self._firestore.put_all(pending, MAX_WRITES)
         totals = Counter(tally_of(job_id) for job_id in job_ids)
         self._tallies[batch_id] = sorted(totals)
         for ref, i in zip(self._tally_refs(batch_id), self._tallies[batch_id], strict=True):
-            self._tx.write(ref, asdict(Tally(totals[i])))
+            self._tx.write(ref, {**asdict(Tally(totals[i])), "expire_at": expire_at})
 
     def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
         children = self._ref(batch_id).collection("children")

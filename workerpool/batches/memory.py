@@ -40,8 +40,8 @@ class _Tables:
     def tally(self, batch: Batch) -> Tally:
         return Tally.of(batch)
 
-    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
-        self.ledger.setdefault(batch_id, {}).update(dict.fromkeys(job_ids, PENDING))
+    def add_children(self, batch: Batch, job_ids: Sequence[str]) -> None:
+        self.ledger.setdefault(batch.batch_id, {}).update(dict.fromkeys(job_ids, PENDING))
 
     def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
         return set(job_ids) <= self.ledger.get(batch_id, {}).keys()

@@ -1,19 +1,23 @@
 """The batches of the worker processes of one host: two tables in the idempotency store's
 file, the batch records (each with its counts: the batch's one tally) and their ledger (one
-row per child)."""
+row per child), each batch deleted once kept ``KEPT_AFTER_DEADLINE`` past its deadline."""
 
 from __future__ import annotations
 
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from workerpool.batches import store
 from workerpool.batches.store import PENDING, Batch, BatchStore, T, Tally, Transaction
 from workerpool.stores.sqlite import add_column, connect, immediate, translated
 
 _LABEL = "batch store"
+_PURGE_EVERY = 1000  # calls between purges
+_PURGED_AT_ONCE = 10  # batches a purge deletes at most
 _SCHEMA = (
     """
     CREATE TABLE IF NOT EXISTS batches (
@@ -105,10 +109,10 @@ class _Tables:
     def tally(self, batch: Batch) -> Tally:
         return Tally.of(batch)
 
-    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
+    def add_children(self, batch: Batch, job_ids: Sequence[str]) -> None:
         self._conn.executemany(
             "INSERT OR IGNORE INTO batch_children VALUES (?, ?, ?)",
-            [(batch_id, job_id, PENDING) for job_id in job_ids],
+            [(batch.batch_id, job_id, PENDING) for job_id in job_ids],
         )
 
     def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
@@ -134,6 +138,18 @@ class _Tables:
         return [str(row[0]) for row in rows]
 
 
+def _purge(conn: sqlite3.Connection, now: float) -> None:
+    """Delete a few batches kept past ``KEPT_AFTER_DEADLINE`` whose completion was handed
+    over, and their ledgers (a few: a purge holds the file's lock while it deletes)."""
+    rows = conn.execute(
+        "SELECT batch_id FROM batches WHERE deadline < ? AND completion_sent = 1 LIMIT ?",
+        (now - store.KEPT_AFTER_DEADLINE, _PURGED_AT_ONCE),
+    ).fetchall()
+    for (batch_id,) in rows:
+        conn.execute("DELETE FROM batch_children WHERE batch_id = ?", (batch_id,))
+        conn.execute("DELETE FROM batches WHERE batch_id = ?", (batch_id,))
+
+
 def _create(conn: sqlite3.Connection) -> None:
     for statement in _SCHEMA:
         conn.execute(statement)
@@ -145,13 +161,28 @@ def _create(conn: sqlite3.Connection) -> None:
 
 
 class SqliteBatches(BatchStore):
-    def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 5.0) -> None:
+    """Purges the batches kept past ``KEPT_AFTER_DEADLINE`` (by ``clock``) as it opens and
+    every ``_PURGE_EVERY`` calls."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        busy_timeout: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._lock = threading.Lock()  # one connection: one transaction at a time
+        self._clock = clock
         self._conn = connect(path, busy_timeout, _LABEL, _create)
         self._tables = _Tables(self._conn)
+        self._calls = 0
+        self._atomic(lambda tx: None)
 
     def _atomic(self, body: Callable[[Transaction], T]) -> T:
         with self._lock, translated(_LABEL), immediate(self._conn):
+            if self._calls % _PURGE_EVERY == 0:
+                _purge(self._conn, self._clock())
+            self._calls += 1
             return body(self._tables)
 
     def close(self) -> None:

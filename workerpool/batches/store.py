@@ -32,6 +32,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 MAX_FAILED_IDS = 1000  # job ids a completion lists at most
+# A batch's record and ledger are kept this long past its deadline (it is final by then, its
+# completion handed over), then purged: SQLite deletes them, a Firestore TTL policy on
+# ``expire_at`` does. Pub/Sub keeps a child's message 7 days at most.
+KEPT_AFTER_DEADLINE = 7 * 24 * 3600.0
 LAST_CHILD, DEADLINE = "last_child", "deadline"
 
 
@@ -56,6 +60,10 @@ class Batch:
     @property
     def pending(self) -> int:
         return self.total - self.done - self.failed
+
+    @property
+    def expire_at(self) -> float:
+        return self.deadline + KEPT_AFTER_DEADLINE
 
     @property
     def unsent(self) -> bool:
@@ -178,7 +186,7 @@ class Transaction(Protocol):
         transaction)."""
         ...
 
-    def add_children(self, batch_id: str, job_ids: Sequence[str]) -> None:
+    def add_children(self, batch: Batch, job_ids: Sequence[str]) -> None:
         """The children of a batch being created, pending, and their tallies."""
         ...
 
@@ -232,7 +240,7 @@ class BatchStore(ABC):
         def create(tx: Transaction) -> None:
             existing = tx.batch(batch_id)
             if existing is None:
-                tx.add_children(batch_id, children)
+                tx.add_children(wanted, children)
                 tx.put_batch(wanted)
                 return
             # The same children, by their digest. (Not by finding each in the ledger: a
