@@ -192,12 +192,11 @@ def test_replay_strips_failure_attributes_and_honours_limit_and_job(
     assert sorted(r.job for r in left) == ["t.a", "t.b"]
 
 
-def test_a_pass_longer_than_the_ack_deadline_ends_and_gives_every_record_back(
+def test_a_pass_longer_than_the_ack_deadline_sees_every_record_once_and_ends(
     pubsub_resources: PubSubResources, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given 20 failure records on a dead-letter subscription with a 10 s ack deadline, pulled
-    # one a pull: held ones come back one by one while the pass goes on, as they do in a pass
-    # over the many pulls of a large subscription
+    # one a pull, as a pass over the many pulls of a large subscription goes
     pubsub_resources.provision()
     short = subscription_path(pubsub_resources.project, f"{pubsub_resources.dead_letter_topic}-10s")
     pubsub_resources.subscriber.create_subscription(request={
@@ -207,24 +206,29 @@ def test_a_pass_longer_than_the_ack_deadline_ends_and_gives_every_record_back(
     for i in range(20):
         _publish_failure(pubsub_resources, b"{}", {"job": "t.a", "job_id": f"a-{i}"})
     monkeypatch.setattr(dlq, "_BATCH", 1)
+    examined: list[str] = []
 
-    def slow_and_unwanted(record: FailureRecord) -> bool:
+    def slow_and_wants_the_last(record: FailureRecord) -> bool:
+        examined.append(record.job_id)
         time.sleep(0.6)
-        return False
+        return record.job_id == "a-19"
 
-    # When a replay that wants none of them outlasts their ack deadline
+    # When a replay of the last one outlasts the ack deadline of the records it holds
     results: list[Any] = []
     replayer = Replayer(pubsub_resources.subscriber, pubsub_resources.publisher, short)
     replay = threading.Thread(
-        target=lambda: results.extend(replayer.replay(match=slow_and_unwanted)), daemon=True
+        target=lambda: results.extend(replayer.replay(match=slow_and_wants_the_last)),
+        daemon=True,
     )
     replay.start()
     replay.join(timeout=60)
-    # Then the pass ends, having replayed nothing, and every record is still there
+    # Then the pass looked at each record once, replayed the one it wanted, and ended, and
+    # every other record is still there
     assert not replay.is_alive(), "the pass never ended"
-    assert results == []
+    assert sorted(examined) == sorted(f"a-{i}" for i in range(20))
+    assert [(r.status, r.record.job_id) for r in results] == [("replayed", "a-19")]
     monkeypatch.undo()
-    assert len(peek(pubsub_resources.subscriber, short)) == 20
+    assert len(peek(pubsub_resources.subscriber, short)) == 19
 
 
 def test_a_replayed_job_that_fails_again_is_not_replayed_again_in_the_same_pass(

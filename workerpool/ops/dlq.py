@@ -17,6 +17,7 @@ with error type ``max_delivery_attempts`` and replayed to the topic of their sou
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 _PULL_TIMEOUT = 2.0
 _PUBLISH_TIMEOUT = 60.0
 _BATCH = 100
+# How long a pulled record is kept from other readers while a pass holds it (renewed).
+_LEASE = 60.0
 
 # Which records a call takes, beyond ``job``: the dashboard's filters and selections.
 Match = Callable[["FailureRecord"], bool]
@@ -116,20 +119,25 @@ def _record(received: Any) -> FailureRecord:
 @dataclass
 class _Puller:
     """Pulls, once each, the records published before it was made (one pass over the
-    subscription), holding what is not consumed until ``release``."""
+    subscription), holding what is not consumed until ``release``. What it pulls is kept
+    from other readers for ``_LEASE`` seconds, and what it holds for as long as the pass
+    goes on: a subscription's own ack deadline (10 s at least) is shorter than a pass over a
+    large one, and a record coming back would be pulled again."""
 
     subscriber: Any
     subscription: str
     held: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
     began: datetime = field(default_factory=lambda: datetime.now(UTC))
+    renew_at: float = field(default_factory=lambda: time.monotonic() + _LEASE / 2)
 
     def pull(self, count: int) -> list[FailureRecord] | None:
         """Records not seen before; None once a pull brings none. A pull that brings only
-        records already seen (held ones whose ack deadline passed come back) or published
-        since the pass began (a replayed job failing again) ends the pass: otherwise a pass
-        longer than the subscription's ack deadline would never end, and a replay would replay
-        its own jobs' new failures. A record can so be left for the next pass, never lost."""
+        records published since the pass began (a replayed job failing again), or seen
+        already (one whose lease could not be renewed in time), ends the pass: otherwise a
+        replay would replay its own jobs' new failures, and a stream of new failures would
+        keep it going. Such a record is held, and left for the next pass."""
+        self._renew()
         try:
             response = self.subscriber.pull(
                 request={"subscription": self.subscription, "max_messages": count},
@@ -137,9 +145,10 @@ class _Puller:
             )
         except gexc.DeadlineExceeded:
             return None
+        received = [_record(message) for message in response.received_messages]
+        self._lease([record.ack_id for record in received], _LEASE)
         fresh = []
-        for received in response.received_messages:
-            record = _record(received)
+        for record in received:
             if record.message_id in self.seen or self._since_began(record):
                 self.hold(record)
             else:
@@ -152,18 +161,28 @@ class _Puller:
 
     def hold(self, record: FailureRecord) -> None:
         self.held.append(record.ack_id)
+        self._renew()
+
+    def _renew(self) -> None:
+        """Renew the held records' lease once half of it has passed."""
+        if time.monotonic() >= self.renew_at:
+            self._lease(self.held, _LEASE)
+            self.renew_at = time.monotonic() + _LEASE / 2
 
     def release(self) -> None:
         """Give back every held record at once (ack deadline 0)."""
-        for start in range(0, len(self.held), 1000):
+        self._lease(self.held, 0)
+        self.held.clear()
+
+    def _lease(self, ack_ids: list[str], seconds: float) -> None:
+        for start in range(0, len(ack_ids), 1000):
             self.subscriber.modify_ack_deadline(
                 request={
                     "subscription": self.subscription,
-                    "ack_ids": self.held[start : start + 1000],
-                    "ack_deadline_seconds": 0,
+                    "ack_ids": ack_ids[start : start + 1000],
+                    "ack_deadline_seconds": int(seconds),
                 }
             )
-        self.held.clear()
 
 
 def _wanted(record: FailureRecord, job: str | None, match: Match | None) -> bool:
