@@ -30,9 +30,9 @@ class FakeClock:
 
 
 class Confirmed(Future[str]):
-    """A publish Pub/Sub confirms ``after`` seconds on (never, by default): a wait for it
-    lasts until then or its whole timeout, on ``advance`` (a fake clock's) or asleep;
-    ``waits`` records each wait's timeout."""
+    """A publish Pub/Sub answers ``after`` seconds on (never, by default), confirming it or
+    refusing it with ``error``: a wait for it lasts until then or its whole timeout, on
+    ``advance`` (a fake clock's) or asleep; ``waits`` records each wait's timeout."""
 
     def __init__(
         self,
@@ -40,18 +40,22 @@ class Confirmed(Future[str]):
         advance: Callable[[float], object] = time.sleep,
         after: float = float("inf"),
         message_id: str = "m",
+        error: Exception | None = None,
     ) -> None:
         super().__init__()
-        self._waits, self._advance, self._after, self._id = waits, advance, after, message_id
+        self._waits, self._advance, self._after = waits, advance, after
+        self._id, self._error = message_id, error
 
     def result(self, timeout: float | None = None) -> str:
         assert timeout is not None, "a wait for a confirmation with no timeout"
         self._waits.append(timeout)
-        if self._after <= timeout:
-            self._advance(self._after)
-            return self._id
-        self._advance(timeout)
-        raise TimeoutError
+        if self._after > timeout:
+            self._advance(timeout)
+            raise TimeoutError
+        self._advance(self._after)
+        if self._error is not None:
+            raise self._error
+        return self._id
 
 
 def make_beat(

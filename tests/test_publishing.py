@@ -14,7 +14,7 @@ import workerpool
 from tests.fakes import Confirmed, FakeClock
 from workerpool.batches import SqliteBatches
 from workerpool.errors import ConfigError
-from workerpool.publishing import JobMessage, confirm_all, read_jsonl
+from workerpool.publishing import JobMessage, confirm_all, confirmed, read_jsonl
 
 
 class _Publisher:
@@ -134,20 +134,45 @@ def test_a_batch_id_too_long_for_its_deadline_job_records_and_publishes_nothing(
 
 
 def test_confirmations_are_waited_for_until_the_timeout_after_the_last_answer() -> None:
-    # Given publishes Pub/Sub confirms 10 s and 25 s on, one the client refused as it was
-    # sent, two it never confirms, and one confirmed already
+    # Given publishes Pub/Sub confirms 10 s on, refuses 25 s on, confirms 20 s on; one the
+    # client refused as it was sent; two Pub/Sub never answers, and one confirmed already
     clock, waits = FakeClock(0.0), []
 
-    def sent(after: float) -> tuple[str, str, Confirmed]:
-        return ("t", "", Confirmed(waits, clock.advance, after, f"m-{after:g}"))
+    def sent(after: float, error: Exception | None = None) -> tuple[str, str, Confirmed]:
+        return ("t", "", Confirmed(waits, clock.advance, after, f"m-{after:g}", error))
 
-    refused = ValueError("refused by the client")
-    publishes = [sent(10), sent(25), ("t", "", refused), sent(inf), sent(inf), sent(0)]
+    unavailable, refused = RuntimeError("unavailable"), ValueError("refused by the client")
+    publishes = [
+        sent(10), sent(25, unavailable), sent(20), ("t", "", refused), sent(inf), sent(inf),
+        sent(0),
+    ]  # fmt: skip
     # When they are waited for with a timeout of 30 s
     results = confirm_all(object(), publishes, 30, monotonic=clock)
-    # Then each answer gives the next wait 30 s again, and once 30 s pass with no answer the
-    # rest are not waited for: 65 s in all, not 30 s for each unanswered one
-    assert waits == [30, 30, 30, 0, 0]
-    assert results[:3] == ["m-10", "m-25", refused] and results[5] == "m-0"
-    assert all(isinstance(result, TimeoutError) for result in results[3:5])
-    assert clock() == 65
+    # Then each answer, a refusal too, gives the next wait 30 s again, and once 30 s pass
+    # with no answer the rest are not waited for: 85 s in all, not 30 s for each unanswered
+    assert waits == [30, 30, 30, 30, 0, 0]
+    assert results[:4] == ["m-10", unavailable, "m-20", refused] and results[6] == "m-0"
+    assert all(isinstance(result, TimeoutError) for result in results[4:6])
+    assert clock() == 85
+
+
+def test_a_confirmation_that_timed_out_leaves_its_ordering_key_alone() -> None:
+    # Given a publish with an ordering key that Pub/Sub does not answer in time, and one it
+    # refuses
+    resumed: list[str] = []
+
+    class Publisher:
+        def resume_publish(self, topic: str, ordering_key: str) -> None:
+            resumed.append(ordering_key)
+
+    waits: list[float] = []
+    clock = FakeClock(0.0)
+    unanswered = Confirmed(waits, clock.advance)
+    failed = Confirmed(waits, clock.advance, after=0, error=RuntimeError("unavailable"))
+    # When each is waited for, Then the timeout is what the wait says, the key is not resumed
+    # (the publish is still under way: it is not paused), and the refused one's key is
+    with pytest.raises(TimeoutError):
+        confirmed(Publisher(), "t", "key-1", unanswered, 5)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        confirmed(Publisher(), "t", "key-2", failed, 5)
+    assert resumed == ["key-2"]

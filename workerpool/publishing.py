@@ -99,7 +99,9 @@ def confirmed(
     try:
         message_id: str = future.result(timeout=timeout)
     except Exception as exc:
-        if ordering_key:
+        # (Not on a wait that timed out: the publish is still under way, and its key is not
+        # paused; resuming it would raise and hide the timeout.)
+        if ordering_key and not isinstance(exc, TimeoutError):
             publisher.resume_publish(topic, ordering_key)
         if isinstance(exc, gexc.NotFound):
             raise ConfigError(f"topic {topic} does not exist") from None
@@ -120,20 +122,24 @@ def confirm_all(
 ) -> list[str | Exception]:
     """What each of the publishes ``sent`` brought, its message id or its error; each is
     ``(topic, ordering key, future)``, or the exception ``send`` raised in the future's place.
-    Each wait lasts until ``timeout`` after the last confirmation: a Pub/Sub that answers no
-    more holds the caller ``timeout`` in all, not ``timeout`` for each message, and one that
-    answers slowly is waited for."""
+    Each wait lasts until ``timeout`` after the last answer (a refusal too): a Pub/Sub that
+    answers no more holds the caller ``timeout`` in all, not ``timeout`` for each message,
+    and one that answers slowly is waited for."""
     until = monotonic() + timeout
     results: list[str | Exception] = []
     for topic, ordering_key, future in sent:
+        if isinstance(future, Exception):
+            results.append(future)
+            continue
         try:
-            if isinstance(future, Exception):
-                raise future
             wait = max(0.0, until - monotonic())
             results.append(confirmed(publisher, topic, ordering_key, future, wait))
-            until = monotonic() + timeout
-        except Exception as exc:
+        except TimeoutError as exc:
             results.append(exc)
+            continue
+        except Exception as exc:  # an answer all the same: Pub/Sub refused it
+            results.append(exc)
+        until = monotonic() + timeout
     return results
 
 
