@@ -13,9 +13,10 @@ record itself is written a handful of times: created, committed, finalized, its 
 sent. Finalizing writes the record and closes every tally in one commit, preconditioned on
 all of them as read, so no child's outcome lands between the counts and the completion.
 
-Every document carries ``expire_at``, ``KEPT_AFTER_DEADLINE`` past its batch's deadline: set a
-TTL policy on that field for the collection groups ``<COLLECTION>-batches``, ``children`` and
-``tallies`` to have Firestore delete them.
+The record and every child carry ``expire_at``, ``KEPT_AFTER_DEADLINE`` past the batch's
+deadline: set a TTL policy on that field for the collection groups ``<COLLECTION>-batches``
+and ``children`` to have Firestore delete them. The tallies (32 small documents at most) carry
+none: a worker of an earlier release, in a rolling deploy, would fail to read them.
 
 A batch is created children first, in commits of 500 (not atomic: they count for nothing
 until their tallies exist), then the record and its tallies in one commit. A creation that
@@ -56,6 +57,8 @@ def _expire_at(batch: Batch) -> datetime:
 
 
 def _tally(data: Data) -> Tally:
+    # (A field it does not know, written by a later workerpool, is left out: a reader that
+    # took them all would fail on a batch a newer worker wrote, in a rolling deploy.)
     return Tally(**{f.name: data[f.name] for f in fields(Tally) if f.name in data})
 
 
@@ -147,7 +150,7 @@ class _Docs:
         totals = Counter(tally_of(job_id) for job_id in job_ids)
         self._tallies[batch_id] = sorted(totals)
         for ref, i in zip(self._tally_refs(batch_id), self._tallies[batch_id], strict=True):
-            self._tx.write(ref, {**asdict(Tally(totals[i])), "expire_at": expire_at})
+            self._tx.write(ref, asdict(Tally(totals[i])))
 
     def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
         children = self._ref(batch_id).collection("children")
@@ -162,6 +165,10 @@ class _Docs:
             query.where(filter=FieldFilter("outcome", "==", outcome)).limit(limit)
         )
         return sorted(d["job_id"] for _, d in found)
+
+    def count_children(self, batch_id: str, outcome: str) -> int:
+        query = self._ref(batch_id).collection("children")
+        return self._tx.count(query.where(filter=FieldFilter("outcome", "==", outcome)))
 
 
 class FirestoreBatches(BatchStore):

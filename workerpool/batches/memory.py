@@ -33,9 +33,7 @@ class _Tables:
     def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
         self.ledger[batch_id][job_id] = outcome
         batch = self.records[batch_id]
-        self.records[batch_id] = replace(
-            batch, done=tally.done, failed=tally.failed, cancelled=tally.cancelled
-        )
+        self.records[batch_id] = replace(batch, done=tally.done, failed=tally.failed)
 
     def tally(self, batch: Batch) -> Tally:
         return Tally.of(batch)
@@ -52,6 +50,9 @@ class _Tables:
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]:
         chosen = sorted(j for j, o in self.ledger.get(batch_id, {}).items() if o == outcome)
         return chosen[:limit]
+
+    def count_children(self, batch_id: str, outcome: str) -> int:
+        return sum(o == outcome for o in self.ledger.get(batch_id, {}).values())
 
 
 class MemoryBatches(BatchStore):

@@ -32,8 +32,7 @@ _SCHEMA = (
         finalized_by TEXT NOT NULL,
         completion_sent INTEGER NOT NULL,
         trace TEXT NOT NULL DEFAULT '',
-        children_digest TEXT NOT NULL DEFAULT '',
-        cancelled INTEGER NOT NULL DEFAULT 0
+        children_digest TEXT NOT NULL DEFAULT ''
     )
     """,
     """
@@ -48,16 +47,16 @@ _SCHEMA = (
 )
 _COLUMNS = (
     "batch_id, topic, on_complete, total, deadline, committed, done, failed, finalized_by, "
-    "completion_sent, trace, children_digest, cancelled"
+    "completion_sent, trace, children_digest"
 )
 
 
 def _batch(row: Any) -> Batch:
     batch_id, topic, on_complete, total, deadline, committed, done, failed, by, sent, *rest = row
-    trace, digest, cancelled = rest
+    trace, digest = rest
     return Batch(
         batch_id, topic, on_complete, total, deadline, bool(committed), done, failed, by,
-        bool(sent), trace, digest, cancelled,
+        bool(sent), trace, digest,
     )  # fmt: skip
 
 
@@ -74,11 +73,11 @@ class _Tables:
     def put_batch(self, batch: Batch) -> None:
         self._conn.execute(
             f"INSERT OR REPLACE INTO batches ({_COLUMNS}) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 batch.batch_id, batch.topic, batch.on_complete, batch.total, batch.deadline,
                 int(batch.committed), batch.done, batch.failed, batch.finalized_by,
-                int(batch.completion_sent), batch.trace, batch.children_digest, batch.cancelled,
+                int(batch.completion_sent), batch.trace, batch.children_digest,
             ),
         )  # fmt: skip
 
@@ -102,8 +101,8 @@ class _Tables:
             (outcome, batch_id, job_id),
         )
         self._conn.execute(
-            "UPDATE batches SET done = ?, failed = ?, cancelled = ? WHERE batch_id = ?",
-            (tally.done, tally.failed, tally.cancelled, batch_id),
+            "UPDATE batches SET done = ?, failed = ? WHERE batch_id = ?",
+            (tally.done, tally.failed, batch_id),
         )
 
     def tally(self, batch: Batch) -> Tally:
@@ -137,6 +136,13 @@ class _Tables:
         ).fetchall()
         return [str(row[0]) for row in rows]
 
+    def count_children(self, batch_id: str, outcome: str) -> int:
+        row = self._conn.execute(
+            "SELECT COUNT(*) FROM batch_children WHERE batch_id = ? AND outcome = ?",
+            (batch_id, outcome),
+        ).fetchone()
+        return int(row[0])
+
 
 def _purge(conn: sqlite3.Connection, now: float) -> None:
     """Delete a few batches kept past ``KEPT_AFTER_DEADLINE`` whose completion was handed
@@ -153,11 +159,9 @@ def _purge(conn: sqlite3.Connection, now: float) -> None:
 def _create(conn: sqlite3.Connection) -> None:
     for statement in _SCHEMA:
         conn.execute(statement)
-    # A store file written before batches kept their publisher's trace, their digest, or
-    # their cancelled count.
+    # A store file written before batches kept their publisher's trace, or their digest.
     add_column(conn, "batches", "trace", "TEXT NOT NULL DEFAULT ''")
     add_column(conn, "batches", "children_digest", "TEXT NOT NULL DEFAULT ''")
-    add_column(conn, "batches", "cancelled", "INTEGER NOT NULL DEFAULT 0")
 
 
 class SqliteBatches(BatchStore):

@@ -55,7 +55,6 @@ class Batch:
     # Which children it has, as one digest (``children_digest``): what makes a second
     # creation of its id the same batch (empty: a record written before it was kept).
     children_digest: str = ""
-    cancelled: int = 0  # of the failed, those cancelled by job id
 
     @property
     def pending(self) -> int:
@@ -86,9 +85,10 @@ class Completion:
     batch: Batch
     failed_job_ids: list[str]
     pending_job_ids: list[str]
-    # Children cancelled by job id (``workerpool cancel``), listed apart from the failed
-    # (``MAX_FAILED_IDS`` at most, as the others; ``batch.cancelled`` counts them).
+    # Children cancelled by job id (``workerpool cancel``): counted apart from the failed,
+    # and listed apart (``MAX_FAILED_IDS`` at most, as the others).
     cancelled_job_ids: list[str] = field(default_factory=list)
+    cancelled: int = 0
 
     @property
     def job_id(self) -> str:
@@ -100,8 +100,8 @@ class Completion:
             "batch_id": batch.batch_id,
             "total": batch.total,
             "succeeded": batch.done,
-            "failed": batch.total - batch.done - batch.cancelled,
-            "cancelled": batch.cancelled,
+            "failed": batch.total - batch.done - self.cancelled,
+            "cancelled": self.cancelled,
             "failed_job_ids": self.failed_job_ids[:MAX_FAILED_IDS],
             "pending_job_ids": self.pending_job_ids[:MAX_FAILED_IDS],
             "cancelled_job_ids": self.cancelled_job_ids[:MAX_FAILED_IDS],
@@ -124,15 +124,14 @@ _NOT_DONE = (FAILED, CANCELLED)
 
 @dataclass(frozen=True)
 class Tally:
-    """How many of a group of a batch's children are done and failed, and of the failed how
-    many were cancelled (a backend keeps its counts in one record per batch, or spreads them
-    over several), and whether the batch is final (its tallies then take no more outcomes)."""
+    """How many of a group of a batch's children are done and failed (a backend keeps its
+    counts in one record per batch, or spreads them over several), and whether the batch is
+    final (its tallies then take no more outcomes)."""
 
     total: int
     done: int = 0
     failed: int = 0
     final: bool = False
-    cancelled: int = 0
 
     @property
     def pending(self) -> int:
@@ -141,7 +140,7 @@ class Tally:
     @classmethod
     def of(cls, batch: Batch) -> Tally:
         """The tally of a backend that keeps its counts in the batch record."""
-        return cls(batch.total, batch.done, batch.failed, bool(batch.finalized_by), batch.cancelled)
+        return cls(batch.total, batch.done, batch.failed, bool(batch.finalized_by))
 
     def moved(self, before: str, after: str) -> Tally:
         """The counts once a child goes from ``before`` to ``after``."""
@@ -149,13 +148,12 @@ class Tally:
             self,
             done=self.done + (after == DONE) - (before == DONE),
             failed=self.failed + (after in _NOT_DONE) - (before in _NOT_DONE),
-            cancelled=self.cancelled + (after == CANCELLED) - (before == CANCELLED),
         )
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(
             self.total + other.total, self.done + other.done, self.failed + other.failed,
-            self.final or other.final, self.cancelled + other.cancelled,
+            self.final or other.final,
         )  # fmt: skip
 
 
@@ -199,6 +197,11 @@ class Transaction(Protocol):
         ...
 
     def children(self, batch_id: str, outcome: str, limit: int) -> list[str]: ...
+
+    def count_children(self, batch_id: str, outcome: str) -> int:
+        """How many of the batch's children have ``outcome``, counted by the backend (not
+        read one by one)."""
+        ...
 
 
 class BatchStore(ABC):
@@ -386,10 +389,7 @@ class BatchStore(ABC):
 
     def _finalize(self, tx: Transaction, batch: Batch, by: str) -> Completion:
         tally = tx.tally(batch)
-        batch = replace(
-            batch, done=tally.done, failed=tally.failed, cancelled=tally.cancelled,
-            finalized_by=by,
-        )  # fmt: skip
+        batch = replace(batch, done=tally.done, failed=tally.failed, finalized_by=by)
         tx.put_batch(batch)
         return self._built(tx, batch)
 
@@ -399,12 +399,11 @@ class BatchStore(ABC):
         # a query there reads every child).
         failed = tx.children(batch.batch_id, FAILED, MAX_FAILED_IDS) if batch.failed else []
         pending = tx.children(batch.batch_id, PENDING, MAX_FAILED_IDS) if batch.pending else []
-        # Listed as the failed are, never all read: a batch of 30,000 cancelled children
-        # read them all in one transaction, past its timeout, and never finalized.
-        cancelled = (
-            tx.children(batch.batch_id, CANCELLED, MAX_FAILED_IDS) if batch.cancelled else []
-        )
-        return Completion(batch, failed + pending, pending, cancelled)
+        # Counted, not read: a batch of 30,000 cancelled children read them all in the
+        # transaction that finalized it, past its timeout, and never finalized.
+        cancelled = tx.count_children(batch.batch_id, CANCELLED) if batch.failed else 0
+        named = tx.children(batch.batch_id, CANCELLED, MAX_FAILED_IDS) if cancelled else []
+        return Completion(batch, failed + pending, pending, named, cancelled)
 
 
 def _counted(tx: Transaction, batch: Batch) -> Batch:
@@ -412,7 +411,7 @@ def _counted(tx: Transaction, batch: Batch) -> Batch:
     if batch.finalized_by:
         return batch
     tally = tx.tally(batch)
-    return replace(batch, done=tally.done, failed=tally.failed, cancelled=tally.cancelled)
+    return replace(batch, done=tally.done, failed=tally.failed)
 
 
 # --- Handing a completion over ------------------------------------------------------------

@@ -64,6 +64,13 @@ class Tx:
             self._learn(snapshot.reference.path, snapshot)
         return [(snapshot.reference, snapshot.to_dict()) for snapshot in found]
 
+    def count(self, query: Any) -> int:
+        """How many documents ``query`` finds, counted by Firestore (an aggregation: none of
+        them is read, and none is checked at the commit)."""
+        with translated(self._atomic.label):
+            [[result]] = query.count().get(**self._options())
+        return int(result.value)
+
     def write(self, ref: Any, data: Data | None) -> None:
         """At the commit, if the document is still as read here: set the fields of ``data``
         (its other fields stay; one absent, or not read, is created with these), or delete it
