@@ -21,10 +21,13 @@ from tests.support import store_handles
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
 from workerpool.batches import firestore as firestore_batches
+from workerpool.batches import sqlite as batches_sqlite
 from workerpool.batches import store as batch_store
 from workerpool.batches.firestore import FirestoreBatches
+from workerpool.batches.middleware import Batches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deliver
 from workerpool.schedule import MemorySchedule
+from workerpool.schedule.delays import Firer
 from workerpool.stores import StoreUnavailable
 from workerpool.testing.emulator import LocalEmulator, free_port
 
@@ -404,36 +407,127 @@ def _finished(store: BatchStore, batch_id: str, deadline: float, *, sent: bool =
         store.sent(batch_id)
 
 
-def test_sqlite_deletes_a_batch_kept_a_week_past_its_deadline_once_handed_over(
-    tmp_path: Path,
-) -> None:
-    # Given twelve batches whose deadline passed over a week ago and whose completions were
-    # handed over, one whose completion was not, and one six days past its deadline
-    path, deadline = tmp_path / "b.db", 1_800_000_000.0
-    clock = FakeClock(deadline - 60)
+def _old_batches(path: Path, clock: FakeClock) -> None:
+    """Twelve batches whose deadline passed over a week ago and whose completions were handed
+    over, one whose completion was not, and one six days past its deadline."""
+    deadline = clock()
     first = SqliteBatches(path, clock=clock)
     for i in range(12):
         _finished(first, f"old-{i}", deadline)
     _finished(first, "unsent", deadline, sent=False)
     _finished(first, "recent", deadline + DAY)
     first.close()
-    clock.advance(60 + batch_store.KEPT_AFTER_DEADLINE + 1)
+    clock.advance(batch_store.KEPT_AFTER_DEADLINE + 1)
 
-    def kept() -> list[str]:
-        with sqlite3.connect(path) as conn:
-            batches = conn.execute("SELECT batch_id FROM batches").fetchall()
-            children = conn.execute("SELECT DISTINCT batch_id FROM batch_children").fetchall()
-        assert sorted(children) == sorted(batches)  # no ledger outlives its record
-        return sorted(batch_id for (batch_id,) in batches)
 
-    # When a worker opens the store, Then it deletes ten of the old ones (a purge holds the
-    # file's lock: it deletes a few at a time)
+def _kept(path: Path) -> list[str]:
+    """The batches the file still has (no ledger outlives its record)."""
+    with sqlite3.connect(path) as conn:
+        batches = {row[0] for row in conn.execute("SELECT batch_id FROM batches")}
+        children = {row[0] for row in conn.execute("SELECT batch_id FROM batch_children")}
+    assert children <= batches
+    return sorted(batches)
+
+
+def test_sqlite_deletes_a_batch_kept_a_week_past_its_deadline_once_handed_over(
+    tmp_path: Path,
+) -> None:
+    # Given old batches, and a store opened on them (opening deletes nothing: the dashboard
+    # and the CLI open it for each read)
+    path, clock = tmp_path / "b.db", FakeClock(1_800_000_000.0)
+    _old_batches(path, clock)
     store = SqliteBatches(path, clock=clock)
-    assert len(kept()) == 4 and {"unsent", "recent"} <= set(kept())
-    # ... and the other two a thousand calls later, and never the unsent or the recent one
+    assert len(_kept(path)) == 14
+    # When a worker starts (its middleware purges, then hands over the unsent completion),
+    # Then ten of the old ones are deleted, never the unsent one nor the recent one
+    schedule = MemorySchedule()
+    Batches(store, schedule, Firer(schedule, TOPIC, publisher=None)).start()
+    assert len(_kept(path)) == 4 and {"unsent", "recent"} <= set(_kept(path))
+    # ... and a thousand calls later the other two, and the one handed over meanwhile
     for _ in range(1000):
         store.get("recent")
-    assert kept() == ["recent", "unsent"]
+    assert _kept(path) == ["recent"]
+    store.close()
+
+
+def test_a_sqlite_purge_deletes_a_few_ledger_rows_at_a_time_and_one_that_fails_fails_no_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given old batches of two children each, and purges of three ledger rows at most
+    path, clock = tmp_path / "b.db", FakeClock(1_800_000_000.0)
+    _old_batches(path, clock)
+    monkeypatch.setattr(batches_sqlite, "_PURGED_ROWS", 3)
+    store = SqliteBatches(path, clock=clock)
+    # When it purges, Then one batch goes whole and the next loses a child, keeping its record
+    store.purge()
+    with sqlite3.connect(path) as conn:
+        left = dict(conn.execute("SELECT batch_id, COUNT(*) FROM batch_children GROUP BY 1"))
+    assert len(_kept(path)) == 13 and sorted(left.values()).count(1) == 1
+    # When the file refuses the purge (a full disk, say) at the thousandth call
+    written = batches_sqlite._purge
+
+    def full(conn: sqlite3.Connection, now: float) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(batches_sqlite, "_purge", full)
+    calls = [store.get("recent") for _ in range(1001)]
+    # Then that call and the ones after it answer, and the purge says why it did not happen
+    assert all(batch is not None for batch in calls)
+    assert "old batches not purged" in caplog.text and "disk is full" in caplog.text
+    # ... and once the file takes writes again, a thousand calls later, the purge goes on
+    monkeypatch.setattr(batches_sqlite, "_purge", written)
+    for _ in range(1000):
+        store.get("recent")
+    assert len(_kept(path)) == 12
+    store.close()
+
+
+def test_a_child_final_as_failed_or_cancelled_turns_done_but_never_into_the_other(
+    make_store: StoreFactory,
+) -> None:
+    # Given a committed batch of 4: one dead-lettered, one cancelled
+    store = make_store()
+    _create(store, 4)
+    store.commit("b1")
+    store.record("b1", "child-0", False)
+    store.record("b1", "child-1", False, cancelled=True)
+    # When the dead-lettered one is then cancelled, and the cancelled one dead-lettered
+    assert store.record("b1", "child-0", False, cancelled=True) is None
+    assert store.record("b1", "child-1", False) is None
+    # Then each keeps the outcome it had (a move between them leaves the counts as they
+    # were: a completion made meanwhile would count it either way)
+    store.record("b1", "child-2", True)
+    completion = store.record("b1", "child-3", True)
+    assert completion is not None
+    payload = completion.payload()
+    assert (payload["failed"], payload["cancelled"]) == (1, 1)
+    assert (payload["failed_job_ids"], payload["cancelled_job_ids"]) == (["child-0"], ["child-1"])
+    # ... and one replayed to success would have turned done (see the replay test above)
+
+
+def test_a_firestore_batch_id_gone_to_its_ttl_policy_is_created_again(
+    firestore_emulator: LocalEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch finalized, whose record and children a TTL policy deleted (its tallies,
+    # which carry no expire_at, left behind)
+    monkeypatch.setenv(firestore_emulator.env_var, firestore_emulator.host)
+    store = FirestoreBatches(FIRESTORE_PROJECT, f"test-{uuid.uuid4().hex[:12]}", timeout=5.0)
+    _create(store, 4)
+    store.commit("b1")
+    assert store.expire("b1") is not None
+    record = store._collection.document(firestore_batches._key("b1"))
+    for child in record.collection("children").stream():
+        child.reference.delete()
+    record.delete()
+    assert list(record.collection("tallies").stream())
+    # When a batch of that id is created again, with other children, Then it is, and it
+    # completes from its own children's outcomes
+    store.create("b1", TOPIC, "reports.done", ["x-1", "x-2"], deadline=2_000_000_000.0)
+    store.commit("b1")
+    store.record("b1", "x-1", True)
+    completion = store.record("b1", "x-2", False)
+    assert completion is not None
+    assert (completion.payload()["succeeded"], completion.payload()["failed"]) == (1, 1)
     store.close()
 
 

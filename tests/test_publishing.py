@@ -157,22 +157,31 @@ def test_confirmations_are_waited_for_until_the_timeout_after_the_last_answer() 
 
 
 def test_a_confirmation_that_timed_out_leaves_its_ordering_key_alone() -> None:
-    # Given a publish with an ordering key that Pub/Sub does not answer in time, and one it
-    # refuses
+    # Given a publish with an ordering key that Pub/Sub does not answer in time, and two sent
+    # together on another key that it refuses (the client pauses that key once)
     resumed: list[str] = []
+    paused = {"key-2"}
 
     class Publisher:
         def resume_publish(self, topic: str, ordering_key: str) -> None:
+            if ordering_key not in paused:
+                raise RuntimeError("Ordering key is not paused.")
+            paused.discard(ordering_key)
             resumed.append(ordering_key)
 
     waits: list[float] = []
     clock = FakeClock(0.0)
     unanswered = Confirmed(waits, clock.advance)
-    failed = Confirmed(waits, clock.advance, after=0, error=RuntimeError("unavailable"))
-    # When each is waited for, Then the timeout is what the wait says, the key is not resumed
-    # (the publish is still under way: it is not paused), and the refused one's key is
+    refused = [
+        Confirmed(waits, clock.advance, after=0, error=RuntimeError(f"unavailable {i}"))
+        for i in range(2)
+    ]
+    # When each is waited for, Then the timeout is what the wait says, and the key is not
+    # resumed (the publish is still under way: it is not paused)
     with pytest.raises(TimeoutError):
         confirmed(Publisher(), "t", "key-1", unanswered, 5)
-    with pytest.raises(RuntimeError, match="unavailable"):
-        confirmed(Publisher(), "t", "key-2", failed, 5)
+    # ... and each refused one says why it was refused, its key resumed once
+    for i, future in enumerate(refused):
+        with pytest.raises(RuntimeError, match=f"unavailable {i}"):
+            confirmed(Publisher(), "t", "key-2", future, 5)
     assert resumed == ["key-2"]

@@ -10,6 +10,7 @@ Every message also carries the publisher's current trace context (``traceparent`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -102,7 +103,10 @@ def confirmed(
         # (Not on a wait that timed out: the publish is still under way, and its key is not
         # paused; resuming it would raise and hide the timeout.)
         if ordering_key and not isinstance(exc, TimeoutError):
-            publisher.resume_publish(topic, ordering_key)
+            # (Raises if the key is not paused: resumed already, by an earlier failure of
+            # the messages sent with this one. The failure to report is this one's.)
+            with contextlib.suppress(RuntimeError):
+                publisher.resume_publish(topic, ordering_key)
         if isinstance(exc, gexc.NotFound):
             raise ConfigError(f"topic {topic} does not exist") from None
         if isinstance(exc, gexc.InvalidArgument):

@@ -149,7 +149,11 @@ class _Docs:
         self._firestore.put_all(pending, MAX_WRITES)
         totals = Counter(tally_of(job_id) for job_id in job_ids)
         self._tallies[batch_id] = sorted(totals)
-        for ref, i in zip(self._tally_refs(batch_id), self._tallies[batch_id], strict=True):
+        refs = self._tally_refs(batch_id)
+        # Read first: tallies left by a batch of this id gone to a TTL policy (its record
+        # and children carry expire_at, its tallies not) are written over, not created.
+        self._tx.read(refs)
+        for ref, i in zip(refs, self._tallies[batch_id], strict=True):
             self._tx.write(ref, asdict(Tally(totals[i])))
 
     def has_children(self, batch_id: str, job_ids: Sequence[str]) -> bool:
@@ -181,6 +185,9 @@ class FirestoreBatches(BatchStore):
 
     def _atomic(self, body: Callable[[Transaction], T]) -> T:
         return self._firestore.run(lambda tx: body(_Docs(tx, self._firestore, self._collection)))
+
+    def purge(self) -> None:
+        pass  # a TTL policy on expire_at does (see the module)
 
     def close(self) -> None:
         self._firestore.close()

@@ -58,6 +58,7 @@ class Batches(Middleware):
         self._clock = clock
 
     def start(self) -> None:
+        self._batches.purge()
         try:
             for completion in self._batches.unsent():
                 log.warning(

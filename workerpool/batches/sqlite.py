@@ -4,6 +4,7 @@ row per child), each batch deleted once kept ``KEPT_AFTER_DEADLINE`` past its de
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -13,11 +14,15 @@ from typing import Any
 
 from workerpool.batches import store
 from workerpool.batches.store import PENDING, Batch, BatchStore, T, Tally, Transaction
+from workerpool.stores import StoreError
 from workerpool.stores.sqlite import add_column, connect, immediate, translated
+
+log = logging.getLogger(__name__)
 
 _LABEL = "batch store"
 _PURGE_EVERY = 1000  # calls between purges
-_PURGED_AT_ONCE = 10  # batches a purge deletes at most
+_PURGED_BATCHES = 10  # batches a purge deletes at most
+_PURGED_ROWS = 10_000  # and ledger rows
 _SCHEMA = (
     """
     CREATE TABLE IF NOT EXISTS batches (
@@ -145,14 +150,22 @@ class _Tables:
 
 
 def _purge(conn: sqlite3.Connection, now: float) -> None:
-    """Delete a few batches kept past ``KEPT_AFTER_DEADLINE`` whose completion was handed
-    over, and their ledgers (a few: a purge holds the file's lock while it deletes)."""
+    """Delete the batches kept past ``KEPT_AFTER_DEADLINE`` whose completion was handed over,
+    ledger first, ``_PURGED_ROWS`` rows at most (a purge holds the file's write lock: a
+    batch of a million children goes over several)."""
+    left = _PURGED_ROWS
     rows = conn.execute(
         "SELECT batch_id FROM batches WHERE deadline < ? AND completion_sent = 1 LIMIT ?",
-        (now - store.KEPT_AFTER_DEADLINE, _PURGED_AT_ONCE),
+        (now - store.KEPT_AFTER_DEADLINE, _PURGED_BATCHES),
     ).fetchall()
     for (batch_id,) in rows:
-        conn.execute("DELETE FROM batch_children WHERE batch_id = ?", (batch_id,))
+        left -= conn.execute(
+            "DELETE FROM batch_children WHERE rowid IN "
+            "(SELECT rowid FROM batch_children WHERE batch_id = ? LIMIT ?)",
+            (batch_id, left),
+        ).rowcount
+        if left <= 0:
+            return  # its ledger may not be empty yet: its record goes in a later purge
         conn.execute("DELETE FROM batches WHERE batch_id = ?", (batch_id,))
 
 
@@ -165,8 +178,8 @@ def _create(conn: sqlite3.Connection) -> None:
 
 
 class SqliteBatches(BatchStore):
-    """Purges the batches kept past ``KEPT_AFTER_DEADLINE`` (by ``clock``) as it opens and
-    every ``_PURGE_EVERY`` calls."""
+    """Purges the batches kept past ``KEPT_AFTER_DEADLINE`` (by ``clock``) every
+    ``_PURGE_EVERY`` calls, and when asked (a worker starting)."""
 
     def __init__(
         self,
@@ -180,14 +193,24 @@ class SqliteBatches(BatchStore):
         self._conn = connect(path, busy_timeout, _LABEL, _create)
         self._tables = _Tables(self._conn)
         self._calls = 0
-        self._atomic(lambda tx: None)
 
     def _atomic(self, body: Callable[[Transaction], T]) -> T:
         with self._lock, translated(_LABEL), immediate(self._conn):
-            if self._calls % _PURGE_EVERY == 0:
-                _purge(self._conn, self._clock())
+            result = body(self._tables)
             self._calls += 1
-            return body(self._tables)
+            due = self._calls % _PURGE_EVERY == 0
+        if due:
+            self.purge()
+        return result
+
+    def purge(self) -> None:
+        """In a transaction of its own: one that fails is logged, and the next tries again
+        (the call it came after is not failed with it)."""
+        try:
+            with self._lock, translated(_LABEL), immediate(self._conn):
+                _purge(self._conn, self._clock())
+        except StoreError as exc:
+            log.warning("old batches not purged (%s); tried again later", exc)
 
     def close(self) -> None:
         with self._lock:

@@ -308,7 +308,11 @@ class BatchStore(ABC):
                 # The call that finalized it may have died before handing its completion
                 # over (this child's message then comes back): hand it over now.
                 return self._unsent(tx, tx.batch(batch_id)) or False
-            if before not in (outcome, DONE):
+            # Written once, pending to final; after that only to done (a dead-lettered or
+            # cancelled child replayed). A move between failed and cancelled leaves its
+            # tally's counts as they were, so a finalization counting cancelled children at
+            # that moment would not see it and would not be refused at its commit.
+            if before == PENDING or (outcome == DONE and before != DONE):
                 tally = tally.moved(before, outcome)
                 tx.put_child(batch_id, job_id, outcome, tally)
             # One that changes nothing checks too, if its tally is settled: the call that
@@ -371,6 +375,11 @@ class BatchStore(ABC):
     def pending_children(self, batch_id: str, limit: int = 100) -> list[str]:
         """Job ids of the batch's children with no final outcome yet, for the dashboard."""
         return self._atomic(lambda tx: tx.children(batch_id, PENDING, limit))
+
+    @abstractmethod
+    def purge(self) -> None:
+        """Delete the batches kept past ``KEPT_AFTER_DEADLINE``, where the backend does it
+        itself (SQLite; Firestore leaves it to a TTL policy)."""
 
     @abstractmethod
     def close(self) -> None: ...
