@@ -62,6 +62,13 @@ def _create(store: BatchStore, children: int, batch_id: str = "b1") -> list[str]
     return job_ids
 
 
+def _committed(store: BatchStore, children: int) -> list[str]:
+    """A batch b1 of ``children``, every one published."""
+    job_ids = _create(store, children)
+    store.commit("b1")
+    return job_ids
+
+
 def test_children_that_finish_before_the_commit_never_complete_the_batch(
     make_store: StoreFactory,
 ) -> None:
@@ -134,8 +141,7 @@ def test_a_child_this_store_does_not_have_is_not_counted_and_says_so(
 ) -> None:
     # Given batch b1 of two children, committed
     store = make_store()
-    _create(store, 2)
-    store.commit("b1")
+    _committed(store, 2)
     # When an outcome comes for a batch this store has not, and for a job b1 does not have
     with caplog.at_level("WARNING", logger="workerpool.batches.store"):
         assert store.record("b-elsewhere", "child-0", True) is None
@@ -152,8 +158,7 @@ def test_a_child_this_store_does_not_have_is_not_counted_and_says_so(
 
 def test_a_replayed_child_turns_done_while_its_batch_is_open(make_store: StoreFactory) -> None:
     store = make_store()
-    _create(store, 2)
-    store.commit("b1")
+    _committed(store, 2)
     assert store.record("b1", "child-0", False) is None  # dead-lettered
     assert store.record("b1", "child-0", False) is None  # its record, twice
     assert store.record("b1", "child-0", True) is None  # replayed from the dead-letter topic
@@ -168,8 +173,7 @@ def test_cancelled_children_finalize_the_batch_and_are_counted_apart(
 ) -> None:
     # Given a committed batch of 4: one done, one dead-lettered, two pending
     store = make_store()
-    _create(store, 4)
-    store.commit("b1")
+    _committed(store, 4)
     store.record("b1", "child-0", True)
     store.record("b1", "child-1", False)
     assert store.pending("b1", 10) == ["child-2", "child-3"]
@@ -210,8 +214,7 @@ def test_cancelled_children_are_counted_by_the_store_and_listed_never_all_read(
     monkeypatch.setattr(store, "_atomic", lambda body: atomic(lambda tx: body(Listings(tx))))
     # And a committed batch of 7: one done, five cancelled (one of them replayed to done
     # after), and one cancelled last
-    _create(store, 7)
-    store.commit("b1")
+    _committed(store, 7)
     store.record("b1", "child-0", True)
     for i in range(1, 6):
         assert store.record("b1", f"child-{i}", False, cancelled=True) is None
@@ -487,8 +490,7 @@ def test_a_child_final_as_failed_or_cancelled_turns_done_but_never_into_the_othe
 ) -> None:
     # Given a committed batch of 4: one dead-lettered, one cancelled
     store = make_store()
-    _create(store, 4)
-    store.commit("b1")
+    _committed(store, 4)
     store.record("b1", "child-0", False)
     store.record("b1", "child-1", False, cancelled=True)
     # When the dead-lettered one is then cancelled, and the cancelled one dead-lettered
@@ -512,8 +514,7 @@ def test_a_firestore_batch_id_gone_to_its_ttl_policy_is_created_again(
     # which carry no expire_at, left behind)
     monkeypatch.setenv(firestore_emulator.env_var, firestore_emulator.host)
     store = FirestoreBatches(FIRESTORE_PROJECT, f"test-{uuid.uuid4().hex[:12]}", timeout=5.0)
-    _create(store, 4)
-    store.commit("b1")
+    _committed(store, 4)
     assert store.expire("b1") is not None
     record = store._collection.document(firestore_batches._key("b1"))
     for child in record.collection("children").stream():
@@ -556,8 +557,7 @@ def test_a_firestore_batchs_record_and_children_carry_when_a_ttl_policy_may_dele
 
 def test_a_completion_goes_to_the_schedule_due_now_as_its_own_job() -> None:
     store, schedule = MemoryBatches(), MemorySchedule()
-    _create(store, 1)
-    store.commit("b1")
+    _committed(store, 1)
     due = deliver(store.record("b1", "child-0", True), store, schedule, clock=lambda: 100.0)
     assert due == 100.0
     [entry] = schedule.entries()
