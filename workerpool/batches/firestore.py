@@ -36,6 +36,7 @@ from typing import Any
 from google.cloud.firestore_v1.base_query import FieldFilter
 
 from workerpool.batches.store import PENDING, Batch, BatchStore, T, Tally, Transaction
+from workerpool.stores import known_fields
 from workerpool.stores.firestore_tx import MAX_WRITES, Atomic, Data, Tx
 
 TALLIES = 32
@@ -54,12 +55,6 @@ def _expire_at(batch: Batch) -> datetime:
     """When a TTL policy may delete the batch's documents: each carries it from its creation
     (an outcome's write sets only its own fields)."""
     return datetime.fromtimestamp(batch.expire_at, tz=UTC)
-
-
-def _tally(data: Data) -> Tally:
-    # (A field it does not know, written by a later workerpool, is left out: a reader that
-    # took them all would fail on a batch a newer worker wrote, in a rolling deploy.)
-    return Tally(**{f.name: data[f.name] for f in fields(Tally) if f.name in data})
 
 
 class _Docs:
@@ -126,7 +121,9 @@ class _Docs:
             ]
         )
         # A child without its tally belongs to a batch whose creation has not finished.
-        return None if child is None or tally is None else (child["outcome"], _tally(tally))
+        if child is None or tally is None:
+            return None
+        return child["outcome"], known_fields(Tally, tally)
 
     def put_child(self, batch_id: str, job_id: str, outcome: str, tally: Tally) -> None:
         ref = self._ref(batch_id)
@@ -136,7 +133,7 @@ class _Docs:
 
     def tally(self, batch: Batch) -> Tally:
         found = self._tx.read(self._tally_refs(batch.batch_id))
-        counted = [_tally(data) for data in found if data is not None]
+        counted = [known_fields(Tally, data) for data in found if data is not None]
         return sum(counted, Tally(0, final=bool(batch.finalized_by)))
 
     def add_children(self, batch: Batch, job_ids: Sequence[str]) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any
+
+from workerpool.stores import known_fields
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,7 @@ def encode(beat: Beat) -> str:
 
 
 def decode(text: str) -> Beat:
-    data: dict[str, Any] = json.loads(text)
-    return Beat(**data)
+    return known_fields(Beat, json.loads(text))
 
 
 # A beat this long past its ``until`` is deleted by whoever reads it: its replica is gone, and

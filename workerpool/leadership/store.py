@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from workerpool.leadership.decisions import Noted
+from workerpool.stores import known_fields
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,7 @@ def encode(lease: Lease) -> str:
 
 
 def decode(text: str) -> Lease:
-    data: dict[str, Any] = json.loads(text)
-    return Lease(**data)
+    return known_fields(Lease, json.loads(text))
 
 
 def claimed(held: Lease | None, holder: str, now: float, ttl: float) -> tuple[Lease, bool]:

@@ -8,7 +8,8 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+
+from workerpool.stores import known_fields
 
 # A checkpoint is a job's own resume point (a cursor, a page token, the last row done), not
 # its data: a bound keeps one within a Firestore document (1 MiB) and an SQLite row cheap.
@@ -41,8 +42,7 @@ def encode(report: Report) -> str:
 
 
 def decode(text: str) -> Report:
-    data: dict[str, Any] = json.loads(text)
-    return Report(**data)
+    return known_fields(Report, json.loads(text))
 
 
 class JobStateStore(ABC):

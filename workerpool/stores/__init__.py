@@ -5,11 +5,22 @@ atomic writes of one document or several.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 T = TypeVar("T")
+R = TypeVar("R", bound="DataclassInstance")
+
+
+def known_fields(record: type[R], data: Mapping[str, Any]) -> R:
+    """A ``record`` from what a store returned, leaving out the fields it does not have: a
+    later workerpool may write one more, and a worker of this one reading it in a rolling
+    deploy must not fail on it."""
+    return record(**{f.name: data[f.name] for f in fields(record) if f.name in data})
 
 
 class StoreError(Exception):
