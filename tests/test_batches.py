@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
 from tests.support import store_handles
+from workerpool import JobContext, PermanentError
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
 from workerpool.batches import firestore as firestore_batches
@@ -26,10 +28,14 @@ from workerpool.batches import store as batch_store
 from workerpool.batches.firestore import FirestoreBatches
 from workerpool.batches.middleware import Batches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deliver
+from workerpool.registry import Registry
 from workerpool.schedule import MemorySchedule
 from workerpool.schedule.delays import Firer
 from workerpool.stores import StoreUnavailable
 from workerpool.testing.emulator import LocalEmulator, free_port
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.processor import Processor, ProcessorSettings
 
 TOPIC = "projects/p/topics/t"
 DAY = 86400.0
@@ -598,3 +604,49 @@ def test_a_store_file_from_before_batches_kept_their_trace_opens_and_keeps_it(
         first.create("old", "t", "j.done", ["not-its-child"], 9e9)
     first.close()
     second.close()
+
+
+class _AcksSeeingTheLedger(FakeAcks):
+    """Acks that note, as each is sent, which children of b1 the ledger still has pending."""
+
+    def __init__(self, store: BatchStore) -> None:
+        super().__init__()
+        self.pending_at_ack: list[list[str]] = []
+        self._store = store
+
+    def ack(self, ack_id: str, *, confirm: bool = False) -> Future[bool] | None:
+        self.pending_at_ack.append(self._store.pending_children("b1"))
+        return super().ack(ack_id, confirm=confirm)
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["record-out", "record-not-out"])
+def test_a_dead_lettered_child_is_written_once_its_record_is_out_and_before_its_ack(
+    make_store: StoreFactory, published: bool
+) -> None:
+    # Given a committed batch of two, and a worker whose job for its children always fails
+    store = make_store()
+    _committed(store, 2)
+    jobs = Registry()
+
+    @jobs.job("t.child")
+    def child(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise PermanentError("never", error_type="bad_input")
+
+    schedule = MemorySchedule()
+    acks, records = _AcksSeeingTheLedger(store), FakeDeadLetters(fail=not published)
+    batches = Batches(store, schedule, Firer(schedule, TOPIC, publisher=None))
+    processor = Processor(
+        jobs, acks, FakeLeaser(), records, [batches], ProcessorSettings(Backoff(1.0, 60.0))
+    )
+    # When one child's message runs and is dead-lettered
+    attributes = {c.ATTR_JOB: "t.child", c.ATTR_JOB_ID: "child-0", c.ATTR_BATCH_ID: "b1"}
+    processor.process(make_delivery(b"{}", attributes))
+    if not published:
+        # Then, its record not published, it is given back and not written
+        assert acks.acked == [] and processor.stats == {"retried": 1}
+        assert store.pending_children("b1") == ["child-0", "child-1"]
+        return
+    # Then the ledger had it failed when its ack was sent (a crash after the ack cannot leave
+    # the batch waiting for its deadline)
+    assert acks.pending_at_ack == [["child-1"]] and processor.stats == {"dead_lettered": 1}
+    assert len(records.records) == 1 and store.pending_children("b1") == ["child-1"]

@@ -2,12 +2,13 @@
 
 A child's final outcome goes to the batch's ledger: done before its message is acked (a
 failed write is a retry, and the retry finds the job done), dead-lettered once its failure
-record is out. The deadline is a delayed job of the batch's own (``DEADLINE_JOB``, published
-with the children, due at the deadline): when it runs it finalizes whatever is still open.
-Whichever call finalizes a batch puts its completion in the schedule, due now, to be
-published by a firer (this worker's at once). A completion finalized but never put in the
-schedule (its worker died in between) is put there by whoever touches the batch next: a
-redelivery of one of its children, its deadline job, or any worker as it starts.
+record is out and before its ack (a crash in between brings the message back). The deadline
+is a delayed job of the batch's own (``DEADLINE_JOB``, published with the children, due at
+the deadline): when it runs it finalizes whatever is still open. Whichever call finalizes a
+batch puts its completion in the schedule, due now, to be published by a firer (this
+worker's at once). A completion finalized but never put in the schedule (its worker died in
+between) is put there by whoever touches the batch next: a redelivery of one of its
+children, its deadline job, or any worker as it starts.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Callable
 
 from workerpool import constants as c
 from workerpool.batches.store import DEADLINE_JOB, BatchStore, Completion, deliver
-from workerpool.constants import Label
 from workerpool.errors import PermanentError
 from workerpool.schedule.delays import Firer
 from workerpool.schedule.store import ScheduleStore
 from workerpool.stores import StoreError
+from workerpool.worker.delivery import Delivery
 from workerpool.worker.middleware import Around, Middleware
 from workerpool.worker.outcome import (
     SUCCEEDED,
@@ -33,7 +34,7 @@ from workerpool.worker.outcome import (
     Succeeded,
     Unavailable,
 )
-from workerpool.worker.run import Run, Settled
+from workerpool.worker.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,18 @@ class Batches(Middleware):
                 return Unavailable(f"batch store: {exc}")
         return outcome
 
-    def settled(self, event: Settled) -> None:
-        batch_id = event.attributes.get(c.ATTR_BATCH_ID)
-        if not batch_id or event.label is not Label.DEAD_LETTERED:
+    def dead_lettered(self, delivery: Delivery, job_id: str) -> None:
+        batch_id = delivery.attributes.get(c.ATTR_BATCH_ID)
+        if not batch_id:
             return
         try:
-            self._deliver(self._batches.record(batch_id, event.job_id, False))
+            self._deliver(self._batches.record(batch_id, job_id, False))
         except StoreError as exc:
             log.error(
                 "batch %s: dead-lettered child %s not recorded (%s); the batch's deadline "
                 "finalizes it",
                 batch_id,
-                event.job_id,
+                job_id,
                 exc,
             )
 

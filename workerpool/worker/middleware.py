@@ -99,6 +99,11 @@ class Middleware:
         """``delivery`` is about to be recorded on the dead-letter topic, for ``error_type``,
         and acked (``run``: None if it never ran). Raise to give it back instead."""
 
+    def dead_lettered(self, delivery: Delivery, job_id: str) -> None:
+        """``delivery``'s failure record is on the dead-letter topic; its ack is sent next
+        (a crash in between brings the message back, and it is recorded again then). What
+        this raises is logged, and the ack sent all the same: the record is out."""
+
     def interrupted(self, run: Run) -> None:
         """``run`` was handed back while it still ran; its message is being nacked."""
 

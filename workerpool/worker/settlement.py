@@ -103,6 +103,9 @@ class Settlement:
         self._before_records = [
             mw for mw in middleware if type(mw).dead_lettering is not Middleware.dead_lettering
         ]
+        self._after_records = [
+            mw for mw in middleware if type(mw).dead_lettered is not Middleware.dead_lettered
+        ]
         self._counts: Counts[str] = Counts()
         self._unread = Facts(1, 1, backoff)  # what the decision of a success never reads
 
@@ -175,6 +178,11 @@ class Settlement:
             retry = decide(RecordFailed(str(exc)), facts)
             assert not isinstance(retry, DeadLetter)
             return retry
+        for mw in self._after_records:
+            try:
+                mw.dead_lettered(delivery, subject.job_id)
+            except Exception:
+                log.exception("%s.dead_lettered failed", type(mw).__name__)
         log.warning(
             "job %s (%s) dead-lettered: %s: %s",
             subject.job_name,
