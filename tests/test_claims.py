@@ -152,6 +152,32 @@ def _check_unrenewable(error: BaseException, timers: Timers) -> None:
         worker.close()
 
 
+@pytest.mark.parametrize("claim_left", [2.0, 100.0], ids=["lapsing-soon", "renewed"])
+def test_a_message_back_while_another_worker_holds_its_claim_waits_no_later_than_its_lapse(
+    timers: Timers, claim_left: float
+) -> None:
+    # Given a job id claimed for this very message by another worker, for ``claim_left`` s
+    # more (its holder was killed, or still runs it and renews the claim)
+    store = FaultyStore(MemoryStore())
+    store.inner.claim("j1", "w2", "m-1", claim_left)
+    worker = _Worker(store, timers)
+    try:
+        # When the message comes back on its 5th delivery (the backoff: 5-10 s)
+        attributes = {"job": "t.long", "job_id": "j1"}
+        worker.processor.process(make_delivery(b"{}", attributes, message_id="m-1", attempt=5))
+        # Then it is given back, not run, to come again just after the claim would lapse if
+        # that is sooner than its backoff (a killed holder renews it no more), else after it
+        assert worker.processor.stats == {"deferred": 1} and not worker.started_at
+        [(ack_id, delay)] = worker.acks.modacked
+        assert ack_id == "ack-m-1"
+        if claim_left < 5:
+            assert claim_left + 0.9 <= delay <= claim_left + 1.0
+        else:
+            assert 5.0 <= delay <= 10.0
+    finally:
+        worker.close()
+
+
 def test_a_stalled_store_cannot_hold_a_run_past_its_claim(timers: Timers) -> None:
     # Given a store whose renewals hang for 30 s
     store = FaultyStore(MemoryStore()).stall("renew", 30)

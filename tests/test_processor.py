@@ -106,6 +106,12 @@ def test_decision_table() -> None:
         assert action.label == Label.RETRIED
     deferred = decide(RedeliveredWhileRunning(), _facts())
     assert isinstance(deferred, Nack) and deferred.label == "deferred" and deferred.delay >= 1
+    # ... no later than just after the holder's claim would lapse, and never in a hot loop
+    # (the 4th attempt's backoff: 8-16 s)
+    assert decide(RedeliveredWhileRunning(lapses_in=3.0), _facts(4)) == Nack(4.0, "deferred")
+    assert decide(RedeliveredWhileRunning(lapses_in=-9.0), _facts(4)) == Nack(1.0, "deferred")
+    spaced = decide(RedeliveredWhileRunning(lapses_in=50.0), _facts(4))
+    assert isinstance(spaced, Nack) and 8.0 <= spaced.delay <= 16.0
     at_cap = decide(Deferred("at the cap", 7.0), _facts(9))
     assert at_cap == Nack(7.0, Label.DEFERRED)  # past max_attempts, yet not dead-lettered
     last = decide(Failed("RetryableError", "flaky"), _facts(5))

@@ -97,6 +97,10 @@ class IdempotencyStore(ABC):
         self.retention = retention
         self._clock = clock
 
+    def lapses_in(self, claim: HeldElsewhere) -> float:
+        """Seconds until ``claim`` lapses unless its holder renews it, by this store's clock."""
+        return claim.until - self._clock()
+
     @abstractmethod
     def _mutate(self, job_id: str, mutation: Mutation[T]) -> T:
         """Atomically read the record, call ``mutation(record, now)``, apply its change."""

@@ -212,7 +212,7 @@ class Idempotency(Middleware):
             case HeldElsewhere(message_id=holder) if holder == key[1]:
                 # This very message (or a copy of it) came back while its first delivery
                 # still runs somewhere, or its claim is still being let go.
-                return RedeliveredWhileRunning()
+                return RedeliveredWhileRunning(self._store.lapses_in(claim))
             case HeldElsewhere():
                 return DuplicateOfRunning()
             case Claimed(failures=failures, token=token):

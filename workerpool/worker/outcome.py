@@ -58,7 +58,11 @@ class DuplicateOfRunning:
 
 @dataclass(frozen=True)
 class RedeliveredWhileRunning:
-    """This very message came back (its lease lapsed) while its first delivery still runs."""
+    """This very message came back (its lease lapsed) while its first delivery still runs.
+    ``lapses_in``: seconds until that delivery's claim lapses unless its holder renews it,
+    where another process holds it (None: it runs here)."""
+
+    lapses_in: float | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,9 @@ Action = Ack | Nack | DeadLetter | Renew
 # and these never change.
 SUCCEEDED = Succeeded()
 _ACK_DONE = Ack(Label.DONE)
+# How long after a claim's lapse, by the claim's clock, a message waiting for it comes back:
+# the holder's clock and ours may differ by a little, and Pub/Sub takes whole seconds.
+_PAST_A_LAPSE = 1.0
 
 
 # One branch per row of the design page's decide table (docs/design.md), side by side on
@@ -232,10 +239,15 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
             # and the holder's own message (or its copy) stays unacked until its job ends:
             # nothing is lost. Or the copy was made for another subscription.
             return Ack(Label.DUPLICATE)
-        case RedeliveredWhileRunning():
+        case RedeliveredWhileRunning(lapses_in):
             # Never ack: the holder may still fail and need this message. Never run a second
-            # copy either. Come back later; spaced, since each deferral counts as a delivery.
-            return _later(facts.backoff.delay(facts.attempt + 1), Label.DEFERRED, facts)
+            # copy either. Come back later; spaced, since each deferral counts as a delivery,
+            # but no later than just after the holder's claim would lapse: a holder that was
+            # killed renews it no more, and the job runs then, not a backoff step after.
+            wait = facts.backoff.delay(facts.attempt + 1)
+            if lapses_in is not None:
+                wait = min(wait, max(facts.backoff.minimum, lapses_in + _PAST_A_LAPSE))
+            return _later(wait, Label.DEFERRED, facts)
         case Deferred(_, delay):
             # Not a failure, so it never dead-letters by our count; the handler may say when.
             wait = facts.backoff.delay(facts.attempt) if delay is None else delay
