@@ -23,9 +23,9 @@ from tests.support import (
 )
 from workerpool.testing.pubsub import PubSubResources
 
-TENANTS = 50
+TENANTS = 25
 LIMIT = 5
-# 4,000 jobs of 200 ms in all: a tenant's 80 take 3.2 s at its limit. A key's fixed writes
+# 2,000 jobs of 200 ms in all: a tenant's 80 take 3.2 s at its limit. A key's fixed writes
 # (each replica's first ask and its giving back, 4 with both replicas) weigh on a key in use
 # for a second or two, so a tenant's backlog here lasts a few seconds.
 JOBS = 80
@@ -59,7 +59,7 @@ def test_per_tenant_bulk_keys_hold_each_tenant_to_its_limit_with_few_writes_each
             )  # fmt: skip
         ready = wait_for(lambda: all(w.ready() for w in workers), timeout=60)
         assert ready, workers[0].output()[-2000:]
-        # When 50 tenants' jobs of 200 ms are published, 80 a tenant, tenant after tenant (so
+        # When 25 tenants' jobs of 200 ms are published, 80 a tenant, tenant after tenant (so
         # a few tenants have a backlog at a time, split between the replicas, each more than
         # the tenant's limit)
         pubsub_resources.publish_many("demo.tenant_sleep", jobs)
