@@ -24,7 +24,7 @@ from workerpool.publishing import JobMessage, publish_many
 from workerpool.testing.emulator import free_port
 from workerpool.testing.pubsub import PubSubResources
 
-_HOT, _KEYS, _PER_KEY, _N = 500, 20, 10, 8
+_HOT, _KEYS, _PER_KEY, _N = 250, 20, 10, 8
 
 
 def _jobs(keys: range, per_key: int, seconds: float) -> list[JobMessage]:
@@ -44,7 +44,7 @@ def _publish(env: PubSubResources, messages: list[JobMessage]) -> None:
 def test_a_hot_keys_backlog_leaves_room_for_the_other_keys(
     pubsub_resources: PubSubResources, tmp_path: Path
 ) -> None:
-    # Given an ordered subscription with one hot key of 500 jobs of 100 ms, and a worker of 8
+    # Given an ordered subscription with one hot key of 250 jobs of 100 ms, and a worker of 8
     # slots that has just started it (its first pull brought only the hot key)
     pubsub_resources.provision(ordered=True)
     _publish(pubsub_resources, _jobs(range(_KEYS, _KEYS + 1), _HOT, 0.1))
