@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from google.api_core import exceptions as gexc
 
+from tests.fakes import FakeClock
 from tests.faults.store import FaultyStore
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
@@ -152,26 +153,29 @@ def _check_unrenewable(error: BaseException, timers: Timers) -> None:
         worker.close()
 
 
-@pytest.mark.parametrize("claim_left", [2.0, 100.0], ids=["lapsing-soon", "renewed"])
+@pytest.mark.parametrize(
+    "claim_left", [TTL / 3, TTL * 0.9, 100.0], ids=["renewal-missed", "renewed", "long"]
+)
 def test_a_message_back_while_another_worker_holds_its_claim_waits_no_later_than_its_lapse(
     timers: Timers, claim_left: float
 ) -> None:
-    # Given a job id claimed for this very message by another worker, for ``claim_left`` s
-    # more (its holder was killed, or still runs it and renews the claim)
-    store = FaultyStore(MemoryStore())
+    # Given a job id claimed for this very message by another worker of the same claim TTL,
+    # for ``claim_left`` s more by the store's clock: less than half its TTL (it missed a
+    # renewal: it was killed), or more (it still renews it)
+    store = FaultyStore(MemoryStore(clock=FakeClock()))
     store.inner.claim("j1", "w2", "m-1", claim_left)
     worker = _Worker(store, timers)
     try:
         # When the message comes back on its 5th delivery (the backoff: 5-10 s)
         attributes = {"job": "t.long", "job_id": "j1"}
         worker.processor.process(make_delivery(b"{}", attributes, message_id="m-1", attempt=5))
-        # Then it is given back, not run, to come again just after the claim would lapse if
-        # that is sooner than its backoff (a killed holder renews it no more), else after it
+        # Then it is given back, not run, to come again a second after the claim of a holder
+        # that missed a renewal would lapse (sooner than its backoff), else after its backoff
         assert worker.processor.stats == {"deferred": 1} and not worker.started_at
         [(ack_id, delay)] = worker.acks.modacked
         assert ack_id == "ack-m-1"
-        if claim_left < 5:
-            assert claim_left + 0.9 <= delay <= claim_left + 1.0
+        if claim_left < TTL / 2:
+            assert delay == pytest.approx(claim_left + 1.0, abs=1e-3)
         else:
             assert 5.0 <= delay <= 10.0
     finally:

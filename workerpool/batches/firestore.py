@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -76,7 +76,7 @@ class _Docs:
 
     def _learnt(self, data: Data) -> Batch:
         # A field the record lacks (written by an older workerpool) takes its default.
-        batch = Batch(**{f.name: data.get(f.name, f.default) for f in fields(Batch)})
+        batch = known_fields(Batch, data)
         self._tallies[batch.batch_id] = list(data["tallies"])
         if batch.finalized_by:
             self._final.add(batch.batch_id)

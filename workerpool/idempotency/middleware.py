@@ -212,7 +212,7 @@ class Idempotency(Middleware):
             case HeldElsewhere(message_id=holder) if holder == key[1]:
                 # This very message (or a copy of it) came back while its first delivery
                 # still runs somewhere, or its claim is still being let go.
-                return RedeliveredWhileRunning(self._store.lapses_in(claim))
+                return RedeliveredWhileRunning(self._lapsing(claim))
             case HeldElsewhere():
                 return DuplicateOfRunning()
             case Claimed(failures=failures, token=token):
@@ -239,15 +239,24 @@ class Idempotency(Middleware):
             return admitted.result, admitted.held, admitted.sent
         sent = time.monotonic()
         claim: ClaimResult | None
-        if admitted is not None and admitted.held is None:
-            claim = admitted.result  # what admission found: done, or held elsewhere
-        else:  # none taken, or dropped while the message waited (not renewed, taken over)
+        if admitted is not None and isinstance(admitted.result, Done):
+            claim = admitted.result  # done when admitted: done for good
+        else:  # none taken; dropped while the message waited (not renewed, taken over); or
+            # held elsewhere then, and since lapsed, renewed or let go
             claim = self._store.claim(key[0], self._owner, key[1], self.keeper.ttl)
         if self._is_own_stale_claim(claim, key):
             assert isinstance(claim, HeldElsewhere)
             run.ctx.fencing_token = claim.token  # granted to us: its reply was lost
             claim = None  # taken back: its count of failures is not known
         return claim, None, sent
+
+    def _lapsing(self, claim: HeldElsewhere) -> float | None:
+        """Seconds until ``claim`` lapses, if its holder seems to have stopped renewing it;
+        else None. A live holder renews it every ``ttl / 3`` (the fleet's ttl, as ours): with
+        less than half of it left, a renewal is late by a sixth of it, and its holder died or
+        is about to give its run back. (A live one's message is spaced by the backoff.)"""
+        left = self._store.lapses_in(claim)
+        return left if left < self.keeper.ttl / 2 else None
 
     def _is_own_stale_claim(self, claim: ClaimResult, key: _Key) -> bool:
         """A claim of ours on this very message that no run here holds (``run`` checked):

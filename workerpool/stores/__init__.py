@@ -19,7 +19,8 @@ R = TypeVar("R", bound="DataclassInstance")
 def known_fields(record: type[R], data: Mapping[str, Any]) -> R:
     """A ``record`` from what a store returned, leaving out the fields it does not have: a
     later workerpool may write one more, and a worker of this one reading it in a rolling
-    deploy must not fail on it."""
+    deploy must not fail on it. (The other way round, a field a release adds needs a
+    default: what an earlier release wrote lacks it.)"""
     return record(**{f.name: data[f.name] for f in fields(record) if f.name in data})
 
 

@@ -21,7 +21,8 @@ a pull's messages in one call (the idempotency store claims their job ids).
 ``settled`` hears, once, how every message left the pool, with its outcome label, run or not.
 ``dead_lettering`` comes before a message's failure record is published, for what must be
 durable before that record and the message's ack (raising gives the message back instead,
-as a record that cannot be published does).
+as a record that cannot be published does); ``dead_lettered`` after it is out and before the
+message's ack, once nothing else can give the message back.
 ``interrupted`` is called when a run is handed back while its handler still runs (the drain
 deadline, a lost claim), so a middleware can give back what it holds. ``options`` names the
 ``@job`` options a middleware reads: ``@job`` refuses any option no middleware declares
@@ -100,9 +101,10 @@ class Middleware:
         and acked (``run``: None if it never ran). Raise to give it back instead."""
 
     def dead_lettered(self, delivery: Delivery, job_id: str) -> None:
-        """``delivery``'s failure record is on the dead-letter topic; its ack is sent next
-        (a crash in between brings the message back, and it is recorded again then). What
-        this raises is logged, and the ack sent all the same: the record is out."""
+        """``delivery``'s failure record is on the dead-letter topic, and its ack is sent next
+        (nothing can give it back any more; a crash in between brings it back, and it is
+        recorded again then; on an exactly-once subscription Pub/Sub may still refuse the
+        ack). What this raises is logged, and the ack sent all the same: the record is out."""
 
     def interrupted(self, run: Run) -> None:
         """``run`` was handed back while it still ran; its message is being nacked."""

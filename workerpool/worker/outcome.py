@@ -59,8 +59,8 @@ class DuplicateOfRunning:
 @dataclass(frozen=True)
 class RedeliveredWhileRunning:
     """This very message came back (its lease lapsed) while its first delivery still runs.
-    ``lapses_in``: seconds until that delivery's claim lapses unless its holder renews it,
-    where another process holds it (None: it runs here)."""
+    ``lapses_in``: seconds until that delivery's claim lapses, where another process holds it
+    and seems to have stopped renewing it (None: it runs here, or its holder renews it)."""
 
     lapses_in: float | None = None
 
@@ -242,8 +242,8 @@ def decide(outcome: Outcome, facts: Facts) -> Action:  # noqa: C901
         case RedeliveredWhileRunning(lapses_in):
             # Never ack: the holder may still fail and need this message. Never run a second
             # copy either. Come back later; spaced, since each deferral counts as a delivery,
-            # but no later than just after the holder's claim would lapse: a holder that was
-            # killed renews it no more, and the job runs then, not a backoff step after.
+            # but no later than just after the claim of a holder that stopped renewing it
+            # lapses: one that was killed, whose job runs then, not a backoff step after.
             wait = facts.backoff.delay(facts.attempt + 1)
             if lapses_in is not None:
                 wait = min(wait, max(facts.backoff.minimum, lapses_in + _PAST_A_LAPSE))

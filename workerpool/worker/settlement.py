@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 # How long a worker thread waits to learn whether an exactly-once ack took.
 _ACK_CONFIRM_TIMEOUT = 60.0
+_DEAD_LETTERED = Ack(Label.DEAD_LETTERED)
 
 
 # Not frozen, as ``Facts``: one or two are made per message.
@@ -130,6 +131,8 @@ class Settlement:
                 renewed = isinstance(action, Ack)
             if not delivery.finish_settle():
                 return  # the end of a drain gave it back meanwhile
+            if action == _DEAD_LETTERED:
+                self._dead_lettered(delivery, subject)
         elif not delivery.take():
             return  # a hand-back (drain deadline, lost claim) settled it already
         self._leases.remove(delivery)
@@ -178,11 +181,6 @@ class Settlement:
             retry = decide(RecordFailed(str(exc)), facts)
             assert not isinstance(retry, DeadLetter)
             return retry
-        for mw in self._after_records:
-            try:
-                mw.dead_lettered(delivery, subject.job_id)
-            except Exception:
-                log.exception("%s.dead_lettered failed", type(mw).__name__)
         log.warning(
             "job %s (%s) dead-lettered: %s: %s",
             subject.job_name,
@@ -190,7 +188,16 @@ class Settlement:
             action.error_type,
             action.error_message,
         )
-        return Ack(Label.DEAD_LETTERED)
+        return _DEAD_LETTERED
+
+    def _dead_lettered(self, delivery: Delivery, subject: Subject) -> None:
+        """Its record is out and its ack is this thread's to send, next: nothing else can take
+        it any more (SETTLED), so those that hear of it never hear of a message given back."""
+        for mw in self._after_records:
+            try:
+                mw.dead_lettered(delivery, subject.job_id)
+            except Exception:
+                log.exception("%s.dead_lettered failed", type(mw).__name__)
 
     def _send(self, delivery: Delivery, action: Ack | Nack) -> Label:
         match action:
