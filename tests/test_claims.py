@@ -182,6 +182,27 @@ def test_a_message_back_while_another_worker_holds_its_claim_waits_no_later_than
         worker.close()
 
 
+def test_a_claim_found_held_at_admission_is_asked_again_when_its_message_starts(
+    timers: Timers,
+) -> None:
+    # Given a message admitted while another worker held its job id's claim for it
+    store = FaultyStore(MemoryStore())
+    store.inner.claim("j1", "w2", "m-1", 100.0)
+    worker = _Worker(store, timers, seconds=0.01)
+    try:
+        delivery = make_delivery(b"{}", {"job": "t.long", "job_id": "j1"}, message_id="m-1")
+        worker.processor.admitted([delivery])
+        # When that worker lets the claim go (its run failed) before the message starts
+        store.inner.release("j1", "w2", "m-1", failed=True)
+        worker.processor.process(delivery)
+        # Then the message claims the job id afresh and runs, not deferred on what admission
+        # found
+        assert len(worker.started_at) == 1
+        assert "deferred" not in worker.processor.stats
+    finally:
+        worker.close()
+
+
 def test_a_stalled_store_cannot_hold_a_run_past_its_claim(timers: Timers) -> None:
     # Given a store whose renewals hang for 30 s
     store = FaultyStore(MemoryStore()).stall("renew", 30)

@@ -169,6 +169,8 @@ def test_replay_runs_the_job_that_blocked_a_key_first_then_lets_the_key_go_on(
         workers.append(worker)
         assert wait_for(lambda: "key-a" in blocked_now(url), timeout=60), worker.output()[-3000:]
         assert wait_for(lambda: len(_done(ledger)) >= 8, timeout=60), _done(ledger)
+        # (the key is blocked before the failure record is published: the record is out too)
+        assert wait_for(lambda: _records_of(env, _FAILING) == 1, timeout=30)
         # When the operator replays it before its cause is fixed
         failed = runner.invoke(main, [*replay, "--wait", "4"])
         # Then the command gives up with one line, the key still blocked, nothing after it run

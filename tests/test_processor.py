@@ -30,6 +30,7 @@ from workerpool.telemetry.logs import CloudLoggingFormatter
 from workerpool.telemetry.textlog import TextFormatter
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.backoff import Backoff
+from workerpool.worker.delivery import Delivery
 from workerpool.worker.failures import failure_attributes
 from workerpool.worker.middleware import Ended, Middleware, TimeLimit
 from workerpool.worker.outcome import (
@@ -628,3 +629,39 @@ def test_a_completion_is_awaited_where_the_next_message_of_its_key_waits_for_it(
     # the next message of its ordering key starts once it settles; it is acked either way
     assert recording.awaited == [awaited]
     assert acks.acked == [delivery.ack_id]
+
+
+class _DrainEndsWhileHeard(Middleware):
+    """Hears each dead-lettered message while the end of a drain tries to give it back."""
+
+    def __init__(self) -> None:
+        self.processor: Processor | None = None
+        self.heard: list[tuple[str, bool, int]] = []
+
+    def dead_lettered(self, delivery: Delivery, job_id: str) -> None:
+        assert self.processor is not None
+        settled = delivery.settled  # (still leased: it is extended)
+        self.heard.append((job_id, settled, self.processor.give_back([delivery], force=True)))
+
+
+def test_a_message_whose_failure_record_is_out_is_acked_even_as_a_drain_ends() -> None:
+    # Given a job that always fails, and a middleware that hears its record is out while the
+    # end of a drain gives back whatever is held
+    jobs = Registry()
+
+    @jobs.job("t.bad")
+    def bad(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise PermanentError("never")
+
+    acks, records, hearing = FakeAcks(), FakeDeadLetters(), _DrainEndsWhileHeard()
+    processor = Processor(
+        jobs, acks, FakeLeaser(), records, [hearing], ProcessorSettings(BACKOFF)
+    )  # fmt: skip
+    hearing.processor = processor
+    # When it runs and is dead-lettered
+    processor.process(make_delivery(b"{}", {"job": "t.bad", "job_id": "j1"}))
+    # Then the middleware heard it with the message still leased; the drain could not take
+    # it, and its run acked it: one record, one ack, no nack
+    assert hearing.heard == [("j1", False, 0)]
+    assert len(records.records) == 1 and acks.acked == ["ack-m-1"] and acks.modacked == []
+    assert processor.stats == {"dead_lettered": 1}

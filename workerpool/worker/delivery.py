@@ -10,6 +10,7 @@ from enum import Enum
 class _State(Enum):
     HELD = "held"  # leased to us; nobody has decided its fate yet
     SETTLING = "settling"  # its own run owns it and is publishing its failure record
+    RECORDED = "recorded"  # its failure record is out: only its own run may settle it now
     SETTLED = "settled"  # its ack or nack is queued: nothing else may be sent for it
 
 
@@ -19,8 +20,9 @@ class Delivery:
 
     Exactly one ack or nack is ever queued for it, by whoever moves it to SETTLED first: its
     run's own end, or a hand-back (drain deadline, a lost claim). Until then its lease is
-    extended, also while its run publishes a failure record (SETTLING), so a slow publish
-    cannot let it be redelivered meanwhile.
+    extended, also while its run publishes a failure record (SETTLING) and then tells the
+    middleware it is out (RECORDED), so a slow publish cannot let it be redelivered
+    meanwhile.
     """
 
     ack_id: str
@@ -60,12 +62,19 @@ class Delivery:
         it alone from now on (only ``force`` can still take it)."""
         return self._move((_State.HELD,), _State.SETTLING)
 
+    def recorded(self) -> bool:
+        """SETTLING -> RECORDED, once its failure record is out: False if ``force`` took it
+        meanwhile (then send nothing). From here on nothing but its run settles it."""
+        return self._move((_State.SETTLING,), _State.RECORDED)
+
     def finish_settle(self) -> bool:
-        """SETTLING -> SETTLED: False if ``force`` took it meanwhile (then send nothing)."""
-        return self._move((_State.SETTLING,), _State.SETTLED)
+        """SETTLING or RECORDED -> SETTLED: False if ``force`` took it meanwhile (then send
+        nothing)."""
+        return self._move((_State.SETTLING, _State.RECORDED), _State.SETTLED)
 
     def force(self) -> bool:
-        """HELD or SETTLING -> SETTLED, at the end of a drain: nothing may outlive it."""
+        """HELD or SETTLING -> SETTLED, at the end of a drain: nothing may outlive it (but a
+        message whose failure record is out, RECORDED: its run acks it next)."""
         return self._move((_State.HELD, _State.SETTLING), _State.SETTLED)
 
     def _move(self, sources: tuple[_State, ...], target: _State) -> bool:

@@ -129,10 +129,10 @@ class Settlement:
             if isinstance(action, Renew):  # also a record not published on the last delivery
                 action = self._renewed([(delivery, action)])[0]
                 renewed = isinstance(action, Ack)
+            if action == _DEAD_LETTERED and delivery.recorded():
+                self._dead_lettered(delivery, subject)
             if not delivery.finish_settle():
                 return  # the end of a drain gave it back meanwhile
-            if action == _DEAD_LETTERED:
-                self._dead_lettered(delivery, subject)
         elif not delivery.take():
             return  # a hand-back (drain deadline, lost claim) settled it already
         self._leases.remove(delivery)
@@ -192,7 +192,8 @@ class Settlement:
 
     def _dead_lettered(self, delivery: Delivery, subject: Subject) -> None:
         """Its record is out and its ack is this thread's to send, next: nothing else can take
-        it any more (SETTLED), so those that hear of it never hear of a message given back."""
+        it any more (RECORDED: still leased), so those that hear of it never hear of a message
+        given back."""
         for mw in self._after_records:
             try:
                 mw.dead_lettered(delivery, subject.job_id)
