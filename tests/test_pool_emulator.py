@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 
 from tests.support import wait_for
-from workerpool import JobContext
+from workerpool import JobContext, PermanentError
 from workerpool.assembly.launcher import Launcher, Phase
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
+from workerpool.worker.delivery import Delivery
 from workerpool.worker.limits import DrainReport
+from workerpool.worker.middleware import Middleware
 
 
 class Tracker:
@@ -92,3 +94,50 @@ def test_a_launcher_stopped_twice_closes_everything_it_opened_once(
     assert wait_for(lambda: {t.name for t in threading.enumerate()} <= before, timeout=5), {
         t.name for t in threading.enumerate()
     } - before
+
+
+class _SlowToHear(Middleware):
+    """Hears that a message was dead-lettered slowly, as a batch's ledger write on a slow
+    store."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.hearing = threading.Event()
+        self.heard: list[str] = []
+
+    def dead_lettered(self, delivery: Delivery, job_id: str) -> None:
+        self.hearing.set()
+        time.sleep(self.seconds)
+        self.heard.append(job_id)
+
+
+def test_a_drain_that_ends_while_a_dead_letter_is_heard_still_acks_it(
+    pubsub_resources: PubSubResources,
+) -> None:
+    # Given a launcher whose middleware takes 0.3 s to hear that a message was dead-lettered
+    # (longer than the end of a drain gives a failure record still being published), and a
+    # job that always fails
+    pubsub_resources.provision(retry_policy=False, ack_deadline=10)
+    jobs = Registry()
+
+    @jobs.job("t.bad")
+    def bad(ctx: JobContext, payload: Any) -> None:
+        raise PermanentError("never")
+
+    hearing = _SlowToHear(0.3)
+    settings = pubsub_resources.settings(lease_extension=10.0)
+    launcher = Launcher(settings, jobs=jobs, middleware=[hearing]).start()
+    pubsub_resources.publish("t.bad", {}, job_id="j1")
+    assert hearing.hearing.wait(30)
+    # When the drain's deadline passes just then
+    launcher.stop(time.monotonic())
+    # Then the middleware heard it to the end, and its ack went out before the acks were
+    # flushed: one failure record, and the message never comes back (its lease was 10 s)
+    assert hearing.heard == ["j1"]
+    assert len(pubsub_resources.dead_letters(expected=1, timeout=5)) == 1
+    time.sleep(11)
+    back = pubsub_resources.subscriber.pull(
+        request={"subscription": pubsub_resources.subscription_path, "max_messages": 10},
+        timeout=5,
+    )
+    assert list(back.received_messages) == []

@@ -46,6 +46,8 @@ GRACE = 0.6
 _AFTER_PULL = 0.3
 # How long messages whose failure record is still being published may finish.
 _RECORD_GRACE = 0.1
+# Of GRACE: what the ack flush and closing need after the last ack is queued.
+_FLUSH = 0.2
 
 
 class Phase(Enum):
@@ -229,7 +231,7 @@ class Launcher:
         # and give those back again, before the acks are flushed.
         parts.puller.stop(timeout=max(0.0, end - _AFTER_PULL - time.monotonic()))
         parts.pool.quiet()
-        self._sweep(parts, min(end, time.monotonic() + _RECORD_GRACE))
+        self._sweep(parts, min(end, time.monotonic() + _RECORD_GRACE), end - _FLUSH)
         flushed = parts.acks.close(timeout=max(0.0, end - 0.15 - time.monotonic()))
         parts.leaser.stop(timeout=0)
         self._close(parts, end)
@@ -256,14 +258,25 @@ class Launcher:
                 return True
         return pool.wait_idle(time.monotonic())
 
-    def _sweep(self, parts: Parts, until: float) -> None:
+    def _sweep(self, parts: Parts, until: float, end: float) -> None:
         """Nothing held may outlive the drain: a message whose failure record is still being
-        published gets until ``until``, then it is given back like a running one."""
+        published gets until ``until``, then it is given back like a running one. One whose
+        record is out cannot be given back (its run acks it once the middleware has heard
+        of it): it gets until ``end``, before the acks are flushed."""
         while parts.leaser.holding() and time.monotonic() < until:
             time.sleep(0.01)
         abandoned = parts.processor.give_back(parts.leaser.holding(), force=True)
         if abandoned:
             log.warning("draining: gave back %d messages still being settled", abandoned)
+        while parts.leaser.holding() and time.monotonic() < end:
+            time.sleep(0.01)
+        left = len(parts.leaser.holding())
+        if left:
+            log.warning(
+                "draining: %d dead-lettered messages were still being recorded; their acks "
+                "may not be sent (each comes back after its lease and is recorded again)",
+                left,
+            )
 
     def _close(self, parts: Parts, end: float) -> None:
         """Close every part side by side, each on a daemon thread, waiting for them only

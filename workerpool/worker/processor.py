@@ -364,7 +364,8 @@ class Processor:
         """Give back messages that never started, so another worker can have them now; with
         ``force``, at the very end of a drain, whatever is still held, even a message whose
         run is still publishing its failure record (that publish may yet succeed: a second
-        record after its redelivery is better than a lost message)."""
+        record after its redelivery is better than a lost message), but not one whose record
+        is out (its run acks it next)."""
         taken = [d for d in deliveries if (d.force() if force else d.take())]
         with self._lock:
             runs = [self._running.get(d) for d in taken]
