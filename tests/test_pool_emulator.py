@@ -114,9 +114,10 @@ class _SlowToHear(Middleware):
 def test_a_drain_that_ends_while_a_dead_letter_is_heard_still_acks_it(
     pubsub_resources: PubSubResources,
 ) -> None:
-    # Given a launcher whose middleware takes 0.3 s to hear that a message was dead-lettered
-    # (longer than the end of a drain gives a failure record still being published), and a
-    # job that always fails
+    # Given a launcher of one slot and no prefetch (no pull in flight while it runs a job),
+    # whose middleware takes 0.2 s to hear that a message was dead-lettered (longer than the
+    # end of a drain gives a failure record still being published), and a job that always
+    # fails
     pubsub_resources.provision(retry_policy=False, ack_deadline=10)
     jobs = Registry()
 
@@ -124,8 +125,8 @@ def test_a_drain_that_ends_while_a_dead_letter_is_heard_still_acks_it(
     def bad(ctx: JobContext, payload: Any) -> None:
         raise PermanentError("never")
 
-    hearing = _SlowToHear(0.3)
-    settings = pubsub_resources.settings(lease_extension=10.0)
+    hearing = _SlowToHear(0.2)
+    settings = pubsub_resources.settings(lease_extension=10.0, max_outstanding=1, prefetch=0)
     launcher = Launcher(settings, jobs=jobs, middleware=[hearing]).start()
     pubsub_resources.publish("t.bad", {}, job_id="j1")
     assert hearing.hearing.wait(30)

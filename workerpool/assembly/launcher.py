@@ -47,7 +47,7 @@ _AFTER_PULL = 0.3
 # How long messages whose failure record is still being published may finish.
 _RECORD_GRACE = 0.1
 # Of GRACE: what the ack flush and closing need after the last ack is queued.
-_FLUSH = 0.2
+_FLUSH = 0.3
 
 
 class Phase(Enum):
@@ -273,8 +273,9 @@ class Launcher:
         left = len(parts.leaser.holding())
         if left:
             log.warning(
-                "draining: %d dead-lettered messages were still being recorded; their acks "
-                "may not be sent (each comes back after its lease and is recorded again)",
+                "draining: %d dead-lettered messages were still being heard by the "
+                "middleware; their acks may not be sent (each comes back after its lease "
+                "and is recorded again)",
                 left,
             )
 
