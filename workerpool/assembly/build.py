@@ -41,7 +41,7 @@ from workerpool.slots.gate import PoolGate
 from workerpool.slots.leases import SlotLeases
 from workerpool.slots.middleware import Concurrency
 from workerpool.telemetry import Telemetry
-from workerpool.worker.acks import Acknowledger
+from workerpool.worker.acks import ACK_WINDOW, ORDERED_ACK_WINDOW, Acknowledger
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.delivery import Delivery
@@ -128,7 +128,11 @@ class PoolBuilder:
         )
         middleware = self._middleware(timers, concurrency, coordination, limits)
         _check_options(self._jobs, middleware, self._limiters)
-        acks = Acknowledger(clients.subscriber, self.subscription)
+        acks = Acknowledger(
+            clients.subscriber,
+            self.subscription,
+            ack_window=ORDERED_ACK_WINDOW if info.message_ordering else ACK_WINDOW,
+        )
         leaser = Leaser(
             acks,
             extension=s.lease_extension,

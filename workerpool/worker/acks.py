@@ -1,8 +1,18 @@
 """Batch acknowledge / modify_ack_deadline requests on two threads.
 
 Handlers finish on many threads; sending one RPC per message caps throughput, so requests
-queue here and go out in batches every few milliseconds. ``flush`` is what drain waits on to
-be sure every outcome reached Pub/Sub before the process exits.
+queue here and go out in batches. ``flush`` is what drain waits on to be sure every outcome
+reached Pub/Sub before the process exits.
+
+An ack waits up to ``ack_window`` (50 ms) for others to share its request. A request costs
+the worker about 0.4 ms of CPU whatever it carries: with the 10 ms that changes of deadlines
+wait, acks took 5-7 us of CPU a no-op job at N = 100, against 2 with 50 ms (measured). A
+queued ack holds no slot and no room for a pull: its message left the pool's count when it
+was settled (only Pub/Sub counts it leased meanwhile), and its lease has seconds left. Where
+a late ack would cost something, the wait is shorter: an exactly-once ack's run waits for its
+answer, so it goes at once; on an ordered subscription Pub/Sub may hold a key's later
+messages until those before are acked, so its acks wait 10 ms. ``flush`` ends every wait at
+once.
 
 Acks go out on one thread, and every change of an ack deadline (lease extensions, nacks,
 deferrals) in order on another: behind an ack request that retries its timeouts (four of
@@ -56,11 +66,30 @@ _Entry = tuple[str, "Future[bool] | None"]
 _EXACTLY_ONCE_FAILURE = "EXACTLY_ONCE_ACKID_FAILURE"
 
 
+ACK_WINDOW = 0.05  # seconds an ack waits for others to share its request
+ORDERED_ACK_WINDOW = 0.01  # the same on an ordered subscription
+_INTERVAL = 0.01  # the same for a change of ack deadlines
+
+
 class Acknowledger:
-    def __init__(self, client: Any, subscription: str, *, interval: float = 0.01) -> None:
+    def __init__(
+        self,
+        client: Any,
+        subscription: str,
+        *,
+        interval: float = _INTERVAL,
+        ack_window: float = ACK_WINDOW,
+    ) -> None:
+        """``interval``: how long a change of ack deadlines waits for others to join its
+        request; ``ack_window``: the same for an ack."""
         self._client = client
         self._subscription = subscription
+        self.ack_window = ack_window
         self._interval = interval
+        # Set to end the waits at once: by a flush, and (acks only) by an ack whose answer is
+        # awaited.
+        self._hurry_acks = threading.Event()
+        self._hurry_leases = threading.Event()
         self._acks: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._deadlines: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._pending = 0
@@ -74,10 +103,10 @@ class Acknowledger:
 
     def start(self) -> None:
         self._threads = [
-            threading.Thread(target=self._run, args=(q,), name=name, daemon=True)
-            for q, name in (
-                (self._acks, "workerpool-acks"),
-                (self._deadlines, "workerpool-leases"),
+            threading.Thread(target=self._run, args=(q, window, hurry), name=name, daemon=True)
+            for q, name, window, hurry in (
+                (self._acks, "workerpool-acks", self.ack_window, self._hurry_acks),
+                (self._deadlines, "workerpool-leases", self._interval, self._hurry_leases),
             )
         ]
         for thread in self._threads:
@@ -87,6 +116,8 @@ class Acknowledger:
         """Queue an ack; with ``confirm``, return a future: True once Pub/Sub accepted it."""
         future: Future[bool] | None = Future() if confirm else None
         self._put([(("ack", 0), ack_id, None, future)], self._acks)
+        if confirm:
+            self._hurry_acks.set()  # after the put: the batch it ends takes this ack
         return future
 
     def modack(self, ack_ids: list[str], seconds: float) -> None:
@@ -113,6 +144,9 @@ class Acknowledger:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
+                # Again at each wake-up: requests queued since may be waiting for others.
+                self._hurry_acks.set()
+                self._hurry_leases.set()
                 self._idle.wait(remaining)
         return True
 
@@ -127,12 +161,15 @@ class Acknowledger:
             thread.join(max(0.0, deadline - time.monotonic()))
         return flushed
 
-    def _run(self, requests: queue.SimpleQueue[_Item | None]) -> None:
+    def _run(
+        self, requests: queue.SimpleQueue[_Item | None], window: float, hurry: threading.Event
+    ) -> None:
         while True:
             first = requests.get()
             if first is None:
                 return
-            time.sleep(self._interval)  # let concurrent outcomes join this batch
+            hurry.wait(window)  # let concurrent outcomes join this batch
+            hurry.clear()  # before collecting: what a later hurry queued is taken below
             batch, stop = self._collect(first, requests)
             try:
                 # Extensions first: a nack in the same batch must be the last word.
