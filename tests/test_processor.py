@@ -32,6 +32,7 @@ from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.failures import failure_attributes
+from workerpool.worker.lease import Leaser
 from workerpool.worker.middleware import Ended, Middleware, TimeLimit
 from workerpool.worker.outcome import (
     Ack,
@@ -665,3 +666,52 @@ def test_a_message_whose_failure_record_is_out_is_acked_even_as_a_drain_ends() -
     assert hearing.heard == [("j1", False, 0)]
     assert len(records.records) == 1 and acks.acked == ["ack-m-1"] and acks.modacked == []
     assert processor.stats == {"dead_lettered": 1}
+
+
+@dataclass
+class _AcksSeeingLeases(FakeAcks):
+    """Records, as each ack or nack is queued, whether the leaser still held its message."""
+
+    leaser: Leaser | None = None
+    held_when_queued: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    def _seen(self, ack_ids: list[str]) -> None:
+        assert self.leaser is not None
+        holding = {d.ack_id for d in self.leaser.holding()}
+        self.held_when_queued.update((a, a in holding) for a in ack_ids)
+
+    def ack(self, ack_id: str, *, confirm: bool = False) -> Future[bool] | None:
+        self._seen([ack_id])
+        return super().ack(ack_id, confirm=confirm)
+
+    def modack(self, ack_ids: list[str], seconds: float) -> None:
+        self._seen(ack_ids)
+        super().modack(ack_ids, seconds)
+
+
+def test_a_message_stays_held_until_its_ack_or_nack_is_queued() -> None:
+    # Given a processor whose leaser holds three messages: one whose job succeeds, one whose
+    # job fails (a nack), one given back before it starts
+    jobs = Registry()
+    jobs.job("t.ok")(lambda ctx, payload: None)
+
+    @jobs.job("t.fails")
+    def fails(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise RetryableError("later")
+
+    acks = _AcksSeeingLeases()
+    leaser = acks.leaser = Leaser(acks, granted=600)
+    processor = Processor(jobs, acks, leaser, FakeDeadLetters(), (), ProcessorSettings(BACKOFF))
+    ok, failing, unstarted = (
+        make_delivery(b"{}", {"job": name}, message_id=name)
+        for name in ("t.ok", "t.fails", "t.unstarted")
+    )
+    leaser.add([ok, failing, unstarted])
+    # When they are settled
+    processor.process(ok)
+    processor.process(failing)
+    processor.give_back([unstarted])
+    # Then each was still held when its ack or nack was queued (a drain that finds nothing
+    # held has every ack queued before it flushes them), and none is held after
+    assert acks.held_when_queued == {"ack-t.ok": True, "ack-t.fails": True, "ack-t.unstarted": True}
+    assert leaser.holding() == []

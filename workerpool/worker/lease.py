@@ -59,9 +59,10 @@ class Leaser:
             self._held.pop(delivery.ack_id, None)
 
     def holding(self) -> list[Delivery]:
-        """Held messages not yet settled (waiting, running, or being recorded)."""
+        """Held messages whose ack or nack is not queued yet: waiting, running, being
+        recorded, or settled a moment ago (their lease is let go once it is queued)."""
         with self._lock:
-            return [d for d in self._held.values() if not d.settled]
+            return list(self._held.values())
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()

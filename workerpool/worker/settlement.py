@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from workerpool import constants as c
@@ -135,7 +136,6 @@ class Settlement:
                 return  # the end of a drain gave it back meanwhile
         elif not delivery.take():
             return  # a hand-back (drain deadline, lost claim) settled it already
-        self._leases.remove(delivery)
         label = self._send(delivery, action)
         if label is not Label.DEAD_LETTERED:
             error_type = ""
@@ -201,12 +201,18 @@ class Settlement:
                 log.exception("%s.dead_lettered failed", type(mw).__name__)
 
     def _send(self, delivery: Delivery, action: Ack | Nack) -> Label:
+        """Queue the message's ack or nack, then let its lease go: a drain that sees no lease
+        held left has every ack queued before it flushes them (let go first, a message taken
+        but not acked yet looked settled, and the drain could close the acks before it came)."""
         match action:
             case Ack(label):
-                return label if self._ack(delivery) else Label.ACK_FAILED
+                confirmation = self._acks.ack(delivery.ack_id, confirm=self._exactly_once)
+                self._leases.remove(delivery)
+                return label if self._confirmed(delivery, confirmation) else Label.ACK_FAILED
             case Nack(delay, label):
                 delivery.returned = True
                 self._acks.modack([delivery.ack_id], self._give_back_after(delivery, delay))
+                self._leases.remove(delivery)
                 return label
 
     def _give_back_after(self, delivery: Delivery, delay: float) -> float:
@@ -216,8 +222,7 @@ class Settlement:
             return max(delay, c.ORDERED_GIVE_BACK_SECONDS)
         return delay
 
-    def _ack(self, delivery: Delivery) -> bool:
-        confirmation = self._acks.ack(delivery.ack_id, confirm=self._exactly_once)
+    def _confirmed(self, delivery: Delivery, confirmation: Future[bool] | None) -> bool:
         if confirmation is None:
             return True
         # Exactly-once: a refused or unanswered ack means the message comes back (or went to
@@ -264,7 +269,6 @@ class Settlement:
         by_delay: dict[float, list[str]] = defaultdict(list)
         labels = []
         for (delivery, _, _), decision in zip(taken, decided, strict=True):
-            self._leases.remove(delivery)
             action = next(copied) if isinstance(decision, Renew) else decision
             match action:
                 case Ack(label):
@@ -277,6 +281,8 @@ class Settlement:
             labels.append((label, isinstance(decision, Renew) and isinstance(action, Ack)))
         for delay, ack_ids in by_delay.items():
             self._acks.modack(ack_ids, delay)
+        for delivery, _, _ in taken:  # once each one's ack or nack is queued, as ``_send``
+            self._leases.remove(delivery)
         for (delivery, subject, run), (label, renewed) in zip(taken, labels, strict=True):
             self._finish(
                 Settled(label, subject.job_name, subject.job_id, delivery.message_id,
