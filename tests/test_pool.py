@@ -8,6 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -20,9 +21,10 @@ from workerpool.registry import Registry
 from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
 from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.lease import Leaser
 from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
-from workerpool.worker.outcome import Deferred, Interrupted, Outcome
+from workerpool.worker.outcome import Deferred, Interrupted, LostLease, Outcome
 from workerpool.worker.permits import HELD, PARKED, SlotPermit, Starter
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Ending, Processor, ProcessorSettings
@@ -977,3 +979,50 @@ def test_a_waiting_puller_is_woken_once_runs_ending_leave_it_room_to_pull(bound:
         for i in range(6):
             each.let_go(f"j{i}")
         pool.join(time.monotonic() + 5)
+
+
+@dataclass
+class _SlowNacks(FakeAcks):
+    """A nack is queued only once ``release`` is set (a hand-back publishing a copy first)."""
+
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def modack(self, ack_ids: list[str], seconds: float) -> None:
+        self.release.wait(10)
+        super().modack(ack_ids, seconds)
+
+
+class _RunsSeen(Middleware):
+    def __init__(self) -> None:
+        self.runs: list[Run] = []
+
+    def before(self, run: Run) -> None:
+        self.runs.append(run)
+
+
+def test_a_run_handed_back_by_another_thread_stays_held_until_its_nack_is_queued() -> None:
+    # Given a running job that ends once told to stop, on a pool with a real leaser
+    jobs, seen, acks = Registry(), _RunsSeen(), _SlowNacks()
+    jobs.job("t.stops")(lambda ctx, payload: ctx.cancelled.wait(10))
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings())
+    pool = Pool(processor, leaser, PoolLimits(1, 1))
+    pool.start()
+    delivery = make_delivery(b"{}", {"job": "t.stops", "job_id": "j"}, message_id="m")
+    try:
+        pool.admit([delivery])
+        assert wait_for(lambda: seen.runs, timeout=5)
+        # When another thread hands it back (a lost claim), and its run ends before the
+        # nack is queued
+        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
+        handing.start()
+        assert pool.wait_idle(time.monotonic() + 5)
+        # Then it is still held (a drain waits for it before it flushes the acks) until the
+        # nack is queued, and not after
+        assert leaser.holding() == [delivery] and acks.modacked == []
+        acks.release.set()
+        handing.join(5)
+        assert acks.modacked == [("ack-m", 1)] and leaser.holding() == []
+    finally:
+        acks.release.set()
+        assert pool.join(time.monotonic() + 5)

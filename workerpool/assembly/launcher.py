@@ -260,9 +260,10 @@ class Launcher:
 
     def _sweep(self, parts: Parts, until: float, end: float) -> None:
         """Nothing held may outlive the drain: a message whose failure record is still being
-        published gets until ``until``, then it is given back like a running one. One whose
-        record is out cannot be given back (its run acks it once the middleware has heard
-        of it): it gets until ``end``, before the acks are flushed."""
+        published gets until ``until``, then it is given back like a running one. One that
+        cannot be given back any more gets until ``end``, before the acks are flushed: its
+        record is out (its run acks it once the middleware has heard of it), or it was taken
+        and its ack or nack is on its way (a hand-back publishing a copy first)."""
         while parts.leaser.holding() and time.monotonic() < until:
             time.sleep(0.01)
         abandoned = parts.processor.give_back(parts.leaser.holding(), force=True)
@@ -273,9 +274,9 @@ class Launcher:
         left = len(parts.leaser.holding())
         if left:
             log.warning(
-                "draining: %d dead-lettered messages were still being heard by the "
-                "middleware; their acks may not be sent (each comes back after its lease "
-                "and is recorded again)",
+                "draining: %d messages were still being settled (a dead-lettered one heard "
+                "by the middleware, a hand-back publishing a copy); their acks or nacks may "
+                "not be sent (each comes back after its lease)",
                 left,
             )
 

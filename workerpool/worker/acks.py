@@ -157,6 +157,8 @@ class Acknowledger:
         self._closing.set()  # retries stop waiting between attempts
         self._acks.put(None)
         self._deadlines.put(None)
+        self._hurry_acks.set()  # what was queued after the flush goes now
+        self._hurry_leases.set()
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return flushed

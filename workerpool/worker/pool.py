@@ -236,8 +236,8 @@ class Pool:
         return ending
 
     def _end_run(self, permit: SlotPermit, delivery: Delivery, *, settled: bool) -> None:
-        if settled:
-            self._leases.remove(delivery)
+        # (Its lease is let go where its ack or nack is queued, which may be on another
+        # thread still: a hand-back that publishes a copy first.)
         with self._lock:
             starts = self._let_go(permit)
             after = self._unhold(delivery) if settled else []  # one round trip of the lock
@@ -342,7 +342,6 @@ class Pool:
 
     def _left(self, delivery: Delivery) -> None:
         """``delivery``, settled after its run ended, is held no more."""
-        self._leases.remove(delivery)
         with self._lock:
             after = self._unhold(delivery)
             self._cond.held(self._held)
