@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.support import wait_for
+from workerpool import constants as c
 from workerpool.worker.acks import Acknowledger
 
 # Longer than any wait of these tests: an ack still waiting for others would fail them.
@@ -16,12 +17,14 @@ class _RecordingClient:
     def __init__(self) -> None:
         self.acks: list[list[str]] = []
         self.modacks: list[list[str]] = []
+        self.deadlines: dict[str, int] = {}  # by ack id
 
     def acknowledge(self, request: Any, **options: Any) -> None:
         self.acks.append(list(request.ack_ids))
 
     def modify_ack_deadline(self, request: Any, **options: Any) -> None:
         self.modacks.append(list(request.ack_ids))
+        self.deadlines.update((a, request.ack_deadline_seconds) for a in request.ack_ids)
 
 
 def test_acks_queued_within_the_window_share_one_request_and_a_flush_does_not_wait_for_it() -> None:
@@ -74,3 +77,19 @@ def test_a_change_of_deadlines_does_not_wait_for_the_ack_window() -> None:
     finally:
         assert acks.close(timeout=5)
     assert client.acks == [["a"]]  # sent by the close's flush
+
+
+def test_a_delay_that_is_no_number_of_seconds_asks_for_the_longest_deadline() -> None:
+    # Given an acknowledger
+    client = _RecordingClient()
+    acks = Acknowledger(client, "projects/p/subscriptions/s", interval=0.001)
+    acks.start()
+    try:
+        # When messages are given back after no number of seconds (a middleware's bug)
+        acks.modack(["a"], float("nan"))
+        acks.modack(["b"], float("inf"))
+        assert acks.flush(timeout=5)
+    finally:
+        assert acks.close(timeout=5)
+    # Then each is sent, with the longest deadline Pub/Sub takes, not at once
+    assert client.deadlines == {"a": c.MAX_ACK_DEADLINE_SECONDS, "b": c.MAX_ACK_DEADLINE_SECONDS}

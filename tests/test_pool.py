@@ -7,7 +7,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +24,12 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.lease import Leaser
 from workerpool.worker.limits import DrainReport, PoolLimits
 from workerpool.worker.middleware import Around, Middleware, TimeLimit
+from workerpool.worker.ordering import Sequencer
 from workerpool.worker.outcome import Deferred, Interrupted, LostLease, Outcome
 from workerpool.worker.permits import HELD, PARKED, SlotPermit, Starter
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Ending, Processor, ProcessorSettings
+from workerpool.worker.renewal import Renewer
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers
 from workerpool.worker.watched import Watched
@@ -1025,4 +1027,60 @@ def test_a_run_handed_back_by_another_thread_stays_held_until_its_nack_is_queued
         assert acks.modacked == [("ack-m", 1)] and leaser.holding() == []
     finally:
         acks.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+class _SlowRenewer(Renewer):
+    """Every delivery is its last: a hand-back publishes a copy first, once ``release`` is
+    set."""
+
+    def __init__(self) -> None:
+        super().__init__(None, "projects/p/topics/t", "projects/p/subscriptions/s", 5)
+        self.release = threading.Event()
+
+    def last(self, delivery_attempt: int) -> bool:
+        return True
+
+    def renew(self, copies: Sequence[tuple[Delivery, float]]) -> list[bool]:
+        self.release.wait(10)
+        return [True] * len(copies)
+
+
+def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhile() -> None:
+    # Given an ordered pool running the first of two messages of one key (the second waits
+    # behind it), the job ending once told to stop, and a hand-back that publishes a copy
+    jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _SlowRenewer()
+    started: list[str] = []
+
+    @jobs.job("t.stops")
+    def stops(ctx: JobContext, payload: dict[str, Any]) -> None:
+        started.append(ctx.job_id)
+        ctx.cancelled.wait(10)
+
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(
+        jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings(), renewer=renewer
+    )
+    pool = Pool(processor, leaser, PoolLimits(1, 1), sequencer=Sequencer(per_key=4))
+    pool.start()
+    first, second = (
+        make_delivery(b"{}", {"job": "t.stops", "job_id": f"k-{i}"}, message_id=f"m{i}",
+                      ordering_key="k")
+        for i in (1, 2)
+    )  # fmt: skip
+    try:
+        pool.admit([first, second])
+        assert wait_for(lambda: seen.runs, timeout=5)
+        # When another thread hands the first back (a lost claim), and its run ends while
+        # the copy is being published
+        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
+        handing.start()
+        assert pool.wait_idle(time.monotonic() + 5)
+        renewer.release.set()
+        handing.join(5)
+        # Then the second never started: it went back behind the first
+        assert started == ["k-1"]
+        assert sorted(acks.acked) == ["ack-m1", "ack-m2"]  # each copied, then acked
+    finally:
+        renewer.release.set()
         assert pool.join(time.monotonic() + 5)

@@ -715,3 +715,43 @@ def test_a_message_stays_held_until_its_ack_or_nack_is_queued() -> None:
     # held has every ack queued before it flushes them), and none is held after
     assert acks.held_when_queued == {"ack-t.ok": True, "ack-t.fails": True, "ack-t.unstarted": True}
     assert leaser.holding() == []
+
+
+@dataclass
+class _AcksRefusingNacks(FakeAcks):
+    """A nack cannot be queued (a bug in the queuing)."""
+
+    def modack(self, ack_ids: list[str], seconds: float) -> None:
+        raise RuntimeError("cannot queue")
+
+
+def test_a_message_whose_nack_cannot_be_queued_is_not_held_for_good() -> None:
+    # Given a processor whose nacks cannot be queued, and two held messages: one whose job
+    # fails, one given back before it starts
+    jobs = Registry()
+
+    @jobs.job("t.fails")
+    def fails(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise RetryableError("later")
+
+    acks = _AcksRefusingNacks()
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(jobs, acks, leaser, FakeDeadLetters(), (), ProcessorSettings(BACKOFF))
+    failing, unstarted = (
+        make_delivery(b"{}", {"job": name}, message_id=name) for name in ("t.fails", "t.x")
+    )
+    leaser.add([failing, unstarted])
+    # When they are settled, and queuing their nacks fails
+    with pytest.raises(RuntimeError, match="cannot queue"):
+        processor.process(failing)
+    with pytest.raises(RuntimeError, match="cannot queue"):
+        processor.give_back([unstarted])
+    # Then neither is held any more (a drain would wait for them until its deadline): their
+    # leases lapse and they come back
+    assert leaser.holding() == []
+
+
+def test_a_deferral_by_a_delay_that_is_no_number_of_seconds_is_refused() -> None:
+    for delay in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite number of seconds"):
+            Defer("later", delay=delay)

@@ -1,6 +1,8 @@
 """Exceptions a handler raises to choose its outcome, configuration errors, and an autoscaler
 actuator's failures."""
 
+import math
+
 from workerpool import constants as c
 
 
@@ -40,6 +42,8 @@ class Defer(JobError):
     """
 
     def __init__(self, reason: str, *, delay: float | None = None) -> None:
+        if delay is not None and not math.isfinite(delay):
+            raise ValueError(f"Defer's delay must be a finite number of seconds, not {delay!r}")
         super().__init__(reason)
         self.delay = delay
 

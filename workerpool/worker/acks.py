@@ -27,6 +27,7 @@ another worker); ``ack(confirm=True)`` returns a future that says whether it too
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -307,7 +308,11 @@ def _ack_id_errors(exc: gexc.GoogleAPICallError) -> dict[str, str]:
 
 def _deadline(seconds: float) -> int:
     """Whole seconds, as Pub/Sub takes them; a delay under one is one, not 0 (a redelivery at
-    once, again and again while the delay lasts)."""
+    once, again and again while the delay lasts). One that is no number (a middleware's bug)
+    is the longest: raising here would leave its message settled with nothing sent, and 0
+    would bring it back at once, again and again."""
+    if math.isnan(seconds):
+        return c.MAX_ACK_DEADLINE_SECONDS
     if seconds <= 0:
         return 0
-    return max(1, min(c.MAX_ACK_DEADLINE_SECONDS, round(seconds)))
+    return max(1, round(min(c.MAX_ACK_DEADLINE_SECONDS, seconds)))

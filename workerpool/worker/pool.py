@@ -229,7 +229,7 @@ class Pool:
             ending = step()
         except BaseException:  # the processor maps handler errors; this guards the slot
             log.exception("%s: processing %s failed", self.name, delivery.message_id)
-            self._processor.give_back([delivery])  # if nothing settled it: now
+            self._processor.give_back([delivery])  # if nothing took it: now
         finally:
             if ending is not Ending.CARRIED:
                 self._end_run(permit, delivery, settled=ending is Ending.SETTLED)

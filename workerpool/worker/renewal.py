@@ -105,7 +105,7 @@ class Renewer:
                 copy_id = self._wait(future, started)
             except Exception as exc:  # nacked instead: the policy's forward is the backstop
                 if delivery.ordering_key:  # the client stopped the key: its next must go out
-                    self._publisher.resume_publish(self._topic, delivery.ordering_key)
+                    self._resume(delivery.ordering_key)
                 log.warning("message %s not renewed: %r", delivery.message_id, exc)
                 published.append(False)
             else:
@@ -116,6 +116,12 @@ class Renewer:
                 )  # fmt: skip
                 published.append(True)
         return published
+
+    def _resume(self, key: str) -> None:
+        try:
+            self._publisher.resume_publish(self._topic, key)
+        except Exception as exc:  # a stopped publisher, say: the message is nacked all the same
+            log.warning("ordering key %r not resumed: %r", key, exc)
 
     def _wait(self, future: Future[str], started: float) -> str:
         """The copy's message id, once published; raises ``TimeoutError`` when the timeout

@@ -204,16 +204,21 @@ class Settlement:
         """Queue the message's ack or nack, then let its lease go: a drain that sees no lease
         held left has every ack queued before it flushes them (let go first, a message taken
         but not acked yet looked settled, and the drain could close the acks before it came)."""
-        match action:
-            case Ack(label):
-                confirmation = self._acks.ack(delivery.ack_id, confirm=self._exactly_once)
-                self._leases.remove(delivery)
-                return label if self._confirmed(delivery, confirmation) else Label.ACK_FAILED
-            case Nack(delay, label):
-                delivery.returned = True
-                self._acks.modack([delivery.ack_id], self._give_back_after(delivery, delay))
-                self._leases.remove(delivery)
-                return label
+        try:
+            confirmation = self._queue(delivery, action)
+        finally:  # also when queuing failed (a bug): nothing else would let it go
+            self._leases.remove(delivery)
+        if isinstance(action, Nack) or self._confirmed(delivery, confirmation):
+            return action.label
+        return Label.ACK_FAILED
+
+    def _queue(self, delivery: Delivery, action: Ack | Nack) -> Future[bool] | None:
+        """Queue the ack or nack; for an ack whose answer is awaited, its future."""
+        if isinstance(action, Ack):
+            return self._acks.ack(delivery.ack_id, confirm=self._exactly_once)
+        delivery.returned = True
+        self._acks.modack([delivery.ack_id], self._give_back_after(delivery, action.delay))
+        return None
 
     def _give_back_after(self, delivery: Delivery, delay: float) -> float:
         """A keyed message of an ordered subscription is not nacked but let lapse (at once
@@ -257,6 +262,26 @@ class Settlement:
     ) -> None:
         """Settle messages already taken with ``outcome``, one request per delay for all (and,
         if ``renewable``, their copies published together, for those on their last delivery)."""
+        try:
+            labels = self._nack_taken(taken, outcome, renewable)
+        finally:  # once each one's ack or nack is queued, as ``_send``; or queuing failed
+            for delivery, _, _ in taken:
+                self._leases.remove(delivery)
+        for (delivery, subject, run), (label, renewed) in zip(taken, labels, strict=True):
+            self._finish(
+                Settled(label, subject.job_name, subject.job_id, delivery.message_id,
+                        subject.attempt, run, attributes=delivery.attributes,
+                        ack_id=delivery.ack_id, renewed=renewed)
+            )  # fmt: skip
+
+    def _nack_taken(
+        self,
+        taken: Sequence[tuple[Delivery, Subject, Run | None]],
+        outcome: Outcome,
+        renewable: bool,
+    ) -> list[tuple[Label, bool]]:
+        """Queue the nacks (or, for a copy published, the acks) of ``nack_now``; each one's
+        label, and whether it was renewed."""
         decided = [
             decide(outcome, self._facts(subject, renewable=renewable)) for _, subject, _ in taken
         ]
@@ -281,11 +306,4 @@ class Settlement:
             labels.append((label, isinstance(decision, Renew) and isinstance(action, Ack)))
         for delay, ack_ids in by_delay.items():
             self._acks.modack(ack_ids, delay)
-        for delivery, _, _ in taken:  # once each one's ack or nack is queued, as ``_send``
-            self._leases.remove(delivery)
-        for (delivery, subject, run), (label, renewed) in zip(taken, labels, strict=True):
-            self._finish(
-                Settled(label, subject.job_name, subject.job_id, delivery.message_id,
-                        subject.attempt, run, attributes=delivery.attributes,
-                        ack_id=delivery.ack_id, renewed=renewed)
-            )  # fmt: skip
+        return labels
