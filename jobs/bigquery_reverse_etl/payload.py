@@ -8,6 +8,7 @@ Every problem is a ``PermanentError`` (``invalid_payload``) that names the field
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -288,7 +289,10 @@ class PluginConfig:
             raise ValueError(f"location {self.location!r} is not valid")
         if self.max_concurrent_exports < 1 or self.max_export_attempts < 1:
             raise ValueError("max_concurrent_exports and max_export_attempts must be >= 1")
-        if not 0 < self.poll_min_seconds <= self.poll_max_seconds or self.defer_seconds < 0:
+        if not (
+            0 < self.poll_min_seconds <= self.poll_max_seconds
+            and 0 <= self.defer_seconds < math.inf
+        ):
             raise ValueError("bad poll_min_seconds, poll_max_seconds or defer_seconds")
         if not self.slot_key or "{" in self.slot_key or "*" in self.slot_key:
             raise ValueError(f"slot_key {self.slot_key!r} must be a plain concurrency key")
