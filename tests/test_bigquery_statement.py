@@ -359,6 +359,10 @@ def test_config_defaults_and_mistakes() -> None:
         ({"max_concurrent_exports": "2"}, "max_concurrent_exports: expected int, got str"),
         ({"max_concurrent": 2}, "max_concurrent: unexpected field"),
         ({"location": "U S"}, "the section: ValueError: location 'U S' is not valid"),
+        (
+            {"defer_seconds": float("inf")},
+            "the section: ValueError: bad poll_min_seconds, poll_max_seconds or defer_seconds",
+        ),
     ]:
         with pytest.raises(ConfigError) as stopped:
             jobs.configs({JOB_NAME: bad})

@@ -1070,7 +1070,7 @@ def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhil
     )  # fmt: skip
     try:
         pool.admit([first, second])
-        assert wait_for(lambda: seen.runs, timeout=5)
+        assert wait_for(lambda: started, timeout=5)
         # When another thread hands the first back (a lost claim), and its run ends while
         # the copy is being published
         handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
@@ -1078,9 +1078,10 @@ def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhil
         assert pool.wait_idle(time.monotonic() + 5)
         renewer.release.set()
         handing.join(5)
-        # Then the second never started: it went back behind the first
+        # Then the second never started: it went back behind the first (each copied, then
+        # acked; the second's on the slot thread)
+        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
         assert started == ["k-1"]
-        assert sorted(acks.acked) == ["ack-m1", "ack-m2"]  # each copied, then acked
     finally:
         renewer.release.set()
         assert pool.join(time.monotonic() + 5)

@@ -37,8 +37,9 @@ class Delivery:
     ordering_key: str = ""
     # Monotonic time after which the lease is no longer extended (set from the job's timeout).
     lease_until: float = float("inf")
-    # Its one settle was a nack: Pub/Sub delivers it again (and, on an ordered subscription,
-    # every later message of its key after it).
+    # Its one settle was a nack, or a hand-back took it (which nacks it, or on its last
+    # delivery publishes a copy in its place): Pub/Sub delivers it again (and, on an ordered
+    # subscription, every later message of its key after it).
     returned: bool = False
     _state: _State = _State.HELD
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -56,6 +57,16 @@ class Delivery:
     def take(self) -> bool:
         """HELD -> SETTLED: True if the caller now must queue this message's one ack or nack."""
         return self._move((_State.HELD,), _State.SETTLED)
+
+    def take_back(self) -> bool:
+        """``take``, for a hand-back: ``returned`` is set with the move, so a run that ends on
+        its own and finds the message taken reads it so (its key's next must not start)."""
+        with self._lock:
+            if self._state is not _State.HELD:
+                return False
+            self._state = _State.SETTLED
+            self.returned = True
+            return True
 
     def begin_settle(self) -> bool:
         """HELD -> SETTLING, for a run about to publish its failure record: a hand-back leaves

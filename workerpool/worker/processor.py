@@ -393,12 +393,9 @@ class Processor:
     ) -> int:
         # Take first, then cancel: a cancelled handler (an async one's task at once) may end
         # and settle its own message before a take made after the cancel.
-        taken = [run for run in runs if run.delivery.take()]
-        for run in taken:
-            # Goes back (or, on its last delivery, a copy goes out in its place): known at
-            # once, so that a run ending before its nack is queued lets no later message of
-            # its key start (it would run, and be acked, before this one comes back).
-            run.delivery.returned = True
+        # Returned as it is taken: a run ending before its nack is queued (a copy being
+        # published) lets no later message of its key start, to be acked before it comes back.
+        taken = [run for run in runs if run.delivery.take_back()]
         for run in runs:
             run.ctx.cancelled.set()
         self._settlement.nack_now(
