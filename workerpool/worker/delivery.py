@@ -61,12 +61,7 @@ class Delivery:
     def take_back(self) -> bool:
         """``take``, for a hand-back: ``returned`` is set with the move, so a run that ends on
         its own and finds the message taken reads it so (its key's next must not start)."""
-        with self._lock:
-            if self._state is not _State.HELD:
-                return False
-            self._state = _State.SETTLED
-            self.returned = True
-            return True
+        return self._move((_State.HELD,), _State.SETTLED, returned=True)
 
     def begin_settle(self) -> bool:
         """HELD -> SETTLING, for a run about to publish its failure record: a hand-back leaves
@@ -88,9 +83,11 @@ class Delivery:
         message whose failure record is out, RECORDED: its run acks it next)."""
         return self._move((_State.HELD, _State.SETTLING), _State.SETTLED)
 
-    def _move(self, sources: tuple[_State, ...], target: _State) -> bool:
+    def _move(self, sources: tuple[_State, ...], target: _State, *, returned: bool = False) -> bool:
         with self._lock:
             if self._state not in sources:
                 return False
             self._state = target
+            if returned:
+                self.returned = True
             return True
