@@ -25,7 +25,7 @@ docs:
 	status=$$?; rm -rf $$site; exit $$status
 
 unit:
-	$(PYTHON) -m pytest -m "not emulator and not slow" -n 2 -q
+	$(PYTHON) -m pytest -m "not emulator and not slow" -n 3 -q
 
 test:
 	$(PYTHON) -m pytest -n 3
