@@ -1018,13 +1018,13 @@ def test_a_run_handed_back_by_another_thread_stays_held_until_its_nack_is_queued
         # nack is queued
         handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
         handing.start()
-        assert pool.wait_idle(time.monotonic() + 5)
-        # Then it is still held (a drain waits for it before it flushes the acks) until the
-        # nack is queued, and not after
-        assert leaser.holding() == [delivery] and acks.modacked == []
+        assert wait_for(lambda: pool.running == 0, timeout=5)
+        # Then it is still held, leased and in the pool's hold (a drain waits for it before
+        # it flushes the acks), until the nack is queued, and not after
+        assert leaser.holding() == [delivery] and pool.held == 1 and acks.modacked == []
         acks.release.set()
         handing.join(5)
-        assert acks.modacked == [("ack-m", 1)] and leaser.holding() == []
+        assert acks.modacked == [("ack-m", 1)] and leaser.holding() == [] and pool.held == 0
     finally:
         acks.release.set()
         assert pool.join(time.monotonic() + 5)
@@ -1075,13 +1075,77 @@ def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhil
         # the copy is being published
         handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
         handing.start()
-        assert pool.wait_idle(time.monotonic() + 5)
+        assert wait_for(lambda: pool.running == 0, timeout=5)
         renewer.release.set()
         handing.join(5)
         # Then the second never started: it went back behind the first (each copied, then
-        # acked; the second's on the slot thread)
+        # acked; the second once the first's copy is out, on the thread that handed it back)
         assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
         assert started == ["k-1"]
+    finally:
+        renewer.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+class _HeldUpCopies(Renewer):
+    """Every delivery is its last. The first renewal is held up until ``release`` is set
+    before it publishes (its thread descheduled, as the GIL may leave it); each renewal
+    records the messages it published, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(None, "projects/p/topics/t", "projects/p/subscriptions/s", 5)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self._first = threading.Lock()
+        self.published: list[str] = []
+
+    def last(self, delivery_attempt: int) -> bool:
+        return True
+
+    def renew(self, copies: Sequence[tuple[Delivery, float]]) -> list[bool]:
+        if self._first.acquire(blocking=False):  # never released: only the first waits
+            self.entered.set()
+            self.release.wait(10)
+        self.published += [delivery.message_id for delivery, _ in copies]
+        return [True] * len(copies)
+
+
+def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_messages() -> None:
+    # Given an ordered pool running the first of two messages of one key, both on their last
+    # delivery (a hand-back publishes a copy of each in its place), the job ending once told
+    # to stop
+    jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _HeldUpCopies()
+    jobs.job("t.stops")(lambda ctx, payload: ctx.cancelled.wait(10))
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(
+        jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings(), renewer=renewer
+    )
+    pool = Pool(processor, leaser, PoolLimits(1, 1), sequencer=Sequencer(per_key=4))
+    pool.start()
+    first, second = (
+        make_delivery(b"{}", {"job": "t.stops", "job_id": f"k-{i}"}, message_id=f"m{i}",
+                      ordering_key="k")
+        for i in (1, 2)
+    )  # fmt: skip
+    try:
+        pool.admit([first, second])
+        assert wait_for(lambda: seen.runs, timeout=5)
+        # When another thread hands the first back (a lost claim) and is held up before it
+        # publishes the copy, while the run, told to stop, ends
+        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
+        handing.start()
+        assert renewer.entered.wait(5)
+        assert wait_for(lambda: pool.running == 0, timeout=5)
+        # (the second's copy would go out now, on the slot thread the run ended on)
+        assert not wait_for(lambda: renewer.published, timeout=0.5)
+        renewer.release.set()
+        handing.join(5)
+        # Then the first's copy is published first, then the second's; both messages are
+        # acked (each copied in its place) and leave the pool's hold
+        assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
+        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
+        assert wait_for(lambda: pool.held == 0, timeout=5)
+        assert len(seen.runs) == 1
     finally:
         renewer.release.set()
         assert pool.join(time.monotonic() + 5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -42,6 +43,10 @@ class Delivery:
     # subscription, every later message of its key after it).
     returned: bool = False
     _state: _State = _State.HELD
+    # A hand-back took it and has not queued its nack or copy yet (``take_back`` to
+    # ``handed_back``); and what its run's end left to do once that is done (``leave_after``).
+    _handing_back: bool = False
+    _after_hand_back: Callable[[], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,8 +65,28 @@ class Delivery:
 
     def take_back(self) -> bool:
         """``take``, for a hand-back: ``returned`` is set with the move, so a run that ends on
-        its own and finds the message taken reads it so (its key's next must not start)."""
+        its own and finds the message taken reads it so (its key's next must not start).
+        The hand-back calls ``handed_back`` once its nack or copy is queued."""
         return self._move((_State.HELD,), _State.SETTLED, returned=True)
+
+    def handed_back(self) -> Callable[[], None] | None:
+        """The hand-back's nack or copy is queued: what the run's end left for then, if it
+        has ended (``leave_after``)."""
+        with self._lock:
+            self._handing_back = False
+            after, self._after_hand_back = self._after_hand_back, None
+            return after
+
+    def leave_after(self, then: Callable[[], None]) -> bool:
+        """For a run that ended on a message a hand-back took: True if ``then`` is left to
+        be called once the hand-back has queued its nack or copy; False if it has (call it
+        now). On an ordered subscription the key's later messages go back in ``then``: given
+        back first, they could be published again before this one's copy."""
+        with self._lock:
+            if not self._handing_back:
+                return False
+            self._after_hand_back = then
+            return True
 
     def begin_settle(self) -> bool:
         """HELD -> SETTLING, for a run about to publish its failure record: a hand-back leaves
@@ -89,5 +114,5 @@ class Delivery:
                 return False
             self._state = target
             if returned:
-                self.returned = True
+                self.returned = self._handing_back = True
             return True

@@ -396,18 +396,34 @@ class Processor:
         # Returned as it is taken: a run ending before its nack is queued (a copy being
         # published) lets no later message of its key start, to be acked before it comes back.
         taken = [run for run in runs if run.delivery.take_back()]
-        for run in runs:
-            run.ctx.cancelled.set()
-        self._settlement.nack_now(
-            [(run.delivery, Subject.of(run.job), run) for run in taken], outcome, renewable
-        )
-        for run in taken:
-            for mw in self._middleware:
-                try:
-                    mw.interrupted(run)
-                except Exception:
-                    log.exception("%s.interrupted failed", type(mw).__name__)
+        try:
+            for run in runs:
+                run.ctx.cancelled.set()
+            self._settlement.nack_now(
+                [(run.delivery, Subject.of(run.job), run) for run in taken], outcome, renewable
+            )
+            for run in taken:
+                for mw in self._middleware:
+                    try:
+                        mw.interrupted(run)
+                    except Exception:
+                        log.exception("%s.interrupted failed", type(mw).__name__)
+        finally:  # (also when something above failed, a bug: else they stay held for good)
+            for run in taken:
+                self._after_hand_back(run.delivery)
         return len(taken)
+
+    @staticmethod
+    def _after_hand_back(delivery: Delivery) -> None:
+        """What a run that ended meanwhile left for once the hand-back's nack or copy is
+        queued: its place in the pool, and its key's later messages to give back."""
+        after = delivery.handed_back()
+        if after is None:
+            return
+        try:
+            after()
+        except Exception:  # a bug: the other hand-backs must still be finished
+            log.exception("releasing %s after its hand-back failed", delivery.message_id)
 
 
 @functools.cache
