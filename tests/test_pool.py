@@ -1138,6 +1138,7 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
         assert wait_for(lambda: pool.running == 0, timeout=5)
         # (the second's copy would go out now, on the slot thread the run ended on)
         assert not wait_for(lambda: renewer.published, timeout=0.5)
+        assert pool.held == 2  # both still held meanwhile
         renewer.release.set()
         handing.join(5)
         # Then the first's copy is published first, then the second's; both messages are

@@ -70,8 +70,8 @@ class Delivery:
         return self._move((_State.HELD,), _State.SETTLED, returned=True)
 
     def handed_back(self) -> Callable[[], None] | None:
-        """The hand-back's nack or copy is queued: what the run's end left for then, if it
-        has ended (``leave_after``)."""
+        """The hand-back is done (its nack or copy queued, or it failed): what the run's end
+        left for then, if it has ended (``leave_after``)."""
         with self._lock:
             self._handing_back = False
             after, self._after_hand_back = self._after_hand_back, None
@@ -79,9 +79,9 @@ class Delivery:
 
     def leave_after(self, then: Callable[[], None]) -> bool:
         """For a run that ended on a message a hand-back took: True if ``then`` is left to
-        be called once the hand-back has queued its nack or copy; False if it has (call it
-        now). On an ordered subscription the key's later messages go back in ``then``: given
-        back first, they could be published again before this one's copy."""
+        be called once the hand-back is done; False if it is (call it now). On an ordered
+        subscription the key's later messages go back in ``then``: given back first, they
+        could be published again before this one's copy."""
         with self._lock:
             if not self._handing_back:
                 return False

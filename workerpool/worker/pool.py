@@ -20,8 +20,8 @@ run's thread takes the next with the permit it freed, unless a run waits in line
 A message whose run has ended but whose success is still being recorded (the idempotency
 store's completion, off the slot thread) has given its permit back but is still held until it
 settles. So is one that another thread took from its run (a hand-back: a lost claim, the drain
-deadline) until that thread has queued its nack or published its copy; only then do its key's
-later messages go back, so that their copies follow its own.
+deadline), until that hand-back is done; only then do its key's later messages go back, so that
+copies made of them on their last delivery follow the copy a lost claim's hand-back makes.
 
 An async run keeps its permit while its task runs on the event loop, but not its thread: the
 thread takes the next message (waiting for a permit like any other), and when the task ends a
@@ -347,7 +347,8 @@ class Pool:
             self._carry(permit, delivery, rest)
 
     def _left(self, delivery: Delivery) -> None:
-        """``delivery``, settled after its run ended, is held no more."""
+        """``delivery``, settled after its run ended, is held no more (or, taken by a
+        hand-back still under way, once that is done)."""
         if delivery.returned and self._left_to_hand_back(delivery):
             return
         with self._lock:

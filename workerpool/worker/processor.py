@@ -410,13 +410,14 @@ class Processor:
                         log.exception("%s.interrupted failed", type(mw).__name__)
         finally:  # (also when something above failed, a bug: else they stay held for good)
             for run in taken:
-                self._after_hand_back(run.delivery)
+                self._finish_hand_back(run.delivery)
         return len(taken)
 
     @staticmethod
-    def _after_hand_back(delivery: Delivery) -> None:
-        """What a run that ended meanwhile left for once the hand-back's nack or copy is
-        queued: its place in the pool, and its key's later messages to give back."""
+    def _finish_hand_back(delivery: Delivery) -> None:
+        """The hand-back of ``delivery`` is done (its nack or copy queued, or it failed): what
+        its run, if it ended meanwhile, left for then: its place in the pool, and its key's
+        later messages to give back."""
         after = delivery.handed_back()
         if after is None:
             return
