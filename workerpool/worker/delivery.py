@@ -46,7 +46,7 @@ class Delivery:
     # A hand-back took it and has not queued its nack or copy yet (``take_back`` to
     # ``handed_back``); and what its run's end left to do once that is done (``leave_after``).
     _handing_back: bool = False
-    _after_hand_back: Callable[[], None] | None = field(default=None, repr=False)
+    _after_hand_back: Callable[[Delivery], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,7 +69,7 @@ class Delivery:
         The hand-back calls ``handed_back`` once its nack or copy is queued."""
         return self._move((_State.HELD,), _State.SETTLED, returned=True)
 
-    def handed_back(self) -> Callable[[], None] | None:
+    def handed_back(self) -> Callable[[Delivery], None] | None:
         """The hand-back is done (its nack or copy queued, or it failed): what the run's end
         left for then, if it has ended (``leave_after``)."""
         with self._lock:
@@ -77,9 +77,9 @@ class Delivery:
             after, self._after_hand_back = self._after_hand_back, None
             return after
 
-    def leave_after(self, then: Callable[[], None]) -> bool:
+    def leave_after(self, then: Callable[[Delivery], None]) -> bool:
         """For a run that ended on a message a hand-back took: True if ``then`` is left to
-        be called once the hand-back is done; False if it is (call it now). On an ordered
+        be called with it once the hand-back is done; False if it is (call it now). On an ordered
         subscription the key's later messages go back in ``then``: given back first, they
         could be published again before this one's copy."""
         with self._lock:

@@ -19,14 +19,11 @@ run's thread takes the next with the permit it freed, unless a run waits in line
 
 A message whose run has ended but whose success is still being recorded (the idempotency
 store's completion, off the slot thread) has given its permit back but is still held until it
-settles. So is one that another thread took from its run (a hand-back: a lost claim, the drain
-deadline), until that hand-back is done; only then do its key's later messages go back, so that
-copies made of them on their last delivery follow the copy a lost claim's hand-back makes.
-
-An async run keeps its permit while its task runs on the event loop, but not its thread: the
-thread takes the next message (waiting for a permit like any other), and when the task ends a
-slot thread is woken to carry the rest of the run (``_resume``), one wake-up for all that ended
-meanwhile.
+settles; so is one a hand-back took, until that is done (then its key's later messages go
+back: their copies after its own). An async run keeps its permit while its task runs on the
+event loop, but not its thread: the thread takes the next message (waiting for a permit like
+any other), and when the task ends a slot thread is woken to carry the rest of the run
+(``_resume``), one wake-up for all that ended meanwhile.
 
 An async run whose middleware lets it (``Processor.starts_ahead``) need not wait for a permit
 before its middleware: while every permit is taken, such runs go through the middleware
@@ -241,9 +238,8 @@ class Pool:
 
     def _end_run(self, permit: SlotPermit, delivery: Delivery, *, settled: bool) -> None:
         # (Its lease is let go where its ack or nack is queued, which may be on another
-        # thread still: a hand-back that publishes a copy first. Such a message leaves the
-        # hold only once that is done, too: ``_left_to_hand_back``.)
-        settled = settled and not (delivery.returned and self._left_to_hand_back(delivery))
+        # thread still: a hand-back that publishes a copy first. Its place in the hold too.)
+        settled = settled and not (delivery.returned and delivery.leave_after(self._left))
         with self._lock:
             starts = self._let_go(permit)
             after = self._unhold(delivery) if settled else []  # one round trip of the lock
@@ -347,21 +343,13 @@ class Pool:
             self._carry(permit, delivery, rest)
 
     def _left(self, delivery: Delivery) -> None:
-        """``delivery``, settled after its run ended, is held no more (or, taken by a
-        hand-back still under way, once that is done)."""
-        if delivery.returned and self._left_to_hand_back(delivery):
+        """``delivery``, settled after its run ended, is held no more."""
+        if delivery.returned and delivery.leave_after(self._left):  # (returned: rarely a call)
             return
         with self._lock:
             after = self._unhold(delivery)
             self._cond.held(self._held)
         self._give_back_after(after)
-
-    def _left_to_hand_back(self, delivery: Delivery) -> bool:
-        """Whether a hand-back that took ``delivery`` (returned) is still queuing its nack or
-        publishing its copy: then it calls ``_left`` once it has, and not before does the
-        message leave the hold, nor do its key's later messages go back (their copies after
-        its own). (Its callers read ``returned`` first: no call on an acked message's path.)"""
-        return delivery.leave_after(functools.partial(self._left, delivery))
 
     def _unhold(self, delivery: Delivery) -> list[Delivery]:
         """(Under the lock.) ``delivery``, started, settled. On an ordered subscription the

@@ -416,13 +416,11 @@ class Processor:
     @staticmethod
     def _finish_hand_back(delivery: Delivery) -> None:
         """The hand-back of ``delivery`` is done (its nack or copy queued, or it failed): what
-        its run, if it ended meanwhile, left for then: its place in the pool, and its key's
-        later messages to give back."""
-        after = delivery.handed_back()
-        if after is None:
+        its run, if it ended meanwhile, left for then (its place in the pool, its key's next)."""
+        if (after := delivery.handed_back()) is None:
             return
         try:
-            after()
+            after(delivery)
         except Exception:  # a bug: the other hand-backs must still be finished
             log.exception("releasing %s after its hand-back failed", delivery.message_id)
 
