@@ -1046,6 +1046,23 @@ class _SlowRenewer(Renewer):
         return [True] * len(copies)
 
 
+def _ordered_pool_of_two(jobs: Registry, seen: _RunsSeen, acks: FakeAcks, renewer: Renewer) -> Pool:
+    """An ordered pool of one slot, started, with two messages of one key admitted: m1
+    starts, m2 waits behind it (both of job "t.stops")."""
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(
+        jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings(), renewer=renewer
+    )
+    pool = Pool(processor, leaser, PoolLimits(1, 1), sequencer=Sequencer(per_key=4))
+    pool.start()
+    pool.admit([
+        make_delivery(b"{}", {"job": "t.stops", "job_id": f"k-{i}"}, message_id=f"m{i}",
+                      ordering_key="k")
+        for i in (1, 2)
+    ])  # fmt: skip
+    return pool
+
+
 def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhile() -> None:
     # Given an ordered pool running the first of two messages of one key (the second waits
     # behind it), the job ending once told to stop, and a hand-back that publishes a copy
@@ -1057,19 +1074,8 @@ def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhil
         started.append(ctx.job_id)
         ctx.cancelled.wait(10)
 
-    leaser = Leaser(acks, granted=600)
-    processor = Processor(
-        jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings(), renewer=renewer
-    )
-    pool = Pool(processor, leaser, PoolLimits(1, 1), sequencer=Sequencer(per_key=4))
-    pool.start()
-    first, second = (
-        make_delivery(b"{}", {"job": "t.stops", "job_id": f"k-{i}"}, message_id=f"m{i}",
-                      ordering_key="k")
-        for i in (1, 2)
-    )  # fmt: skip
+    pool = _ordered_pool_of_two(jobs, seen, acks, renewer)
     try:
-        pool.admit([first, second])
         assert wait_for(lambda: started, timeout=5)
         # When another thread hands the first back (a lost claim), and its run ends while
         # the copy is being published
@@ -1116,19 +1122,8 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
     # to stop
     jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _HeldUpCopies()
     jobs.job("t.stops")(lambda ctx, payload: ctx.cancelled.wait(10))
-    leaser = Leaser(acks, granted=600)
-    processor = Processor(
-        jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings(), renewer=renewer
-    )
-    pool = Pool(processor, leaser, PoolLimits(1, 1), sequencer=Sequencer(per_key=4))
-    pool.start()
-    first, second = (
-        make_delivery(b"{}", {"job": "t.stops", "job_id": f"k-{i}"}, message_id=f"m{i}",
-                      ordering_key="k")
-        for i in (1, 2)
-    )  # fmt: skip
+    pool = _ordered_pool_of_two(jobs, seen, acks, renewer)
     try:
-        pool.admit([first, second])
         assert wait_for(lambda: seen.runs, timeout=5)
         # When another thread hands the first back (a lost claim) and is held up before it
         # publishes the copy, while the run, told to stop, ends
