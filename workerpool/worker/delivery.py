@@ -43,8 +43,8 @@ class Delivery:
     # subscription, every later message of its key after it).
     returned: bool = False
     _state: _State = _State.HELD
-    # A hand-back took it and has not queued its nack or copy yet (``take_back`` to
-    # ``handed_back``); and what its run's end left to do once that is done (``leave_after``).
+    # A hand-back took it and is not done yet (``take_back`` to ``handed_back``); and what its
+    # run's end left to do once it is (``leave_after``).
     _handing_back: bool = False
     _after_hand_back: Callable[[Delivery], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -66,7 +66,7 @@ class Delivery:
     def take_back(self) -> bool:
         """``take``, for a hand-back: ``returned`` is set with the move, so a run that ends on
         its own and finds the message taken reads it so (its key's next must not start).
-        The hand-back calls ``handed_back`` once its nack or copy is queued."""
+        The hand-back calls ``handed_back`` once it is done."""
         return self._move((_State.HELD,), _State.SETTLED, returned=True)
 
     def handed_back(self) -> Callable[[Delivery], None] | None:
