@@ -67,7 +67,7 @@ class Delivery:
         """``take``, for a hand-back: ``returned`` is set with the move, so a run that ends on
         its own and finds the message taken reads it so (its key's next must not start).
         The hand-back calls ``handed_back`` once it is done."""
-        return self._move((_State.HELD,), _State.SETTLED, returned=True)
+        return self._move((_State.HELD,), _State.SETTLED, taken_back=True)
 
     def handed_back(self) -> Callable[[Delivery], None] | None:
         """The hand-back is done (its nack or copy queued, or it failed): what the run's end
@@ -108,11 +108,13 @@ class Delivery:
         message whose failure record is out, RECORDED: its run acks it next)."""
         return self._move((_State.HELD, _State.SETTLING), _State.SETTLED)
 
-    def _move(self, sources: tuple[_State, ...], target: _State, *, returned: bool = False) -> bool:
+    def _move(
+        self, sources: tuple[_State, ...], target: _State, *, taken_back: bool = False
+    ) -> bool:
         with self._lock:
             if self._state not in sources:
                 return False
             self._state = target
-            if returned:
+            if taken_back:
                 self.returned = self._handing_back = True
             return True
