@@ -755,3 +755,29 @@ def test_a_deferral_by_a_delay_that_is_no_number_of_seconds_is_refused() -> None
     for delay in (float("inf"), float("nan")):
         with pytest.raises(ValueError, match="finite number of seconds"):
             Defer("later", delay=delay)
+
+
+def test_a_release_that_raises_after_a_hand_back_is_logged_and_the_others_are_still_made(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given two messages taken by one hand-back, whose runs ended meanwhile and left their
+    # release for when it is done, the first's release raising (a bug)
+    first, second = (
+        make_delivery(b"{}", {"job": "t.x", "job_id": f"j{i}"}, message_id=f"m{i}") for i in (1, 2)
+    )
+    released: list[Delivery] = []
+
+    def broken(delivery: Delivery) -> None:
+        raise RuntimeError("a bug")
+
+    assert first.take_back() and second.take_back()
+    assert first.leave_after(broken) and second.leave_after(released.append)
+    # When the hand-back finishes each, on its thread
+    with caplog.at_level(logging.ERROR):
+        for delivery in (first, second):
+            Processor._finish_hand_back(delivery)
+    # Then the failure is logged, not raised, the second is still released, and both are
+    # done: a release left for later now goes on at once
+    assert released == [second]
+    assert "releasing m1 after its hand-back failed" in caplog.text
+    assert not first.leave_after(released.append) and not second.leave_after(released.append)
