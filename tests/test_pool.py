@@ -23,9 +23,9 @@ from workerpool.worker.aio import EventLoop
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.lease import Leaser
 from workerpool.worker.limits import DrainReport, PoolLimits
-from workerpool.worker.middleware import Around, Middleware, TimeLimit
+from workerpool.worker.middleware import Around, Ended, Middleware, TimeLimit
 from workerpool.worker.ordering import Sequencer
-from workerpool.worker.outcome import Deferred, Interrupted, LostLease, Outcome
+from workerpool.worker.outcome import Deferred, Interrupted, LostLease, Outcome, Succeeded
 from workerpool.worker.permits import HELD, PARKED, SlotPermit, Starter
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Ending, Processor, ProcessorSettings
@@ -1046,12 +1046,14 @@ class _SlowRenewer(Renewer):
         return [True] * len(copies)
 
 
-def _ordered_pool_of_two(jobs: Registry, seen: _RunsSeen, acks: FakeAcks, renewer: Renewer) -> Pool:
+def _ordered_pool_of_two(
+    jobs: Registry, middleware: Sequence[Middleware], acks: FakeAcks, renewer: Renewer
+) -> Pool:
     """An ordered pool of one slot, started, with two messages of one key admitted: m1
     starts, m2 waits behind it (both of job "t.stops")."""
     leaser = Leaser(acks, granted=600)
     processor = Processor(
-        jobs, acks, leaser, FakeDeadLetters(), (seen,), ProcessorSettings(), renewer=renewer
+        jobs, acks, leaser, FakeDeadLetters(), middleware, ProcessorSettings(), renewer=renewer
     )
     pool = Pool(processor, leaser, PoolLimits(1, 1), sequencer=Sequencer(per_key=4))
     pool.start()
@@ -1074,7 +1076,7 @@ def test_a_keyed_run_handed_back_lets_no_later_message_of_its_key_start_meanwhil
         started.append(ctx.job_id)
         ctx.cancelled.wait(10)
 
-    pool = _ordered_pool_of_two(jobs, seen, acks, renewer)
+    pool = _ordered_pool_of_two(jobs, (seen,), acks, renewer)
     try:
         assert wait_for(lambda: started, timeout=5)
         # When another thread hands the first back (a lost claim), and its run ends while
@@ -1122,7 +1124,7 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
     # to stop
     jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _HeldUpCopies()
     jobs.job("t.stops")(lambda ctx, payload: ctx.cancelled.wait(10))
-    pool = _ordered_pool_of_two(jobs, seen, acks, renewer)
+    pool = _ordered_pool_of_two(jobs, (seen,), acks, renewer)
     try:
         assert wait_for(lambda: seen.runs, timeout=5)
         # When another thread hands the first back (a lost claim) and is held up before it
@@ -1138,6 +1140,98 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
         handing.join(5)
         # Then the first's copy is published first, then the second's; both messages are
         # acked (each copied in its place) and leave the pool's hold
+        assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
+        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
+        assert wait_for(lambda: pool.held == 0, timeout=5)
+        assert len(seen.runs) == 1
+    finally:
+        renewer.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+class _HeldUpRecords(Middleware):
+    """Has each successful run's completion recorded only when ``record_all`` is called, on
+    the caller's thread, as the idempotency store's middleware records it off the slot
+    thread."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Callable[[Outcome], None]] = []
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        if isinstance(ended, Succeeded):
+
+            def record(then: Callable[[Outcome], None], *, awaited: bool = False) -> None:
+                self.waiting.append(then)
+
+            run.completion = record
+        return ended
+
+    def record_all(self) -> None:
+        for then in self.waiting:
+            then(Succeeded())
+
+
+def test_a_keyed_run_handed_back_while_its_success_is_recorded_has_its_copy_published_first() -> (
+    None
+):
+    # Given an ordered pool of two messages of one key, both on their last delivery, whose
+    # first has run and succeeded, its completion not yet recorded
+    jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _HeldUpCopies()
+    recording = _HeldUpRecords()
+    jobs.job("t.stops")(lambda ctx, payload: None)
+    pool = _ordered_pool_of_two(jobs, (seen, recording), acks, renewer)
+    try:
+        assert wait_for(lambda: recording.waiting, timeout=5)
+        # When another thread hands it back (a lost claim) and is held up before it publishes
+        # the copy, while the record is written (its message then leaves the pool, on the
+        # recording thread)
+        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
+        handing.start()
+        assert renewer.entered.wait(5)
+        recorder = threading.Thread(target=recording.record_all)
+        recorder.start()
+        recorder.join(5)
+        # (the second's copy would go out now, on the recording thread)
+        assert not wait_for(lambda: renewer.published, timeout=0.5)
+        assert pool.held == 2
+        renewer.release.set()
+        handing.join(5)
+        # Then the first's copy is published first, then the second's, and neither ran again
+        assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
+        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
+        assert wait_for(lambda: pool.held == 0, timeout=5)
+        assert len(seen.runs) == 1
+    finally:
+        renewer.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+def test_a_keyed_async_run_handed_back_has_its_copy_published_before_its_keys_later_messages() -> (
+    None
+):
+    # Given an ordered pool running the first of two messages of one key, both on their last
+    # delivery, the job an async one that ends once told to stop
+    jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _HeldUpCopies()
+
+    @jobs.job("t.stops")
+    async def stops(ctx: Any, payload: dict[str, Any]) -> None:
+        while not ctx.cancelled.is_set():
+            await asyncio.sleep(0.005)
+
+    pool = _ordered_pool_of_two(jobs, (seen,), acks, renewer)
+    try:
+        assert wait_for(lambda: pool.running == 1, timeout=5)
+        # When another thread hands it back (a lost claim) and is held up before it publishes
+        # the copy, while the task, told to stop, ends and a slot thread carries its end
+        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
+        handing.start()
+        assert renewer.entered.wait(5)
+        assert wait_for(lambda: pool.running == 0, timeout=5)
+        assert not wait_for(lambda: renewer.published, timeout=0.5)
+        assert pool.held == 2
+        renewer.release.set()
+        handing.join(5)
+        # Then the first's copy is published first, then the second's
         assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
         assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
         assert wait_for(lambda: pool.held == 0, timeout=5)
