@@ -19,7 +19,6 @@ import inspect
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from workerpool.errors import Defer, PermanentError, RateLimitedError, Retryable
 from workerpool.ratelimit import RateLimiters
 from workerpool.registry import Registry
 from workerpool.worker.aio import EventLoop
+from workerpool.worker.attempts import AttemptCounter
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.counts import Counts
 from workerpool.worker.delivery import Delivery
@@ -83,29 +83,6 @@ class Ending(enum.Enum):
 # Has a thread that may block carry the rest of an async run; what it returns is how far
 # that thread carried it (SETTLED or RECORDING).
 Resume = Callable[[Callable[[], Ending]], None]
-
-
-class AttemptCounter:
-    """Counts deliveries per message when Pub/Sub does not (no dead-letter policy).
-
-    Only this process's deliveries are seen, so it is a fallback, not a replacement for the
-    subscription's ``delivery_attempt``.
-    """
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        self._seen: OrderedDict[str, int] = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def attempt(self, delivery: Delivery) -> int:
-        if delivery.delivery_attempt:
-            return delivery.delivery_attempt
-        with self._lock:
-            count = self._seen.pop(delivery.message_id, 0) + 1
-            self._seen[delivery.message_id] = count
-            if len(self._seen) > self._capacity:
-                self._seen.popitem(last=False)
-            return count
 
 
 class Processor:
