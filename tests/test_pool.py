@@ -1149,6 +1149,108 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
         assert pool.join(time.monotonic() + 5)
 
 
+def test_a_drain_gives_back_a_message_waiting_behind_its_key_after_the_one_running() -> None:
+    # Given an ordered pool running the first of two messages of one key, both on their last
+    # delivery (a give-back publishes a copy of each in its place)
+    jobs, seen, acks, renewer = Registry(), _RunsSeen(), FakeAcks(), _HeldUpCopies()
+    renewer.release.set()
+    go = threading.Event()
+    jobs.job("t.stops")(lambda ctx, payload: go.wait(10))
+    pool = _ordered_pool_of_two(jobs, (seen,), acks, renewer)
+    try:
+        assert wait_for(lambda: seen.runs, timeout=5)
+        # When the pool goes quiet (a drain) while the first runs
+        pool.quiet()
+        # Then the second is not given back meanwhile: no copy of it before the first's end
+        assert not wait_for(lambda: renewer.published or acks.acked, timeout=0.5)
+        assert pool.held == 2
+        # When the first ends, Then it is acked, and only then is the second given back
+        # (copied in its place), never started
+        go.set()
+        assert wait_for(lambda: acks.acked == ["ack-m1", "ack-m2"], timeout=5), acks.acked
+        assert renewer.published == ["m2"]
+        assert wait_for(lambda: pool.held == 0, timeout=5)
+        assert len(seen.runs) == 1
+    finally:
+        go.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+def test_a_drain_gives_back_a_keys_unstarted_messages_in_order() -> None:
+    # Given an ordered pool of one slot running a job of key x, with two messages of key k
+    # waiting for the slot, all on their last delivery
+    jobs, acks, renewer = Registry(), FakeAcks(), _HeldUpCopies()
+    renewer.release.set()
+    go = threading.Event()
+    jobs.job("t.stops")(lambda ctx, payload: go.wait(10))
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(
+        jobs, acks, leaser, FakeDeadLetters(), (), ProcessorSettings(), renewer=renewer
+    )
+    pool = Pool(processor, leaser, PoolLimits(1, 2), sequencer=Sequencer(per_key=4))
+    pool.start()
+    try:
+        pool.admit([
+            make_delivery(b"{}", {"job": "t.stops", "job_id": message_id}, message_id=message_id,
+                          ordering_key=message_id[0])
+            for message_id in ("x1", "k1", "k2")
+        ])  # fmt: skip
+        assert wait_for(lambda: pool.running == 1, timeout=5)
+        # When the pool goes quiet (a drain)
+        pool.quiet()
+        # Then k's two are given back at once, each copied in its place, k1 first
+        assert wait_for(lambda: renewer.published == ["k1", "k2"], timeout=5), renewer.published
+        assert wait_for(lambda: pool.held == 1, timeout=5)
+    finally:
+        go.set()
+        assert pool.join(time.monotonic() + 5)
+
+
+def test_a_drain_gives_back_what_waits_behind_a_message_waiting_for_its_permit_after_it() -> None:
+    # Given an ordered pool of one slot running an async job of key x, a slot thread waiting
+    # for the permit with k1, and k2 waiting behind k1, all on their last delivery
+    jobs, acks, renewer = Registry(), FakeAcks(), _HeldUpCopies()
+    go = threading.Event()
+
+    @jobs.job("t.waits")
+    async def waits(ctx: Any, payload: dict[str, Any]) -> None:
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+
+    jobs.job("t.quick")(lambda ctx, payload: None)
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(
+        jobs, acks, leaser, FakeDeadLetters(), (), ProcessorSettings(), renewer=renewer
+    )
+    pool = Pool(processor, leaser, PoolLimits(1, 2), sequencer=Sequencer(per_key=4))
+    pool.start()
+    try:
+        pool.admit([
+            make_delivery(b"{}", {"job": job, "job_id": message_id}, message_id=message_id,
+                          ordering_key=message_id[0])
+            for job, message_id in (("t.waits", "x1"), ("t.quick", "k1"), ("t.quick", "k2"))
+        ])  # fmt: skip
+        assert wait_for(lambda: pool.running == 1 and len(pool._starting) == 1, timeout=5)
+        # When the pool goes quiet (a drain) and is held up publishing k1's copy, while x1
+        # ends and frees the permit k1's thread waited for
+        quieting = threading.Thread(target=pool.quiet)
+        quieting.start()
+        assert renewer.entered.wait(5)
+        go.set()
+        assert wait_for(lambda: pool.running == 0, timeout=5)
+        # (k2's copy would go out now, on k1's slot thread)
+        assert not wait_for(lambda: renewer.published, timeout=0.5)
+        renewer.release.set()
+        quieting.join(5)
+        # Then k1's copy is published first, then k2's; neither ran
+        assert wait_for(lambda: renewer.published == ["k1", "k2"], timeout=5), renewer.published
+        assert wait_for(lambda: pool.held == 0, timeout=5)
+    finally:
+        go.set()
+        renewer.release.set()
+        assert pool.join(time.monotonic() + 5)
+
+
 class _HeldUpRecords(Middleware):
     """Has each successful run's completion recorded only when ``record_all`` is called, on
     the caller's thread, as the idempotency store's middleware records it off the slot

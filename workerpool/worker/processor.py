@@ -343,15 +343,20 @@ class Processor:
         run is still publishing its failure record (that publish may yet succeed: a second
         record after its redelivery is better than a lost message), but not one whose record
         is out (its run acks it next)."""
-        taken = [d for d in deliveries if (d.force() if force else d.take())]
+        # Taken as a hand-back is: a slot thread that waited to start one (given back by a
+        # drain meanwhile) gives back its key's later ones only once its copy is out.
+        taken = [d for d in deliveries if (d.force() if force else d.take_back())]
         with self._lock:
             runs = [self._running.get(d) for d in taken]
-        self._settlement.nack_now(
-            [(d, Subject.of(run.job) if run else Subject.unstarted(d), run)
-             for d, run in zip(taken, runs, strict=True)],
-            Interrupted() if force else NotStarted(),
-            renewable=not force,
-        )  # fmt: skip
+        try:
+            self._settlement.nack_now(
+                [(d, Subject.of(run.job) if run else Subject.unstarted(d), run)
+                 for d, run in zip(taken, runs, strict=True)],
+                Interrupted() if force else NotStarted(), renewable=not force,
+            )  # fmt: skip
+        finally:
+            for delivery in taken:
+                self._finish_hand_back(delivery)
         return len(taken)
 
     def interrupt_running(self) -> int:
