@@ -59,22 +59,13 @@ def test_a_message_given_back_takes_every_later_one_of_its_key() -> None:
     assert sequencer.place(_keyed("a", 0)) is Place.START
 
 
-def test_once_quiet_a_keys_waiting_messages_go_back_after_the_one_before_them() -> None:
-    # Given two keys, each with one message started and one waiting behind it
+def test_going_quiet_releases_every_waiting_message_and_starts_nothing_after() -> None:
     sequencer = Sequencer(10)
     a0, a1, b0, b1 = _keyed("a", 0), _keyed("a", 1), _keyed("b", 0), _keyed("b", 1)
     for delivery in (a0, a1, b0, b1):
         sequencer.place(delivery)
-    # When the pool goes quiet, Then nothing is given back yet, and none waits any less
-    sequencer.quiet()
-    assert sequencer.waiting == 2
-    # And as the one before settles, acked or given back, the one behind goes back after it
-    # (none starts), and its key is gone
-    assert sequencer.settled(a0) == (None, [a1])
-    b0.returned = True
-    assert sequencer.settled(b0) == (None, [b1])
-    assert sequencer.waiting == 0
-    assert sequencer.settled(a1) == (None, [])
+    assert sequencer.release_all() == [a1, b1]
+    assert sequencer.settled(a0) == (None, [])
 
 
 def test_a_key_holds_at_most_its_share_and_what_comes_beyond_goes_back_in_order() -> None:

@@ -64,9 +64,9 @@ class Delivery:
         return self._move((_State.HELD,), _State.SETTLED)
 
     def take_back(self) -> bool:
-        """``take``, for a hand-back (or a give-back of one not started): ``returned`` is set
-        with the move, so a run that ends on its own and finds the message taken reads it so
-        (its key's next must not start). The taker calls ``handed_back`` once it is done."""
+        """``take``, for a hand-back: ``returned`` is set with the move, so a run that ends on
+        its own and finds the message taken reads it so (its key's next must not start).
+        The hand-back calls ``handed_back`` once it is done."""
         return self._move((_State.HELD,), _State.SETTLED, taken_back=True)
 
     def handed_back(self) -> Callable[[Delivery], None] | None:

@@ -15,13 +15,11 @@ and so is every later one of its key while the key is here, so none is run befor
 same holds for one the pool gives back because its hold is full (``refused``).
 
 A message given back (a retry, a deferral, a drain, a lost claim) takes every later message of
-its key held here with it, so no later message is ever acked before it. Once the pool goes
-quiet (a drain), nothing waiting here starts: a key's waiting messages go back as the message
-before them settles, after it, so copies made of them on their last delivery follow its own.
-Keyed messages go back by a short lease, not a nack (``Settlement``): Pub/Sub redelivers a key
-from its first message given back, either way; the emulator does so only for a lease that
-lapsed, and puts a nacked message after the key's messages never delivered yet (measured).
-Not thread-safe: the pool calls it under its lock.
+its key held here with it, so no later message is ever acked before it. They go back by a
+short lease, not a nack (``Settlement``): Pub/Sub redelivers a key from its first message
+given back, either way; the emulator does so only for a lease that lapsed, and puts a nacked
+message after the key's messages never delivered yet (measured). Not thread-safe: the pool
+calls it under its lock.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ class Sequencer:
         # The keys here that gave one back: their later ones go back too until they leave.
         self._full: set[str] = set()
         self.waiting = 0  # messages waiting here behind their key: none of them can start yet
-        self._quiet = False  # draining: a waiting message goes back, after the one before it
 
     def place(self, delivery: Delivery) -> Place:
         key = delivery.ordering_key
@@ -71,14 +68,13 @@ class Sequencer:
             self._full.add(delivery.ordering_key)
 
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
-        """``delivery`` (started, or the next of its key to start) settled: the next of its key
-        to start, if it was acked, or every later one of its key held here, to give back after
-        it (also once quiet)."""
+        """``delivery`` (started) settled: the next of its key to start, if it was acked, or
+        every later one of its key held here, to give back with it."""
         key = delivery.ordering_key
         waiting = self._keys.get(key) if key else None
         if waiting is None:
             return None, []
-        if delivery.returned or not waiting or self._quiet:
+        if delivery.returned or not waiting:
             del self._keys[key]
             self._full.discard(key)
             self.waiting -= len(waiting)
@@ -86,10 +82,13 @@ class Sequencer:
         self.waiting -= 1
         return waiting.popleft(), []
 
-    def quiet(self) -> None:
-        """The pool goes quiet: nothing waiting here starts any more; a key's waiting messages
-        are given back once the message before them has settled (``settled``)."""
-        self._quiet = True
+    def release_all(self) -> list[Delivery]:
+        """Every message waiting here (the pool goes quiet): none of them starts any more."""
+        waiting = [d for queued in self._keys.values() for d in queued]
+        for queued in self._keys.values():
+            queued.clear()
+        self.waiting = 0
+        return waiting
 
 
 class Unordered:
@@ -107,5 +106,5 @@ class Unordered:
     def settled(self, delivery: Delivery) -> tuple[Delivery | None, list[Delivery]]:
         return None, []
 
-    def quiet(self) -> None:
-        pass
+    def release_all(self) -> list[Delivery]:
+        return []

@@ -445,9 +445,8 @@ class Pool:
         return len(refused)
 
     def quiet(self) -> int:
-        """``stop_starting``, and give back what has not started: one on its last delivery
-        once its copy is out (up to the drain's deadline), one behind its key after the one
-        before it (as that settles, if it runs)."""
+        """``stop_starting``, and give back what has not started (a message on its last
+        delivery waits for its copy, up to the drain's deadline)."""
         released_ready = self.stop_starting()
         waiting: list[Delivery] = []
         resumes = 0
@@ -460,14 +459,13 @@ class Pool:
             self._waiting.put(_RESUME)
         with self._lock:
             starting = list(self._starting)  # their threads count them out of held
-            self._sequencer.quiet()
+            waiting += self._sequencer.release_all()  # behind their key: back with the rest
         released = self._processor.give_back(waiting + starting)
         with self._lock:
-            after = [d for first in waiting for d in self._sequencer.settled(first)[1]]
-            self._drop_unstarted(waiting + after)
+            self._drop_unstarted(waiting)
             self._permits.notify_all()
             self._cond.notify_all()
-        return released + self._processor.give_back(after) + released_ready
+        return released + released_ready
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no job runs, or the monotonic ``deadline`` passes."""

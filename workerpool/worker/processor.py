@@ -343,20 +343,15 @@ class Processor:
         run is still publishing its failure record (that publish may yet succeed: a second
         record after its redelivery is better than a lost message), but not one whose record
         is out (its run acks it next)."""
-        # Taken as a hand-back is: a slot thread that waited to start one (given back by a
-        # drain meanwhile) gives back its key's later ones only once its copy is out.
-        taken = [d for d in deliveries if (d.force() if force else d.take_back())]
+        taken = [d for d in deliveries if (d.force() if force else d.take())]
         with self._lock:
             runs = [self._running.get(d) for d in taken]
-        try:
-            self._settlement.nack_now(
-                [(d, Subject.of(run.job) if run else Subject.unstarted(d), run)
-                 for d, run in zip(taken, runs, strict=True)],
-                Interrupted() if force else NotStarted(), renewable=not force,
-            )  # fmt: skip
-        finally:
-            for delivery in taken:
-                self._finish_hand_back(delivery)
+        self._settlement.nack_now(
+            [(d, Subject.of(run.job) if run else Subject.unstarted(d), run)
+             for d, run in zip(taken, runs, strict=True)],
+            Interrupted() if force else NotStarted(),
+            renewable=not force,
+        )  # fmt: skip
         return len(taken)
 
     def interrupt_running(self) -> int:
