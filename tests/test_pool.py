@@ -1149,6 +1149,44 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
         assert pool.join(time.monotonic() + 5)
 
 
+def test_a_drain_gives_back_a_key_waiting_for_a_permit_in_order() -> None:
+    # Given an ordered pool of one slot running an async job of key x, a slot thread waiting
+    # for the permit with k1, and k2 waiting behind k1, all on their last delivery
+    jobs, acks, renewer = Registry(), FakeAcks(), _HeldUpCopies()
+    renewer.release.set()
+    go = threading.Event()
+
+    @jobs.job("t.waits")
+    async def waits(ctx: Any, payload: dict[str, Any]) -> None:
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+
+    jobs.job("t.quick")(lambda ctx, payload: None)
+    leaser = Leaser(acks, granted=600)
+    processor = Processor(
+        jobs, acks, leaser, FakeDeadLetters(), (), ProcessorSettings(), renewer=renewer
+    )
+    pool = Pool(processor, leaser, PoolLimits(1, 2), sequencer=Sequencer(per_key=4))
+    pool.start()
+    try:
+        pool.admit([
+            make_delivery(b"{}", {"job": job, "job_id": message_id}, message_id=message_id,
+                          ordering_key=message_id[0])
+            for job, message_id in (("t.waits", "x1"), ("t.quick", "k1"), ("t.quick", "k2"))
+        ])  # fmt: skip
+        assert wait_for(lambda: pool.running == 1 and len(pool._starting) == 1, timeout=5)
+        # When the pool goes quiet (a drain)
+        pool.quiet()
+        # Then k's two are given back at once, neither run, each copied in its place: k1's
+        # copy first
+        assert renewer.published == ["k1", "k2"]
+        assert sorted(acks.acked) == ["ack-k1", "ack-k2"]
+        assert wait_for(lambda: pool.held == 1, timeout=5)
+    finally:
+        go.set()
+        assert pool.join(time.monotonic() + 5)
+
+
 class _HeldUpRecords(Middleware):
     """Has each successful run's completion recorded only when ``record_all`` is called, on
     the caller's thread, as the idempotency store's middleware records it off the slot
@@ -1220,7 +1258,7 @@ def test_a_keyed_async_run_handed_back_has_its_copy_published_before_its_keys_la
 
     pool = _ordered_pool_of_two(jobs, (seen,), acks, renewer)
     try:
-        assert wait_for(lambda: pool.running == 1, timeout=5)
+        assert wait_for(lambda: seen.runs and pool.running == 1, timeout=5)
         # When another thread hands it back (a lost claim) and is held up before it publishes
         # the copy, while the task, told to stop, ends and a slot thread carries its end
         handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))

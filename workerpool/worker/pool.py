@@ -460,7 +460,9 @@ class Pool:
         with self._lock:
             starting = list(self._starting)  # their threads count them out of held
             waiting += self._sequencer.release_all()  # behind their key: back with the rest
-        released = self._processor.give_back(waiting + starting)
+        # Each key's first (waiting for a permit, or queued) before its later ones: their
+        # copies, on a last delivery, are published in that order.
+        released = self._processor.give_back(starting + waiting)
         with self._lock:
             self._drop_unstarted(waiting)
             self._permits.notify_all()
