@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import Confirmed, FakeClock, through
-from tests.support import store_handles
+from tests.support import store_handles, wait_for
 from workerpool import constants as c
 from workerpool.cli import main
 from workerpool.constants import Label
@@ -45,6 +45,7 @@ from workerpool.worker.outcome import (
     Ack,
     Deferred,
     Facts,
+    Outcome,
     Rejected,
     Scheduled,
     Succeeded,
@@ -481,6 +482,42 @@ def test_a_fired_copy_that_finds_a_worker_a_little_behind_comes_back_not_lost() 
             Scheduled(later)
         )
     assert len(store.entries()) == 1
+
+
+def test_a_fired_copy_that_finds_a_worker_far_behind_comes_back_not_lost() -> None:
+    # Given a delayed job scheduled, and a worker whose clock is 60 s behind the firer's,
+    # which each copy reaches while it is being published (before the firer removes its entry)
+    clock, behind = FakeClock(NOW.timestamp()), FakeClock(NOW.timestamp() - 60)
+    store = MemorySchedule()
+    late_worker = Delays(TOPIC, store, Firer(store, TOPIC, Publisher(), clock=behind), clock=behind)
+    met: list[Outcome] = []
+
+    class Delivering(Publisher):
+        def publish(
+            self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+        ) -> Future[str]:
+            met.append(through(late_worker, _run(attributes), lambda run: Succeeded()))
+            return super().publish(topic, data, ordering_key, **attributes)
+
+    firer = Firer(store, TOPIC, Delivering(), clock=clock)
+    due_text = not_before_text(timedelta(seconds=90), NOW)
+    delays = Delays(TOPIC, store, firer, clock=clock)
+    assert through(delays, _run({c.ATTR_NOT_BEFORE: due_text}), lambda run: Succeeded()) == (
+        Scheduled(due_text)
+    )
+    # When it falls due by the firer's clock and is fired
+    clock.advance(90)
+    behind.advance(90)
+    firer.start()
+    try:
+        assert wait_for(lambda: met and store.entries() == [], timeout=5)
+    finally:
+        firer.stop(5)
+    # Then the copy, 60 s early by that worker's clock, is not acked as scheduled (nothing
+    # would be left to run once the firer removed the entry): it comes back when due there
+    [outcome] = met
+    assert isinstance(outcome, Deferred) and outcome.delay == pytest.approx(60)
+    assert store.entries() == []
 
 
 def test_a_delayed_job_without_a_job_id_is_published_again_as_the_same_job() -> None:

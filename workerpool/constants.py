@@ -12,6 +12,9 @@ ATTR_TRACESTATE: Final = "tracestate"
 ATTR_NOT_BEFORE: Final = "not_before"
 # In a delayed job's schedule entry only: the ordering key it is published again with.
 ATTR_ORDERING_KEY: Final = "ordering_key"
+# On a delayed job published again by the schedule once due: when, by the firer's clock
+# (RFC 3339). Such a copy is never scheduled again, whatever the clock of the worker it meets.
+ATTR_FIRED_AT: Final = "fired_at"
 # On a copy published on a message's last delivery (``worker.renewal``): the id of the message
 # it is a copy of (the first, across copies of copies), under which claims know them all; and
 # the one subscription it was made for (the topic's other subscriptions get it too).

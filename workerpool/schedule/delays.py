@@ -7,10 +7,11 @@ it holds no slot, no memory and no delivery while it waits. Without a schedule (
 
 ``Firer`` publishes the entries of one topic as they come due: it sleeps until the next one
 (learnt from the store with each claim, and from this worker's own additions at once), claims
-what is due for a short lease, publishes each message as it was, job id and all, then removes
-it. A worker that dies mid-way leaves its claims to lapse and another fires them; a message
-published twice runs once (the idempotency store knows its job id). The store is read again
-at least every ``reread`` seconds for entries other workers added and left behind.
+what is due for a short lease, publishes each message as it was, job id and all (and
+``fired_at``: never scheduled again), then removes it. A worker that dies mid-way leaves its
+claims to lapse and another fires them; a message published twice runs once (the idempotency
+store knows its job id). The store is read again at least every ``reread`` seconds for
+entries other workers added and left behind.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # A claimed entry comes back to any worker after this long if it was not published.
 _CLAIM_LEASE = 30.0
+# A ``fired_at`` as long as any the firer writes, for the size of a copy before it is fired.
+_FIRED_AT_SAMPLE = "2026-01-01T00:00:00.000+00:00"
 _BATCH = 100  # entries claimed and published at once
 _PUBLISH_TIMEOUT = 30.0
 
@@ -105,9 +108,12 @@ class Firer:
 
     def _publish(self, entries: list[Entry]) -> None:
         futures = []
+        fired_at = datetime.fromtimestamp(self._clock(), UTC).isoformat(timespec="milliseconds")
         for entry in entries:
             attributes = dict(entry.attributes)
             key = attributes.pop(c.ATTR_ORDERING_KEY, "")
+            if len(attributes) < c.MAX_ATTRIBUTES:  # (else as it came: see ``Delays.before``)
+                attributes[c.ATTR_FIRED_AT] = fired_at
             try:
                 future = send(self._publisher, self._topic, entry.data, attributes, key)
             except Exception as exc:  # (a client closed, say): as a failed future, its own
@@ -156,13 +162,18 @@ class Delays(Middleware):
         wait = due - now
         if wait <= 0:
             return None
-        if self._schedule is None or self._firer is None:
+        fired = c.ATTR_FIRED_AT in run.job.attributes
+        if fired or self._schedule is None or self._firer is None:
+            # A copy the schedule fired, due by the firer's clock, meets a worker whose clock
+            # is behind it: scheduled again, it could be acked just as the firer removes its
+            # entry (nothing left to run), so it rides on its ack deadline until due here.
             return Deferred(f"not before {text}", min(wait, c.MAX_ACK_DEADLINE_SECONDS))
         delivery = run.delivery
         attributes = copy_attributes(delivery)
         if delivery.ordering_key:  # published again with it (``Firer``)
             attributes[c.ATTR_ORDERING_KEY] = delivery.ordering_key
-        if publish_request_size(self._topic, delivery.data, attributes) > MAX_PUBLISH_REQUEST_BYTES:
+        fired_as = {**attributes, c.ATTR_FIRED_AT: _FIRED_AT_SAMPLE}  # what the firer sends
+        if publish_request_size(self._topic, delivery.data, fired_as) > MAX_PUBLISH_REQUEST_BYTES:
             # Its copy, its job id written out, would never be published: refused now, while
             # the message itself can still become its failure record.
             return Rejected(c.ERR_OVERSIZE, "its copy for the schedule, with its job id, is "
@@ -174,9 +185,10 @@ class Delays(Middleware):
             return Unavailable(f"schedule: {exc}")
         if not added and wait < _CLAIM_LEASE:
             # Its entry is there already and falls due so soon that it may be being fired:
-            # this may be the fired copy, come to a worker whose clock is a little behind the
-            # firer's. Acked, it would leave nothing to run once the firer removes the entry;
-            # it comes back when due instead (its job id runs once either way).
+            # this may be a fired copy with no room left for ``fired_at``, come to a worker
+            # whose clock is a little behind the firer's. Acked, it would leave nothing to run
+            # once the firer removes the entry; it comes back when due instead (its job id
+            # runs once either way).
             return Deferred(f"not before {text}", wait)
         self._firer.expect(due)
         return Scheduled(text)
