@@ -780,6 +780,46 @@ def test_a_paused_schedule_fires_nothing_and_resumed_not_what_it_missed() -> Non
     assert publisher.job_ids() == [every.job_id(NOW + 1), every.job_id(NOW + 5)]
 
 
+class _PausesUnread(_Reading):
+    """Marks whose pauses cannot be read while ``failing`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+
+    def pauses(self) -> dict[str, Pause]:
+        pauses = super().pauses()  # (counted either way)
+        if self.failing:
+            raise StoreError("store down")
+        return pauses
+
+
+def test_a_tick_whose_pauses_could_not_be_read_fires_once_they_can_not_as_paused_before() -> None:
+    # Given ticks every second, paused: the tick that falls is read as paused, not fired
+    publisher, clock, marks = Publisher(), _Clock(NOW), _PausesUnread()
+    every = Periodic("s", "demo.echo", Ticks(ZoneInfo("UTC"), every=1), catch_up="all")
+    marks.pause("s", True, NOW)
+    firer = Periodics([every], marks, "t", publisher, clock=clock, poll=POLL)
+    firer.start()
+    try:
+        reads = marks.reads
+        clock.now += 1
+        assert wait_for(lambda: marks.reads > reads, timeout=10)
+        # When it is resumed, and the next tick falls while the pauses cannot be read
+        marks.pause("s", False, NOW + 1.5)
+        marks.failing = True
+        reads = marks.reads
+        clock.now += 1
+        assert wait_for(lambda: marks.reads > reads + 1, timeout=10)
+        assert publisher.job_ids() == []
+        # Then that tick is fired once they can be read, not left out as paused by the last
+        # read that answered
+        marks.failing = False
+        assert wait_for(lambda: publisher.job_ids() == [every.job_id(NOW + 2)], timeout=10)
+    finally:
+        firer.close(5)
+
+
 def test_a_worker_started_after_a_resume_catches_up_nothing_of_the_pause(
     opened: Callable[[], Marks], marks: Marks
 ) -> None:

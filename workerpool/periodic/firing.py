@@ -30,10 +30,11 @@ look-back the store did not answer is tried again at each look.
 A worker that takes over a mark its marker left decides on it again: the overlap policy, and
 whether its job was claimed already (published: recorded as such).
 
-A paused schedule fires nothing (each worker reads the pauses when a tick is due), and the
-ticks that fell while it was paused are never caught up: a worker looks back no further than
-the schedule's last pause or resume. Runs an operator asked for (trigger, backfill) are
-marks left for the next worker to take over.
+A paused schedule fires nothing (each worker reads the pauses when a tick is due; a tick
+whose pauses the store could not read is looked back for once it can, as one it could not
+mark), and the ticks that fell while it was paused are never caught up: a worker looks back
+no further than the schedule's last pause or resume. Runs an operator asked for (trigger,
+backfill) are marks left for the next worker to take over.
 """
 
 from __future__ import annotations
@@ -154,13 +155,14 @@ class Periodics(Middleware):
             stepped = (now - last_look[0]) - (looked - last_look[1])
             held_up = max(looked - wake_at, stepped) > self._take_over_after
             last_look = (now, looked)
+            unread = False  # the pauses, wanted, could not be read: what is due waits
             if behind or min(due.values()) <= now:
-                self._guarded(self._read_pauses)
+                unread = self._guarded(self._read_pauses)
             self._fall_behind(due, behind, now, held_up=held_up)
             for name, since in list(behind.items()):
                 if not self._guarded(partial(self._look_back, self._schedules[name], since, now)):
                     del behind[name]
-            self._fire_due(due, behind, now)
+            self._fire_due(due, behind, now, pauses_read=not unread)
             self._guarded(partial(self._take_over, now))
             # Awake at the next tick, and at least every poll (a second) to take over lost
             # publishes, to look back again where the store did not answer, and to see a
@@ -185,11 +187,18 @@ class Periodics(Middleware):
                 resume = now if since is None else self._looked_back_to(schedule, now)
                 due[name] = schedule.ticks.after(resume)
 
-    def _fire_due(self, due: dict[str, float], behind: dict[str, float | None], now: float) -> None:
+    def _fire_due(
+        self, due: dict[str, float], behind: dict[str, float | None], now: float, *,
+        pauses_read: bool,
+    ) -> None:  # fmt: skip
         """Fire the ticks due by ``now`` of the schedules not looking back (a worker held up
-        a little fires each); those the store could not mark are looked back for."""
+        a little fires each); those the store could not mark, or whose pauses it could not
+        read (the last read may say paused, or not, wrongly now), are looked back for."""
         burst: list[Due] = []
         for name, schedule in self._schedules.items():
+            if not pauses_read and name not in behind and due[name] <= now:
+                behind[name] = due[name] - 1.0  # (``between`` takes the ticks after it)
+                continue
             while name not in behind and due[name] <= now:
                 if not self._paused(name):
                     burst.append((schedule, due[name]))
