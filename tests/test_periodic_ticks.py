@@ -36,8 +36,10 @@ def cron(zone: ZoneInfo, text: str) -> Ticks:
         # Given 01:30 daily, when 01:30 happens twice on 11-07, then it fires once (EDT).
         (NEW_YORK, "30 1 * * *", "2027-11-06T00:00", "2027-11-08T12:00",
          ["2027-11-06T05:30:00", "2027-11-07T05:30:00", "2027-11-08T06:30:00"]),
-        # The same with six fields, seconds first.
+        # The same with six fields, seconds first (a zero second however written).
         (NEW_YORK, "0 30 1 * * *", "2027-11-06T00:00", "2027-11-08T12:00",
+         ["2027-11-06T05:30:00", "2027-11-07T05:30:00", "2027-11-08T06:30:00"]),
+        (NEW_YORK, "00 30 1 * * *", "2027-11-06T00:00", "2027-11-08T12:00",
          ["2027-11-06T05:30:00", "2027-11-07T05:30:00", "2027-11-08T06:30:00"]),
         # Hourly keeps to the clock as it runs: no 02:00 in spring, 01:00 twice in autumn.
         (NEW_YORK, "0 * * * *", "2027-03-14T05:30", "2027-03-14T08:30",

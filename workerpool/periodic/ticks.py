@@ -30,7 +30,7 @@ def cron_expression(text: str) -> str:
     fields = text.split()
     if len(fields) not in (5, 6):
         raise ValueError(f"cron {text!r} has {len(fields)} fields, not 5 (or 6, seconds first)")
-    if len(fields) == 6 and fields[0] == "0":
+    if len(fields) == 6 and set(fields[0]) == {"0"}:  # ("00" too)
         fields = fields[1:]
     expression = " ".join(fields)
     try:
