@@ -1118,6 +1118,28 @@ class _HeldUpCopies(Renewer):
         return [True] * len(copies)
 
 
+def _hand_back_held_up_while(
+    pool: Pool, seen: _RunsSeen, acks: FakeAcks, renewer: _HeldUpCopies, ends: Callable[[], bool]
+) -> None:
+    """Hand m1's run back on another thread (a lost claim), held up before it publishes m1's
+    copy, while ``ends`` ends the run (True once it has); then check that m2's copy went out
+    only after m1's (none while held up: m2 would go back on the thread that ended the run),
+    that both were acked (each copied in its place) and left the pool's hold, and that none
+    ran again."""
+    handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
+    handing.start()
+    assert renewer.entered.wait(5)
+    assert ends()
+    assert not wait_for(lambda: renewer.published, timeout=0.5)
+    assert pool.held == 2  # both still held meanwhile
+    renewer.release.set()
+    handing.join(5)
+    assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
+    assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
+    assert wait_for(lambda: pool.held == 0, timeout=5)
+    assert len(seen.runs) == 1
+
+
 def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_messages() -> None:
     # Given an ordered pool running the first of two messages of one key, both on their last
     # delivery (a hand-back publishes a copy of each in its place), the job ending once told
@@ -1128,22 +1150,11 @@ def test_a_keyed_run_handed_back_has_its_copy_published_before_its_keys_later_me
     try:
         assert wait_for(lambda: seen.runs, timeout=5)
         # When another thread hands the first back (a lost claim) and is held up before it
-        # publishes the copy, while the run, told to stop, ends
-        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
-        handing.start()
-        assert renewer.entered.wait(5)
-        assert wait_for(lambda: pool.running == 0, timeout=5)
-        # (the second's copy would go out now, on the slot thread the run ended on)
-        assert not wait_for(lambda: renewer.published, timeout=0.5)
-        assert pool.held == 2  # both still held meanwhile
-        renewer.release.set()
-        handing.join(5)
-        # Then the first's copy is published first, then the second's; both messages are
-        # acked (each copied in its place) and leave the pool's hold
-        assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
-        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
-        assert wait_for(lambda: pool.held == 0, timeout=5)
-        assert len(seen.runs) == 1
+        # publishes the copy, while the run, told to stop, ends: Then the first's copy is
+        # published first, then the second's
+        _hand_back_held_up_while(
+            pool, seen, acks, renewer, lambda: wait_for(lambda: pool.running == 0, timeout=5)
+        )
     finally:
         renewer.release.set()
         assert pool.join(time.monotonic() + 5)
@@ -1218,27 +1229,19 @@ def test_a_keyed_run_handed_back_while_its_success_is_recorded_has_its_copy_publ
     recording = _HeldUpRecords()
     jobs.job("t.stops")(lambda ctx, payload: None)
     pool = _ordered_pool_of_two(jobs, (seen, recording), acks, renewer)
+
+    def recorded() -> bool:  # on a thread of its own, as the completions thread records
+        recorder = threading.Thread(target=recording.record_all)
+        recorder.start()
+        recorder.join(5)
+        return not recorder.is_alive()
+
     try:
         assert wait_for(lambda: recording.waiting, timeout=5)
         # When another thread hands it back (a lost claim) and is held up before it publishes
         # the copy, while the record is written (its message then leaves the pool, on the
-        # recording thread)
-        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
-        handing.start()
-        assert renewer.entered.wait(5)
-        recorder = threading.Thread(target=recording.record_all)
-        recorder.start()
-        recorder.join(5)
-        # (the second's copy would go out now, on the recording thread)
-        assert not wait_for(lambda: renewer.published, timeout=0.5)
-        assert pool.held == 2
-        renewer.release.set()
-        handing.join(5)
-        # Then the first's copy is published first, then the second's, and neither ran again
-        assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
-        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
-        assert wait_for(lambda: pool.held == 0, timeout=5)
-        assert len(seen.runs) == 1
+        # recording thread): Then the first's copy is published first, then the second's
+        _hand_back_held_up_while(pool, seen, acks, renewer, recorded)
     finally:
         renewer.release.set()
         assert pool.join(time.monotonic() + 5)
@@ -1260,20 +1263,11 @@ def test_a_keyed_async_run_handed_back_has_its_copy_published_before_its_keys_la
     try:
         assert wait_for(lambda: seen.runs and pool.running == 1, timeout=5)
         # When another thread hands it back (a lost claim) and is held up before it publishes
-        # the copy, while the task, told to stop, ends and a slot thread carries its end
-        handing = threading.Thread(target=seen.runs[0].hand_back, args=(LostLease(after=1.0),))
-        handing.start()
-        assert renewer.entered.wait(5)
-        assert wait_for(lambda: pool.running == 0, timeout=5)
-        assert not wait_for(lambda: renewer.published, timeout=0.5)
-        assert pool.held == 2
-        renewer.release.set()
-        handing.join(5)
+        # the copy, while the task, told to stop, ends and a slot thread carries its end:
         # Then the first's copy is published first, then the second's
-        assert wait_for(lambda: renewer.published == ["m1", "m2"], timeout=5), renewer.published
-        assert wait_for(lambda: sorted(acks.acked) == ["ack-m1", "ack-m2"], timeout=5)
-        assert wait_for(lambda: pool.held == 0, timeout=5)
-        assert len(seen.runs) == 1
+        _hand_back_held_up_while(
+            pool, seen, acks, renewer, lambda: wait_for(lambda: pool.running == 0, timeout=5)
+        )
     finally:
         renewer.release.set()
         assert pool.join(time.monotonic() + 5)
