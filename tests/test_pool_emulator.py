@@ -14,6 +14,7 @@ from workerpool import JobContext, PermanentError
 from workerpool.assembly.launcher import Launcher, Phase
 from workerpool.registry import Registry
 from workerpool.testing.pubsub import PubSubResources
+from workerpool.worker.acks import ACK_WINDOW, ORDERED_ACK_WINDOW
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.limits import DrainReport
 from workerpool.worker.middleware import Middleware
@@ -94,6 +95,27 @@ def test_a_launcher_stopped_twice_closes_everything_it_opened_once(
     assert wait_for(lambda: {t.name for t in threading.enumerate()} <= before, timeout=5), {
         t.name for t in threading.enumerate()
     } - before
+
+
+@pytest.mark.parametrize(
+    ("ordered", "window"), [(True, ORDERED_ACK_WINDOW), (False, ACK_WINDOW)],
+    ids=["ordered", "unordered"],
+)  # fmt: skip
+def test_a_launcher_batches_acks_for_as_long_as_its_subscriptions_kind_allows(
+    pubsub_resources: PubSubResources, tmp_path: Path, ordered: bool, window: float
+) -> None:
+    # Given a subscription with message ordering, or one without
+    pubsub_resources.provision(ordered=ordered)
+    settings = pubsub_resources.settings(idempotency_store=f"sqlite:///{tmp_path / 'claims.db'}")
+    # When a launcher starts on it
+    launcher = Launcher(settings, jobs=Registry()).start()
+    try:
+        # Then an ack waits for others to share its request 50 ms, or 10 ms where Pub/Sub may
+        # hold a key's later messages until those before are acked
+        assert launcher._parts is not None
+        assert launcher._parts.acks.ack_window == window
+    finally:
+        launcher.stop(time.monotonic() + 5)
 
 
 class _SlowToHear(Middleware):
