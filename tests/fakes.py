@@ -10,6 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from google.cloud.pubsub_v1.publisher.exceptions import PublishToPausedOrderingKeyException
+
 from workerpool.autoscale.actuator import Beat
 from workerpool.worker.middleware import Chain, Middleware, Steps
 from workerpool.worker.outcome import Outcome
@@ -135,3 +137,37 @@ class PoolPermit:
             self.pool.parked -= self.state == "parked"
             self.state = "none"
             self.pool.cond.notify_all()
+
+
+class PausingPublisher:
+    """A publisher with message ordering, as the client behaves: a publish that fails pauses
+    its key (before its future fails), a publish to a paused key fails at once, and resuming
+    a key that is not paused raises. Publishes wait for ``fail_pending`` until ``answering``."""
+
+    def __init__(self) -> None:
+        self.paused: set[str] = set()
+        self.pending: list[tuple[str, Future[str]]] = []
+        self.answering = False
+
+    def publish(
+        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+    ) -> Future[str]:
+        future: Future[str] = Future()
+        if ordering_key in self.paused:
+            future.set_exception(PublishToPausedOrderingKeyException(ordering_key))
+        elif self.answering:
+            future.set_result("published")
+        else:
+            self.pending.append((ordering_key, future))
+        return future
+
+    def resume_publish(self, topic: str, ordering_key: str) -> None:
+        if ordering_key not in self.paused:
+            raise RuntimeError("Ordering key is not paused.")
+        self.paused.discard(ordering_key)
+
+    def fail_pending(self) -> None:
+        for ordering_key, future in self.pending:
+            self.paused.add(ordering_key)
+            future.set_exception(ConnectionError("Pub/Sub unreachable"))
+        self.pending.clear()

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from google.cloud.pubsub_v1.publisher.exceptions import PublishToPausedOrderingKeyException
 
+from tests.fakes import PausingPublisher
 from tests.support import wait_for
 from workerpool import JobContext, RetryableError
 from workerpool import constants as c
@@ -322,40 +322,6 @@ def test_a_copy_whose_publish_failed_with_a_timeout_is_not_waited_for() -> None:
     assert failed.reads == 1  # read once, not again and again until the timeout
 
 
-class _PausingTopic:
-    """A publisher with message ordering, as the client behaves: a publish that fails pauses
-    its key (before its future fails), a publish to a paused key fails at once, and resuming
-    a key that is not paused raises. Publishes wait for ``fail_pending`` until ``answering``."""
-
-    def __init__(self) -> None:
-        self.paused: set[str] = set()
-        self.pending: list[tuple[str, Future[str]]] = []
-        self.answering = False
-
-    def publish(
-        self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
-    ) -> Future[str]:
-        future: Future[str] = Future()
-        if ordering_key in self.paused:
-            future.set_exception(PublishToPausedOrderingKeyException(ordering_key))
-        elif self.answering:
-            future.set_result("copy")
-        else:
-            self.pending.append((ordering_key, future))
-        return future
-
-    def resume_publish(self, topic: str, ordering_key: str) -> None:
-        if ordering_key not in self.paused:
-            raise RuntimeError("Ordering key is not paused.")
-        self.paused.discard(ordering_key)
-
-    def fail_pending(self) -> None:
-        for ordering_key, future in self.pending:
-            self.paused.add(ordering_key)
-            future.set_exception(ConnectionError("Pub/Sub unreachable"))
-        self.pending.clear()
-
-
 def _keyed_last(message_id: str) -> Delivery:
     return make_delivery(b"{}", {"job": "t.j", "job_id": message_id}, message_id=message_id,
                          ordering_key="k", attempt=LAST)  # fmt: skip
@@ -364,7 +330,7 @@ def _keyed_last(message_id: str) -> Delivery:
 def test_a_copy_whose_publish_fails_after_its_wait_leaves_its_key_publishable() -> None:
     # Given a copy of a keyed message whose publish Pub/Sub answers only after the renewal
     # stopped waiting for it, and then fails (the client pauses the key)
-    topic = _PausingTopic()
+    topic = PausingPublisher()
     renewer = Renewer(topic, TOPIC, SUBSCRIPTION, LAST, timeout=0.2)
     assert renewer.renew([(_keyed_last("M1"), 0)]) == [False]
     topic.fail_pending()

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from tests.conftest import FIRESTORE_PROJECT
-from tests.fakes import Confirmed, FakeClock, through
+from tests.fakes import Confirmed, FakeClock, PausingPublisher, through
 from tests.support import store_handles, wait_for
 from workerpool import constants as c
 from workerpool.cli import main
@@ -331,6 +331,22 @@ def test_an_entry_not_published_is_fired_again_once_its_claim_lapses() -> None:
     assert store.claim_due(TOPIC, clock() + 10, lease=30, limit=10)[0] == []  # still claimed
     firer._publish(store.claim_due(TOPIC, clock() + 31, lease=30, limit=10)[0])
     assert [job_id for job_id, _ in publisher.published] == ["a"] and store.entries() == []
+
+
+def test_an_entry_whose_ordering_key_is_paused_goes_out_at_once_not_a_claim_later() -> None:
+    # Given an entry of ordering key k due, the key paused by the client: a publish of it
+    # failed after its caller had stopped waiting for it, so nobody resumed it
+    clock = FakeClock(100.0)
+    store, publisher = MemorySchedule(), PausingPublisher()
+    publisher.paused.add("k")
+    publisher.answering = True
+    attributes = {c.ATTR_JOB: "t.job", c.ATTR_JOB_ID: "a", c.ATTR_ORDERING_KEY: "k"}
+    store.add(Entry(TOPIC, "a", 100.0, b"{}", attributes))
+    firer = Firer(store, TOPIC, publisher, clock=clock)
+    # When it is claimed and published
+    firer._publish(store.claim_due(TOPIC, clock(), lease=30, limit=10)[0])
+    # Then the key is resumed and the entry goes out now: it is removed, not left to its claim
+    assert publisher.paused == set() and store.entries() == []
 
 
 class _Refusing(Publisher):

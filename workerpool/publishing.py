@@ -2,7 +2,8 @@
 
 A job with an ordering key is published in order with the key's others (the client has
 message ordering on); a failed publish stops the client's key until it is resumed, which
-``confirmed`` does before it raises, so the key's next publish can go out.
+``confirmed`` does before it raises, so the key's next publish can go out (and ``send`` does
+for a publish the paused key refuses, where nobody waited for the failure).
 
 Every message also carries the publisher's current trace context (``traceparent`` /
 ``tracestate``), so the job's span on the worker is a child of the span that published it.
@@ -23,6 +24,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from google.api_core import exceptions as gexc
+from google.cloud.pubsub_v1.publisher.exceptions import PublishToPausedOrderingKeyException
 
 from workerpool import constants as c
 from workerpool.errors import ConfigError
@@ -87,8 +89,23 @@ def publish(publisher: Any, topic: str, message: JobMessage, *, timeout: float =
 def send(
     publisher: Any, topic: str, data: bytes, attributes: Mapping[str, str], ordering_key: str
 ) -> Any:
-    """Start publishing one message; its future (see ``confirmed``)."""
-    return publisher.publish(topic, data, ordering_key=ordering_key, **attributes)
+    """Start publishing one message; its future (see ``confirmed``). One the client refuses
+    at once because its ordering key is paused resumes the key and goes again: a publish of
+    the key failed after its caller had stopped waiting for it (a timeout), so nobody had."""
+    future = publisher.publish(topic, data, ordering_key=ordering_key, **attributes)
+    if ordering_key and _refused_as_paused(future):
+        with contextlib.suppress(RuntimeError):  # (resumed meanwhile by another caller)
+            publisher.resume_publish(topic, ordering_key)
+        future = publisher.publish(topic, data, ordering_key=ordering_key, **attributes)
+    return future
+
+
+def _refused_as_paused(future: Any) -> bool:
+    return (
+        future.done()
+        and not future.cancelled()
+        and isinstance(future.exception(), PublishToPausedOrderingKeyException)
+    )
 
 
 def confirmed(

@@ -33,9 +33,8 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
-from google.cloud.pubsub_v1.publisher.exceptions import PublishToPausedOrderingKeyException
-
 from workerpool import constants as c
+from workerpool.publishing import send
 from workerpool.schedule.when import MAX_AHEAD, not_before_text, parse_not_before
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import copy_attributes, first_message_id
@@ -145,24 +144,13 @@ class Renewer:
         """The copy's future, or what refused it at once (an attribute too many, say): a
         renewal never raises, since its message must still be nacked."""
         try:
-            future = self._send(delivery, after)
-            if delivery.ordering_key and _refused_as_paused(future):
-                # An earlier copy of its key failed after its renewal had stopped waiting
-                # for it (the client pauses a key at a failed publish): resumed, this one goes.
-                self._resume(delivery.ordering_key)
-                future = self._send(delivery, after)
+            # With its key: on an ordered subscription the copy is owed in its place.
+            future: Future[str] = send(
+                self._publisher, self._topic, delivery.data, self._attributes(delivery, after),
+                delivery.ordering_key,
+            )  # fmt: skip
         except Exception as exc:
             return exc
-        return future
-
-    def _send(self, delivery: Delivery, after: float) -> Future[str]:
-        # With its key: on an ordered subscription the copy is owed in its place.
-        future: Future[str] = self._publisher.publish(
-            self._topic,
-            delivery.data,
-            ordering_key=delivery.ordering_key,
-            **self._attributes(delivery, after),
-        )
         return future
 
     def _attributes(self, delivery: Delivery, after: float) -> dict[str, str]:
@@ -179,15 +167,6 @@ class Renewer:
                 f" beside the message's {len(delivery.attributes)} ({c.MAX_ATTRIBUTES} at most)"
             )
         return attributes
-
-
-def _refused_as_paused(future: Future[str]) -> bool:
-    """Whether the client refused the publish at once because its ordering key is paused."""
-    return (
-        future.done()
-        and not future.cancelled()
-        and isinstance(future.exception(), PublishToPausedOrderingKeyException)
-    )
 
 
 def _due_after(not_before: str, when: float) -> bool:
