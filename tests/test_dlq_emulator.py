@@ -269,6 +269,7 @@ def test_records_forwarded_by_the_dead_letter_policy_are_understood() -> None:
             "job": "t.a",
             c.ATTR_COPY_OF: "m-0",  # a copy made on a last delivery, then forwarded:
             c.ATTR_COPY_FOR: "jobs-sub",  # replayed as a message of its own
+            c.ATTR_FIRED_AT: "2020-01-01T00:00:00.000+00:00",  # (and scheduled as one)
             c.ATTR_PUBSUB_DELIVERY_COUNT: "10",
             c.ATTR_PUBSUB_SOURCE_SUBSCRIPTION: "jobs-sub",
             c.ATTR_PUBSUB_SOURCE_PROJECT: "p",

@@ -51,6 +51,7 @@ from workerpool.worker.outcome import (
     Succeeded,
     decide,
 )
+from workerpool.worker.renewal import Renewer
 from workerpool.worker.run import Run
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -534,6 +535,31 @@ def test_a_fired_copy_that_finds_a_worker_far_behind_comes_back_not_lost() -> No
     [outcome] = met
     assert isinstance(outcome, Deferred) and outcome.delay == pytest.approx(60)
     assert store.entries() == []
+
+
+def test_a_copy_made_of_a_fired_copy_is_scheduled_again_when_it_is_due_later() -> None:
+    # Given a copy the schedule fired, whose run defers for an hour on its last delivery (a
+    # fresh copy is published in its place, due then)
+    clock = FakeClock(time.time())  # (a copy's not_before is set by the time it is made)
+    sent: list[dict[str, str]] = []
+
+    class Recording(Publisher):
+        def publish(
+            self, topic: str, data: bytes, ordering_key: str = "", **attributes: str
+        ) -> Future[str]:
+            sent.append(attributes)
+            return super().publish(topic, data, ordering_key, **attributes)
+
+    fired = _run({c.ATTR_NOT_BEFORE: not_before_text(NOW), c.ATTR_FIRED_AT: "x"}).delivery
+    assert Renewer(Recording(), TOPIC, "projects/p/subscriptions/s", 5).renew([(fired, 3600)])
+    # When that copy comes, an hour early
+    store = MemorySchedule()
+    delays = Delays(TOPIC, store, Firer(store, TOPIC, Publisher(), clock=clock), clock=clock)
+    outcome = through(delays, _run(sent[0]), lambda run: Succeeded())
+    # Then it is put in the schedule like any delayed job (it carries no fired_at), not
+    # deferred 600 s at a time, a delivery each
+    assert c.ATTR_FIRED_AT not in sent[0] and isinstance(outcome, Scheduled)
+    assert [entry.due for entry in store.entries()] == [pytest.approx(clock() + 3600, abs=60)]
 
 
 def test_a_delayed_job_without_a_job_id_is_published_again_as_the_same_job() -> None:

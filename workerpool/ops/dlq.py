@@ -95,12 +95,13 @@ class FailureRecord:
 
     def replay_attributes(self) -> dict[str, str]:
         """The original attributes: failure attributes (ours and Pub/Sub's) stripped, and a
-        copy's marks (the replay is a message of its own, for whichever subscription now)."""
+        copy's marks (the replay is a message of its own, for whichever subscription now, and
+        may be scheduled again)."""
         return {
             key: value
             for key, value in self.attributes.items()
             if key not in c.FAILURE_ATTRIBUTES
-            and key not in (c.ATTR_COPY_OF, c.ATTR_COPY_FOR)
+            and key not in (c.ATTR_COPY_OF, c.ATTR_COPY_FOR, c.ATTR_FIRED_AT)
             and not key.startswith(c.ATTR_PUBSUB_DEAD_LETTER_PREFIX)
         }
 

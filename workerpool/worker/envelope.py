@@ -117,8 +117,10 @@ def first_message_id(attributes: Mapping[str, str], message_id: str) -> str:
 def copy_attributes(delivery: Delivery) -> dict[str, str]:
     """The attributes that publish ``delivery`` again as the same job: its job id written
     out (a message without one goes by its message id, which a copy would not share), if
-    Pub/Sub's limit on attributes leaves room for it."""
+    Pub/Sub's limit on attributes leaves room for it. Not ``fired_at``: a copy made now may
+    be due later, and is scheduled as any delayed job is."""
     attributes = dict(delivery.attributes)
+    attributes.pop(c.ATTR_FIRED_AT, None)
     if c.ATTR_JOB_ID in attributes or len(attributes) < c.MAX_ATTRIBUTES:
         attributes[c.ATTR_JOB_ID] = job_id_of(delivery)
     return attributes

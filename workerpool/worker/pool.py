@@ -460,8 +460,8 @@ class Pool:
         with self._lock:
             starting = list(self._starting)  # their threads count them out of held
             waiting += self._sequencer.release_all()  # behind their key: back with the rest
-        # Each key's first (waiting for a permit, or queued) before its later ones: their
-        # copies, on a last delivery, are published in that order.
+        # Each key's first (waiting for a permit, or queued) before its later ones, for their
+        # copies' order (but a slot thread woken meanwhile gives its first back beside these).
         released = self._processor.give_back(starting + waiting)
         with self._lock:
             self._drop_unstarted(waiting)
