@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from google.api_core.exceptions import PermissionDenied
 from google.cloud.pubsub_v1.publisher.exceptions import PublishToPausedOrderingKeyException
 
 from workerpool.autoscale.actuator import Beat
@@ -167,7 +168,10 @@ class PausingPublisher:
         self.paused.discard(ordering_key)
 
     def fail_pending(self) -> None:
+        """Fail what waits as the client fails a batch for good (an error it does not retry
+        with ordering on), its key paused first."""
+        refused = PermissionDenied("the topic is not ours")  # type: ignore[no-untyped-call]
         for ordering_key, future in self.pending:
             self.paused.add(ordering_key)
-            future.set_exception(ConnectionError("Pub/Sub unreachable"))
+            future.set_exception(refused)
         self.pending.clear()
