@@ -105,11 +105,8 @@ class Renewer:
                     raise future
                 copy_id = self._wait(future, started)
             except Exception as exc:  # nacked instead: the policy's forward is the backstop
-                # The client paused the key at the failure: its next must go out. (Not while
-                # the publish is still under way: its key is not paused, yet.)
-                failed = isinstance(future, Exception) or future.done()
-                if delivery.ordering_key and failed:
-                    self._resume(delivery.ordering_key)
+                # (A failed publish pauses its key in the client: the key's next publish resumes
+                # it, ``publishing.send``.)
                 log.warning("message %s not renewed: %r", delivery.message_id, exc)
                 published.append(False)
             else:
@@ -120,12 +117,6 @@ class Renewer:
                 )  # fmt: skip
                 published.append(True)
         return published
-
-    def _resume(self, key: str) -> None:
-        try:
-            self._publisher.resume_publish(self._topic, key)
-        except Exception as exc:  # a stopped publisher, say: the message is nacked all the same
-            log.warning("ordering key %r not resumed: %r", key, exc)
 
     def _wait(self, future: Future[str], started: float) -> str:
         """The copy's message id, once published; raises ``TimeoutError`` when the timeout
