@@ -31,8 +31,8 @@ for before in json.loads(sys.argv[1]):
 """
 
 CASES = {
-    "python's default": ((700, 10, 10), (10_000, 10, 10)),
-    "set higher already": ((50_000, 5, 5), (50_000, 5, 5)),
+    "python's default": ((700, 10, 10), (50_000, 10, 10)),
+    "set higher already": ((80_000, 5, 5), (80_000, 5, 5)),
     "turned off": ((0, 10, 10), (0, 10, 10)),
 }
 
