@@ -28,6 +28,8 @@ from workerpool.batches import store as batch_store
 from workerpool.batches.firestore import FirestoreBatches
 from workerpool.batches.middleware import Batches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deliver
+from workerpool.idempotency import MemoryStore
+from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
 from workerpool.schedule import MemorySchedule
 from workerpool.schedule.delays import Firer
@@ -38,6 +40,7 @@ from workerpool.worker.backoff import Backoff
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.failures import Failure
 from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.timers import Timers
 
 TOPIC = "projects/p/topics/t"
 DAY = 86400.0
@@ -668,3 +671,68 @@ def test_a_dead_lettered_child_is_written_once_its_record_is_out_and_before_its_
     # the batch waiting for its deadline)
     assert acks.pending_at_ack == [["child-1"]] and processor.stats == {"dead_lettered": 1}
     assert len(records.records) == 1 and store.pending_children("b1") == ["child-1"]
+
+
+class _DoneRecords(MemoryStore):
+    """An idempotency store that may refuse to record a job done."""
+
+    def __init__(self, *, refuse: bool) -> None:
+        super().__init__()
+        self._refuse = refuse
+
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
+        if self._refuse:
+            raise StoreUnavailable("down")
+        super().complete_many(completions, owner)
+
+
+class _LedgerSeeingDoneRecords(MemoryBatches):
+    """A ledger that notes, as each child is written, whether its job was recorded done."""
+
+    def __init__(self, done: MemoryStore) -> None:
+        super().__init__()
+        self._done = done
+        self.done_when_written: list[tuple[str, bool]] = []
+
+    def record(self, batch_id: str, job_id: str, succeeded: bool, *,
+               cancelled: bool = False) -> Completion | None:  # fmt: skip
+        self.done_when_written.append((job_id, self._done.completed_at(job_id) is not None))
+        return super().record(batch_id, job_id, succeeded, cancelled=cancelled)
+
+
+@pytest.mark.parametrize("done_record", ["written", "refused"])
+def test_a_child_counts_done_in_its_batch_only_once_its_job_is_recorded_done(
+    done_record: str,
+) -> None:
+    # Given a committed batch of two, and a worker with the idempotency middleware inside
+    # the batches', whose store may refuse to record a job done
+    done = _DoneRecords(refuse=done_record == "refused")
+    ledger = _LedgerSeeingDoneRecords(done)
+    _committed(ledger, 2)
+    jobs = Registry()
+    jobs.job("t.child")(lambda ctx, payload: None)
+    schedule = MemorySchedule()
+    acks = FakeAcks()
+    timers = Timers()
+    idempotency = Idempotency(done, "w1", timers, complete_patience=0.2)
+    batches = Batches(ledger, schedule, Firer(schedule, TOPIC, publisher=None))
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [batches, idempotency],
+        ProcessorSettings(Backoff(1.0, 60.0)),
+    )  # fmt: skip
+    idempotency.start()
+    try:
+        # When one child's message runs and its job succeeds
+        attributes = {c.ATTR_JOB: "t.child", c.ATTR_JOB_ID: "child-0", c.ATTR_BATCH_ID: "b1"}
+        processor.process(make_delivery(b"{}", attributes))
+    finally:
+        idempotency.close(5)
+    if done_record == "refused":
+        # Then, its done record refused, it is neither counted in its batch nor acked: its
+        # message comes back, to run again with the batch still open
+        assert ledger.done_when_written == [] and acks.acked == []
+        assert ledger.pending_children("b1") == ["child-0", "child-1"]
+        return
+    # Then its job was recorded done before the ledger counted it, and before its ack
+    assert ledger.done_when_written == [("child-0", True)] and len(acks.acked) == 1
+    assert ledger.pending_children("b1") == ["child-1"]

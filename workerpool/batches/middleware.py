@@ -1,8 +1,10 @@
 """The worker's side of batches.
 
-A child's final outcome goes to the batch's ledger: done before its message is acked (a
-failed write is a retry, and the retry finds the job done), dead-lettered once its failure
-record is out and before its ack (a crash in between brings the message back). The deadline
+A child's final outcome goes to the batch's ledger: done once its job's done record is
+written, and before its message is acked (a failed write is a retry, and the retry finds the
+job done; a child's slot waits for that record, which other jobs leave to a batched write off
+their slots), dead-lettered once its failure record is out and before its ack (a crash in
+between brings the message back). The deadline
 is a delayed job of the batch's own (``DEADLINE_JOB``, published with the children, due at
 the deadline): when it runs it finalizes whatever is still open. Whichever call finalizes a
 batch puts its completion in the schedule, due now, to be published by a firer (this
@@ -34,7 +36,7 @@ from workerpool.worker.outcome import (
     Succeeded,
     Unavailable,
 )
-from workerpool.worker.run import Run
+from workerpool.worker.run import Run, recorded_now
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,13 @@ class Batches(Middleware):
     def _record_child(self, run: Run, batch_id: str) -> Around:
         outcome = yield
         if isinstance(outcome, Succeeded | AlreadyDone | Cancelled):
+            if run.completion is not None:
+                # The job's done record first, on this thread: counted in its batch while
+                # that record could still fail, the child would run again, maybe after its
+                # batch had completed.
+                recording, run.completion = recorded_now(run.completion), None
+                if not isinstance(recording, Succeeded):
+                    return recording  # not recorded: it comes back, and is written then
             cancelled = isinstance(outcome, Cancelled)
             try:
                 self._deliver(

@@ -50,7 +50,7 @@ from workerpool.worker.outcome import (
     Succeeded,
 )
 from workerpool.worker.renewal import Renewer
-from workerpool.worker.run import UNPARKABLE, Permit, Recording, Run
+from workerpool.worker.run import UNPARKABLE, Permit, Run, recorded_now
 from workerpool.worker.settlement import Settlement, Subject
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Processor:
             if self._settings.exactly_once:
                 # Its ack waits for Pub/Sub's confirmation: on the recording thread that wait
                 # would hold up every completion after it, so this slot waits instead.
-                final = _when_recorded(outcome, _wait_for(run.completion))
+                final = _when_recorded(outcome, recorded_now(run.completion))
                 self._settlement.settle(delivery, final, Subject.of(run.job, run), run)
                 return Ending.SETTLED
 
@@ -460,17 +460,3 @@ def _when_recorded(outcome: Outcome, recording: Outcome) -> Outcome:
     """Recorded: the chain's outcome stands (an outer middleware may have turned the success
     into a retry); not recorded: why, so the message is never acked."""
     return outcome if isinstance(recording, Succeeded) else recording
-
-
-def _wait_for(completion: Recording) -> Outcome:
-    """How recording a run's completion went, waited for on this thread."""
-    answered = threading.Event()
-    heard: list[Outcome] = []
-
-    def answer(result: Outcome) -> None:
-        heard.append(result)
-        answered.set()
-
-    completion(answer, awaited=True)
-    answered.wait()
-    return heard[0]

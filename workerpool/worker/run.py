@@ -8,6 +8,7 @@ every middleware hears once per message that leaves the pool, run or not.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,21 @@ class Recording(Protocol):
     share its write."""
 
     def __call__(self, then: Callable[[Outcome], None], *, awaited: bool = False) -> None: ...
+
+
+def recorded_now(completion: Recording) -> Outcome:
+    """Record ``completion`` without waiting for others to share its write, and return how
+    that went (Succeeded, or why not), waited for on this thread."""
+    answered = threading.Event()
+    heard: list[Outcome] = []
+
+    def answer(result: Outcome) -> None:
+        heard.append(result)
+        answered.set()
+
+    completion(answer, awaited=True)
+    answered.wait()
+    return heard[0]
 
 
 @dataclass(eq=False)
