@@ -689,6 +689,34 @@ def test_a_mark_left_before_its_overlap_was_decided_is_decided_again_when_taken_
     assert marks.last_run("h", NOW + 1) == Mark("h", NOW - HOUR, NOW - HOUR)
 
 
+@pytest.mark.parametrize("overlap", ["skip", "buffer_one", "allow"])
+def test_a_mark_left_as_the_fleet_went_down_never_runs_beside_the_latest_tick_after_it(
+    opened: Callable[[], Marks], marks: Marks, overlap: str
+) -> None:
+    # Given the tick 5 hours ago published, the next one marked by a worker that died before
+    # publishing it, and the whole fleet down since (nothing runs)
+    marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
+    marks.published("h", NOW - 5 * HOUR, 0)
+    marks.mark("h", NOW - 4 * HOUR, NOW - 4 * HOUR)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
+                        10 * HOUR, overlap)  # fmt: skip
+    publisher, counts = Publisher(), Counted()
+    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60, poll=POLL,
+                      on_ticks=counts)  # fmt: skip
+    firer.run_state = lambda job_id: "unclaimed"
+    # When a worker starts: it looks back, and takes the mark over
+    firer.start()
+    try:
+        assert wait_for(lambda: not marks.unpublished(NOW + 100), timeout=10)
+    finally:
+        firer.close(5)
+    # Then the latest tick runs, and the mark left is skipped, unless overlap is "allow"
+    expected = [NOW] if overlap != "allow" else [NOW, NOW - 4 * HOUR]
+    assert publisher.job_ids() == [job_id(tick) for tick in expected]
+    skipped = {} if overlap == "allow" else {"skipped": 1}
+    assert counts.totals() == {"fired": len(expected), "missed": 3, **skipped}
+
+
 def test_a_mark_whose_job_was_claimed_is_recorded_published_not_published_again() -> None:
     marks = MemoryMarks()
     marks.mark("h", NOW, NOW + 0.1)  # its marker published it, then died

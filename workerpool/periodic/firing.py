@@ -27,8 +27,10 @@ not mark are looked back for the same way once it answers, and so are the ticks 
 up for more than ``take_over_after`` (frozen, suspended, its clock stepped) slept through. A
 look-back the store did not answer is tried again at each look.
 
-A worker that takes over a mark its marker left decides on it again: the overlap policy, and
-whether its job was claimed already (published: recorded as such).
+A worker that takes over a mark its marker left decides on it again: the overlap policy,
+whether its job was claimed already (published: recorded as such), and, unless overlap is
+"allow", whether a later tick was fired to run (skipped then: a mark left as the whole fleet
+went down is taken over when it is back, after the look-back fired the latest tick).
 
 A paused schedule fires nothing (each worker reads the pauses when a tick is due; a tick
 whose pauses the store could not read is looked back for once it can, as one it could not
@@ -51,6 +53,7 @@ from typing import Any
 from workerpool.options import SCHEDULE
 from workerpool.periodic.marks import (
     BUFFERED,
+    END_OF_TIME,
     LEFT_OUT,
     MISSED,
     PUBLISHED,
@@ -359,6 +362,12 @@ class Periodics(Middleware):
                 if self._published_already(schedule, mark.tick):
                     self._settle([due], PUBLISHED)
                     continue
+                if self._superseded(schedule, mark.tick):
+                    log.info("periodic %s: tick %s skipped: a later one was fired already",
+                             *_named(mark))  # fmt: skip
+                    self._settle([due], SKIPPED)
+                    self._on_ticks(schedule.name, "skipped", 1)
+                    continue
                 if not self._may_publish(schedule, mark.tick, now):
                     continue
                 left = "another worker left"
@@ -366,6 +375,17 @@ class Periodics(Middleware):
             taken.append((due, mark.marked_at != REQUESTED))
         self._publish([due for due, late in taken if late], late=True)
         self._publish([due for due, late in taken if not late], late=False)
+
+    def _superseded(self, schedule: Periodic, tick: float) -> bool:
+        """Unless overlap is "allow": whether a later tick than ``tick`` was marked to run.
+        A mark left while the whole fleet went down is taken over once it is back, after its
+        look-back may have fired the latest tick: published, this one would run beside that
+        one, or after it. (In a running fleet it is taken over within seconds, and a tick
+        marked meanwhile was skipped, since this one counted as running.)"""
+        if schedule.overlap == "allow" or self.run_state is None:
+            return False
+        later = self._marks.last_run(schedule.name, END_OF_TIME)
+        return later is not None and later.tick > tick
 
     def _published_already(self, schedule: Periodic, tick: float) -> bool:
         """Whether the tick's job was claimed: its marker published it before it died."""

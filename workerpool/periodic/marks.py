@@ -28,6 +28,9 @@ BUFFERED = -1.0
 # The time the latest tick catch_up "none" left out is marked at: a worker that takes it over
 # (its marker died before setting it MISSED) sets it MISSED, never publishes it.
 LEFT_OUT = -2.0
+# Later than any tick (seconds since the epoch, below the 10^13 a Firestore key sorts by):
+# ``last_run(schedule, END_OF_TIME)`` is the schedule's latest tick marked to run.
+END_OF_TIME = 9e12
 
 
 @dataclass(frozen=True)
