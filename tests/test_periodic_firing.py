@@ -717,6 +717,35 @@ def test_a_mark_left_as_the_fleet_went_down_never_runs_beside_the_latest_tick_af
     assert counts.totals() == {"fired": len(expected), "missed": 3, **skipped}
 
 
+@pytest.mark.parametrize("later", ["published", "waiting"])
+def test_a_mark_taken_over_again_after_a_failed_publish_is_published_whatever_came_after_it(
+    opened: Callable[[], Marks], marks: Marks, later: str
+) -> None:
+    # Given a tick 3 hours back that an operator asked for, taken over 40 s ago by a worker
+    # whose publish failed (it stays unpublished, marked then), and a later tick published
+    # (or waiting for the previous run, overlap "buffer_one")
+    overlap = "skip" if later == "published" else "buffer_one"
+    marks.mark("h", NOW, NOW)
+    if later == "published":
+        marks.published("h", NOW, 0)
+    else:
+        assert marks.take_over(Mark("h", NOW, NOW), BUFFERED)
+    marks.mark("h", NOW - 3 * HOUR, NOW + 20)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "latest",
+                        10 * HOUR, overlap)  # fmt: skip
+    publisher = Publisher()
+    firer = Periodics([schedule], opened(), "t", publisher, clock=lambda: NOW + 60, poll=POLL)
+    firer.run_state = lambda job_id: "unclaimed"  # (its job never went out)
+    # When another worker takes it over
+    firer.start()
+    try:
+        assert wait_for(lambda: job_id(NOW - 3 * HOUR) in publisher.job_ids(), timeout=10)
+    finally:
+        firer.close(5)
+    # Then it publishes it: a running fleet's take-over, not a mark left as the fleet went down
+    assert publisher.job_ids()[0] == job_id(NOW - 3 * HOUR)
+
+
 def test_a_mark_whose_job_was_claimed_is_recorded_published_not_published_again() -> None:
     marks = MemoryMarks()
     marks.mark("h", NOW, NOW + 0.1)  # its marker published it, then died

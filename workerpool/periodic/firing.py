@@ -27,10 +27,10 @@ not mark are looked back for the same way once it answers, and so are the ticks 
 up for more than ``take_over_after`` (frozen, suspended, its clock stepped) slept through. A
 look-back the store did not answer is tried again at each look.
 
-A worker that takes over a mark its marker left decides on it again: the overlap policy,
-whether its job was claimed already (published: recorded as such), and, unless overlap is
-"allow", whether a later tick was fired to run (skipped then: a mark left as the whole fleet
-went down is taken over when it is back, after the look-back fired the latest tick).
+A worker that takes over a mark its marker left decides on it again: the overlap policy, and
+whether its job was claimed already (published: recorded as such). Unless overlap is "allow",
+a mark left as the whole fleet went down (none took it over for ``overlap_unclaimed``) is
+skipped once a later tick was fired to run: the first worker back looks back first.
 
 A paused schedule fires nothing (each worker reads the pauses when a tick is due; a tick
 whose pauses the store could not read is looked back for once it can, as one it could not
@@ -349,6 +349,16 @@ class Periodics(Middleware):
             schedule = self._schedules.get(mark.schedule)
             if schedule is None or self._still_blocked(schedule, mark):
                 continue
+            if self._left_behind(schedule, mark, now):
+                # One compare-and-set makes it a tick left out: another worker's overlap
+                # check, reading it meanwhile, sees it lost (as before) or not run, never
+                # queued anew.
+                if self._marks.take_over(mark, LEFT_OUT):
+                    log.info("periodic %s: tick %s skipped: left unpublished as the fleet "
+                             "went down, and a later one fired since", *_named(mark))  # fmt: skip
+                    self._settle([(schedule, mark.tick)], SKIPPED)
+                    self._on_ticks(schedule.name, "skipped", 1)
+                continue
             if not self._marks.take_over(mark, now):
                 continue
             due = (schedule, mark.tick)
@@ -362,12 +372,6 @@ class Periodics(Middleware):
                 if self._published_already(schedule, mark.tick):
                     self._settle([due], PUBLISHED)
                     continue
-                if self._superseded(schedule, mark.tick):
-                    log.info("periodic %s: tick %s skipped: a later one was fired already",
-                             *_named(mark))  # fmt: skip
-                    self._settle([due], SKIPPED)
-                    self._on_ticks(schedule.name, "skipped", 1)
-                    continue
                 if not self._may_publish(schedule, mark.tick, now):
                     continue
                 left = "another worker left"
@@ -376,16 +380,21 @@ class Periodics(Middleware):
         self._publish([due for due, late in taken if late], late=True)
         self._publish([due for due, late in taken if not late], late=False)
 
-    def _superseded(self, schedule: Periodic, tick: float) -> bool:
-        """Unless overlap is "allow": whether a later tick than ``tick`` was marked to run.
-        A mark left while the whole fleet went down is taken over once it is back, after its
-        look-back may have fired the latest tick: published, this one would run beside that
-        one, or after it. (In a running fleet it is taken over within seconds, and a tick
-        marked meanwhile was skipped, since this one counted as running.)"""
+    def _left_behind(self, schedule: Periodic, mark: Mark, now: float) -> bool:
+        """Unless overlap is "allow": whether ``mark``, a worker's, was left unpublished as the
+        whole fleet went down, and a later tick was fired to run since (by the first worker
+        back, looking back): published now, the two could run at once. Left: nobody took it
+        over for ``overlap_unclaimed`` (the overlap check then takes its run as lost), where
+        a running fleet takes a mark over within seconds (a failed publish too: its take-over
+        marks it anew). Not if its job was claimed: its marker published it."""
         if schedule.overlap == "allow" or self.run_state is None:
             return False
+        if mark.marked_at <= REQUESTED or now - mark.marked_at < schedule.overlap_unclaimed:
+            return False  # (an operator's, waiting or left out: marked at a sentinel)
         later = self._marks.last_run(schedule.name, END_OF_TIME)
-        return later is not None and later.tick > tick
+        if later is None or later.tick <= mark.tick or later.marked_at == BUFFERED:
+            return False  # (one waiting for a run has not run)
+        return not self._published_already(schedule, mark.tick)
 
     def _published_already(self, schedule: Periodic, tick: float) -> bool:
         """Whether the tick's job was claimed: its marker published it before it died."""
