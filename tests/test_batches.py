@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import FIRESTORE_PROJECT
 from tests.fakes import FakeClock
-from tests.support import store_handles
+from tests.support import store_handles, wait_for
 from workerpool import JobContext, PermanentError
 from workerpool import constants as c
 from workerpool.batches import BatchStore, Completion, MemoryBatches, SqliteBatches, batch_opener
@@ -28,7 +28,7 @@ from workerpool.batches import store as batch_store
 from workerpool.batches.firestore import FirestoreBatches
 from workerpool.batches.middleware import Batches
 from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deliver
-from workerpool.idempotency import MemoryStore
+from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
 from workerpool.schedule import MemorySchedule
@@ -686,6 +686,20 @@ class _DoneRecords(MemoryStore):
         super().complete_many(completions, owner)
 
 
+class _SlowDoneRecords(MemoryStore):
+    """An idempotency store whose writes of done records wait until let through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = threading.Event()
+        self.let_through = threading.Event()
+
+    def complete_many(self, completions: Sequence[tuple[str, str]], owner: str) -> None:
+        self.writing.set()
+        self.let_through.wait(10)
+        super().complete_many(completions, owner)
+
+
 class _LedgerSeeingDoneRecords(MemoryBatches):
     """A ledger that notes, as each child is written, whether its job was recorded done."""
 
@@ -736,3 +750,42 @@ def test_a_child_counts_done_in_its_batch_only_once_its_job_is_recorded_done(
     # Then its job was recorded done before the ledger counted it, and before its ack
     assert ledger.done_when_written == [("child-0", True)] and len(acks.acked) == 1
     assert ledger.pending_children("b1") == ["child-1"]
+
+
+def test_a_child_handed_back_while_its_done_record_is_written_keeps_its_claim_until_then() -> None:
+    # Given a committed batch of two, and a worker whose store writes a done record slowly
+    done = _SlowDoneRecords()
+    ledger = MemoryBatches()
+    _committed(ledger, 2)
+    jobs = Registry()
+    jobs.job("t.child")(lambda ctx, payload: None)
+    schedule = MemorySchedule()
+    acks = FakeAcks()
+    idempotency = Idempotency(done, "w1", Timers(), complete_patience=5)
+    batches = Batches(ledger, schedule, Firer(schedule, TOPIC, publisher=None))
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [batches, idempotency],
+        ProcessorSettings(Backoff(1.0, 60.0)),
+    )  # fmt: skip
+    idempotency.start()
+    attributes = {c.ATTR_JOB: "t.child", c.ATTR_JOB_ID: "child-0", c.ATTR_BATCH_ID: "b1"}
+    slot = threading.Thread(target=processor.process, args=(make_delivery(b"{}", attributes),))
+    try:
+        # When its job succeeds, and the drain deadline hands its message back while the
+        # done record is being written
+        slot.start()
+        assert done.writing.wait(10)
+        assert processor.interrupt_running() == 1
+        assert len(acks.modacked) == 1
+        # Then no other worker can claim the job meanwhile: its claim is not released
+        assert wait_for(lambda: not idempotency.keeper.releasing(("child-0", "m-1")), 10)
+        assert isinstance(done.claim("child-0", "w2", "m-2", 60), HeldElsewhere)
+        # And once written, the job is done and the child counted
+        done.let_through.set()
+        slot.join(10)
+        assert done.completed_at("child-0") is not None
+        assert ledger.pending_children("b1") == ["child-1"] and acks.acked == []
+    finally:
+        done.let_through.set()
+        idempotency.close(5)
+    assert not isinstance(done.claim("child-0", "w2", "m-3", 60), Claimed)

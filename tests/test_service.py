@@ -58,7 +58,7 @@ def test_the_worker_collects_young_objects_rarely_and_never_scans_what_it_made_t
     # Given a process with these collector thresholds
     # When the worker has started its pools
     seen, (_, after) = _seen()[case], CASES[case]
-    # Then a young collection waits for 10,000 allocations unless it waited longer already
+    # Then a young collection waits for 50,000 allocations unless it waited longer already
     # (or collection was off), the older generations keep theirs, and what exists now is
     # out of the collector's sight
     assert tuple(seen["threshold"]) == after

@@ -75,9 +75,9 @@ def collect_rarely() -> None:
     scans every message then held to free next to nothing. Measured with the defaults at
     N = 100, no-op jobs: at Python's threshold of 700 nearly every pull set one off; at
     10,000, one every 250-600 jobs, 2-5 ms each (8-10 us of CPU a job); at 50,000, one
-    in 60,000 jobs or fewer, with the same peak RSS. Cyclic garbage still goes, at most
-    50,000 objects later. A threshold set higher already, or 0 (automatic collection off),
-    is left alone."""
+    in 60,000 jobs or fewer, with the same peak RSS (no-op and 50 ms jobs). Cyclic garbage
+    still goes, later: once the count passes 50,000. A threshold set higher already, or 0
+    (automatic collection off), is left alone."""
     gc.freeze()
     young, *older = gc.get_threshold()
     if 0 < young < GC_YOUNG_THRESHOLD:  # (0: collection turned off on purpose)

@@ -11,11 +11,11 @@ call, and one lock round, a batch instead of one a job.
 Completions of jobs that take a while end one by one: each would be a write, a commit and a
 wake-up of this thread of its own. So the first of a batch waits up to ``LINGER`` for others
 to join it, until ``enough`` have; not at all where something waits for an answer: a slot of
-an exactly-once subscription (its ack waits for it), or the next message of an ordering key
-(it starts once the one before is settled). A message stays held until its completion is
-recorded, so ``enough`` is what the pool can spare: half its prefetch (a pool of a few slots
-spares none, and never waits). Measured at N = 64 with 50 ms jobs on SQLite: the linger took
-this thread from 95-124 us of CPU a job to 28-57.
+an exactly-once subscription (its ack waits for it) or of a batch child (its ledger does), or
+the next message of an ordering key (it starts once the one before is settled). A message
+stays held until its completion is recorded, so ``enough`` is what the pool can spare: half
+its prefetch (a pool of a few slots spares none, and never waits). Measured at N = 64 with
+50 ms jobs on SQLite: the linger took this thread from 95-124 us of CPU a job to 28-57.
 
 A completion whose claim has lapsed by the time its batch is sent (``lapsed``: the process was
 paused past the claim's deadline, and another worker may have claimed the job id since) is

@@ -10,8 +10,10 @@ by the drain deadline, has its claim released, so the next delivery can start it
 A job costs the store a share of two transactions, not two calls of its own: the job ids of a
 pull are claimed together as the pool admits it (the keeper renews those claims while the
 messages wait, and one whose message leaves without running is released), and completions
-are recorded in batches off the slot threads (``Completions``); a message is acked only once
-its completion is recorded, and its job id counts as running here until then. A message that
+are recorded in batches off the slot threads (``Completions``; a batch child's slot waits
+for its own); a message is acked only once its completion is recorded, and its job id counts
+as running here until then, its claim held even if its message is handed back meanwhile. A
+message that
 has no claim from its admission (the batch claim failed, or another delivery of it held one)
 claims on its own when it starts.
 """
@@ -302,6 +304,11 @@ class Idempotency(Middleware):
         # --- interrupted runs and stopping ---------------------------------------------------
 
     def interrupted(self, run: Run) -> None:
+        if run.completion is not None:
+            # Done, and its record on the way (a slot waiting for it: a batch child, an
+            # exactly-once ack): the claim stays held until it is written, or a release now
+            # would let another worker run the job before the record lands.
+            return
         self.keeper.interrupted(_key(run.job))
 
     def close(self, timeout: float) -> None:

@@ -18,7 +18,8 @@ threads take messages at a time (``turns``): the prefetched ones wait in the que
 run's thread takes the next with the permit it freed, unless a run waits in line for one.
 
 A message whose run has ended but whose success is still being recorded (the idempotency
-store's completion, off the slot thread) has given its permit back but is still held until it
+store's completion, off the slot thread; a batch child's slot waits for it) has given its
+permit back but is still held until it
 settles; so is one a hand-back took, until that is done (then its key's later messages go
 back: their copies after its own). An async run keeps its permit while its task runs on the
 event loop, but not its thread: the thread takes the next message (waiting for a permit like
@@ -330,7 +331,8 @@ class Pool:
 
     def _resume_all(self) -> None:
         self._resume_pending = False  # first: a run that ends from here on wakes one again
-        # One after another. The rest of a run rarely blocks (a dead-letter record does);
+        # One after another. The rest of a run rarely blocks (a dead-letter record does, and
+        # a batch child's done record);
         # while it does, runs that end meanwhile wake another thread, which takes them and
         # any left here: so another thread may empty the queue under this one.
         while True:

@@ -73,9 +73,9 @@ class Lease(Protocol):
 
 class Recording(Protocol):
     """Records a run's completion durably, then tells ``then`` how that went: Succeeded, or
-    why not. ``awaited``: something waits for the answer (a slot's exactly-once ack, the next
-    message of an ordering key), so it is recorded without waiting for other completions to
-    share its write."""
+    why not. ``awaited``: something waits for the answer (a slot's exactly-once ack or batch
+    child, the next message of an ordering key), so it is recorded without waiting for other
+    completions to share its write."""
 
     def __call__(self, then: Callable[[Outcome], None], *, awaited: bool = False) -> None: ...
 
@@ -117,7 +117,8 @@ class Run:
     # Set by a middleware whose record of the run's success must be durable before its
     # message is acked (the idempotency store's completion), to record it off the slot
     # thread: called once the chain has returned, with what to do once recorded (Succeeded)
-    # or not (why). The message stays held meanwhile.
+    # or not (why). The message stays held meanwhile. An outer middleware that must follow
+    # the record (a batch child's ledger) records it itself, waiting, and sets it None.
     completion: Recording | None = None
     # The store leases it holds now (kept by ``keeper.LeaseKeeper``), and what it held that
     # had lapsed when it was let go ("": none): see ``lost_lease``.
