@@ -29,8 +29,9 @@ look-back the store did not answer is tried again at each look.
 
 A worker that takes over a mark its marker left decides on it again: the overlap policy, and
 whether its job was claimed already (published: recorded as such). Unless overlap is "allow",
-a mark left as the whole fleet went down (none took it over for ``overlap_unclaimed``) is
-skipped once a later tick was fired to run: the first worker back looks back first.
+a mark left as the whole fleet went down (none took it over for ``overlap_unclaimed``: the
+store out of reach as long counts the same) is skipped once a later tick was fired to run:
+the first worker back looks back first.
 
 A paused schedule fires nothing (each worker reads the pauses when a tick is due; a tick
 whose pauses the store could not read is looked back for once it can, as one it could not
@@ -349,7 +350,7 @@ class Periodics(Middleware):
             schedule = self._schedules.get(mark.schedule)
             if schedule is None or self._still_blocked(schedule, mark):
                 continue
-            if self._left_behind(schedule, mark, now):
+            if self._left_behind(schedule, mark):
                 # One compare-and-set makes it a tick left out: another worker's overlap
                 # check, reading it meanwhile, sees it lost (as before) or not run, never
                 # queued anew.
@@ -380,20 +381,26 @@ class Periodics(Middleware):
         self._publish([due for due, late in taken if late], late=True)
         self._publish([due for due, late in taken if not late], late=False)
 
-    def _left_behind(self, schedule: Periodic, mark: Mark, now: float) -> bool:
+    def _left_behind(self, schedule: Periodic, mark: Mark) -> bool:
         """Unless overlap is "allow": whether ``mark``, a worker's, was left unpublished as the
         whole fleet went down, and a later tick was fired to run since (by the first worker
         back, looking back): published now, the two could run at once. Left: nobody took it
         over for ``overlap_unclaimed`` (the overlap check then takes its run as lost), where
         a running fleet takes a mark over within seconds (a failed publish too: its take-over
         marks it anew). Not if its job was claimed: its marker published it."""
-        if schedule.overlap == "allow" or self.run_state is None:
-            return False
-        if mark.marked_at <= REQUESTED or now - mark.marked_at < schedule.overlap_unclaimed:
+        if schedule.overlap == "allow" or self.run_state is None or mark.marked_at <= REQUESTED:
             return False  # (an operator's, waiting or left out: marked at a sentinel)
+        # Read now, not at the start of the pass: another worker's overlap check reads its
+        # clock as it looks.
+        if self._clock() - mark.marked_at < schedule.overlap_unclaimed:
+            return False
         later = self._marks.last_run(schedule.name, END_OF_TIME)
-        if later is None or later.tick <= mark.tick or later.marked_at == BUFFERED:
-            return False  # (one waiting for a run has not run)
+        while later is not None and later.tick > mark.tick and later.marked_at <= REQUESTED:
+            # Waiting for a run, left out, or an operator's not taken over yet: not fired to
+            # run yet; one before it may have been.
+            later = self._marks.last_run(schedule.name, later.tick)
+        if later is None or later.tick <= mark.tick:
+            return False
         return not self._published_already(schedule, mark.tick)
 
     def _published_already(self, schedule: Periodic, tick: float) -> bool:
