@@ -17,14 +17,13 @@ concurrency slot, say) can put its permit down, letting another message run mean
 threads take messages at a time (``turns``): the prefetched ones wait in the queue, and a sync
 run's thread takes the next with the permit it freed, unless a run waits in line for one.
 
-A message whose run has ended but whose success is still being recorded (the idempotency
-store's completion, off the slot thread; a batch child's slot waits for it) has given its
-permit back but is still held until it
-settles; so is one a hand-back took, until that is done (then its key's later messages go
-back: their copies after its own). An async run keeps its permit while its task runs on the
-event loop, but not its thread: the thread takes the next message (waiting for a permit like
-any other), and when the task ends a slot thread is woken to carry the rest of the run
-(``_resume``), one wake-up for all that ended meanwhile.
+A message whose run has ended but whose success is still being recorded off the slot thread
+(the idempotency store's completion: a batch child's slot waits for it instead) has given its
+permit back, but is held until it settles; so is one a hand-back took, until that is done
+(then its key's later messages go back: their copies after its own). An async run keeps its
+permit while its task runs on the event loop, but not its thread: the thread takes the next
+message (waiting for a permit like any other), and when the task ends a slot thread is woken
+to carry the rest of the run (``_resume``), one wake-up for all that ended meanwhile.
 
 An async run whose middleware lets it (``Processor.starts_ahead``) need not wait for a permit
 before its middleware: while every permit is taken, such runs go through the middleware
@@ -331,10 +330,9 @@ class Pool:
 
     def _resume_all(self) -> None:
         self._resume_pending = False  # first: a run that ends from here on wakes one again
-        # One after another. The rest of a run rarely blocks (a dead-letter record does, and
-        # a batch child's done record);
-        # while it does, runs that end meanwhile wake another thread, which takes them and
-        # any left here: so another thread may empty the queue under this one.
+        # One after another. The rest of a run rarely blocks (a dead-letter record, a batch
+        # child's done record); while it does, runs that end meanwhile wake another thread,
+        # which takes them and any left here: so another thread may empty the queue under it.
         while True:
             try:
                 permit, delivery, rest = self._resumed.popleft()
