@@ -725,6 +725,31 @@ def test_a_mark_left_as_the_fleet_went_down_never_runs_beside_a_tick_after_it(
     assert counts.totals() == counted
 
 
+def test_a_mark_left_as_the_fleet_went_down_with_only_a_tick_waiting_for_it_runs_first() -> None:
+    # Given a tick marked by a worker that died before publishing it, the next tick waiting
+    # for it to run (overlap "buffer_one"), and the whole fleet down since
+    marks = MemoryMarks()
+    marks.mark("h", NOW - 5 * HOUR, NOW - 5 * HOUR)
+    marks.published("h", NOW - 5 * HOUR, 0)
+    marks.mark("h", NOW - 4 * HOUR, NOW - 4 * HOUR)
+    marks.mark("h", NOW - 3 * HOUR, NOW - 4 * HOUR)
+    assert marks.take_over(Mark("h", NOW - 3 * HOUR, NOW - 4 * HOUR), BUFFERED)
+    schedule = Periodic("h", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "none",
+                        10 * HOUR, "buffer_one")  # fmt: skip
+    publisher = Publisher()
+    firer = Periodics([schedule], marks, "t", publisher, clock=lambda: NOW + 60, poll=POLL)
+    firer.run_state = lambda job_id: "unclaimed"
+    # When a worker starts and takes the marks over
+    firer.start()
+    try:
+        assert wait_for(lambda: publisher.job_ids() != [], timeout=10)
+    finally:
+        firer.close(5)
+    # Then the left tick runs (nothing after it ran), and the one waiting for it still waits
+    assert publisher.job_ids() == [job_id(NOW - 4 * HOUR)]
+    assert marks.unpublished(NOW + 100) == [Mark("h", NOW - 3 * HOUR, BUFFERED)]
+
+
 @pytest.mark.parametrize("later", ["published", "waiting"])
 def test_a_mark_taken_over_again_after_a_failed_publish_is_published_whatever_came_after_it(
     opened: Callable[[], Marks], marks: Marks, later: str
