@@ -714,6 +714,24 @@ class _LedgerSeeingDoneRecords(MemoryBatches):
         return super().record(batch_id, job_id, succeeded, cancelled=cancelled)
 
 
+def _child_worker(
+    done: MemoryStore, ledger: BatchStore, acks: FakeAcks, *, complete_patience: float
+) -> tuple[Processor, Idempotency]:
+    """A started worker whose job ``t.child`` succeeds, with the idempotency middleware (on
+    ``done``) inside the batches' (on ``ledger``), as the defaults have them."""
+    jobs = Registry()
+    jobs.job("t.child")(lambda ctx, payload: None)
+    schedule = MemorySchedule()
+    idempotency = Idempotency(done, "w1", Timers(), complete_patience=complete_patience)
+    batches = Batches(ledger, schedule, Firer(schedule, TOPIC, publisher=None))
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [batches, idempotency],
+        ProcessorSettings(Backoff(1.0, 60.0)),
+    )  # fmt: skip
+    idempotency.start()
+    return processor, idempotency
+
+
 @pytest.mark.parametrize("done_record", ["written", "refused"])
 def test_a_child_counts_done_in_its_batch_only_once_its_job_is_recorded_done(
     done_record: str,
@@ -723,18 +741,8 @@ def test_a_child_counts_done_in_its_batch_only_once_its_job_is_recorded_done(
     done = _DoneRecords(refuse=done_record == "refused")
     ledger = _LedgerSeeingDoneRecords(done)
     _committed(ledger, 2)
-    jobs = Registry()
-    jobs.job("t.child")(lambda ctx, payload: None)
-    schedule = MemorySchedule()
     acks = FakeAcks()
-    timers = Timers()
-    idempotency = Idempotency(done, "w1", timers, complete_patience=0.2)
-    batches = Batches(ledger, schedule, Firer(schedule, TOPIC, publisher=None))
-    processor = Processor(
-        jobs, acks, FakeLeaser(), FakeDeadLetters(), [batches, idempotency],
-        ProcessorSettings(Backoff(1.0, 60.0)),
-    )  # fmt: skip
-    idempotency.start()
+    processor, idempotency = _child_worker(done, ledger, acks, complete_patience=0.2)
     try:
         # When one child's message runs and its job succeeds
         attributes = {c.ATTR_JOB: "t.child", c.ATTR_JOB_ID: "child-0", c.ATTR_BATCH_ID: "b1"}
@@ -757,17 +765,8 @@ def test_a_child_handed_back_while_its_done_record_is_written_keeps_its_claim_un
     done = _SlowDoneRecords()
     ledger = MemoryBatches()
     _committed(ledger, 2)
-    jobs = Registry()
-    jobs.job("t.child")(lambda ctx, payload: None)
-    schedule = MemorySchedule()
     acks = FakeAcks()
-    idempotency = Idempotency(done, "w1", Timers(), complete_patience=5)
-    batches = Batches(ledger, schedule, Firer(schedule, TOPIC, publisher=None))
-    processor = Processor(
-        jobs, acks, FakeLeaser(), FakeDeadLetters(), [batches, idempotency],
-        ProcessorSettings(Backoff(1.0, 60.0)),
-    )  # fmt: skip
-    idempotency.start()
+    processor, idempotency = _child_worker(done, ledger, acks, complete_patience=5)
     attributes = {c.ATTR_JOB: "t.child", c.ATTR_JOB_ID: "child-0", c.ATTR_BATCH_ID: "b1"}
     slot = threading.Thread(target=processor.process, args=(make_delivery(b"{}", attributes),))
     try:
