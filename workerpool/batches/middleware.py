@@ -4,13 +4,13 @@ A child's final outcome goes to the batch's ledger: done once its job's done rec
 written, and before its message is acked (a failed write is a retry, and the retry finds the
 job done; a child's slot waits for that record, which other jobs leave to a batched write off
 their slots), dead-lettered once its failure record is out and before its ack (a crash in
-between brings the message back). The deadline
-is a delayed job of the batch's own (``DEADLINE_JOB``, published with the children, due at
-the deadline): when it runs it finalizes whatever is still open. Whichever call finalizes a
-batch puts its completion in the schedule, due now, to be published by a firer (this
-worker's at once). A completion finalized but never put in the schedule (its worker died in
-between) is put there by whoever touches the batch next: a redelivery of one of its
-children, its deadline job, or any worker as it starts.
+between brings the message back). The deadline is a delayed job of the batch's own
+(``DEADLINE_JOB``, published with the children, due at the deadline): when it runs it
+finalizes whatever is still open. Whichever call finalizes a batch puts its completion in the
+schedule, due now, to be published by a firer (this worker's at once). A completion
+finalized but never put in the schedule (its worker died in between) is put there by whoever
+touches the batch next: a redelivery of one of its children, its deadline job, or any worker
+as it starts.
 """
 
 from __future__ import annotations

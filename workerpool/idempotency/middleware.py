@@ -13,9 +13,8 @@ messages wait, and one whose message leaves without running is released), and co
 are recorded in batches off the slot threads (``Completions``; a batch child's slot waits
 for its own); a message is acked only once its completion is recorded, and its job id counts
 as running here until then, its claim held even if its message is handed back meanwhile. A
-message that
-has no claim from its admission (the batch claim failed, or another delivery of it held one)
-claims on its own when it starts.
+message that has no claim from its admission (the batch claim failed, or another delivery of
+it held one) claims on its own when it starts.
 """
 
 from __future__ import annotations
