@@ -779,6 +779,36 @@ def test_a_mark_taken_over_again_after_a_failed_publish_is_published_whatever_ca
     assert publisher.job_ids()[0] == job_id(NOW - 3 * HOUR)
 
 
+class _RunsUnread(MemoryMarks):
+    """Marks whose previous runs cannot be read: the store fails part way through a pass."""
+
+    def last_run(self, schedule: str, before: float) -> Mark | None:
+        raise StoreError("store down")
+
+
+def test_marks_taken_over_before_the_store_fails_part_way_are_published_in_that_pass() -> None:
+    # Given an operator's run of one schedule, then a tick of another waiting for its previous
+    # run (overlap "buffer_one"), in a store whose previous runs cannot be read
+    marks = _RunsUnread()
+    marks.mark("h", NOW, REQUESTED)
+    marks.mark("g", NOW, BUFFERED)
+    waits = Periodic("g", "demo.echo", Ticks(ZoneInfo("UTC"), every=3600), {}, "none",
+                     10 * HOUR, "buffer_one")  # fmt: skip
+    publisher = Publisher()
+    firer = Periodics([hourly("none"), waits], marks, "t", publisher, clock=lambda: NOW + 60,
+                      poll=POLL)  # fmt: skip
+    firer.run_state = lambda job_id: "unclaimed"
+    # When a worker takes the operator's run over, then fails to read the other's previous run
+    firer.start()
+    try:
+        # Then the operator's run is published all the same, in that pass (taken over again
+        # later, it would count as a worker's mark)
+        assert wait_for(lambda: publisher.job_ids() == [job_id(NOW)], timeout=10)
+        assert wait_for(lambda: marks.latest("h") == (NOW, PUBLISHED), timeout=10)
+    finally:
+        firer.close(5)
+
+
 def test_a_mark_whose_job_was_claimed_is_recorded_published_not_published_again() -> None:
     marks = MemoryMarks()
     marks.mark("h", NOW, NOW + 0.1)  # its marker published it, then died

@@ -346,40 +346,50 @@ class Periodics(Middleware):
 
     def _take_over(self, now: float) -> None:
         taken: list[tuple[Due, bool]] = []
-        for mark in self._marks.unpublished(now - self._take_over_after):
-            schedule = self._schedules.get(mark.schedule)
-            if schedule is None or self._still_blocked(schedule, mark):
-                continue
-            if self._left_behind(schedule, mark):
-                # One compare-and-set makes it a tick left out: another worker's overlap
-                # check, reading it meanwhile, sees it lost (as before) or not run, never
-                # queued anew.
-                if self._marks.take_over(mark, LEFT_OUT):
-                    log.info("periodic %s: tick %s skipped: left unpublished as the fleet "
-                             "went down, and a later one fired since", *_named(mark))  # fmt: skip
-                    self._settle([(schedule, mark.tick)], SKIPPED)
-                    self._on_ticks(schedule.name, "skipped", 1)
-                continue
-            if not self._marks.take_over(mark, now):
-                continue
-            due = (schedule, mark.tick)
-            if mark.marked_at == LEFT_OUT:  # its marker died before saying it was missed
-                self._settle([due], MISSED)
-                continue
-            left = _LEFT.get(mark.marked_at)
-            if left is None:
-                # A worker's, which died (or met a store error) before it published the tick,
-                # or before it recorded that the tick waits or is skipped: decided again here.
-                if self._published_already(schedule, mark.tick):
-                    self._settle([due], PUBLISHED)
-                    continue
-                if not self._may_publish(schedule, mark.tick, now):
-                    continue
-                left = "another worker left"
-            log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
-            taken.append((due, mark.marked_at != REQUESTED))
-        self._publish([due for due, late in taken if late], late=True)
-        self._publish([due for due, late in taken if not late], late=False)
+        try:
+            for mark in self._marks.unpublished(now - self._take_over_after):
+                if (due := self._take_over_one(mark, now)) is not None:
+                    taken.append(due)
+        finally:
+            # Also when the store failed part way: those taken over already go out now, or
+            # they would wait a take-over more (an operator's then taken for a worker's).
+            self._publish([due for due, late in taken if late], late=True)
+            self._publish([due for due, late in taken if not late], late=False)
+
+    def _take_over_one(self, mark: Mark, now: float) -> tuple[Due, bool] | None:
+        """Take ``mark`` over, and decide on it: its tick to publish, and whether its lateness
+        is measured (None: nothing to publish, or another worker took it)."""
+        schedule = self._schedules.get(mark.schedule)
+        if schedule is None or self._still_blocked(schedule, mark):
+            return None
+        if self._left_behind(schedule, mark):
+            # One compare-and-set makes it a tick left out: another worker's overlap
+            # check, reading it meanwhile, sees it lost (as before) or not run, never
+            # queued anew.
+            if self._marks.take_over(mark, LEFT_OUT):
+                log.info("periodic %s: tick %s skipped: left unpublished as the fleet "
+                         "went down, and a later one fired since", *_named(mark))  # fmt: skip
+                self._settle([(schedule, mark.tick)], SKIPPED)
+                self._on_ticks(schedule.name, "skipped", 1)
+            return None
+        if not self._marks.take_over(mark, now):
+            return None
+        due = (schedule, mark.tick)
+        if mark.marked_at == LEFT_OUT:  # its marker died before saying it was missed
+            self._settle([due], MISSED)
+            return None
+        left = _LEFT.get(mark.marked_at)
+        if left is None:
+            # A worker's, which died (or met a store error) before it published the tick,
+            # or before it recorded that the tick waits or is skipped: decided again here.
+            if self._published_already(schedule, mark.tick):
+                self._settle([due], PUBLISHED)
+                return None
+            if not self._may_publish(schedule, mark.tick, now):
+                return None
+            left = "another worker left"
+        log.info("periodic %s: publishing the tick %s %s", *_named(mark), left)
+        return due, mark.marked_at != REQUESTED
 
     def _left_behind(self, schedule: Periodic, mark: Mark) -> bool:
         """Unless overlap is "allow": whether ``mark``, a worker's, was left unpublished as the
