@@ -93,14 +93,16 @@ def test_a_replica_with_a_small_backlog_gets_its_share_at_once_and_the_rest_spli
     backlog_until = min(
         max(r["start"] for r in big_done if r["pid"] == w.pid) for w in bigs
     )  # from then on one big replica has no backlog left
-    first_start = min(r["start"] for r in big_done)
+    all_started = max(
+        min(r["start"] for r in big_done if r["pid"] == w.pid) for w in bigs
+    )  # from then on every big replica runs jobs (a process slow to start has none before)
     peak, _ = overlap([(r["start"], r["end"]) for r in done])
     # The big replicas' shares, sampled while all three had a backlog (each replica's id in
     # the record names its process)
     pids = {w.pid: n for n, w in enumerate(bigs)}
     spreads = []
     means = [0.0] * BIG
-    steady = [s for at, s in samples if first_start + 2 <= at <= backlog_until]
+    steady = [s for at, s in samples if all_started + 2 <= at <= backlog_until]
     for shares in steady:
         granted = [0] * BIG
         for replica, slots in shares.items():
