@@ -111,10 +111,11 @@ def test_a_job_killed_half_way_resumes_from_its_last_checkpoint(fleet: Fleet) ->
         killed_at = time.monotonic()
         second = _finish_on_a_second_worker(fleet, workers)
         recovered = time.monotonic() - killed_at
-        # Then the next run starts at the step after the last one checkpointed,
+        # Then the next run starts at the step after the last one checkpointed (step 49 again
+        # if the kill came between its ledger line and its checkpoint),
         [resumed] = ledger_events(ledger, "resume", second.pid)
         assert resumed["step"] == resume_at
-        assert 49 < resume_at < STEPS
+        assert 49 <= resume_at < STEPS
         # every step is done, at most one of them twice (the one under way at the kill),
         steps = _steps(ledger)
         twice = [step for step, count in Counter(steps).items() if count > 1]
