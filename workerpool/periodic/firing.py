@@ -335,8 +335,16 @@ class Periodics(Middleware):
         state = self.run_state(schedule.job_id(previous.tick))
         if state != "unclaimed":
             return state == "running"
-        queued = previous.marked_at > REQUESTED
-        return queued and self._clock() - previous.marked_at < schedule.overlap_unclaimed
+        return self._queued_lately(schedule, previous)
+
+    def _queued_lately(self, schedule: Periodic, mark: Mark) -> bool:
+        """Whether ``mark`` was marked (or taken over) by a worker less than
+        ``overlap_unclaimed`` ago: its job, not claimed yet, counts as on its way; after that
+        it is taken as lost. Read now: the workers that decide on a mark read it as they look."""
+        return (
+            mark.marked_at > REQUESTED
+            and self._clock() - mark.marked_at < schedule.overlap_unclaimed
+        )
 
     def _still_blocked(self, schedule: Periodic, mark: Mark) -> bool:
         """Whether a tick waiting for the previous run (overlap "buffer_one") still waits:
@@ -400,9 +408,7 @@ class Periodics(Middleware):
         marks it anew). Not if its job was claimed: its marker published it."""
         if schedule.overlap == "allow" or self.run_state is None or mark.marked_at <= REQUESTED:
             return False  # (an operator's, waiting or left out: marked at a sentinel)
-        # Read now, not at the start of the pass: another worker's overlap check reads its
-        # clock as it looks.
-        if self._clock() - mark.marked_at < schedule.overlap_unclaimed:
+        if self._queued_lately(schedule, mark):  # (as another worker's overlap check reads it)
             return False
         later = self._marks.last_run(schedule.name, END_OF_TIME)
         while later is not None and later.tick > mark.tick and later.marked_at <= REQUESTED:
