@@ -29,10 +29,11 @@ from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make
 from workerpool.worker.backoff import Backoff
 from workerpool.worker.keeper import LeaseKeeper
 from workerpool.worker.limits import PoolLimits
-from workerpool.worker.middleware import TimeLimit
+from workerpool.worker.middleware import Ended, Middleware, TimeLimit
 from workerpool.worker.outcome import Outcome
 from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers
 
 TTL = 0.6  # margin ttl/6 = 0.1 s, renewals every 0.2 s
@@ -355,6 +356,65 @@ def test_a_run_handed_back_while_its_claim_is_made_never_starts(timers: Timers) 
         assert store.inner.claim("j1", "w2", "m-2", TTL) == Claimed()
     finally:
         store.heal()
+        worker.close()
+
+
+class _HoldsItsAfter(Middleware):
+    """A middleware inside the idempotency one whose ``after`` waits to be let through: a
+    run whose handler has returned, still on its way out of the chain."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.let_through = threading.Event()
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        self.reached.set()
+        self.let_through.wait(10)
+        return ended
+
+
+@pytest.mark.parametrize("handler", ["succeeds", "fails"])
+def test_a_run_handed_back_after_its_handler_returned_leaves_its_claim_to_its_own_end(
+    timers: Timers, handler: str
+) -> None:
+    # Given a run whose handler has returned, on its way out through a middleware inside the
+    # idempotency one
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers)
+    holding = _HoldsItsAfter()
+    worker.processor = Processor(
+        worker.jobs, worker.acks, FakeLeaser(), FakeDeadLetters(), [worker.idempotency, holding],
+        ProcessorSettings(Backoff(1.0, 10.0)),
+    )  # fmt: skip
+
+    @worker.jobs.job("t.quick")
+    def quick(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if handler == "fails":
+            raise RetryableError("it failed")
+
+    try:
+        run = worker.process(job="t.quick")
+        assert holding.reached.wait(10)
+        # When the drain deadline hands its message back then
+        assert worker.processor.interrupt_running() == 1
+        time.sleep(TTL)  # keeper rounds: a release queued by the hand-back would be made
+        # Then no other worker can start the job meanwhile: its claim is still held
+        assert isinstance(store.inner.claim("j1", "w2", "m-2", TTL), HeldElsewhere)
+        holding.let_through.set()
+        run.join(timeout=10)
+        assert worker.processor.stats == {"drained": 1}
+        # And its own end decides: a success is recorded done (then the claim goes), a
+        # failure lets the job go
+        answers: list[object] = []
+
+        def decided() -> bool:
+            answers.append(store.inner.claim("j1", "w2", "m-3", TTL))
+            return not isinstance(answers[-1], HeldElsewhere)
+
+        assert wait_for(decided, timeout=10, interval=0.01)
+        assert isinstance(answers[-1], Done if handler == "succeeds" else Claimed), answers
+    finally:
+        holding.let_through.set()
         worker.close()
 
 

@@ -303,10 +303,11 @@ class Idempotency(Middleware):
         # --- interrupted runs and stopping ---------------------------------------------------
 
     def interrupted(self, run: Run) -> None:
-        if run.completion is not None:
-            # Done, and its record on the way (a slot waiting for it: a batch child, an
-            # exactly-once ack): the claim stays held until it is written, or a release now
-            # would let another worker run the job before the record lands.
+        if run.handler_returned:
+            # On its way out of the chain: ``around`` records the job done, the claim held
+            # until the record is written (a slot may wait for it: a batch child, an
+            # exactly-once ack), or releases the claim itself. A release now would let
+            # another worker run a job that succeeded here before its record lands.
             return
         self.keeper.interrupted(_key(run.job))
 

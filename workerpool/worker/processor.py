@@ -199,6 +199,7 @@ class Processor:
         ended = steps.enter()
         if ended is None:
             ended = self._start_handler(run)
+        run.handler_returned = True
         return self._end(run, steps, ended, left)
 
     def _start_async(
@@ -210,9 +211,11 @@ class Processor:
         context = contextvars.copy_context()
         ended = context.run(steps.enter)
         if ended is not None:
+            run.handler_returned = True
             return context.run(self._end, run, steps, ended, left)
 
         def end(outcome: Outcome) -> None:
+            run.handler_returned = True
             resume(lambda: context.run(self._end, run, steps, outcome, left))
 
         def finished(error: BaseException | None) -> None:

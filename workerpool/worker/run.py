@@ -120,6 +120,11 @@ class Run:
     # or not (why). The message stays held meanwhile. An outer middleware that must follow
     # the record (a batch child's ledger) records it itself, waiting, and sets it None.
     completion: Recording | None = None
+    # Its handler has returned or raised (or will never start): the chain unwinds from here,
+    # and each middleware lets go of what it holds for the run on its way out. A hand-back
+    # from now on must not take that decision from it: a claim released before the
+    # idempotency middleware records the job done would let another worker run it again.
+    handler_returned: bool = False
     # The store leases it holds now (kept by ``keeper.LeaseKeeper``), and what it held that
     # had lapsed when it was let go ("": none): see ``lost_lease``.
     leases: list[Lease] = field(default_factory=list)
