@@ -418,6 +418,46 @@ def test_a_run_handed_back_after_its_handler_returned_leaves_its_claim_to_its_ow
         worker.close()
 
 
+class _StopsInItsAfter(Middleware):
+    """A middleware outside the idempotency one whose ``after`` raises what is no
+    ``Exception`` (``sys.exit()`` in a hook, say)."""
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        raise SystemExit("a hook called sys.exit()")
+
+
+def test_an_outer_after_that_raises_a_base_exception_still_records_the_job_and_frees_its_id(
+    timers: Timers,
+) -> None:
+    # Given a job that succeeds, under a middleware outside the idempotency one whose after
+    # raises SystemExit
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers)
+    worker.processor = Processor(
+        worker.jobs, worker.acks, FakeLeaser(), FakeDeadLetters(),
+        [_StopsInItsAfter(), worker.idempotency], ProcessorSettings(Backoff(1.0, 10.0)),
+    )  # fmt: skip
+    runs: list[str] = []
+    worker.jobs.job("t.quick")(lambda ctx, payload: runs.append(ctx.job_id))
+    try:
+        # When its run ends
+        delivery = make_delivery(b"{}", {"job": "t.quick", "job_id": "j1"}, message_id="m-1")
+        worker.processor.process(delivery)
+        # Then the run is a failure, retried (nacked) once the success inside is recorded,
+        # not an escape from the slot
+        assert wait_for(lambda: worker.processor.stats == {"retried": 1}, timeout=10)
+        assert len(worker.acks.modacked) == 1 and worker.acks.acked == []
+        # And the job id is not held for good: the success inside is recorded done, and the
+        # message's next delivery here does not run the job again
+        assert isinstance(store.inner.claim("j1", "w2", "m-1", TTL), Done)
+        again = make_delivery(b"{}", {"job": "t.quick", "job_id": "j1"}, message_id="m-1")
+        worker.processor.process(again)
+        assert wait_for(lambda: worker.processor.stats["retried"] == 2, timeout=10)
+        assert runs == ["j1"]
+    finally:
+        worker.close()
+
+
 def test_a_lease_that_ends_while_its_renewal_is_in_flight_is_not_taken_over(
     timers: Timers, caplog: pytest.LogCaptureFixture
 ) -> None:

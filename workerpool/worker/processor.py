@@ -251,7 +251,10 @@ class Processor:
         try:
             try:
                 outcome = steps.leave(self._fenced(run, ended))
-            except Exception as exc:  # a middleware bug: handlers cannot raise through _invoke
+            except BaseException as exc:  # a middleware bug: handlers cannot raise through
+                # _invoke. Whatever it was (``sys.exit()`` in a hook, say), the completion an
+                # inner middleware left must still be recorded or answered: else its job
+                # id's claim stays held, and renewed, for as long as the process lives.
                 log.exception("job %s: the middleware raised", run.job.name)
                 outcome = Failed(type(exc).__name__, str(exc), exc)
             run.outcome = outcome
