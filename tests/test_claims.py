@@ -20,7 +20,7 @@ from google.api_core import exceptions as gexc
 from tests.fakes import FakeClock
 from tests.faults.store import FaultyStore
 from tests.support import wait_for
-from workerpool import JobContext, RetryableError
+from workerpool import AsyncJobContext, JobContext, RetryableError
 from workerpool.idempotency import Claimed, Done, HeldElsewhere, MemoryStore, StoreUnavailable
 from workerpool.idempotency.completions import Completions
 from workerpool.idempotency.middleware import Idempotency
@@ -32,7 +32,7 @@ from workerpool.worker.limits import PoolLimits
 from workerpool.worker.middleware import Ended, Middleware, TimeLimit
 from workerpool.worker.outcome import Outcome
 from workerpool.worker.pool import Pool
-from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers
 
@@ -415,6 +415,37 @@ def test_a_run_handed_back_after_its_handler_returned_leaves_its_claim_to_its_ow
         assert isinstance(answers[-1], Done if handler == "succeeds" else Claimed), answers
     finally:
         holding.let_through.set()
+        worker.close()
+
+
+def test_an_async_run_handed_back_while_its_end_waits_for_a_thread_keeps_its_claim(
+    timers: Timers,
+) -> None:
+    # Given an async job that succeeded, the rest of its run waiting for a thread to carry it
+    store = FaultyStore(MemoryStore())
+    worker = _Worker(store, timers)
+
+    @worker.jobs.job("t.async")
+    async def quick(ctx: AsyncJobContext, payload: dict[str, Any]) -> None:
+        pass
+
+    rest: list[Callable[[], Ending]] = []
+    try:
+        delivery = make_delivery(b"{}", {"job": "t.async", "job_id": "j1"}, message_id="m-1")
+        assert worker.processor.process(delivery, resume=rest.append) is Ending.CARRIED
+        assert wait_for(lambda: rest, timeout=10)
+        # When the drain deadline hands its message back then
+        assert worker.processor.interrupt_running() == 1
+        time.sleep(TTL)  # keeper rounds: a release queued by the hand-back would be made
+        # Then no other worker can start the job meanwhile
+        assert isinstance(store.inner.claim("j1", "w2", "m-2", TTL), HeldElsewhere)
+        # And once a thread carries the rest, the job is recorded done
+        rest[0]()
+        assert wait_for(
+            lambda: isinstance(store.inner.claim("j1", "w2", "m-3", TTL), Done), timeout=10
+        )
+        assert worker.processor.stats == {"drained": 1}
+    finally:
         worker.close()
 
 
