@@ -31,7 +31,7 @@ from workerpool.batches.store import DEADLINE, LAST_CHILD, children_digest, deli
 from workerpool.idempotency import Claimed, HeldElsewhere, MemoryStore
 from workerpool.idempotency.middleware import Idempotency
 from workerpool.registry import Registry
-from workerpool.schedule import MemorySchedule
+from workerpool.schedule import Entry, MemorySchedule
 from workerpool.schedule.delays import Firer
 from workerpool.stores import StoreUnavailable
 from workerpool.testing.emulator import LocalEmulator, free_port
@@ -671,6 +671,56 @@ def test_a_dead_lettered_child_is_written_once_its_record_is_out_and_before_its_
     # the batch waiting for its deadline)
     assert acks.pending_at_ack == [["child-1"]] and processor.stats == {"dead_lettered": 1}
     assert len(records.records) == 1 and store.pending_children("b1") == ["child-1"]
+
+
+class _ScheduleThatBlips(MemorySchedule):
+    """A schedule whose first ``blips`` adds fail as an unavailable store does."""
+
+    def __init__(self, blips: int) -> None:
+        super().__init__()
+        self.blips = blips
+
+    def add(self, entry: Entry) -> bool:
+        if self.blips > 0:
+            self.blips -= 1
+            raise StoreUnavailable("a blip")
+        return super().add(entry)
+
+
+def test_a_dead_lettered_last_child_whose_completion_is_not_handed_over_hands_it_over_soon(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a committed batch of one, and a schedule whose first two adds fail
+    store = MemoryBatches()
+    _committed(store, 1)
+    jobs = Registry()
+
+    @jobs.job("t.child")
+    def child(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise PermanentError("never", error_type="bad_input")
+
+    schedule = _ScheduleThatBlips(blips=2)
+    batches = Batches(store, schedule, Firer(schedule, TOPIC, publisher=None))
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [batches],
+        ProcessorSettings(Backoff(1.0, 60.0)),
+    )  # fmt: skip
+    try:
+        # When its child is dead-lettered, finalizing the batch, and the hand-over of its
+        # completion to the schedule fails
+        attributes = {c.ATTR_JOB: "t.child", c.ATTR_JOB_ID: "child-0", c.ATTR_BATCH_ID: "b1"}
+        processor.process(make_delivery(b"{}", attributes))
+        assert processor.stats == {"dead_lettered": 1}
+        # Then the completion is handed over once the store is back, not at the deadline
+        assert wait_for(lambda: schedule.entries() != [], timeout=10)
+        assert [e.job_id for e in schedule.entries()] == ["batch:b1:complete"]
+        assert wait_for(lambda: store.unsent() == [], timeout=5)
+        # And the log says the child was recorded, not that it was not
+        messages = [r.getMessage() for r in caplog.records if r.name.startswith("workerpool")]
+        assert not any("not recorded" in m for m in messages), messages
+        assert any("not handed over" in m for m in messages), messages
+    finally:
+        batches.close(5)
 
 
 class _DoneRecords(MemoryStore):

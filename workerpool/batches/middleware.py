@@ -10,12 +10,15 @@ finalizes whatever is still open. Whichever call finalizes a batch puts its comp
 schedule, due now, to be published by a firer (this worker's at once). A completion
 finalized but never put in the schedule (its worker died in between) is put there by whoever
 touches the batch next: a redelivery of one of its children, its deadline job, or any worker
-as it starts.
+as it starts. A dead-lettered child's message is acked whatever happens, so where its record
+finalized the batch and the hand-over failed (a store blip), the hand-over is retried from a
+thread of its own until it succeeds or the worker stops.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -40,6 +43,11 @@ from workerpool.worker.run import Run, recorded_now
 
 log = logging.getLogger(__name__)
 
+# Seconds before the first retry of a completion's hand-over to the schedule, and at most
+# between retries.
+HAND_OVER_FIRST_RETRY = 1.0
+HAND_OVER_MAX_RETRY = 60.0
+
 
 def no_batches(ctx: object, payload: object) -> None:
     """``DEADLINE_JOB``'s handler where the worker keeps no batches: never runs there."""
@@ -59,6 +67,7 @@ class Batches(Middleware):
         self._schedule = schedule
         self._firer = firer
         self._clock = clock
+        self._closing = threading.Event()  # ends hand-overs still being retried
 
     def start(self) -> None:
         self._batches.purge()
@@ -105,7 +114,7 @@ class Batches(Middleware):
         if not batch_id:
             return
         try:
-            self._deliver(self._batches.record(batch_id, job_id, False))
+            completion = self._batches.record(batch_id, job_id, False)
         except StoreError as exc:
             log.error(
                 "batch %s: dead-lettered child %s not recorded (%s); the batch's deadline "
@@ -114,6 +123,38 @@ class Batches(Middleware):
                 job_id,
                 exc,
             )
+            return
+        if completion is None:
+            return  # the batch is still open, or this changed nothing
+        try:
+            self._deliver(completion)
+        except StoreError as exc:
+            # Its message is acked next: no redelivery will touch the batch again, and its
+            # deadline may be an hour away. Hand the completion over from a thread of its own.
+            log.warning(
+                "batch %s: finalized by dead-lettered child %s, its completion not handed "
+                "over (%s); trying again",
+                batch_id,
+                job_id,
+                exc,
+            )
+            threading.Thread(
+                target=self._hand_over, args=(completion,), name="workerpool-batch-handover",
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def _hand_over(self, completion: Completion) -> None:
+        """Retry ``_deliver`` with capped backoff until it succeeds or the worker stops (the
+        next worker to start hands it over then, or the batch's deadline job)."""
+        delay = HAND_OVER_FIRST_RETRY
+        while not self._closing.wait(delay):
+            try:
+                self._deliver(completion)
+            except StoreError:
+                delay = min(delay * 2, HAND_OVER_MAX_RETRY)
+                continue
+            log.info("batch %s: completion handed over", completion.batch.batch_id)
+            return
 
     def _expire(self, payload: object) -> Outcome:
         batch_id = payload.get("batch_id") if isinstance(payload, dict) else None
@@ -131,4 +172,5 @@ class Batches(Middleware):
             self._firer.expect(due)
 
     def close(self, timeout: float) -> None:
+        self._closing.set()
         self._batches.close()
