@@ -153,6 +153,10 @@ class Batches(Middleware):
             except StoreError:
                 delay = min(delay * 2, HAND_OVER_MAX_RETRY)
                 continue
+            except Exception:  # a bug: the batch's deadline job hands it over
+                log.exception("batch %s: handing its completion over failed",
+                              completion.batch.batch_id)  # fmt: skip
+                return
             log.info("batch %s: completion handed over", completion.batch.batch_id)
             return
 
