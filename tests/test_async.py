@@ -331,6 +331,24 @@ def _context() -> AsyncJobContext:
     return AsyncJobContext("t.tick", "tick", "tick", 1, None, Flag())
 
 
+def test_a_run_whose_cancel_came_before_the_loop_began_it_is_cancelled_and_ends(
+    loop: EventLoop,
+) -> None:
+    # Given a run told to stop (handed back at the drain deadline, say) after it was
+    # submitted, before the loop began its task
+    ctx = _context()
+    ctx.cancelled.set()
+
+    async def long(ctx: AsyncJobContext, payload: Any) -> None:
+        await asyncio.sleep(30)
+
+    # When the loop runs it, Then its task is cancelled at once and its end is heard
+    started = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        loop.run(long, ctx, None)
+    assert time.monotonic() - started < 5
+
+
 def test_the_pools_of_a_process_share_one_loop_until_the_last_lets_go() -> None:
     # Given two pools taking the process's loop
     first, second = EventLoop.shared(), EventLoop.shared()

@@ -131,7 +131,6 @@ class EventLoop:
         except BaseException as exc:  # the call itself raised, or returned no coroutine
             submitted.finished(exc)
             return
-        forget = ctx.cancelled.when_set(lambda: call_soon(loop, cancel))
 
         def cancel() -> None:
             # Read when the flag is set: a cancel by job id gives the handler a grace first.
@@ -139,6 +138,9 @@ class EventLoop:
                 loop.call_later(ctx.cancel_grace, task.cancel)
             else:
                 task.cancel()
+
+        # After ``cancel`` is defined: a flag set already calls back at once.
+        forget = ctx.cancelled.when_set(lambda: call_soon(loop, cancel))
 
         def done(task: asyncio.Task[Any]) -> None:
             # In the loop's context, not the task's: ``finished`` may hand the task's context
