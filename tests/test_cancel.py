@@ -33,7 +33,7 @@ from workerpool.worker.backoff import Backoff
 from workerpool.worker.envelope import Job
 from workerpool.worker.middleware import Chain, Steps
 from workerpool.worker.outcome import Ack, Cancelled, Facts, Failed, Succeeded, decide
-from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
 
@@ -336,6 +336,60 @@ def test_an_async_run_cancelled_has_a_grace_to_end_on_its_own_then_its_task_is_c
         waited = float(line.split()[-1].rstrip("s"))
         assert CANCEL_GRACE <= waited < CANCEL_GRACE + 5, line
     assert processor.stats == {"cancelled": 1} and acks.acked == ["ack-m-1"]
+
+
+class _PermitLater:
+    """The permit of an async run made ready ahead in a full pool: granted by hand."""
+
+    def __init__(self) -> None:
+        self._start: Callable[[bool], None] | None = None
+
+    def put_down(self) -> bool:
+        return True
+
+    def pick_up(self) -> bool:
+        return True
+
+    def start_when_held(self, start: Callable[[bool], None]) -> None:
+        self._start = start
+
+    def grant(self) -> None:
+        assert self._start is not None, "the run did not wait for its permit"
+        self._start(True)
+
+
+def test_an_async_run_cancelled_while_ready_ahead_for_a_slot_never_starts() -> None:
+    # Given an async job made ready ahead (through the cancel gate and watch) in a full pool,
+    # waiting for a permit
+    jobs, started = Registry(), threading.Event()
+
+    @jobs.job("t.async")
+    async def job(ctx: AsyncJobContext, payload: dict[str, Any]) -> None:
+        started.set()
+
+    store = MemoryCancels(retention=DAY)
+    cancels = Cancels(store, interval=3600.0)
+    loop, acks = EventLoop(), FakeAcks()
+    processor = Processor(
+        jobs, acks, FakeLeaser(), FakeDeadLetters(), [CancelGate(cancels), CancelWatch(cancels)],
+        ProcessorSettings(Backoff(1, 10)), loop=loop,
+    )  # fmt: skip
+    delivery = make_delivery(b"{}", {"job": "t.async", "job_id": "1"})
+    cancels.admitted(["1"])
+    permit, rest = _PermitLater(), []
+    try:
+        assert processor.process(delivery, permit, resume=rest.append) is Ending.CARRIED
+        # When its job id is cancelled and read meanwhile, and then a slot frees for it
+        store.add(Cancel("1", "obsolete", time.time()))
+        cancels._poll_once()
+        permit.grant()
+        assert wait_for(lambda: rest, timeout=10)
+        assert rest[0]() is Ending.SETTLED
+        # Then its handler never started, and it ends cancelled (acked)
+        assert not started.is_set()
+        assert processor.stats == {"cancelled": 1} and acks.acked == ["ack-m-1"]
+    finally:
+        loop.close(2.0)
 
 
 def test_a_run_cancelled_while_it_runs_is_recorded_done_and_a_redelivery_never_runs(

@@ -227,8 +227,8 @@ class Processor:
                 end(NotStarted())  # the pool drained while it waited, ready: release it
                 return
             if not self._lease_from_now(run):
-                end(Interrupted())  # handed back meanwhile (a lost claim, the drain deadline)
-                return
+                end(Interrupted())  # handed back (a lost claim, the drain deadline) or
+                return  # cancelled meanwhile
             if run.waiting_since is not None:  # first: TimeLimit reads the two in this order
                 run.started_at += time.monotonic() - run.waiting_since
                 run.waiting_since = None
@@ -328,10 +328,12 @@ class Processor:
         return _invoke(run.job, run.ctx, self._loop)
 
     def _lease_from_now(self, run: Run) -> bool:
-        """Just before the handler starts: False if the message was handed back while a
-        middleware waited (it never starts). The lease follows the job's own timeout, however
-        long, and stops soon after it; it counts from here, after any wait for a token."""
-        if run.delivery.settled:
+        """Just before the handler starts: False if the message was handed back, or its job
+        id cancelled, while a middleware or a run made ready ahead waited (it never starts;
+        the cancel watch makes the outcome cancelled). The lease follows the job's own
+        timeout, however long, and stops soon after it; it counts from here, after any wait
+        for a token."""
+        if run.delivery.settled or run.ctx.cancelled.is_set():
             return False
         run.delivery.lease_until = time.monotonic() + run.job.spec.timeout + self._leases.extension
         return True
