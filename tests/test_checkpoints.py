@@ -4,6 +4,7 @@ runs resuming from ``ctx.last_checkpoint`` through a real processor, and the pro
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from tests.conftest import FIRESTORE_PROJECT
 from tests.support import store_handles, wait_for
 from workerpool import AsyncJobContext, JobContext
 from workerpool.constants import Label
+from workerpool.control import Cancel, MemoryCancels
+from workerpool.control.middleware import CancelGate, Cancels
 from workerpool.progress import (
     MAX_CHECKPOINT_BYTES,
     CheckpointTooLarge,
@@ -185,6 +188,24 @@ def test_a_final_failure_forgets_the_checkpoint() -> None:
     assert last.label is Label.DEAD_LETTERED
     mw.writer.flush()
     assert store.load("j2") is None
+
+
+def test_a_job_cancelled_before_its_run_reads_its_checkpoint_forgets_it() -> None:
+    # Given a job id with a checkpoint from an earlier run, since cancelled
+    store = MemoryJobState()
+    store.save("j4", '{"next":4}', 1.0)
+    cancelled = MemoryCancels(retention=86400.0)
+    cancelled.add(Cancel("j4", "obsolete", time.time()))
+    cancels = Cancels(cancelled, interval=3600.0)
+    cancels.admitted(["j4"])
+    mw = Checkpoints(store, "replica-1")
+    # When its next delivery ends cancelled at the gate, before its run could read it
+    result = run_job("resumable", {}, job_id="j4", attempt=2, jobs=jobs,
+                     middleware=[CancelGate(cancels), mw])  # fmt: skip
+    assert result.label is Label.CANCELLED and steps_done == []
+    # Then the checkpoint is deleted: the job is finished, and no run may resume from it
+    mw.writer.flush()
+    assert store.load("j4") is None
 
 
 def test_a_checkpoint_over_the_limit_fails_the_run_naming_its_size() -> None:

@@ -11,9 +11,10 @@ its run writes the job's checkpoint), or, if that read failed, each here on a sl
 One read a pull instead of one a run: on SQLite at N = 64, a read at each start was a third
 of what the defaults added to an async job's CPU.
 
-A job finishes when its message is acked as done (after its completion is recorded) or
-dead-lettered; a run handed back, retried or killed leaves the checkpoint for the next run of
-its job id.
+A job finishes when its message is acked as done (after its completion is recorded),
+dead-lettered or cancelled; a run handed back, retried or killed leaves the checkpoint for the
+next run of its job id. A run that never met a checkpoint (read none, wrote none) has none to
+delete, but a cancelled one may have ended before it read its own.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from workerpool.worker.middleware import Ended, Middleware
 from workerpool.worker.outcome import Outcome, Unavailable
 from workerpool.worker.run import Run, Settled
 
-# A cancelled run is finished too: no later run of its job id resumes.
-_FINISHED = frozenset({Label.DONE, Label.DEAD_LETTERED, Label.CANCELLED})
+# Where a job finishes by a run that met its checkpoint (a cancelled one, whatever its run
+# did: see ``settled``), no later run of its job id resumes.
+_FINISHED = frozenset({Label.DONE, Label.DEAD_LETTERED})
 
 
 class Checkpoints(Middleware):
@@ -100,7 +102,12 @@ class Checkpoints(Middleware):
         if self._read:
             with self._lock:
                 self._read.pop(event.job_id, None)  # never ran here (or ran: popped already)
-        if event.label in _FINISHED and event.run is not None:
+        if event.label is Label.CANCELLED:
+            # Its run may have ended before it could read the checkpoint an earlier run left
+            # (cancelled at the gate, or before its handler): delete whatever there is. One
+            # delete a cancel, which is rare.
+            self.writer.forget(event.job_id)
+        elif event.label in _FINISHED and event.run is not None:
             handle = event.run.ctx.run_state
             if isinstance(handle, RunHandle) and handle.touched:
                 self.writer.forget(event.job_id)
