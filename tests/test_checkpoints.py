@@ -17,6 +17,8 @@ from workerpool import AsyncJobContext, JobContext
 from workerpool.constants import Label
 from workerpool.control import Cancel, MemoryCancels
 from workerpool.control.middleware import CancelGate, Cancels
+from workerpool.idempotency import Claimed, MemoryStore
+from workerpool.idempotency.middleware import Idempotency
 from workerpool.progress import (
     MAX_CHECKPOINT_BYTES,
     CheckpointTooLarge,
@@ -31,7 +33,11 @@ from workerpool.progress.writer import LAPSE, REFRESH, ProgressWriter
 from workerpool.registry import Registry
 from workerpool.stores import StoreError
 from workerpool.testing import run_job
-from workerpool.testing.fakes import make_delivery
+from workerpool.testing.fakes import FakeAcks, FakeDeadLetters, FakeLeaser, make_delivery
+from workerpool.worker.aio import EventLoop
+from workerpool.worker.backoff import Backoff
+from workerpool.worker.processor import Processor, ProcessorSettings
+from workerpool.worker.timers import Timers
 
 StoreFactory = Callable[[], JobStateStore]
 
@@ -178,6 +184,59 @@ def test_an_async_job_starts_on_the_checkpoint_read_with_its_pull() -> None:
     assert result.label is Label.DONE
     assert reads == ["load_many"]
     assert steps_done == [7, 8, 9]
+
+
+class _CountingReads(MemoryJobState):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def load(self, job_id: str) -> str | None:
+        self.reads.append("load")
+        return super().load(job_id)
+
+    def load_many(self, job_ids: Sequence[str]) -> dict[str, str]:
+        self.reads.append("load_many")
+        return super().load_many(job_ids)
+
+
+@pytest.mark.parametrize("claim_at_admission", ["won", "held elsewhere"])
+def test_an_async_job_runs_on_the_checkpoint_read_with_its_pull_only_if_claimed_before_it(
+    timers: Timers, claim_at_admission: str
+) -> None:
+    # Given job j8 at its checkpoint 5 as a pull here admits a delivery of it; its claim is
+    # won, or refused: another worker's run holds the job id
+    claims, store = MemoryStore(), _CountingReads()
+    elsewhere = claim_at_admission == "held elsewhere"
+    if elsewhere:
+        assert isinstance(claims.claim("j8", "elsewhere", "m-1", 60.0), Claimed)
+    store.save("j8", '{"next":5}', 1.0)
+    idempotency = Idempotency(claims, "here", timers)
+    checkpoints = Checkpoints(store, "here", is_async=lambda delivery: True)
+    loop = EventLoop()
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [idempotency, checkpoints],
+        ProcessorSettings(Backoff(1.0, 10.0)), loop=loop,
+    )  # fmt: skip
+    idempotency.start()
+    delivery = make_delivery(b"{}", {"job": "async_resumable", "job_id": "j8"}, message_id="m-2")
+    try:
+        processor.admitted([delivery])
+        if elsewhere:
+            # When that run checkpoints on to 8 and gives the job up
+            store.save("j8", '{"next":8}', 2.0)
+            claims.release("j8", "elsewhere", "m-1")
+        # When the delivery here starts
+        processor.process(delivery)
+    finally:
+        idempotency.close(5)
+        loop.close(2.0)
+    if elsewhere:
+        # Then it resumes from 8: the pull's read predates its claim, so it reads again
+        assert steps_done == [8, 9] and store.reads == ["load_many", "load"]
+    else:
+        # Then the pull's read, made under its claim, is all it needs
+        assert steps_done == [5, 6, 7, 8, 9] and store.reads == ["load_many"]
 
 
 def test_a_final_failure_forgets_the_checkpoint() -> None:

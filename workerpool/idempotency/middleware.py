@@ -221,6 +221,7 @@ class Idempotency(Middleware):
                 run.ctx.fencing_token = token
             case None:
                 pass
+        run.claimed_at = sent
         if held is None:
             held = self.keeper.hold(run, key, sent)
         if run.delivery.settled:

@@ -7,7 +7,9 @@ limit, so it sees only runs that start their handler. A sync run reads its check
 first asks for it. An async one must have it before its handler starts, since the handler
 must not wait for the store on the event loop: the async jobs of a pull have theirs read in
 one read as the pull is admitted (after their claims: while this worker holds a job id, only
-its run writes the job's checkpoint), or, if that read failed, each here on a slot thread.
+its run writes the job's checkpoint), or, if that read failed or began before the run's claim
+was asked for (refused at admission, held by another worker's run), each here on a slot
+thread.
 One read a pull instead of one a run: on SQLite at N = 64, a read at each start was a third
 of what the defaults added to an async job's CPU.
 
@@ -20,6 +22,7 @@ delete, but a cancelled one may have ended before it read its own.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from workerpool.constants import Label
@@ -56,8 +59,8 @@ class Checkpoints(Middleware):
         self.writer = ProgressWriter(store, interval=interval)
         self._lock = threading.Lock()
         # Read as admitted, until the job id's run starts or its message leaves: its
-        # checkpoint, or None for none.
-        self._read: dict[str, str | None] = {}
+        # checkpoint (None for none), and when the read began (``time.monotonic``).
+        self._read: dict[str, tuple[str | None, float]] = {}
 
     def start(self) -> None:
         self.writer.start()
@@ -68,11 +71,12 @@ class Checkpoints(Middleware):
         run.ctx.run_state = handle
         if job.spec.is_async:
             with self._lock:
-                read_ahead = job.job_id in self._read
-                text = self._read.pop(job.job_id, None)
+                read = self._read.pop(job.job_id, None)
             try:
-                if read_ahead:
-                    handle.read(text)
+                # A read that began before the run's claim was asked for may predate what
+                # another worker's run wrote while it held the job id: read again.
+                if read is not None and (run.claimed_at is None or read[1] >= run.claimed_at):
+                    handle.read(read[0])
                 else:
                     handle.last()
             except StoreError as exc:
@@ -90,13 +94,14 @@ class Checkpoints(Middleware):
         job_ids = [job_id_of(delivery) for delivery in deliveries if self._is_async(delivery)]
         if not job_ids:
             return
+        began = time.monotonic()
         try:
             found = self._store.load_many(job_ids)
         except StoreError:
             return  # each run reads its own as it starts
         with self._lock:
             for job_id in job_ids:
-                self._read[job_id] = found.get(job_id)
+                self._read[job_id] = (found.get(job_id), began)
 
     def settled(self, event: Settled) -> None:
         if self._read:
