@@ -18,6 +18,7 @@ from tests.support import child_pids, ledger_events, read_ledger, wait_for
 from workerpool.autoscale.probe import Probe
 from workerpool.autoscale.signals import SignalReader
 from workerpool.heartbeats import MemoryHeartbeats
+from workerpool.publishing import JobMessage, publish_many
 from workerpool.testing.pubsub import PubSubResources
 
 MAX, SLOTS, JOBS, SECONDS, WINDOW = 4, 4, 200, 1.0, 10.0
@@ -92,6 +93,37 @@ def test_one_probe_at_zero_counts_the_burst_and_every_message_is_at_once_deliver
         f"{dict(Counter(attempts.values()))}"
     )
     assert Counter(attempts.values()) == Counter({2: sees, 1: 300 - sees})
+
+
+def test_a_probe_of_an_ordered_subscription_leaves_each_keys_order_as_it_was(
+    pubsub_resources: PubSubResources,
+) -> None:
+    # Given ten jobs of one ordering key waiting on an ordered subscription (no retry policy:
+    # the emulator then redelivers a lapsed lease at once)
+    pubsub_resources.provision(ordered=True, retry_policy=False)
+    messages = [JobMessage("demo.sleep", {}, f"job-{i}", ordering_key="k") for i in range(10)]
+    for _ in publish_many(pubsub_resources.publisher, pubsub_resources.topic_path, messages):
+        pass
+    # When a probe sees the first three and gives them back
+    assert Probe(pubsub_resources.subscriber, pubsub_resources.subscription_path).count(3) == 3
+    # Then the key's jobs come in their order still
+    seen: list[str] = []
+    deadline = time.monotonic() + 20
+    while len(seen) < 10 and time.monotonic() < deadline:
+        response = pubsub_resources.subscriber.pull(
+            request={"subscription": pubsub_resources.subscription_path, "max_messages": 10},
+            timeout=5,
+        )
+        received = response.received_messages
+        seen += [m.message.attributes["job_id"] for m in received]
+        if received:
+            pubsub_resources.subscriber.acknowledge(
+                request={
+                    "subscription": pubsub_resources.subscription_path,
+                    "ack_ids": [m.ack_id for m in received],
+                }
+            )
+    assert seen == [f"job-{i}" for i in range(10)]
 
 
 def test_the_fleet_wakes_from_zero_grows_to_its_max_drains_and_returns_to_zero(

@@ -33,7 +33,10 @@ class FakeSubscriber:
             raise DeadlineExceeded("no message before the deadline")
         ids = [f"ack-{self.held + i}" for i in range(seen)]
         self.held += seen
-        return SimpleNamespace(received_messages=[SimpleNamespace(ack_id=i) for i in ids])
+        received = [
+            SimpleNamespace(ack_id=i, message=SimpleNamespace(ordering_key="")) for i in ids
+        ]
+        return SimpleNamespace(received_messages=received)
 
     def modify_ack_deadline(self, request: dict[str, Any], timeout: float) -> None:
         assert request["ack_deadline_seconds"] == 0

@@ -1,7 +1,8 @@
 """How many messages wait? Asked while the fleet is at zero, when nobody else could know.
 
 A probe pulls up to ``limit`` messages within ``timeout`` and gives every one back at once
-(``modify_ack_deadline(0)``). It sees a single message within a pull's time, on the emulator
+(``modify_ack_deadline(0)``; one of an ordering key by a lease of a second, which keeps the
+key's order on the emulator too). It sees a single message within a pull's time, on the emulator
 and on Pub/Sub alike, where Cloud Monitoring's backlog is minutes late and cannot wake a fleet
 from zero; and it says how many at least wait (a pull may bring fewer than there are, never
 more), so a fleet can wake straight to the size a burst needs rather than growing into it one
@@ -21,11 +22,14 @@ per wake-up.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from google.api_core import exceptions as gexc
+
+from workerpool import constants as c
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +61,12 @@ class Probe:
         messages, until it has ``limit``, a pull brings none, or the time is spent."""
         limit = max(1, min(limit, MOST_PER_PULL))
         deadline = self._clock() + self._timeout
-        ack_ids: list[str] = []
-        while len(ack_ids) < limit:
+        seen: list[Any] = []
+        while len(seen) < limit:
             try:
-                got = self._pull(limit - len(ack_ids), max(0.0, deadline - self._clock()))
+                got = self._pull(limit - len(seen), max(0.0, deadline - self._clock()))
             except Exception as exc:
-                if ack_ids:  # seen already: the count stands, and they are given back below
+                if seen:  # seen already: the count stands, and they are given back below
                     break
                 if not self._failing:
                     log.warning("probe pull of %s failed: %s", self._subscription, exc)
@@ -70,15 +74,20 @@ class Probe:
                 return None
             if not got:
                 break
-            ack_ids += got
-        self._give_back(ack_ids)
+            seen += got
+        # A message of an ordering key goes back by a short lease that lapses, as the
+        # worker gives one back: the emulator puts a nacked one after its key's messages
+        # not delivered yet, and the key would then run out of order.
+        self._give_back([r.ack_id for r in seen if not r.message.ordering_key], 0)
+        self._give_back([r.ack_id for r in seen if r.message.ordering_key],
+                        math.ceil(c.ORDERED_GIVE_BACK_SECONDS))  # fmt: skip
         if self._failing:
             log.info("probe pull of %s answers again", self._subscription)
         self._failing = False
-        return len(ack_ids)
+        return len(seen)
 
-    def _pull(self, most: int, timeout: float) -> list[str]:
-        """One pull's ack ids; none if the deadline passed first."""
+    def _pull(self, most: int, timeout: float) -> list[Any]:
+        """One pull's received messages; none if the deadline passed first."""
         if timeout <= 0:
             return []
         try:
@@ -91,9 +100,9 @@ class Probe:
             )
         except gexc.DeadlineExceeded:
             return []
-        return [received.ack_id for received in response.received_messages]
+        return list(response.received_messages)
 
-    def _give_back(self, ack_ids: list[str]) -> None:
+    def _give_back(self, ack_ids: list[str], seconds: int) -> None:
         if not ack_ids:
             return
         try:
@@ -101,7 +110,7 @@ class Probe:
                 request={
                     "subscription": self._subscription,
                     "ack_ids": ack_ids,
-                    "ack_deadline_seconds": 0,
+                    "ack_deadline_seconds": seconds,
                 },
                 timeout=self._timeout,
             )
