@@ -404,6 +404,34 @@ def test_time_limit_says_the_cancel_is_a_timeout() -> None:
     assert processor.stats == {"retried": 1}
 
 
+class _SlowBefore(Middleware):
+    """A middleware whose ``before`` takes longer than the job's timeout (a slow store)."""
+
+    def before(self, run: Run) -> None:
+        time.sleep(0.5)
+
+
+def test_a_run_whose_timeout_passes_before_its_handler_starts_fails_as_timed_out() -> None:
+    # Given a job of a 0.2 s timeout, behind a middleware that takes 0.5 s before it
+    jobs, started = Registry(), []
+    jobs.job("t.late", timeout=0.2)(lambda ctx, payload: started.append(1))
+    timers = Timers()
+    timers.start()
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers), _SlowBefore()],
+        ProcessorSettings(BACKOFF),
+    )  # fmt: skip
+    try:
+        # When it runs
+        processor.process(make_delivery(b"{}", {"job": "t.late"}))
+    finally:
+        timers.close()
+    # Then its handler never starts, and the run is a timeout: a failure, retried with
+    # backoff and counted against its attempts (not given back as a drain would be)
+    assert started == []
+    assert processor.stats == {"retried": 1}
+
+
 def test_generator_handlers_are_refused_and_async_ones_known_at_registration() -> None:
     # Given handlers whose call would only build a generator, and async ones
     async def coroutine(ctx: JobContext, payload: dict[str, Any]) -> None: ...

@@ -227,8 +227,8 @@ class Processor:
                 end(NotStarted())  # the pool drained while it waited, ready: release it
                 return
             if not self._lease_from_now(run):
-                end(Interrupted())  # handed back (a lost claim, the drain deadline) or
-                return  # cancelled meanwhile
+                end(_not_started(run))
+                return
             if run.waiting_since is not None:  # first: TimeLimit reads the two in this order
                 run.started_at += time.monotonic() - run.waiting_since
                 run.waiting_since = None
@@ -324,7 +324,7 @@ class Processor:
 
     def _start_handler(self, run: Run) -> Outcome:
         if not self._lease_from_now(run):
-            return Interrupted()
+            return _not_started(run)
         return _invoke(run.job, run.ctx, self._loop)
 
     def _lease_from_now(self, run: Run) -> bool:
@@ -413,6 +413,16 @@ class Processor:
 @functools.cache
 def _job_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"workerpool.job.{name}")
+
+
+def _not_started(run: Run) -> Outcome:
+    """How a run that may not start its handler (``_lease_from_now``) ends: handed back (a
+    lost claim, the drain deadline) or cancelled by job id meanwhile; or past its timeout
+    already, its middleware having taken that long, a timeout as any other."""
+    if run.ctx.timed_out.is_set() and not run.delivery.settled:
+        timeout = f"its timeout of {run.job.spec.timeout:g} s passed before its handler started"
+        return Failed(c.ERR_TIMED_OUT, timeout)
+    return Interrupted()
 
 
 def _invoke(job: Job, ctx: RunContext, loop: EventLoop) -> Outcome:
