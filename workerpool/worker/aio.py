@@ -123,6 +123,9 @@ class EventLoop:
 
     def _begin(self, loop: asyncio.AbstractEventLoop, submitted: _Submission) -> None:
         ctx = submitted.ctx
+        if ctx.cancelled.is_set():  # told to stop before its task began: it never begins
+            submitted.finished(asyncio.CancelledError())
+            return
         try:
             coroutine = submitted.context.run(submitted.handler, ctx, submitted.payload)
             task = loop.create_task(
