@@ -69,6 +69,7 @@ class _Admitted:
     result: ClaimResult
     sent: float  # monotonic: when the claim was asked for
     held: Held[_Key] | None  # the claim, kept alive while the message waits (Claimed only)
+    answered: float  # monotonic: when the store's answer came (a grant was made before it)
 
 
 class Idempotency(Middleware):
@@ -132,6 +133,7 @@ class Idempotency(Middleware):
             log.warning("%d admitted job ids not claimed (%s); each tries when it starts",
                         len(fresh), exc)  # fmt: skip
             return
+        answered = time.monotonic()
         given_back: list[_Key] = []
         claimed: list[tuple[_Key, Delivery, ClaimResult]] = []
         with self._lock:
@@ -139,14 +141,14 @@ class Idempotency(Middleware):
                 if key in self._active:
                     continue  # another delivery of it started meanwhile, with a claim of its own
                 if not isinstance(result, Claimed):
-                    self._admitted[key] = _Admitted(delivery.ack_id, result, sent, None)
+                    self._admitted[key] = _Admitted(delivery.ack_id, result, sent, None, answered)
                 elif delivery.settled:  # given back meanwhile (a drain): settled() missed it
                     given_back.append(key)
                 else:
                     claimed.append((key, delivery, result))
             held = self.keeper.hold_many([key for key, _, _ in claimed], sent)
             for (key, delivery, result), lease in zip(claimed, held, strict=True):
-                self._admitted[key] = _Admitted(delivery.ack_id, result, sent, lease)
+                self._admitted[key] = _Admitted(delivery.ack_id, result, sent, lease, answered)
         if given_back:
             self.keeper.release_soon(given_back)
 
@@ -221,7 +223,9 @@ class Idempotency(Middleware):
                 run.ctx.fencing_token = token
             case None:
                 pass
-        run.claimed_at = sent
+        # Once the claim is granted, at the latest: the one taken with the pull was answered
+        # before anything read with the pull began (``Checkpoints.admitted``).
+        run.claimed_at = admitted.answered if held is not None and admitted else time.monotonic()
         if held is None:
             held = self.keeper.hold(run, key, sent)
         if run.delivery.settled:

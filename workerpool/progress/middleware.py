@@ -8,8 +8,7 @@ first asks for it. An async one must have it before its handler starts, since th
 must not wait for the store on the event loop: the async jobs of a pull have theirs read in
 one read as the pull is admitted (after their claims: while this worker holds a job id, only
 its run writes the job's checkpoint), or, if that read failed or began before the run's claim
-was asked for (refused at admission, held by another worker's run), each here on a slot
-thread.
+was granted (refused at admission, held by another worker's run), each here on a slot thread.
 One read a pull instead of one a run: on SQLite at N = 64, a read at each start was a third
 of what the defaults added to an async job's CPU.
 
@@ -73,7 +72,7 @@ class Checkpoints(Middleware):
             with self._lock:
                 read = self._read.pop(job.job_id, None)
             try:
-                # A read that began before the run's claim was asked for may predate what
+                # A read that began before the run's claim was granted may predate what
                 # another worker's run wrote while it held the job id: read again.
                 if read is not None and (run.claimed_at is None or read[1] >= run.claimed_at):
                     handle.read(read[0])

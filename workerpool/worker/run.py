@@ -125,9 +125,9 @@ class Run:
     # from now on must not take that decision from it: a claim released before the
     # idempotency middleware records the job done would let another worker run it again.
     handler_returned: bool = False
-    # When the claim the run holds on its job id was asked for (``time.monotonic``; None: no
-    # claim). What was read of the job before then may be older than what another worker,
-    # holding the claim meanwhile, wrote since (a checkpoint read with the pull).
+    # When the claim the run holds on its job id was granted, or later (``time.monotonic``;
+    # None: no claim). What was read of the job before then may be older than what another
+    # worker, holding the claim meanwhile, wrote since (a checkpoint read with the pull).
     claimed_at: float | None = None
     # The store leases it holds now (kept by ``keeper.LeaseKeeper``), and what it held that
     # had lapsed when it was let go ("": none): see ``lost_lease``.
