@@ -12,9 +12,10 @@ the probe holds the rest, and an empty subscription just before the deadline).
 
 What it costs: a probe is one delivery of every message it touches, which the subscription's
 dead-letter policy counts (the worker counts failed runs per job id, so ``max_attempts`` is
-not touched). Giving a message back is a nack: without a retry policy it can be pulled again
-at once; with one, Pub/Sub redelivers it after the policy's minimum backoff (about a replica's
-cold start with ``workerpool provision``'s 10 s). ``SignalReader`` probes only while the fleet
+not touched). Giving a message back is a nack (a keyed one's lease of a second lapses
+instead): without a retry policy it can be pulled again at once; with one, Pub/Sub redelivers
+it after the policy's minimum backoff (about a replica's cold start with ``workerpool
+provision``'s 10 s). ``SignalReader`` probes only while the fleet
 is at zero, and not again while the replicas it woke are starting, so a message sees one probe
 per wake-up.
 """

@@ -153,10 +153,11 @@ class Batches(Middleware):
             except StoreError:
                 delay = min(delay * 2, HAND_OVER_MAX_RETRY)
                 continue
-            except Exception:  # a bug: the batch's deadline job hands it over
-                log.exception("batch %s: handing its completion over failed",
-                              completion.batch.batch_id)  # fmt: skip
-                return
+            except Exception:  # a bug (or the store closed under it as the worker stopped)
+                if not self._closing.is_set():
+                    log.exception("batch %s: handing its completion over failed",
+                                  completion.batch.batch_id)  # fmt: skip
+                return  # the batch's deadline job hands it over
             log.info("batch %s: completion handed over", completion.batch.batch_id)
             return
 
