@@ -636,6 +636,17 @@ class _RecordsWhileADrainEnds(FakeDeadLetters):
         return super().publish(delivery, failure)
 
 
+def _failing_children() -> Registry:
+    """Jobs whose ``t.child`` always fails for good: each run of it is dead-lettered."""
+    jobs = Registry()
+
+    @jobs.job("t.child")
+    def child(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise PermanentError("never", error_type="bad_input")
+
+    return jobs
+
+
 @pytest.mark.parametrize("record", ["out", "not-out", "out-as-a-drain-ends"])
 def test_a_dead_lettered_child_is_written_once_its_record_is_out_and_before_its_ack(
     make_store: StoreFactory, record: str
@@ -643,12 +654,7 @@ def test_a_dead_lettered_child_is_written_once_its_record_is_out_and_before_its_
     # Given a committed batch of two, and a worker whose job for its children always fails
     store = make_store()
     _committed(store, 2)
-    jobs = Registry()
-
-    @jobs.job("t.child")
-    def child(ctx: JobContext, payload: dict[str, Any]) -> None:
-        raise PermanentError("never", error_type="bad_input")
-
+    jobs = _failing_children()
     schedule = MemorySchedule()
     acks = _AcksSeeingTheLedger(store)
     records = _RecordsWhileADrainEnds(fail=record == "not-out")
@@ -693,12 +699,7 @@ def test_a_dead_lettered_last_child_whose_completion_is_not_handed_over_hands_it
     # Given a committed batch of one, and a schedule whose first two adds fail
     store = MemoryBatches()
     _committed(store, 1)
-    jobs = Registry()
-
-    @jobs.job("t.child")
-    def child(ctx: JobContext, payload: dict[str, Any]) -> None:
-        raise PermanentError("never", error_type="bad_input")
-
+    jobs = _failing_children()
     schedule = _ScheduleThatBlips(blips=2)
     batches = Batches(store, schedule, Firer(schedule, TOPIC, publisher=None))
     processor = Processor(
