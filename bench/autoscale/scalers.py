@@ -39,7 +39,8 @@ class _Subscriber:
     def pull(self, request: dict[str, Any], timeout: float, retry: None) -> SimpleNamespace:
         seen = self._fleet.probe(request["max_messages"], self._held)
         self._held += seen
-        return SimpleNamespace(received_messages=[SimpleNamespace(ack_id="m")] * seen)
+        received = SimpleNamespace(ack_id="m", message=SimpleNamespace(ordering_key=""))
+        return SimpleNamespace(received_messages=[received] * seen)
 
     def modify_ack_deadline(self, request: dict[str, Any], timeout: float) -> None:
         self._held = 0
