@@ -199,7 +199,6 @@ class Processor:
         ended = steps.enter()
         if ended is None:
             ended = self._start_handler(run)
-        run.handler_returned = True
         return self._end(run, steps, ended, left)
 
     def _start_async(
@@ -211,10 +210,10 @@ class Processor:
         context = contextvars.copy_context()
         ended = context.run(steps.enter)
         if ended is not None:
-            run.handler_returned = True
             return context.run(self._end, run, steps, ended, left)
 
         def end(outcome: Outcome) -> None:
+            # Now, not once a thread carries the rest (``_end``): a hand-back may come between.
             run.handler_returned = True
             resume(lambda: context.run(self._end, run, steps, outcome, left))
 
@@ -247,6 +246,7 @@ class Processor:
     ) -> Ending:
         """Leave the middleware with what ``ended`` the run, and settle its message by the
         outcome: now, or once its success is recorded."""
+        run.handler_returned = True
         delivery = run.delivery
         try:
             try:
