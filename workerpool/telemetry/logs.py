@@ -148,18 +148,27 @@ class CloudLoggingFormatter(logging.Formatter):
     ) -> str:
         """The line of a record: ``site`` as ``call_site`` encodes it, ``created`` its time
         (``time.time()``), ``fields`` its structured fields, ``span`` its valid span or None."""
-        parts = [site, f'"message": {encode_basestring(message)}, "time": "{self._time(created)}"']
-        if fields:
-            parts.append(_encode_object(fields)[1:-1])
-        if span is not None:
-            parts.append(_trace(span))
-        line = f"{{{', '.join(parts)}}}"
+        encoded = _encode_object(fields)[1:-1] if fields else ""
+        line = self.assemble(site, encode_basestring(message), created, encoded, span)
         if not _OWN_KEYS.isdisjoint(fields):
             # A key twice: read back, the last one wins (a field over the line's own part of
             # that name, the trace over a field), and only that one is written.
             line = _JSON.encode(json.loads(line))
         # A handler may log text decoded from a hostile payload: the line must still encode.
         return safe_text(line)
+
+    def assemble(
+        self, site: str, message: str, created: float, fields: str, span: SpanContext | None
+    ) -> str:
+        """A line from parts encoded already: ``message`` a JSON string, ``fields`` the
+        members of a JSON object without its braces ("" for none), none of them a key of the
+        line's own. Not made safe yet (``safe_text``)."""
+        parts = [site, f'"message": {message}, "time": "{self._time(created)}"']
+        if fields:
+            parts.append(fields)
+        if span is not None:
+            parts.append(_trace(span))
+        return f"{{{', '.join(parts)}}}"
 
     def _time(self, created: float) -> str:
         """``datetime.fromtimestamp(created, UTC).isoformat(timespec="microseconds")``: the
