@@ -816,3 +816,18 @@ def test_a_release_that_raises_after_a_hand_back_is_logged_and_the_others_are_st
     assert released == [second]
     assert "releasing m1 after its hand-back failed" in caplog.text
     assert not first.leave_after(released.append) and not second.leave_after(released.append)
+
+
+def test_a_jobs_own_log_lines_are_named_after_it_and_carry_its_job_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    jobs = Registry()
+    jobs.job("t.logs")(lambda ctx, payload: ctx.logger.info("step %d", 1))
+    jobs.job("t.quiet")(lambda ctx, payload: None)
+    processor = Processor(jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [])
+    with caplog.at_level(logging.INFO, logger="workerpool.job"):
+        for name, job_id in [("t.logs", "j-1"), ("t.quiet", "j-2"), ("t.logs", "j-3")]:
+            processor.process(make_delivery(b"{}", {"job": name, "job_id": job_id}))
+    lines = [(r.name, r.getMessage(), getattr(r, "job_id", None)) for r in caplog.records]
+    assert lines == [("workerpool.job.t.logs", "step 1", "j-1"),
+                     ("workerpool.job.t.logs", "step 1", "j-3")]  # fmt: skip

@@ -90,9 +90,19 @@ class RunContext:
     fencing_token: int | None = None
     # Set by the checkpoints middleware where a shared store is configured.
     run_state: RunState | None = field(default=None, repr=False)
-    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = field(
-        default_factory=lambda: logging.getLogger("workerpool.job")
+    # ``logger``'s adapter, made when a handler first asks for it: most never log, and the
+    # logger's lookup takes the logging module's lock.
+    _logger: logging.LoggerAdapter[logging.Logger] | None = field(
+        default=None, init=False, repr=False
     )
+
+    @property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]:
+        """The job's logger (``workerpool.job.NAME``); its lines carry the job id."""
+        if self._logger is None:
+            named = logging.getLogger(f"workerpool.job.{self.job}")
+            self._logger = logging.LoggerAdapter(named, {"job_id": self.job_id})
+        return self._logger
 
     @property
     def slot_tokens(self) -> Mapping[str, int]:

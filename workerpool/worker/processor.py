@@ -313,7 +313,6 @@ class Processor:
             draining=self.draining,
             config=self._settings.job_config.get(job.name, {}),
             limiters=self._limiters,
-            logger=logging.LoggerAdapter(_job_logger(job.name), {"job_id": job.job_id}),
         )
         run = Run(job, ctx, delivery, self._hand_back, permit=permit)
         with self._lock:
@@ -411,10 +410,6 @@ class Processor:
 
 
 @functools.cache
-def _job_logger(name: str) -> logging.Logger:
-    return logging.getLogger(f"workerpool.job.{name}")
-
-
 def _not_started(run: Run) -> Outcome:
     """How a run that may not start its handler (``_lease_from_now``) ends: handed back (a
     lost claim, the drain deadline) or cancelled by job id meanwhile; or past its timeout
