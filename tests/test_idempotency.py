@@ -662,7 +662,8 @@ class _HeldConnection:
 def test_sqlite_claims_queued_while_a_failed_run_is_counted_are_committed(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    # Given a failed run being counted, its statement held, while two claims queue behind it
+    # Given a failed run being counted, its statement held, while two slots' claims queue
+    # behind it
     with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as store:
         held = _HeldConnection(store._conn, "failed_per_minute")
         store._conn = held  # type: ignore[assignment]
@@ -670,20 +671,70 @@ def test_sqlite_claims_queued_while_a_failed_run_is_counted_are_committed(
         counting.start()
         assert held.entered.wait(timeout=30)
         claimed: list[object] = []
-        claiming = threading.Thread(
-            target=lambda: claimed.extend(store.claim_many([("a", "m-a"), ("b", "m-b")], "w", TTL))
-        )
-        claiming.start()
+        claiming = [
+            threading.Thread(target=lambda j=job_id: claimed.append(store.claim(j, "w", "m", TTL)))
+            for job_id in "ab"
+        ]
+        for thread in claiming:
+            thread.start()
         _wait_until(lambda: store._queued() == 2)
         # When the count is written
         held.gate.set()
         counting.join(timeout=30)
-        claiming.join(timeout=10)
+        for thread in claiming:
+            thread.join(timeout=10)
         # Then the claims queued meanwhile are committed too: before, nobody led them and the
         # worker's claims and completions stalled for good
-        assert not claiming.is_alive()
+        assert not any(thread.is_alive() for thread in claiming)
         assert [type(c) for c in claimed] == [Claimed, Claimed]
         store._conn = held._conn
+
+
+def test_sqlite_a_pull_waits_for_the_batch_being_committed_then_goes_after_what_queued(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # Given a batch being committed (its leader held inside it) with a slot's claim of "a"
+    # queued behind it
+    with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as store:
+        pulled: list[object] = []
+
+        def pull() -> None:
+            pulled.extend(store.claim_many([("a", "m-2"), ("b", "m-2")], "w2", TTL))
+
+        puller = threading.Thread(target=pull)
+        # When a pull claims "a" and "b" meanwhile
+        outcomes = _as_one_batch(
+            store, [lambda: store.claim("a", "w1", "m-1", TTL)], then=puller.start
+        )
+        puller.join(timeout=30)
+        # Then the pull neither joins the batches nor goes first: the claim queued before it
+        # wins "a", and the pull's own statement claims "b"
+        assert outcomes == [Claimed()]
+        assert not puller.is_alive()
+        assert pulled == [HeldElsewhere("w1", "m-1", clock.now + TTL), Claimed()]
+        assert store._queued() == 0
+
+
+def test_sqlite_a_pull_of_more_job_ids_than_a_statement_binds_is_claimed_and_completed_whole(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # Given an SQLite that binds 14 parameters a statement (3 claims, 4 completions)
+    with SqliteStore(tmp_path / "idem.db", retention=RETENTION, clock=clock) as store:
+        store._conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 14)
+        store._variables = 14
+        job_ids = [f"j-{i}" for i in range(10)]
+        store.claim("j-4", "w2", "m-0", TTL)
+        # When a pull of 10 is claimed, and the 9 it won completed
+        claimed = store.claim_many([(j, "m") for j in job_ids], "w1", TTL)
+        store.complete_many([(j, "m") for j in job_ids if j != "j-4"], "w1")
+        # Then each got what a claim of its own would have, and each completion is recorded
+        assert claimed == [HeldElsewhere("w2", "m-0", clock.now + TTL) if j == "j-4"
+                           else Claimed() for j in job_ids]  # fmt: skip
+        clock.advance(1)
+        assert [store.claim(j, "w3", "m", TTL) for j in job_ids] == [
+            HeldElsewhere("w2", "m-0", clock.now - 1 + TTL) if j == "j-4" else Done(clock.now - 1)
+            for j in job_ids
+        ]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import functools
 import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+from workerpool.idempotency.base import Record
+
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -35,6 +41,11 @@ COMPLETE = (
     " completed_at = excluded.completed_at, expire_at = excluded.expire_at"
     " WHERE NOT (completed_at IS NOT NULL AND completed_at + ?5 > ?4)"
 )
+
+
+# Parameters a row of ``complete_sql`` and of ``claim_sql`` binds (after two shared ones).
+COMPLETE_BINDS = 3
+CLAIM_BINDS = 4
 
 
 @functools.cache
@@ -84,3 +95,34 @@ def marks(count: int) -> str:
 
 def delete_expired(conn: sqlite3.Connection, now: float) -> None:
     conn.execute("DELETE FROM idempotency WHERE expire_at <= ?", (now,))
+
+
+@functools.cache
+def replace_sql(rows: int) -> str:
+    """Write ``rows`` whole records (``record_row`` each), over any of their job ids."""
+    return "INSERT OR REPLACE INTO idempotency VALUES " + ", ".join([f"({marks(8)})"] * rows)
+
+
+def record_row(job_id: str, r: Record, retention: float) -> tuple[object, ...]:
+    """A record as a row of the table, in its columns' order."""
+    return (job_id, r.owner, r.message_id, r.until, r.completed_at, r.expire_at(retention),
+            r.failures, r.token)  # fmt: skip
+
+
+# Completions and failed runs per minute, for the autoscaler's and dashboard's rates.
+COMPLETED_PER_MINUTE = (
+    "SELECT CAST(completed_at / 60 AS INTEGER) AS minute, COUNT(*) FROM idempotency"
+    " WHERE completed_at >= ? GROUP BY minute"
+)
+ADD_FAILED = (
+    "INSERT INTO failed_per_minute VALUES (?, ?) ON CONFLICT (minute)"
+    " DO UPDATE SET failed = failed + excluded.failed"
+)
+DELETE_FAILED_BEFORE = "DELETE FROM failed_per_minute WHERE minute <= ?"
+FAILED_SINCE = "SELECT minute, failed FROM failed_per_minute WHERE minute * 60 >= ?"
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """``items`` in slices of ``size``, the last one shorter."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
