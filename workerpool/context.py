@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from workerpool.errors import Defer
@@ -69,7 +69,8 @@ class RunContext:
     job_id: str
     message_id: str
     delivery_attempt: int
-    publish_time: datetime | None
+    # When Pub/Sub published the message, in POSIX seconds (``publish_time`` as a float).
+    published: float | None
     draining: Flag
     cancelled: Flag = field(default_factory=Flag)
     # Set (before ``cancelled``) when the cancel is the job's own timeout, not the drain.
@@ -103,6 +104,11 @@ class RunContext:
             named = logging.getLogger(f"workerpool.job.{self.job}")
             self._logger = logging.LoggerAdapter(named, {"job_id": self.job_id})
         return self._logger
+
+    @property
+    def publish_time(self) -> datetime | None:
+        """When Pub/Sub published the message, in UTC (made when asked for: most never do)."""
+        return None if self.published is None else datetime.fromtimestamp(self.published, UTC)
 
     @property
     def slot_tokens(self) -> Mapping[str, int]:

@@ -10,8 +10,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from typing import Any
 
 from workerpool import constants as c
@@ -35,14 +34,11 @@ class Job:
     published: float | None  # POSIX seconds (``Delivery.published``)
     attributes: dict[str, str]
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
+    # The spec's, read several times a run: an attribute, not a property's call each time.
+    name: str = field(init=False)
 
-    @property
-    def publish_time(self) -> datetime | None:
-        """When Pub/Sub published the message, in UTC (the handler's ``ctx.publish_time``)."""
-        return None if self.published is None else datetime.fromtimestamp(self.published, UTC)
+    def __post_init__(self) -> None:
+        self.name = self.spec.name
 
 
 @dataclass(frozen=True)

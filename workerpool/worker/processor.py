@@ -309,7 +309,7 @@ class Processor:
             job_id=job.job_id,
             message_id=job.message_id,
             delivery_attempt=job.delivery_attempt,
-            publish_time=job.publish_time,
+            published=job.published,
             draining=self.draining,
             config=self._settings.job_config.get(job.name, {}),
             limiters=self._limiters,
