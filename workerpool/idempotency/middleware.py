@@ -39,7 +39,7 @@ from workerpool.idempotency.completions import Completions
 from workerpool.worker.delivery import Delivery
 from workerpool.worker.envelope import Job, first_message_id, job_id_of
 from workerpool.worker.keeper import Held, LeaseKeeper
-from workerpool.worker.middleware import Around, Middleware
+from workerpool.worker.middleware import Ended, Middleware
 from workerpool.worker.outcome import (
     AlreadyDone,
     Cancelled,
@@ -102,6 +102,10 @@ class Idempotency(Middleware):
         # Being processed here, claimed or not yet, until its completion is recorded.
         self._active: set[_Key] = set()
         self._admitted: dict[_Key, _Admitted] = {}  # claimed at admission, not started yet
+        # The claim each run holds, from its ``before`` to its ``after``. (A dict's set and pop
+        # are atomic: runs on any thread, no lock.) Not a generator's ``around``: that was
+        # 1.5 us more a run, measured.
+        self._claims: dict[Run, Held[_Key]] = {}
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -164,47 +168,56 @@ class Idempotency(Middleware):
 
     # --- the run -----------------------------------------------------------------------------
 
-    def around(self, run: Run) -> Around:
+    def before(self, run: Run) -> Outcome | None:
         key = _key(run.job)
         with self._lock:
             if key in self._active:
                 return RedeliveredWhileRunning()  # its first delivery runs right here
             self._active.add(key)
             admitted = self._admitted.pop(key, None)
-        recording = False
         try:
             held = self._claimed(run, key, admitted)
-            if not isinstance(held, Held):
-                return held  # what ended the run before its handler began
-            try:
-                outcome = yield
-            except BaseException:
-                self.keeper.let_go(held)
-                raise
-            if isinstance(outcome, Succeeded | Cancelled):
-                # The side effect happened, or the job was cancelled (it must not run again
-                # either): record it, off this thread, before the ack. The claim stays held
-                # until then.
-                run.completion = self._completion(run, key, held)
-                recording = True
-                return outcome
+        except BaseException:
+            self._idle(key)
+            raise
+        if not isinstance(held, Held):
+            self._idle(key)
+            return held  # what ended the run before its handler began
+        self._claims[run] = held
+        return None
+
+    def after(self, run: Run, ended: Ended) -> Ended:
+        held = self._claims.pop(run)
+        if isinstance(ended, BaseException):
             self.keeper.let_go(held)
+            self._idle(held.key)
+            return ended
+        if isinstance(ended, Succeeded | Cancelled):
+            # The side effect happened, or the job was cancelled (it must not run again
+            # either): record it, off this thread, before the ack. The claim stays held, and
+            # the job id busy here, until then.
+            run.completion = self._completion(run, held.key, held)
+            return ended
+        self.keeper.let_go(held)
+        try:
             # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
             # counts as deliveries too, never use up its max_attempts. A run that ends after
             # its message was handed back (the drain deadline, a lost claim) did not fail.
-            failed = isinstance(outcome, Failed) and not run.delivery.settled
-            self._release(key, failed=failed)
-            if isinstance(outcome, Failed | Rejected) and not run.delivery.settled:
+            failed = isinstance(ended, Failed) and not run.delivery.settled
+            self._release(held.key, failed=failed)
+            if isinstance(ended, Failed | Rejected) and not run.delivery.settled:
                 self._count_failed()  # retried or dead-lettered: a failed run, by the minute
-            return outcome
         finally:
-            if not recording:
-                with self._lock:
-                    self._active.discard(key)
+            self._idle(held.key)
+        return ended
+
+    def _idle(self, key: _Key) -> None:
+        """No run here holds ``key`` any more: another delivery of it may start."""
+        with self._lock:
+            self._active.discard(key)
 
     def _claimed(self, run: Run, key: _Key, admitted: _Admitted | None) -> Held[_Key] | Outcome:
-        """The claim the run holds from now on, or the outcome that ends it before it begins.
-        (A function, not a second generator under ``around``: that was 1 us more per run.)"""
+        """The claim the run holds from now on, or the outcome that ends it before it begins."""
         try:
             claim, held, sent = self._claim(run, key, admitted)
         except StoreError as exc:
@@ -309,7 +322,7 @@ class Idempotency(Middleware):
 
     def interrupted(self, run: Run) -> None:
         if run.handler_returned:
-            # On its way out of the chain: ``around`` records the job done, the claim held
+            # On its way out of the chain: ``after`` records the job done, the claim held
             # until the record is written (a slot may wait for it: a batch child, an
             # exactly-once ack), or releases the claim itself. A release now would let
             # another worker run a job that succeeded here before its record lands.
