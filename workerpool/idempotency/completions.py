@@ -123,13 +123,16 @@ class Completions(Generic[L]):
                 self._queue.put(completion)
         if stopping:
             self._answer([completion], Unavailable("completion not recorded: worker stopping"))
-        elif self._enough > 1 and (awaited or self._queue.qsize() >= self._wanted):
+        elif (
+            self._enough > 1
+            and (awaited or self._queue.qsize() >= self._wanted)
+            and not self._hurry.is_set()
+        ):
             # After the put: the batch it ends takes this one. Set once: with a backlog most
             # adds find the batch full, and setting an Event is a lock and a notify (measured:
             # three in four of a 100-slot worker's completions set it). One read stale as the
             # thread clears it leaves the batch to linger, as long as a linger is.
-            if not self._hurry.is_set():
-                self._hurry.set()
+            self._hurry.set()
 
     def close(self, timeout: float) -> None:
         """Record what is queued once more (no waiting for an unavailable store), then stop."""
