@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import inspect
 import json
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -831,3 +833,36 @@ def test_a_jobs_own_log_lines_are_named_after_it_and_carry_its_job_id(
     lines = [(r.name, r.getMessage(), getattr(r, "job_id", None)) for r in caplog.records]
     assert lines == [("workerpool.job.t.logs", "step 1", "j-1"),
                      ("workerpool.job.t.logs", "step 1", "j-3")]  # fmt: skip
+
+
+class _Noted(Middleware):
+    """Keeps a weak reference to every run it sees."""
+
+    def __init__(self) -> None:
+        self.runs: list[weakref.ref[Run]] = []
+
+    def before(self, run: Run) -> None:
+        self.runs.append(weakref.ref(run))
+
+
+def test_a_run_that_never_started_its_handler_is_not_kept_once_it_ends() -> None:
+    # Given runs whose timeout passes in the middleware before their handler starts
+    jobs, started = Registry(), []
+    jobs.job("t.late", timeout=0.05)(lambda ctx, payload: started.append(1))
+    timers = Timers()
+    timers.start()
+    noted = _Noted()
+    chain = [noted, TimeLimit(timers), _SlowBefore()]
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), chain, ProcessorSettings(BACKOFF)
+    )
+    try:
+        # When they run and end
+        for _ in range(2):
+            processor.process(make_delivery(b"{}", {"job": "t.late"}))
+    finally:
+        timers.close()
+    gc.collect()
+    # Then they never started, and nothing holds them any more
+    assert started == [] and processor.stats == {"retried": 2}
+    assert [ref() for ref in noted.runs] == [None, None]

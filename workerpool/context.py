@@ -91,8 +91,7 @@ class RunContext:
     fencing_token: int | None = None
     # Set by the checkpoints middleware where a shared store is configured.
     run_state: RunState | None = field(default=None, repr=False)
-    # ``logger``'s adapter, made when a handler first asks for it: most never log, and the
-    # logger's lookup takes the logging module's lock.
+    # ``logger``'s adapter, made when a handler first asks for it: most never log.
     _logger: logging.LoggerAdapter[logging.Logger] | None = field(
         default=None, init=False, repr=False
     )
@@ -101,8 +100,7 @@ class RunContext:
     def logger(self) -> logging.LoggerAdapter[logging.Logger]:
         """The job's logger (``workerpool.job.NAME``); its lines carry the job id."""
         if self._logger is None:
-            named = logging.getLogger(f"workerpool.job.{self.job}")
-            self._logger = logging.LoggerAdapter(named, {"job_id": self.job_id})
+            self._logger = logging.LoggerAdapter(_job_logger(self.job), {"job_id": self.job_id})
         return self._logger
 
     @property
@@ -155,6 +153,12 @@ class RunContext:
 
 
 _DRAINED = "the pool is draining; gave up waiting for a rate-limit token"
+
+
+@functools.cache
+def _job_logger(name: str) -> logging.Logger:
+    """Looked up once a job: ``getLogger`` takes the logging module's lock."""
+    return logging.getLogger(f"workerpool.job.{name}")
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
-import functools
 import inspect
 import logging
 import threading
@@ -409,7 +408,6 @@ class Processor:
             log.exception("releasing %s after its hand-back failed", delivery.message_id)
 
 
-@functools.cache
 def _not_started(run: Run) -> Outcome:
     """How a run that may not start its handler (``_lease_from_now``) ends: handed back (a
     lost claim, the drain deadline) or cancelled by job id meanwhile; or past its timeout
