@@ -866,3 +866,68 @@ def test_a_run_that_never_started_its_handler_is_not_kept_once_it_ends() -> None
     # Then they never started, and nothing holds them any more
     assert started == [] and processor.stats == {"retried": 2}
     assert [ref() for ref in noted.runs] == [None, None]
+
+
+class _WaitsBefore(Middleware):
+    """Outside the time limit: takes ``seconds`` before the rest (a wait for a token)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def before(self, run: Run) -> None:
+        time.sleep(self.seconds)
+
+
+def test_the_timeout_counts_from_the_time_limit_not_from_the_middleware_before_it() -> None:
+    # Given a job of a 0.3 s timeout behind a middleware that takes 0.5 s before the limit
+    jobs, seen = Registry(), []
+
+    @jobs.job("t.patient", timeout=0.3)
+    def patient(ctx: JobContext, payload: dict[str, Any]) -> None:
+        started = time.monotonic()
+        seen.append(ctx.cancelled.wait(0.1))  # not told at once
+        seen.append(ctx.cancelled.wait(10) and ctx.timed_out.is_set())
+        seen.append(time.monotonic() - started)
+
+    timers = Timers()
+    timers.start()
+    chain = [_WaitsBefore(0.5), TimeLimit(timers)]
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), chain, ProcessorSettings(BACKOFF)
+    )
+    try:
+        # When it runs
+        processor.process(make_delivery(b"{}", {"job": "t.patient"}))
+    finally:
+        timers.close()
+    # Then its handler starts, and is told of the timeout 0.3 s after the limit, not at once
+    assert seen[:2] == [False, True] and seen[2] >= 0.25
+
+
+def test_a_callback_that_raises_on_one_runs_timeout_leaves_the_next_runs_limit_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given runs whose handler adds a callback on its cancel that raises
+    jobs, told = Registry(), []
+
+    @jobs.job("t.hooked", timeout=0.1)
+    def hooked(ctx: JobContext, payload: dict[str, Any]) -> None:
+        ctx.cancelled.when_set(lambda: 1 / 0)
+        told.append(ctx.cancelled.wait(10) and ctx.timed_out.is_set())
+
+    timers = Timers()
+    timers.start()
+    processor = Processor(
+        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers)],
+        ProcessorSettings(BACKOFF),
+    )  # fmt: skip
+    try:
+        # When two run one after the other
+        with caplog.at_level(logging.ERROR):
+            for _ in range(2):
+                processor.process(make_delivery(b"{}", {"job": "t.hooked"}))
+    finally:
+        timers.close()
+    # Then each is told of its timeout, and the callback's failure is logged
+    assert told == [True, True]
+    assert sum("a callback on its timeout failed" in r.getMessage() for r in caplog.records) == 2

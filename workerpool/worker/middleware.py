@@ -32,6 +32,7 @@ deadline, a lost claim), so a middleware can give back what it holds. ``options`
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -46,6 +47,8 @@ from workerpool.worker.delivery import Delivery
 from workerpool.worker.outcome import Interrupted, Outcome
 from workerpool.worker.run import Run, Settled
 from workerpool.worker.timers import Timers
+
+log = logging.getLogger(__name__)
 
 # What comes before the yield, the outcome of the rest of the chain, the run's outcome.
 Around = Generator[None, Outcome, Outcome]
@@ -226,8 +229,8 @@ class Steps:
 
 class TimeLimit(Middleware):
     """Sets ``ctx.timed_out`` then ``ctx.cancelled`` when the job passes its ``timeout``,
-    counted from its handler's start (a run made ready ahead may wait for a permit after its
-    middleware).
+    counted from this middleware's place in the chain, or from its handler's start if that
+    came later (a run made ready ahead may wait for a permit after its middleware).
 
     Python cannot stop a thread from outside, so the limit is cooperative; if a handler ignores
     it, its lease stops being extended soon after and the message is redelivered.
@@ -240,15 +243,16 @@ class TimeLimit(Middleware):
 
     def __init__(self, timers: Timers) -> None:
         self._timers = timers
-        # The runs between their ``before`` and their ``after``, or their timeout. (A dict's
-        # set and pop are atomic: runs on any thread, no lock.)
-        self._running: dict[Run, None] = {}
+        # The runs between their ``before`` and their ``after``, or their timeout, and when
+        # their ``before`` came (monotonic). (A dict's set and pop are atomic: runs on any
+        # thread, no lock.)
+        self._running: dict[Run, float] = {}
         self._lock = threading.Lock()  # orders changes of the tick
         self._shortest = math.inf  # the shortest timeout of a run so far
         self._ticks = 0  # which chain of ticks is current: a shorter tick starts a new one
 
     def before(self, run: Run) -> None:
-        self._running[run] = None
+        self._running[run] = time.monotonic()
         if run.job.spec.timeout < self._shortest:  # the first run, or a shorter timeout
             self._tick_for(run.job.spec.timeout)
 
@@ -272,14 +276,29 @@ class TimeLimit(Middleware):
         later, unless a shorter tick has started a chain of its own."""
         if ticks != self._ticks:
             return
-        now = time.monotonic()
-        for run in tuple(self._running):  # a copy made holding the GIL: slot threads add to it
-            # Its start moves ``started_at`` on before it clears ``waiting_since``.
-            if run.waiting_since is None and now - run.started_at >= run.job.spec.timeout:
-                self._running.pop(run, None)
-                run.ctx.timed_out.set()  # first: a handler woken by cancelled knows why
-                run.ctx.cancelled.set()
-        self._timers.call_after(self._tick(), functools.partial(self._look, ticks))
+        try:
+            now = time.monotonic()
+            for run, entered in tuple(self._running.items()):  # a copy made holding the GIL
+                # Its start moves ``started_at`` on before it clears ``waiting_since``.
+                if run.waiting_since is not None:
+                    continue
+                if now - max(entered, run.started_at) >= run.job.spec.timeout:
+                    self._running.pop(run, None)
+                    _tell_timed_out(run)
+        finally:  # a run's callback that raised must not end every later run's limit
+            self._timers.call_after(self._tick(), functools.partial(self._look, ticks))
+
+
+def _tell_timed_out(run: Run) -> None:
+    # timed_out first: a handler woken by cancelled already knows why. Each flag is set
+    # before its callbacks run, so one of the handler's that raises (``when_set``) stops
+    # neither flag.
+    for flag in (run.ctx.timed_out, run.ctx.cancelled):
+        try:
+            flag.set()
+        except Exception:
+            log.exception("job %s (%s): a callback on its timeout failed", run.job.name,
+                          run.job.job_id)  # fmt: skip
 
 
 _TICKS_PER_TIMEOUT = 20
