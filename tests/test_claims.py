@@ -1033,3 +1033,25 @@ def test_every_completion_added_while_the_recorder_closes_is_answered_once() -> 
     # Then every completion was answered, once: recorded, or refused as the worker stops
     assert wait_for(lambda: len(answered) == 6 * 300, timeout=5)
     assert len(set(answered)) == len(answered)
+
+
+def test_a_bug_letting_a_failed_runs_claim_go_still_frees_its_job_id(
+    timers: Timers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a worker whose lease keeper fails to let a failed run's claim go (a bug)
+    worker = _Worker(FaultyStore(MemoryStore()), timers)
+
+    def broken(held: object) -> None:
+        raise RuntimeError("a let-go bug")
+
+    monkeypatch.setattr(worker.idempotency.keeper, "let_go", broken)
+    try:
+        # When a run of the job id fails (handed back, it raises)
+        worker.process(job="t.checks")
+        assert wait_for(lambda: worker.started_at, timeout=10, interval=0.005)
+        worker.processor.interrupt_running()
+        assert wait_for(lambda: worker.cancelled_at, timeout=10, interval=0.005)
+        # Then the job id is busy here no more: a later delivery of it may start
+        assert wait_for(lambda: not worker.idempotency._active, timeout=5, interval=0.005)
+    finally:
+        worker.close()

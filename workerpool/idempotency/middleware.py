@@ -188,25 +188,23 @@ class Idempotency(Middleware):
 
     def after(self, run: Run, ended: Ended) -> Ended:
         held = self._claims.pop(run)
-        if isinstance(ended, BaseException):
-            self.keeper.let_go(held)
-            self._idle(held.key)
-            return ended
         if isinstance(ended, Succeeded | Cancelled):
             # The side effect happened, or the job was cancelled (it must not run again
             # either): record it, off this thread, before the ack. The claim stays held, and
             # the job id busy here, until then.
             run.completion = self._completion(run, held.key, held)
             return ended
-        self.keeper.let_go(held)
         try:
-            # A failure is counted with the job id, so deferrals and hand-backs, which Pub/Sub
-            # counts as deliveries too, never use up its max_attempts. A run that ends after
-            # its message was handed back (the drain deadline, a lost claim) did not fail.
-            failed = isinstance(ended, Failed) and not run.delivery.settled
-            self._release(held.key, failed=failed)
-            if isinstance(ended, Failed | Rejected) and not run.delivery.settled:
-                self._count_failed()  # retried or dead-lettered: a failed run, by the minute
+            self.keeper.let_go(held)
+            if not isinstance(ended, BaseException):  # (a middleware's bug: left to expire)
+                # A failure is counted with the job id, so deferrals and hand-backs, which
+                # Pub/Sub counts as deliveries too, never use up its max_attempts. A run that
+                # ends after its message was handed back (the drain deadline, a lost claim)
+                # did not fail.
+                failed = isinstance(ended, Failed) and not run.delivery.settled
+                self._release(held.key, failed=failed)
+                if isinstance(ended, Failed | Rejected) and not run.delivery.settled:
+                    self._count_failed()  # retried or dead-lettered: a failed run, by minute
         finally:
             self._idle(held.key)
         return ended
