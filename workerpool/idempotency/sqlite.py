@@ -50,8 +50,9 @@ _PURGE_EVERY = 1000  # mutations between purges; the expire_at index keeps each 
 # One batch's upsert binds 8 values per record: stay under SQLite's historical limit of 999.
 _MAX_BATCH = 999 // 8
 # Rows of one claim or completion statement, at most (its binds permitting): a pull's or a
-# batch's job ids in one statement, whatever their number.
-_MAX_ROWS = 1000
+# batch's job ids in one statement up to this many. Each number of rows is a statement's text
+# kept for good (``claim_sql``), about 50 bytes a row: this bounds them to 2 MB a kind.
+_MAX_ROWS = 256
 
 
 # Not frozen, made once a job: see completions._Completion.
