@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -11,7 +12,7 @@ import logging
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -383,6 +384,23 @@ def test_random_messages_end_as_a_run_or_one_failure_record(
         }
 
 
+@contextlib.contextmanager
+def _time_limited(
+    jobs: Registry, before: Sequence[Middleware] = (), after: Sequence[Middleware] = ()
+) -> Iterator[Processor]:
+    """A processor whose chain is ``before``, a time limit on timers that run, then ``after``;
+    the timers stop as the block ends."""
+    timers = Timers()
+    timers.start()
+    chain = [*before, TimeLimit(timers), *after]
+    try:
+        yield Processor(
+            jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), chain, ProcessorSettings(BACKOFF)
+        )
+    finally:
+        timers.close()
+
+
 def test_time_limit_says_the_cancel_is_a_timeout() -> None:
     jobs, seen = Registry(), []
 
@@ -392,16 +410,8 @@ def test_time_limit_says_the_cancel_is_a_timeout() -> None:
         seen.append(ctx.timed_out.is_set())
         raise RetryableError("gave up at the timeout")
 
-    timers = Timers()
-    timers.start()
-    acks = FakeAcks()
-    processor = Processor(
-        jobs, acks, FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers)], ProcessorSettings(BACKOFF)
-    )
-    try:
+    with _time_limited(jobs) as processor:
         processor.process(make_delivery(b"{}", {"job": "t.slow"}))
-    finally:
-        timers.close()
     assert seen == [True]
     assert processor.stats == {"retried": 1}
 
@@ -417,17 +427,9 @@ def test_a_run_whose_timeout_passes_before_its_handler_starts_fails_as_timed_out
     # Given a job of a 0.2 s timeout, behind a middleware that takes 0.5 s before it
     jobs, started = Registry(), []
     jobs.job("t.late", timeout=0.2)(lambda ctx, payload: started.append(1))
-    timers = Timers()
-    timers.start()
-    processor = Processor(
-        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers), _SlowBefore()],
-        ProcessorSettings(BACKOFF),
-    )  # fmt: skip
-    try:
+    with _time_limited(jobs, after=[_SlowBefore()]) as processor:
         # When it runs
         processor.process(make_delivery(b"{}", {"job": "t.late"}))
-    finally:
-        timers.close()
     # Then its handler never starts, and the run is a timeout: a failure, retried with
     # backoff and counted against its attempts (not given back as a drain would be)
     assert started == []
@@ -585,21 +587,18 @@ def test_the_handler_sees_the_publish_time_pub_sub_gave_to_the_microsecond() -> 
 
 def test_a_run_that_ends_is_never_told_of_its_timeout() -> None:
     jobs, contexts = Registry(), []
+
+    def failing(ctx: JobContext, payload: dict[str, Any]) -> None:
+        contexts.append(ctx)
+        raise ValueError("fails")
+
     jobs.job("t.quick", timeout=0.1)(lambda ctx, payload: contexts.append(ctx))
-    jobs.job("t.failing", timeout=0.1)(lambda ctx, payload: contexts.append(ctx) or 1 / 0)
-    timers = Timers()
-    timers.start()
-    processor = Processor(
-        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers)],
-        ProcessorSettings(BACKOFF),
-    )  # fmt: skip
-    try:
+    jobs.job("t.failing", timeout=0.1)(failing)
+    with _time_limited(jobs) as processor:
         for name in ["t.quick", "t.failing"] * 3:
             processor.process(make_delivery(b"{}", {"job": name}))
         # When their timeout, and many ticks of the time limit, have passed since they ended
         time.sleep(0.5)
-    finally:
-        timers.close()
     # Then none was told it timed out, however it ended: each left the time limit's watch
     assert processor.stats == {"done": 3, "retried": 3} and len(contexts) == 6
     assert not any(ctx.timed_out.is_set() or ctx.cancelled.is_set() for ctx in contexts)
@@ -849,19 +848,11 @@ def test_a_run_that_never_started_its_handler_is_not_kept_once_it_ends() -> None
     # Given runs whose timeout passes in the middleware before their handler starts
     jobs, started = Registry(), []
     jobs.job("t.late", timeout=0.05)(lambda ctx, payload: started.append(1))
-    timers = Timers()
-    timers.start()
     noted = _Noted()
-    chain = [noted, TimeLimit(timers), _SlowBefore()]
-    processor = Processor(
-        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), chain, ProcessorSettings(BACKOFF)
-    )
-    try:
+    with _time_limited(jobs, before=[noted], after=[_SlowBefore()]) as processor:
         # When they run and end
         for _ in range(2):
             processor.process(make_delivery(b"{}", {"job": "t.late"}))
-    finally:
-        timers.close()
     gc.collect()
     # Then they never started, and nothing holds them any more
     assert started == [] and processor.stats == {"retried": 2}
@@ -880,28 +871,20 @@ class _WaitsBefore(Middleware):
 
 def test_the_timeout_counts_from_the_time_limit_not_from_the_middleware_before_it() -> None:
     # Given a job of a 0.3 s timeout behind a middleware that takes 0.5 s before the limit
-    jobs, seen = Registry(), []
+    jobs, told, waited = Registry(), list[bool](), list[float]()
 
     @jobs.job("t.patient", timeout=0.3)
     def patient(ctx: JobContext, payload: dict[str, Any]) -> None:
         started = time.monotonic()
-        seen.append(ctx.cancelled.wait(0.1))  # not told at once
-        seen.append(ctx.cancelled.wait(10) and ctx.timed_out.is_set())
-        seen.append(time.monotonic() - started)
+        told.append(ctx.cancelled.wait(0.1))  # not told at once
+        told.append(ctx.cancelled.wait(10) and ctx.timed_out.is_set())
+        waited.append(time.monotonic() - started)
 
-    timers = Timers()
-    timers.start()
-    chain = [_WaitsBefore(0.5), TimeLimit(timers)]
-    processor = Processor(
-        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), chain, ProcessorSettings(BACKOFF)
-    )
-    try:
+    with _time_limited(jobs, before=[_WaitsBefore(0.5)]) as processor:
         # When it runs
         processor.process(make_delivery(b"{}", {"job": "t.patient"}))
-    finally:
-        timers.close()
     # Then its handler starts, and is told of the timeout 0.3 s after the limit, not at once
-    assert seen[:2] == [False, True] and seen[2] >= 0.25
+    assert told == [False, True] and waited[0] >= 0.25
 
 
 def test_a_callback_that_raises_on_one_runs_timeout_leaves_the_next_runs_limit_on(
@@ -915,19 +898,10 @@ def test_a_callback_that_raises_on_one_runs_timeout_leaves_the_next_runs_limit_o
         ctx.cancelled.when_set(lambda: 1 / 0)
         told.append(ctx.cancelled.wait(10) and ctx.timed_out.is_set())
 
-    timers = Timers()
-    timers.start()
-    processor = Processor(
-        jobs, FakeAcks(), FakeLeaser(), FakeDeadLetters(), [TimeLimit(timers)],
-        ProcessorSettings(BACKOFF),
-    )  # fmt: skip
-    try:
+    with _time_limited(jobs) as processor, caplog.at_level(logging.ERROR):
         # When two run one after the other
-        with caplog.at_level(logging.ERROR):
-            for _ in range(2):
-                processor.process(make_delivery(b"{}", {"job": "t.hooked"}))
-    finally:
-        timers.close()
+        for _ in range(2):
+            processor.process(make_delivery(b"{}", {"job": "t.hooked"}))
     # Then each is told of its timeout, and the callback's failure is logged
     assert told == [True, True]
     assert sum("a callback on its timeout failed" in r.getMessage() for r in caplog.records) == 2
