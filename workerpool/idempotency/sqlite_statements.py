@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
 
 from workerpool.idempotency.base import Record
-
-T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -120,9 +116,3 @@ ADD_FAILED = (
 )
 DELETE_FAILED_BEFORE = "DELETE FROM failed_per_minute WHERE minute <= ?"
 FAILED_SINCE = "SELECT minute, failed FROM failed_per_minute WHERE minute * 60 >= ?"
-
-
-def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
-    """``items`` in slices of ``size``, the last one shorter."""
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
