@@ -28,6 +28,7 @@ def to_delivery(received: Any) -> Delivery:
     proto-plus one: reading its fields through proto-plus cost 26 us a message, measured,
     reading them here 3 us)."""
     message = received.message
+    attributes = message.attributes
     published = None
     if message.HasField("publish_time"):
         stamp = message.publish_time  # its nanoseconds cut to microseconds, as ToDatetime does
@@ -36,7 +37,9 @@ def to_delivery(received: Any) -> Delivery:
         ack_id=received.ack_id,
         message_id=message.message_id,
         data=message.data,
-        attributes=dict(message.attributes),
+        # A comprehension, not dict(): the protobuf map is no Mapping of C, so dict() reads
+        # it through the abc's Python keys view (0.43 against 0.89 us a message, measured).
+        attributes={key: attributes[key] for key in attributes},
         published=published,
         delivery_attempt=received.delivery_attempt or None,
         ordering_key=message.ordering_key,
