@@ -36,18 +36,15 @@ from concurrent.futures import Future
 from typing import Any
 
 from google.api_core import exceptions as gexc
-from google.pubsub_v1.types import AcknowledgeRequest, ModifyAckDeadlineRequest
 
 from workerpool import constants as c
 from workerpool.worker.delivery import Delivery
+from workerpool.worker.rpc import subscriber_rpc
 
 log = logging.getLogger(__name__)
 
 _MAX_IDS_PER_REQUEST = 1000
 _CALL_TIMEOUT = 10.0
-# The requests' protobuf classes, under the client's proto-plus ones.
-_ACK = AcknowledgeRequest.pb()
-_MODACK = ModifyAckDeadlineRequest.pb()
 _ATTEMPTS = 4
 _TRANSIENT = (
     gexc.ServiceUnavailable,
@@ -83,8 +80,9 @@ class Acknowledger:
     ) -> None:
         """``interval``: how long a change of ack deadlines waits for others to join its
         request; ``ack_window``: the same for an ack."""
-        self._client = client
-        self._subscription = subscription
+        # Never retried by the client: _send_with_retries owns retries, bounded so a drain
+        # can flush.
+        self._rpc = subscriber_rpc(client, subscription)
         self.ack_window = ack_window
         self._interval = interval
         # Set to end the waits at once: by a flush, and (acks only) by an ack whose answer is
@@ -268,29 +266,11 @@ class Acknowledger:
         return took
 
     def _call(self, key: _Key, ack_ids: list[str]) -> None:
-        # Each request is made from its protobuf, in one step: the client converts a dict's
-        # ack ids to the request one by one (measured: 64 us for 60 ack ids, against 2.6).
         kind, seconds = key
         if kind == "ack":
-            self._client.acknowledge(
-                request=AcknowledgeRequest.wrap(
-                    _ACK(subscription=self._subscription, ack_ids=ack_ids)
-                ),
-                retry=None,  # _send_with_retries owns retries, bounded so a drain can flush
-                timeout=_CALL_TIMEOUT,
-            )
+            self._rpc.acknowledge(ack_ids, _CALL_TIMEOUT)
         else:
-            self._client.modify_ack_deadline(
-                request=ModifyAckDeadlineRequest.wrap(
-                    _MODACK(
-                        subscription=self._subscription,
-                        ack_ids=ack_ids,
-                        ack_deadline_seconds=seconds,
-                    )
-                ),
-                retry=None,
-                timeout=_CALL_TIMEOUT,
-            )
+            self._rpc.modify_ack_deadline(ack_ids, seconds, _CALL_TIMEOUT)
 
 
 def _transient(why: str) -> bool:
