@@ -35,6 +35,7 @@ from workerpool.worker.pool import Pool
 from workerpool.worker.processor import Ending, Processor, ProcessorSettings
 from workerpool.worker.run import Run
 from workerpool.worker.timers import Timers
+from workerpool.worker.together import together
 
 TTL = 0.6  # margin ttl/6 = 0.1 s, renewals every 0.2 s
 OWNER = "w1"
@@ -906,6 +907,34 @@ def test_a_recorded_batch_lets_its_leases_go_once_before_each_message_is_settled
     # Then the leases were let go in one call, before either message heard, and the bug in
     # the first settlement did not keep the second from its answer
     assert events == ["let go lease-a,lease-b", "a Succeeded", "b Succeeded"]
+
+
+def test_the_messages_of_a_recorded_batch_leave_together_after_every_settlement() -> None:
+    # Given settlements that each leave through a call that is cheaper made together
+    events: list[str] = []
+
+    def leave_many(job_ids: list[str]) -> None:
+        events.append(f"left {','.join(job_ids)}")
+
+    def then(job_id: str) -> Callable[[Outcome], None]:
+        def settle(outcome: Outcome) -> None:
+            events.append(f"{job_id} settled")
+            if not together(leave_many, job_id):
+                leave_many([job_id])
+
+        return settle
+
+    completions: Completions[str] = Completions(
+        MemoryStore(), OWNER, patience=5, let_go=lambda held: None, lapsed=lambda held: False
+    )
+    for job_id in "abc":
+        completions.add(job_id, f"m-{job_id}", lambda: False, job_id, then(job_id))
+    # When the thread records them as one batch
+    completions.start()
+    assert wait_for(lambda: len(events) == 4, timeout=10)
+    completions.close(5)
+    # Then they left in one call, in order, once all three were settled
+    assert events == ["a settled", "b settled", "c settled", "left a,b,c"]
 
 
 class _CountingStore(MemoryStore):

@@ -40,6 +40,7 @@ from workerpool.worker.outcome import (
     Outcome,
     Unavailable,
 )
+from workerpool.worker.together import one_round
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +259,9 @@ class Completions(Generic[L]):
             self._let_go([completion.held for completion in completions])
         except Exception:  # a bug: the messages must still be settled
             log.exception("letting %d recorded job ids go failed", len(completions))
-        for completion in completions:
-            try:
-                completion.then(outcome)
-            except Exception:  # one message's settlement must not stop everyone else's
-                log.exception("settling job %s after its completion failed", completion.job_id)
+        with one_round():  # their messages leave the pool together
+            for completion in completions:
+                try:
+                    completion.then(outcome)
+                except Exception:  # one message's settlement must not stop everyone else's
+                    log.exception("settling job %s after its completion failed", completion.job_id)

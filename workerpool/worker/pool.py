@@ -64,6 +64,7 @@ from workerpool.worker.permits import (
     came_before,
 )
 from workerpool.worker.processor import Ending, Processor
+from workerpool.worker.together import together
 from workerpool.worker.turns import Turns
 from workerpool.worker.watched import Watched
 
@@ -245,7 +246,8 @@ class Pool:
             after = self._unhold(delivery) if settled else []  # one round trip of the lock
             self._cond.held(self._held)
         self._starter.launch(starts)
-        self._give_back_after(after)
+        if after:
+            self._processor.give_back(after)
 
     def _let_go(self, permit: SlotPermit) -> list[Start]:
         """(Under the lock.) The run is done with ``permit``, whatever its state; what to
@@ -343,13 +345,18 @@ class Pool:
             self._carry(permit, delivery, rest)
 
     def _left(self, delivery: Delivery) -> None:
-        """``delivery``, settled after its run ended, is held no more."""
+        """``delivery``, settled after its run ended, is held no more (``together``)."""
         if delivery.returned and delivery.leave_after(self._left):  # (returned: rarely a call)
             return
+        if not together(self._left_many, delivery):
+            self._left_many([delivery])
+
+    def _left_many(self, deliveries: list[Delivery]) -> None:
         with self._lock:
-            after = self._unhold(delivery)
+            after = [back for delivery in deliveries for back in self._unhold(delivery)]
             self._cond.held(self._held)
-        self._give_back_after(after)
+        if after:
+            self._processor.give_back(after)
 
     def _unhold(self, delivery: Delivery) -> list[Delivery]:
         """(Under the lock.) ``delivery``, started, settled. On an ordered subscription the
@@ -368,10 +375,6 @@ class Pool:
         self._held -= len(deliveries)
         self._unstarted -= len(deliveries)
         self._held_bytes -= sum(d.size for d in deliveries)
-
-    def _give_back_after(self, deliveries: list[Delivery]) -> None:
-        if deliveries:
-            self._processor.give_back(deliveries)
 
     def put_down(self, permit: SlotPermit) -> bool:
         with self._lock:
@@ -478,9 +481,6 @@ class Pool:
                     return False
                 self._cond.wait(remaining)
         return True
-
-    def interrupt(self) -> int:
-        return self._processor.interrupt_running()
 
     def join(self, deadline: float) -> bool:
         """Stop the slots; wait for them until the monotonic ``deadline`` (a handler that
