@@ -271,7 +271,7 @@ def test_a_run_cancelled_while_it_runs_is_told_and_ends_cancelled_whatever_it_re
     assert run.ctx.cancelled.is_set()
     assert steps.leave(handler_outcome) == Cancelled("stop")
     # And once settled, the job id is no longer watched here
-    cancels.settled("1")
+    cancels.settled(["1"])
     assert cancels.known("1") is None
 
 

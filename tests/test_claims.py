@@ -919,8 +919,7 @@ def test_the_messages_of_a_recorded_batch_leave_together_after_every_settlement(
     def then(job_id: str) -> Callable[[Outcome], None]:
         def settle(outcome: Outcome) -> None:
             events.append(f"{job_id} settled")
-            if not together(leave_many, job_id):
-                leave_many([job_id])
+            together(leave_many, job_id)
 
         return settle
 

@@ -11,10 +11,10 @@ import pytest
 from workerpool.worker.together import one_round, together
 
 
-def test_outside_a_round_nothing_is_queued_and_the_caller_calls_at_once() -> None:
+def test_outside_a_round_the_call_is_made_at_once() -> None:
     calls: list[list[int]] = []
-    assert not together(calls.append, 1)
-    assert calls == []
+    together(calls.append, 1)
+    assert calls == [[1]]
 
 
 def test_a_round_makes_each_call_once_with_its_items_in_order() -> None:
@@ -22,7 +22,7 @@ def test_a_round_makes_each_call_once_with_its_items_in_order() -> None:
     odds: list[list[int]] = []
     with one_round():
         for i in range(6):
-            assert together(evens.append if i % 2 == 0 else odds.append, i)
+            together(evens.append if i % 2 == 0 else odds.append, i)
         assert evens == odds == []  # queued until the round ends
     assert evens == [[0, 2, 4]]
     assert odds == [[1, 3, 5]]
@@ -51,15 +51,16 @@ def test_a_call_that_raises_is_logged_and_the_rounds_other_calls_are_made(
         together(made.append, "y")
     assert made == [["y"]]
     assert "broken of 1 items failed" in caplog.text
-    assert not together(made.append, "after")  # the round is over
+    together(made.append, "after")  # the round is over: at once
+    assert made == [["y"], ["after"]]
 
 
 def test_a_round_is_the_threads_own() -> None:
     made: list[list[str]] = []
-    elsewhere: list[bool] = []
     with one_round():
-        thread = threading.Thread(target=lambda: elsewhere.append(together(made.append, "t")))
+        thread = threading.Thread(target=lambda: together(made.append, "t"))
         thread.start()
         thread.join()
-    assert elsewhere == [False]
-    assert made == []
+        assert made == [["t"]]  # made at once on the other thread
+        together(made.append, "u")
+    assert made == [["t"], ["u"]]

@@ -37,6 +37,7 @@ from workerpool.worker.envelope import job_id_of
 from workerpool.worker.middleware import Ended, Middleware
 from workerpool.worker.outcome import Cancelled, Outcome
 from workerpool.worker.run import Run, Settled
+from workerpool.worker.together import together
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +87,19 @@ class Cancels:
             self._held.update(job_ids)
         self._look(job_ids)
 
-    def settled(self, job_id: str) -> None:
+    def settled(self, job_ids: list[str]) -> None:
+        """Deliveries of these job ids left the pool (a job id once a delivery)."""
         with self._lock:
-            # A dict's own get and pop: a Counter's ``-=`` and ``del`` are Python methods.
-            count = self._held.get(job_id, 0) - 1
-            if count > 0:
-                self._held[job_id] = count
-                return
-            self._held.pop(job_id, None)
-            if job_id not in self._running:
-                self._known.pop(job_id, None)
-                self._read_at.pop(job_id, None)
+            for job_id in job_ids:
+                # A dict's own get and pop: a Counter's ``-=`` and ``del`` are Python methods.
+                count = self._held.get(job_id, 0) - 1
+                if count > 0:
+                    self._held[job_id] = count
+                    continue
+                self._held.pop(job_id, None)
+                if job_id not in self._running:
+                    self._known.pop(job_id, None)
+                    self._read_at.pop(job_id, None)
 
     def known(self, job_id: str) -> Cancel | None:
         return self._known.get(job_id)
@@ -231,7 +234,7 @@ class CancelGate(Middleware):
         return None if cancel is None else Cancelled(cancel.reason)
 
     def settled(self, event: Settled) -> None:
-        self.cancels.settled(event.job_id)
+        together(self.cancels.settled, event.job_id)
 
     def close(self, timeout: float) -> None:
         self.cancels.close(timeout)

@@ -54,6 +54,7 @@ from workerpool.worker.outcome import (
 )
 from workerpool.worker.run import Recording, Run, Settled
 from workerpool.worker.timers import Timers
+from workerpool.worker.together import together
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +158,22 @@ class Idempotency(Middleware):
             self.keeper.release_soon(given_back)
 
     def settled(self, event: Settled) -> None:
-        key = (event.job_id, first_message_id(event.attributes, event.message_id))
+        together(self._settled_many, event)
+
+    def _settled_many(self, events: list[Settled]) -> None:
+        """Those that never ran let their claims taken at admission go."""
+        dropped = []
         with self._lock:
-            admitted = self._admitted.get(key)
-            if admitted is None or admitted.ack_id != event.ack_id:
-                return  # it ran (its run took the claim), or never had one
-            del self._admitted[key]
-        if admitted.held is not None:
-            self.keeper.drop(admitted.held)  # left without running: another may have it now
+            for event in events:
+                key = (event.job_id, first_message_id(event.attributes, event.message_id))
+                admitted = self._admitted.get(key)
+                if admitted is None or admitted.ack_id != event.ack_id:
+                    continue  # it ran (its run took the claim), or never had one
+                del self._admitted[key]
+                if admitted.held is not None:
+                    dropped.append(admitted.held)
+        for held in dropped:
+            self.keeper.drop(held)  # left without running: another may have it now
 
     # --- the run -----------------------------------------------------------------------------
 

@@ -348,8 +348,7 @@ class Pool:
         """``delivery``, settled after its run ended, is held no more (``together``)."""
         if delivery.returned and delivery.leave_after(self._left):  # (returned: rarely a call)
             return
-        if not together(self._left_many, delivery):
-            self._left_many([delivery])
+        together(self._left_many, delivery)
 
     def _left_many(self, deliveries: list[Delivery]) -> None:
         with self._lock:
