@@ -27,6 +27,7 @@ from workerpool.telemetry.handler import BackgroundHandler
 from workerpool.telemetry.joblog import JobLog
 from workerpool.telemetry.logs import json_lines_alone, setup_logging
 from workerpool.worker.run import Run, Settled
+from workerpool.worker.together import one_round
 
 _JOBS = logging.getLogger("workerpool.jobs")
 _LOGGED_AT = 1_790_000_000.123456
@@ -269,3 +270,56 @@ def test_a_line_that_cannot_be_made_is_reported_by_its_maker_never_what_it_holds
     assert "ValueError: no line" in reported and "a line made by" in reported
     assert "fails" in reported and "someone@example.com" not in reported
     assert written == '{"message": "after"}\n'
+
+
+def test_the_end_lines_of_a_round_reach_the_handler_in_one_hand_off() -> None:
+    events = _events()
+    with _worker_logging() as stream:
+        handler = logging.getLogger().handlers[0]
+        assert isinstance(handler, BackgroundHandler)
+        handed: list[Callable[[], str]] = []
+        emit_line = handler.emit_line
+
+        def counted(make: Callable[[], str]) -> None:
+            handed.append(make)
+            emit_line(make)
+
+        handler.emit_line = counted  # type: ignore[method-assign]
+        # When a round of settlements logs its end lines (as the completions thread settles
+        # a recorded batch)
+        job_log = JobLog()
+        with one_round():
+            for event in events:
+                job_log.settled(event)
+            assert handed == []  # (nothing is handed over before the round ends)
+        handler.flush()
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    # Then they were handed to the handler's thread once, and written in order
+    assert len(handed) == 1
+    assert [line["job_id"] for line in lines] == [event.job_id for event in events]
+
+
+def test_a_line_of_a_round_that_cannot_be_made_leaves_the_others_written(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = _events()
+    json_line = joblog._json_line
+
+    def fails_on_the_second(*parts: Any) -> str:
+        if parts[2] is events[1]:
+            raise ValueError("no line")
+        return json_line(*parts)
+
+    monkeypatch.setattr(joblog, "_json_line", fails_on_the_second)
+    with _worker_logging() as stream:
+        # When a round's lines are made and one of them fails
+        with one_round():
+            for event in events:
+                JobLog().settled(event)
+        logging.getLogger().handlers[0].flush()
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    # Then every other line is written, and the error names what made the line
+    assert [line["job_id"] for line in lines] == ["id-1", "id-3", "\n}{", ""]
+    reported = capsys.readouterr().err
+    assert "ValueError: no line" in reported and "a line made by" in reported
+    assert "fails_on_the_second" in reported

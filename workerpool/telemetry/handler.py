@@ -93,9 +93,10 @@ class BackgroundHandler(logging.Handler):
         self._queue.put(queued)
 
     def emit_line(self, make: Callable[[], str]) -> None:
-        """Write the line ``make`` returns, made on this handler's thread, in its turn with
-        the records emitted: for a caller whose record would reach this handler alone, and
-        whose line needs nothing read where it is logged (``logs.json_lines_alone``)."""
+        """Write the line ``make`` returns (or lines, one a row; none for ""), made on this
+        handler's thread, in its turn with the records emitted: for a caller whose records
+        would reach this handler alone, and whose lines need nothing read where they are
+        logged (``logs.json_lines_alone``)."""
         if self._thread is None:
             self._start()
         self._queue.put(make)
@@ -142,7 +143,7 @@ class BackgroundHandler(logging.Handler):
 
     def _write_lines(self, lines: list[Line]) -> None:
         texts = formatted(lines, self._format, self.failed)
-        self.stream.write("".join(text + "\n" for text in texts))
+        self.stream.write("".join(text + "\n" for text in texts if text))
         self.stream.flush()
 
     def _format(self, line: Line) -> str:

@@ -18,11 +18,12 @@ from json.encoder import encode_basestring
 from opentelemetry.trace import SpanContext
 
 from workerpool import constants as c
-from workerpool.telemetry.handler import FIELDS, SPAN_CONTEXT
+from workerpool.telemetry.handler import FIELDS, SPAN_CONTEXT, BackgroundHandler
 from workerpool.telemetry.logs import CloudLoggingFormatter, call_site, json_lines_alone, traced
 from workerpool.worker.middleware import Middleware
 from workerpool.worker.run import Run, Settled
 from workerpool.worker.text import safe_text
+from workerpool.worker.together import together
 
 log = logging.getLogger("workerpool.jobs")
 
@@ -42,25 +43,41 @@ class JobLog(Middleware):
             log.debug("job %s started", job.name, extra={FIELDS: fields})
 
     def settled(self, event: Settled) -> None:
-        level = logging.WARNING if event.label in c.FAILED_LABELS else logging.INFO
-        if not log.isEnabledFor(level):
-            return
-        span = event.run.span.get_span_context() if event.run is not None else None
-        alone = json_lines_alone(log, level)
-        if alone is not None:
-            # The line's record would reach the JSON lines handler alone: the line is made on
-            # that handler's thread, with no record, from the event and what may change after
-            # it (its run's start) read here (measured: 7.7 us of the settling thread's CPU a
-            # line to make the record and pass it through logging, 3.2 this way).
-            handler, formatter = alone
-            made = (formatter, level, event, event.duration, time.time(), traced(span))
-            handler.emit_line(functools.partial(_json_line, *made))
-            return
-        # makeRecord + handle, not log.log: its source is always this line, so the stack walk
-        # that finds the caller (a tenth of the line's cost) is left out. The message is
-        # complete, with no arguments, so the log handler need not copy the record to fix it.
-        message, fields = _end_line(event, event.duration)
-        log.handle(_record(level, message, {FIELDS: fields, SPAN_CONTEXT: span}))
+        # A recorded batch's lines are made together: one hand-off to the log handler's
+        # thread a batch, not one a line (measured: the completions thread took 17.6-18.9
+        # against 20.2-20.7 us of CPU a no-op job at N = 100).
+        together(self._log, event)
+
+    def _log(self, events: list[Settled]) -> None:
+        created = time.time()
+        alone_at: dict[int, tuple[BackgroundHandler, CloudLoggingFormatter] | None] = {}
+        made: list[_Made] = []
+        handler: BackgroundHandler | None = None
+        for event in events:
+            level = logging.WARNING if event.label in c.FAILED_LABELS else logging.INFO
+            if not log.isEnabledFor(level):
+                continue
+            span = event.run.span.get_span_context() if event.run is not None else None
+            if level not in alone_at:
+                alone_at[level] = json_lines_alone(log, level)
+            alone = alone_at[level]
+            if alone is not None:
+                # The line's record would reach the JSON lines handler alone: the line is
+                # made on that handler's thread, with no record, from the event and what
+                # may change after it (its run's start) read here (measured: 7.7 us of the
+                # settling thread's CPU a line to make the record and pass it through
+                # logging, 3.2 this way).
+                handler, formatter = alone
+                made.append((formatter, level, event, event.duration, created, traced(span)))
+                continue
+            # makeRecord + handle, not log.log: its source is always this line, so the stack
+            # walk that finds the caller (a tenth of the line's cost) is left out. The
+            # message is complete, with no arguments, so the log handler need not copy the
+            # record to fix it.
+            message, fields = _end_line(event, event.duration)
+            log.handle(_record(level, message, {FIELDS: fields, SPAN_CONTEXT: span}))
+        if handler is not None:
+            handler.emit_line(functools.partial(_json_lines, handler, made))
 
 
 def _end_line(event: Settled, duration: float | None) -> tuple[str, dict[str, object]]:
@@ -79,6 +96,22 @@ def _end_line(event: Settled, duration: float | None) -> tuple[str, dict[str, ob
         fields[c.LOG_RENEWED] = True
     took = "" if duration is None else f" in {duration:.3f}s"
     return f"job {event.job or '?'} {event.label}{took}", fields
+
+
+# ``_json_line``'s arguments.
+_Made = tuple[CloudLoggingFormatter, int, Settled, float | None, float, SpanContext | None]
+
+
+def _json_lines(handler: BackgroundHandler, made: list[_Made]) -> str:
+    """The lines of ``made`` (``_json_line``'s arguments each), one a row; one that cannot be
+    made is told to ``handler`` and left out."""
+    lines = []
+    for parts in made:
+        try:
+            lines.append(_json_line(*parts))
+        except Exception:
+            handler.failed(functools.partial(_json_line, *parts))
+    return "\n".join(lines)
 
 
 def _json_line(
